@@ -1,0 +1,1 @@
+"""Serving containers: engine images and the serving agent."""

@@ -1,0 +1,1 @@
+"""CDK stacks and constructs. ``stacks.config`` parses environment files without importing CDK."""

@@ -1,0 +1,260 @@
+"""Environment configs: ``environments/<name>.yaml``, parsed once into validated, frozen objects.
+
+Unknown keys are rejected. A bad file gets one line per problem naming the file, the line, the field
+path and what is allowed. This module imports pydantic and PyYAML but never aws_cdk, so the CLI can
+plan from a file without loading CDK.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from sizing.errors import KvfleetError
+
+
+class ConfigError(KvfleetError):
+    """One or more problems in an environment file; ``lines`` holds one line per problem."""
+
+    def __init__(self, lines: list[str]) -> None:
+        self.lines = lines
+        super().__init__("\n".join(lines))
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelRef(_Frozen):
+    id: str = Field(description="Catalog id or alias (kvfleet models), or a path to a local config.json.")
+    s3_uri: str | None = Field(
+        default=None,
+        pattern=r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?$",
+        description="Uncompressed model artifacts under this S3 prefix. Default: download from Hugging Face.",
+    )
+    hf_token_secret: str | None = Field(
+        default=None, description="Secrets Manager secret name or ARN holding a Hugging Face token (gated models)."
+    )
+
+
+class EngineRef(_Frozen):
+    name: Literal["vllm", "trtllm"] = Field(description="Serving engine.")
+    version: str = Field(
+        pattern=r"^\d+\.\d+(\.\d+)?([.\-+][0-9A-Za-z.]+)?$",
+        description="Pinned engine release, e.g. 0.11.0. Capacity semantics differ between releases.",
+    )
+
+
+class WorkloadConfig(_Frozen):
+    max_input_tokens: int = Field(gt=0, description="Longest prompt, in tokens.")
+    max_output_tokens: int = Field(gt=0, description="Longest generation, in tokens.")
+    concurrency_per_replica: int | None = Field(
+        default=None, gt=0, description="Concurrent sequences one replica must hold. Default: as many as fit."
+    )
+    peak_requests_per_s: float | None = Field(default=None, gt=0, description="Peak load across the fleet.")
+    avg_input_tokens: int | None = Field(default=None, gt=0, description="Typical prompt length (default: max).")
+    avg_output_tokens: int | None = Field(default=None, gt=0, description="Typical output length (default: max).")
+    ttft_ms: float | None = Field(default=None, gt=0, description="Time-to-first-token target.")
+    itl_ms: float | None = Field(default=None, gt=0, description="Inter-token latency target.")
+
+    @model_validator(mode="after")
+    def _averages_within_max(self) -> WorkloadConfig:
+        if self.avg_input_tokens and self.avg_input_tokens > self.max_input_tokens:
+            raise ValueError("avg_input_tokens must not exceed max_input_tokens")
+        if self.avg_output_tokens and self.avg_output_tokens > self.max_output_tokens:
+            raise ValueError("avg_output_tokens must not exceed max_output_tokens")
+        return self
+
+
+class SizingConfig(_Frozen):
+    weight_precisions: tuple[str, ...] = Field(
+        default=(), description="Allowed weight precisions (bf16, fp8, awq, ...). Default: the checkpoint's own."
+    )
+    kv_cache_dtypes: tuple[Literal["auto", "bf16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2"], ...] = Field(
+        default=("auto",), description="Allowed KV-cache dtypes; fp8 holds about twice the tokens."
+    )
+    families: tuple[str, ...] = Field(default=(), description="Allowed instance families, e.g. [g6e, p5].")
+    instance_type: str | None = Field(default=None, description="Pin one instance type (EC2 or ml.* name).")
+    max_fleet_usd_per_hour: float | None = Field(default=None, gt=0, description="Fleet price ceiling.")
+    gpu_memory_utilization: float | None = Field(
+        default=None, gt=0, le=1, description="Engine memory fraction. Default: the engine's for its version."
+    )
+
+
+class SageMakerTarget(_Frozen):
+    platform: Literal["sagemaker"] = Field(description="A SageMaker real-time endpoint.")
+    network_isolation: bool = Field(default=False, description="Run the container with no network access.")
+
+
+class Ec2Target(_Frozen):
+    platform: Literal["ec2"] = Field(description="An EC2 GPU Auto Scaling group behind a load balancer.")
+
+
+class EksTarget(_Frozen):
+    platform: Literal["eks"] = Field(description="A GPU node group and Deployment on EKS.")
+    cluster_name: str | None = Field(default=None, description="Attach to this existing cluster instead of creating one.")
+
+
+Target = Annotated[SageMakerTarget | Ec2Target | EksTarget, Field(discriminator="platform")]
+
+
+class ScalingConfig(_Frozen):
+    min_replicas: int = Field(default=1, ge=0, description="Replicas kept at all times (0 allows scale to zero).")
+    max_replicas: int = Field(default=4, ge=1, description="Upper bound for autoscaling.")
+    kv_cache_utilization_target: float = Field(
+        default=0.75,
+        gt=0,
+        lt=1,
+        description="Scale out when average KV-cache use passes this fraction: above ~0.9 the engine preempts.",
+    )
+    queue_depth_target: float = Field(
+        default=2.0, gt=0, description="Waiting requests per replica to track: queued requests are TTFT."
+    )
+    drain_budget_s: int = Field(
+        default=300, ge=0, le=3600, description="Seconds a replica may take to finish in-flight generations."
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> ScalingConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must not exceed max_replicas")
+        return self
+
+
+class Deployment(_Frozen):
+    name: str = Field(pattern=r"^[a-z][a-z0-9-]{0,30}$", description="Short name: lowercase letters, digits, '-'.")
+    model: ModelRef
+    engine: EngineRef
+    workload: WorkloadConfig
+    target: Target
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig)
+    sizing: SizingConfig = Field(default_factory=SizingConfig)
+
+
+class Environment(_Frozen):
+    name: str = Field(pattern=r"^[a-z][a-z0-9-]{0,20}$", description="Environment name, e.g. dev.")
+    account: str | None = Field(default=None, pattern=r"^\d{12}$", description="AWS account id (12 digits).")
+    region: str | None = Field(default=None, pattern=r"^[a-z]{2}(-gov)?-[a-z]+-\d$", description="AWS region.")
+    deployments: tuple[Deployment, ...] = Field(min_length=1, description="What to serve in this environment.")
+
+    @field_validator("deployments")
+    @classmethod
+    def _unique(cls, v: tuple[Deployment, ...]) -> tuple[Deployment, ...]:
+        names = [d.name for d in v]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"deployment names must be unique; repeated: {', '.join(dup)}")
+        return v
+
+
+# ---- loading with line numbers ---------------------------------------------------------------------
+
+
+def _lines(node: yaml.Node, path: tuple[Any, ...], out: dict[tuple[Any, ...], int]) -> None:
+    out[path] = node.start_mark.line + 1
+    if isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            key = k.value
+            out[(*path, key)] = k.start_mark.line + 1
+            _lines(v, (*path, key), out)
+            out[(*path, key)] = k.start_mark.line + 1
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            _lines(v, (*path, i), out)
+
+
+def _fmt_loc(loc: tuple[Any, ...]) -> str:
+    s = ""
+    for part in loc:
+        s += f"[{part}]" if isinstance(part, int) else (f".{part}" if s else str(part))
+    return s or "(top level)"
+
+
+def _allowed(err: Any) -> str:
+    ctx = err.get("ctx") or {}
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return "unknown key; remove it or check its spelling"
+    if kind == "missing":
+        return "required field is missing"
+    if "expected" in ctx:
+        return f"{err['msg']}"
+    return str(err["msg"])
+
+
+def parse_environment(text: str, *, source: str = "<config>") -> Environment:
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError([f"{source}{line}: not valid YAML: {problem}"]) from None
+    if not isinstance(data, dict) or node is None:
+        raise ConfigError([f"{source}:1: expected a mapping with 'name' and 'deployments'"])
+    lines: dict[tuple[Any, ...], int] = {}
+    _lines(node, (), lines)
+    try:
+        return Environment.model_validate(data)
+    except ValidationError as exc:
+        out = []
+        for err in exc.errors():
+            loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p in ("sagemaker", "ec2", "eks")))
+            line = next((lines[loc[:i]] for i in range(len(loc), -1, -1) if loc[:i] in lines), 1)
+            out.append(f"{source}:{line}: {_fmt_loc(loc)}: {_allowed(err)}")
+        raise ConfigError(out) from None
+
+
+def load_environment(path: str | Path) -> Environment:
+    p = Path(path)
+    if not p.is_file():
+        hint = ", ".join(sorted(x.stem for x in p.parent.glob("*.yaml") if x.stem != "schema")) if p.parent.is_dir() else ""
+        raise KvfleetError(f"no environment file at {p}" + (f"; found: {hint}" if hint else ""), field="environment")
+    return parse_environment(p.read_text(encoding="utf-8"), source=str(path))
+
+
+def plan_requests(env: Environment) -> list[tuple[str, Any]]:
+    """One sizing.PlanRequest per deployment (resolving the model; no AWS calls)."""
+    from sizing.catalog import resolve_model
+    from sizing.engines import EngineName
+    from sizing.planner import Platform, PlanRequest, Workload
+    from sizing.precision import kv_dtype
+
+    out = []
+    for d in env.deployments:
+        try:
+            model = resolve_model(d.model.id)
+        except KvfleetError as err:
+            raise KvfleetError(str(err), field=f"deployments.{d.name}.model") from None
+        w = d.workload
+        req = PlanRequest(
+            model=model,
+            workload=Workload(
+                max_input_tokens=w.max_input_tokens,
+                max_output_tokens=w.max_output_tokens,
+                concurrency_per_replica=w.concurrency_per_replica,
+                peak_requests_per_s=w.peak_requests_per_s,
+                avg_input_tokens=w.avg_input_tokens,
+                avg_output_tokens=w.avg_output_tokens,
+                ttft_target_s=None if w.ttft_ms is None else w.ttft_ms / 1e3,
+                itl_target_s=None if w.itl_ms is None else w.itl_ms / 1e3,
+            ),
+            engine=EngineName(d.engine.name),
+            engine_version=d.engine.version,
+            platform=Platform(d.target.platform),
+            weight_precisions=d.sizing.weight_precisions,
+            kv_cache_dtypes=tuple(kv_dtype(k) for k in d.sizing.kv_cache_dtypes),
+            families=d.sizing.families,
+            instance_types=(d.sizing.instance_type,) if d.sizing.instance_type else (),
+            region=env.region,
+            max_fleet_usd_per_hour=d.sizing.max_fleet_usd_per_hour,
+            gpu_memory_utilization=d.sizing.gpu_memory_utilization,
+            min_replicas=max(1, d.scaling.min_replicas),
+            max_replicas=d.scaling.max_replicas,
+        )
+        out.append((d.name, req))
+    return out
