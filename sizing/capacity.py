@@ -181,7 +181,12 @@ def _pool(kv: KvLayout, *, block_size: int, hybrid: bool, group_ratio: float) ->
 
 
 def _blocks_per_request(
-    kind: AttentionKind, window: int | None, *, max_model_len: int, block_size: int, max_num_batched_tokens: int
+    kind: AttentionKind,
+    window: int | None,
+    *,
+    max_model_len: int,
+    block_size: int,
+    max_num_batched_tokens: int,
 ) -> int:
     """Blocks one layer of this kind needs for one request of max_model_len (vLLM's KV specs)."""
     if window is None or kind in (AttentionKind.FULL, AttentionKind.MLA):
@@ -340,7 +345,13 @@ def _longest_request(pool: _Pool, *, num_blocks: int, block_size: int, max_num_b
 
     def blocks(length: int) -> int:
         return sum(
-            _blocks_per_request(k, w, max_model_len=length, block_size=block_size, max_num_batched_tokens=max_num_batched_tokens)
+            _blocks_per_request(
+                k,
+                w,
+                max_model_len=length,
+                block_size=block_size,
+                max_num_batched_tokens=max_num_batched_tokens,
+            )
             for k, w in pool.groups
         )
 

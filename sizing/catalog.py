@@ -64,9 +64,7 @@ def catalog_model(model_id: str) -> ModelSpec:
     if e is None:
         raise CatalogError(f"{model_id!r} is not in the catalog", field="model")
     try:
-        return parse_hf_config(
-            e.config, model_id=e.model_id, source=e.source, family=e.family, aliases=e.aliases
-        )
+        return parse_hf_config(e.config, model_id=e.model_id, source=e.source, family=e.family, aliases=e.aliases)
     except ModelConfigError as err:  # a broken catalog entry is a bug, but say which one
         raise CatalogError(f"catalog entry {e.model_id}: {err}") from None
 
@@ -86,7 +84,7 @@ def resolve_model(ref: str) -> ModelSpec:
         return load_config_file(p)
     names = [e.model_id for e in catalog_entries()]
     near = difflib.get_close_matches(ref, names, n=3, cutoff=0.4)
-    near += [n for n in names if _norm(ref.split("/")[-1]) in _norm(n) and n not in near][:3]
+    near += [n for n in names if _norm(ref.rsplit("/", maxsplit=1)[-1]) in _norm(n) and n not in near][:3]
     hint = f"; did you mean {', '.join(near[:3])}?" if near else ""
     raise ModelConfigError(
         f"unknown model {ref!r}{hint} (kvfleet models lists the catalog; or give a path to a config.json)",

@@ -21,6 +21,13 @@ if TYPE_CHECKING:
 EXIT_USAGE = 2
 
 
+def _console() -> Any:
+    from rich.console import Console
+
+    # Pipelines and CI logs are not terminals: give tables room instead of rich's 80 columns.
+    return Console(width=None if sys.stdout.isatty() else 160, highlight=False)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, not usage + error
         self.exit(EXIT_USAGE, f"kvfleet: error: {message} (see kvfleet {self.prog.split()[-1]} --help)\n")
@@ -155,34 +162,50 @@ def cmd_capacity(a: argparse.Namespace) -> int:
 
 
 def _print_capacity(cap: Capacity) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     from sizing.units import GiB
 
-    t = Table(title=f"{cap.model_id} on {cap.gpu_memory_bytes / GiB:.2f} GiB x {cap.tensor_parallel_size} "
-              f"({cap.engine.value} {cap.engine_version})", show_header=True)
+    t = Table(
+        title=f"{cap.model_id} on {cap.gpu_memory_bytes / GiB:.2f} GiB x {cap.tensor_parallel_size} "
+        f"({cap.engine.value} {cap.engine_version})",
+        show_header=True,
+    )
     t.add_column("term")
     t.add_column("per GPU", justify="right")
     t.add_column("how")
     util = cap.gpu_memory_utilization
     t.add_row("GPU memory", f"{cap.gpu_memory_bytes / GiB:.2f} GiB", "as the engine sees it")
-    t.add_row("budget", f"{cap.requested_bytes / GiB:.2f} GiB",
-              f"x {util} gpu_memory_utilization" if cap.engine.value == "vllm" else f"fraction {util} of what is free")
+    t.add_row(
+        "budget",
+        f"{cap.requested_bytes / GiB:.2f} GiB",
+        f"x {util} gpu_memory_utilization" if cap.engine.value == "vllm" else f"fraction {util} of what is free",
+    )
     t.add_row("weights", f"{cap.weights_bytes_per_gpu / GiB:.2f} GiB", cap.weights.scheme.description)
-    t.add_row("activation peak", f"{cap.activation_peak_bytes / GiB:.2f} GiB",
-              f"profiling {cap.max_num_batched_tokens} tokens / {cap.max_num_seqs} seqs")
+    t.add_row(
+        "activation peak",
+        f"{cap.activation_peak_bytes / GiB:.2f} GiB",
+        f"profiling {cap.max_num_batched_tokens} tokens / {cap.max_num_seqs} seqs",
+    )
     t.add_row("non-torch", f"{cap.non_torch_bytes / GiB:.2f} GiB", "CUDA / NCCL allocations")
-    t.add_row("CUDA graphs", f"{cap.cuda_graph_bytes / GiB:.2f} GiB",
-              "subtracted" if cap.cuda_graph_counted else "not subtracted (uses the headroom)")
+    t.add_row(
+        "CUDA graphs",
+        f"{cap.cuda_graph_bytes / GiB:.2f} GiB",
+        "subtracted" if cap.cuda_graph_counted else "not subtracted (uses the headroom)",
+    )
     t.add_row("KV cache", f"{cap.kv_cache_bytes_per_gpu / GiB:.2f} GiB", f"{cap.kv.kv_dtype.value} KV")
-    t.add_row("KV bytes / token", f"{cap.kv_bytes_per_token_per_gpu:,}",
-              ", ".join(f"{g.num_layers} {g.attention.value}" + (f"({g.window_tokens})" if g.window_tokens else "")
-                        for g in cap.kv.groups))
+    t.add_row(
+        "KV bytes / token",
+        f"{cap.kv_bytes_per_token_per_gpu:,}",
+        ", ".join(
+            f"{g.num_layers} {g.attention.value}" + (f"({g.window_tokens})" if g.window_tokens else "")
+            for g in cap.kv.groups
+        ),
+    )
     t.add_row("blocks", f"{cap.num_blocks:,}", f"{cap.block_size} tokens each")
     t.add_row("KV cache tokens", f"{cap.kv_cache_tokens:,}", "GPU KV cache size")
     t.add_row("max concurrency", f"{cap.max_concurrency:.2f}x", f"sequences of {cap.max_model_len:,} tokens")
-    console = Console()
+    console = _console()
     console.print(t)
     for n in cap.notes:
         console.print(f"  note: {n}")
@@ -194,11 +217,18 @@ def _print_capacity(cap: Capacity) -> None:
 def _request_from_flags(a: argparse.Namespace) -> PlanRequest:
     from sizing.catalog import resolve_model
     from sizing.engines import EngineName
-    from sizing.planner import Platform, PlanRequest, Workload
+    from sizing.planner import PlanRequest, Platform, Workload
     from sizing.precision import KvDtype, kv_dtype
 
-    missing = [f for f, v in (("--model", a.model), ("--max-input-tokens", a.max_input_tokens),
-                              ("--max-output-tokens", a.max_output_tokens)) if v is None]
+    missing = [
+        f
+        for f, v in (
+            ("--model", a.model),
+            ("--max-input-tokens", a.max_input_tokens),
+            ("--max-output-tokens", a.max_output_tokens),
+        )
+        if v is None
+    ]
     if missing:
         raise KvfleetError(f"plan needs an environment file or {', '.join(missing)}", field="plan")
     wl = Workload(
@@ -301,40 +331,80 @@ def _plan_json(name: str, p: Plan, top: int) -> dict[str, Any]:
 
 
 def _print_plan(name: str, p: Plan, top: int, all_rejections: bool) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     from sizing.settings import engine_settings
     from sizing.units import GiB
 
-    console = Console()
+    console = _console()
     wl = p.request.workload
-    t = Table(title=f"{name}: {p.request.model.model_id} on {p.request.platform.value} "
-              f"({wl.max_input_tokens}+{wl.max_output_tokens} tokens)")
-    for col in ("#", "instance", "tp", "weights", "kv", "seqs/replica", "limited by", "replicas", "instances",
-                "$/h fleet", "$/M out tok", "TTFT ms", "ITL ms", "weights GiB", "KV GiB/GPU"):
+    t = Table(
+        title=f"{name}: {p.request.model.model_id} on {p.request.platform.value} "
+        f"({wl.max_input_tokens}+{wl.max_output_tokens} tokens)"
+    )
+    for col in (
+        "#",
+        "instance",
+        "tp",
+        "weights",
+        "kv",
+        "seqs",
+        "limited by",
+        "replicas",
+        "instances",
+        "$/h fleet",
+        "$/M tok",
+        "TTFT ms",
+        "ITL ms",
+        "wts GiB",
+        "KV GiB",
+    ):
         t.add_column(col, justify="right" if col not in ("instance", "limited by") else "left")
     for n, c in enumerate(p.candidates[:top], 1):
         cap = c.capacity
-        t.add_row(str(n), c.name, str(c.tensor_parallel_size), c.weight_scheme.name, c.kv_cache_dtype.value,
-                  str(c.concurrency_per_replica), c.limited_by, str(c.replicas), str(c.instance_count),
-                  f"{c.fleet_usd_per_hour:.2f}", f"{c.usd_per_million_output_tokens:.3f}",
-                  f"{c.perf.ttft_s * 1e3:.0f}", f"{c.perf.itl_s * 1e3:.1f}",
-                  f"{cap.weights_bytes_per_gpu / GiB:.2f}", f"{cap.kv_cache_bytes_per_gpu / GiB:.2f}")
+        t.add_row(
+            str(n),
+            c.name,
+            str(c.tensor_parallel_size),
+            c.weight_scheme.name,
+            c.kv_cache_dtype.value,
+            str(c.concurrency_per_replica),
+            c.limited_by,
+            str(c.replicas),
+            str(c.instance_count),
+            f"{c.fleet_usd_per_hour:.2f}",
+            f"{c.usd_per_million_output_tokens:.3f}",
+            f"{c.perf.ttft_s * 1e3:.0f}",
+            f"{c.perf.itl_s * 1e3:.1f}",
+            f"{cap.weights_bytes_per_gpu / GiB:.2f}",
+            f"{cap.kv_cache_bytes_per_gpu / GiB:.2f}",
+        )
     console.print(t)
     best = p.best
     s = engine_settings(best)
-    console.print(f"chosen: {best.label()} - {best.capacity.kv_cache_tokens:,} KV tokens per replica, "
-                  f"{best.cache_concurrency} sequences of {best.capacity.max_model_len} fit, running "
-                  f"{best.concurrency_per_replica}; price ${best.usd_per_hour_per_instance}/h as of {best.price_as_of}")
+    console.print(
+        f"chosen: {best.label()} - {best.capacity.kv_cache_tokens:,} KV tokens per replica, "
+        f"{best.cache_concurrency} sequences of {best.capacity.max_model_len} fit, running "
+        f"{best.concurrency_per_replica}; price ${best.usd_per_hour_per_instance}/h as of {best.price_as_of}"
+    )
     if s["engine"] == "vllm":
         console.print("vllm serve <model> " + " ".join(s["cli"]), markup=False)
     else:
         console.print(f"trtllm-serve extra options: {json.dumps(s['llm_api_options'])}", markup=False)
     for note in best.notes:
         console.print(f"  note: {note}", markup=False)
-    shown = p.rejections if all_rejections else p.rejections[:8]
-    console.print(f"rejected {len(p.rejections)} candidates" + ("" if all_rejections else " (first 8; --rejections for all)") + ":")
+    if all_rejections:
+        shown = list(p.rejections)
+    else:  # one per family, for a spread of reasons
+        seen: set[str] = set()
+        shown = []
+        for r in p.rejections:
+            family = r.instance_type.split(".")[0]
+            if family not in seen:
+                seen.add(family)
+                shown.append(r)
+    more = "" if all_rejections else " (one per family; --rejections for all)"
+    console.print(f"rejected {len(p.rejections)} candidates{more}:")
     for r in shown:
         console.print(f"  - {r.describe()}", markup=False)
 
@@ -350,35 +420,44 @@ def cmd_models(a: argparse.Namespace) -> int:
     rows = []
     for m in all_models():
         kv = kv_layout(m, tp=1, kv_dtype=KvDtype.AUTO)
-        rows.append({
-            "id": m.model_id,
-            "family": m.family,
-            "model_type": m.model_type,
-            "params_b": round(m.total_params / 1e9, 2),
-            "active_params_b": round(m.active_params / 1e9, 2),
-            "layers": m.num_layers,
-            "kv_heads": m.num_kv_heads,
-            "head_dim": m.head_dim,
-            "kv_bytes_per_token": kv.kv_bytes_per_token_per_gpu,
-            "max_position_embeddings": m.max_position_embeddings,
-            "precision": m.native_scheme.name,
-            "attention": m.summary(),
-            "aliases": list(m.aliases),
-            "source": m.source,
-        })
+        rows.append(
+            {
+                "id": m.model_id,
+                "family": m.family,
+                "model_type": m.model_type,
+                "params_b": round(m.total_params / 1e9, 2),
+                "active_params_b": round(m.active_params / 1e9, 2),
+                "layers": m.num_layers,
+                "kv_heads": m.num_kv_heads,
+                "head_dim": m.head_dim,
+                "kv_bytes_per_token": kv.kv_bytes_per_token_per_gpu,
+                "max_position_embeddings": m.max_position_embeddings,
+                "precision": m.native_scheme.name,
+                "attention": m.summary(),
+                "aliases": list(m.aliases),
+                "source": m.source,
+            }
+        )
     if a.json:
         print(json.dumps(rows, indent=2))
         return 0
-    from rich.console import Console
     from rich.table import Table
 
     t = Table(title=f"{len(rows)} models")
     for col in ("id", "params (B)", "active (B)", "layers", "KV heads", "KV B/token", "context", "precision"):
         t.add_column(col, justify="left" if col == "id" else "right")
     for r in rows:
-        t.add_row(str(r["id"]), str(r["params_b"]), str(r["active_params_b"]), str(r["layers"]), str(r["kv_heads"]),
-                  f"{r['kv_bytes_per_token']:,}", f"{r['max_position_embeddings']:,}", str(r["precision"]))
-    Console().print(t)
+        t.add_row(
+            str(r["id"]),
+            str(r["params_b"]),
+            str(r["active_params_b"]),
+            str(r["layers"]),
+            str(r["kv_heads"]),
+            f"{r['kv_bytes_per_token']:,}",
+            f"{r['max_position_embeddings']:,}",
+            str(r["precision"]),
+        )
+    _console().print(t)
     return 0
 
 
@@ -391,43 +470,67 @@ def cmd_instances(a: argparse.Namespace) -> int:
             continue
         acc = it.accelerator
         price = it.price(a.platform or "ec2")
-        rows.append({
-            "instance_type": it.sagemaker_name if a.platform == "sagemaker" else it.name,
-            "accelerator": acc.name,
-            "kind": acc.kind.value,
-            "count": it.accelerator_count,
-            "gpu_fraction": it.gpu_fraction,
-            "gpu_memory_gib": None if it.gpu_memory_gib is None else round(it.gpu_memory_gib, 3),
-            "hbm_bandwidth_gbs": None if acc.hbm_bandwidth_bytes_per_s is None else acc.hbm_bandwidth_bytes_per_s / 1e9,
-            "bf16_tflops": None if acc.bf16_flops is None else acc.bf16_flops / 1e12,
-            "fp8_tflops": None if acc.fp8_flops is None else acc.fp8_flops / 1e12,
-            "fp8_support": acc.fp8_support,
-            "vcpus": it.vcpus,
-            "ram_gib": it.ram_gib,
-            "sagemaker_endpoint": it.sagemaker_endpoint,
-            "usd_per_hour": None if price is None else price.usd_per_hour,
-            "price_as_of": None if price is None else price.as_of,
-            "price_source": None if price is None else price.source,
-        })
+        rows.append(
+            {
+                "instance_type": it.sagemaker_name if a.platform == "sagemaker" else it.name,
+                "accelerator": acc.name,
+                "kind": acc.kind.value,
+                "count": it.accelerator_count,
+                "gpu_fraction": it.gpu_fraction,
+                "gpu_memory_gib": None if it.gpu_memory_gib is None else round(it.gpu_memory_gib, 3),
+                "hbm_bandwidth_gbs": None
+                if acc.hbm_bandwidth_bytes_per_s is None
+                else acc.hbm_bandwidth_bytes_per_s / 1e9,
+                "bf16_tflops": None if acc.bf16_flops is None else acc.bf16_flops / 1e12,
+                "fp8_tflops": None if acc.fp8_flops is None else acc.fp8_flops / 1e12,
+                "fp8_support": acc.fp8_support,
+                "vcpus": it.vcpus,
+                "ram_gib": it.ram_gib,
+                "sagemaker_endpoint": it.sagemaker_endpoint,
+                "usd_per_hour": None if price is None else price.usd_per_hour,
+                "price_as_of": None if price is None else price.as_of,
+                "price_source": None if price is None else price.source,
+            }
+        )
     if a.json:
         print(json.dumps(rows, indent=2))
         return 0
-    from rich.console import Console
     from rich.table import Table
 
     t = Table(title=f"{len(rows)} instance types" + (f" ({a.platform})" if a.platform else ""))
-    for col in ("type", "accelerator", "n", "GiB/GPU", "GB/s", "bf16 TF", "fp8", "vCPU", "$/h", "as of", "SageMaker"):
+    for col in (
+        "type",
+        "accelerator",
+        "n",
+        "GiB/GPU",
+        "GB/s",
+        "bf16 TF",
+        "fp8",
+        "vCPU",
+        "$/h",
+        "as of",
+        "SageMaker",
+    ):
         t.add_column(col, justify="left" if col in ("type", "accelerator") else "right")
 
     def fmt(v: object) -> str:
         return "-" if v is None else (f"{v:g}" if isinstance(v, float) else str(v))
 
     for r in rows:
-        t.add_row(str(r["instance_type"]), str(r["accelerator"]), fmt(r["count"]), fmt(r["gpu_memory_gib"]),
-                  fmt(r["hbm_bandwidth_gbs"]), fmt(r["bf16_tflops"]), "yes" if r["fp8_support"] else "no",
-                  fmt(r["vcpus"]), fmt(r["usd_per_hour"]), fmt(r["price_as_of"]),
-                  "yes" if r["sagemaker_endpoint"] else "no")
-    Console().print(t)
+        t.add_row(
+            str(r["instance_type"]),
+            str(r["accelerator"]),
+            fmt(r["count"]),
+            fmt(r["gpu_memory_gib"]),
+            fmt(r["hbm_bandwidth_gbs"]),
+            fmt(r["bf16_tflops"]),
+            "yes" if r["fp8_support"] else "no",
+            fmt(r["vcpus"]),
+            fmt(r["usd_per_hour"]),
+            fmt(r["price_as_of"]),
+            "yes" if r["sagemaker_endpoint"] else "no",
+        )
+    _console().print(t)
     return 0
 
 

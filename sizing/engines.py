@@ -167,7 +167,9 @@ def engine_profile(engine: EngineName, version: str | None = None) -> EngineProf
     rows = [p for p in table if p.since <= v]
     if not rows:
         oldest = ".".join(map(str, table[0].since))
-        raise SizingError(f"{engine} {version} is older than the oldest modelled release {oldest}", field="engine_version")
+        raise SizingError(
+            f"{engine} {version} is older than the oldest modelled release {oldest}", field="engine_version"
+        )
     return rows[-1]
 
 

@@ -37,8 +37,7 @@ def validate_tp(model: ModelSpec, tp: int, *, field: str = "tensor_parallel_size
     if heads % tp:
         divisors = [d for d in range(1, heads + 1) if heads % d == 0 and d <= 64]
         raise SizingError(
-            f"{tp} does not divide the model's {heads} attention heads; use one of "
-            f"{', '.join(map(str, divisors))}",
+            f"{tp} does not divide the model's {heads} attention heads; use one of {', '.join(map(str, divisors))}",
             field=field,
         )
     kv = model.num_kv_heads
@@ -110,9 +109,7 @@ def kv_layout(model: ModelSpec, *, tp: int, kv_dtype: KvDtype) -> KvLayout:
             per_layer = model.mla.latent_dim * dtype_bytes
         else:
             per_layer = per_layer_attn
-        groups.append(
-            KvGroup(attention=kind, window_tokens=window, num_layers=n, bytes_per_token_per_layer=per_layer)
-        )
+        groups.append(KvGroup(attention=kind, window_tokens=window, num_layers=n, bytes_per_token_per_layer=per_layer))
     return KvLayout(tp=tp, kv_dtype=kv_dtype, dtype_bytes=dtype_bytes, groups=tuple(groups))
 
 

@@ -273,9 +273,7 @@ def _layer_kinds(model_type: str, t: Mapping[str, Any], n_layers: int, where: st
         # HF Gemma3: every `sliding_window_pattern`-th layer is global, the rest local.
         pattern = int(t.get("sliding_window_pattern") or t.get("_sliding_window_pattern") or 6)
         return [
-            full[i]
-            if (i + 1) % pattern == 0
-            else LayerSpec(attention=AttentionKind.SLIDING, window_tokens=int(window))
+            full[i] if (i + 1) % pattern == 0 else LayerSpec(attention=AttentionKind.SLIDING, window_tokens=int(window))
             for i in range(n_layers)
         ]
     if model_type == "gpt_oss" and window:
@@ -299,7 +297,8 @@ def _layer_kinds(model_type: str, t: Mapping[str, Any], n_layers: int, where: st
         if t.get("use_sliding_window") and window:
             first_full = int(t.get("max_window_layers") or n_layers)
             return [
-                LayerSpec(attention=AttentionKind.SLIDING, window_tokens=int(window)) if i >= first_full
+                LayerSpec(attention=AttentionKind.SLIDING, window_tokens=int(window))
+                if i >= first_full
                 # Qwen2 applies the window to layers at index >= max_window_layers.
                 else full[i]
                 for i in range(n_layers)
@@ -363,8 +362,7 @@ def _quantization(cfg: Mapping[str, Any], where: str) -> Quantization | None:
     if method == "compressed-tensors":
         return _compressed_tensors(q, f)
     raise ModelConfigError(
-        f"quant_method {method!r} is not supported; supported: awq, gptq, fp8, compressed-tensors, "
-        "bitsandbytes, mxfp4",
+        f"quant_method {method!r} is not supported; supported: awq, gptq, fp8, compressed-tensors, bitsandbytes, mxfp4",
         field=f + ".quant_method",
     )
 
@@ -411,21 +409,24 @@ def _moe(model_type: str, t: Mapping[str, Any], where: str) -> MoESpec | None:
     top_k = _first(t, "num_experts_per_tok", "experts_per_token", "num_experts_per_token")
     if not top_k:
         raise ModelConfigError("MoE config without num_experts_per_tok", field=where + "num_experts_per_tok")
-    inter = _first(t, "moe_intermediate_size") or t.get("intermediate_size")
+    inter_raw = _first(t, "moe_intermediate_size", "intermediate_size")
+    if not inter_raw:
+        raise ModelConfigError("MoE config without moe_intermediate_size", field=where + "moe_intermediate_size")
+    inter = int(inter_raw)
     shared = 0
     shared_inter = 0
     if model_type in ("deepseek_v2", "deepseek_v3"):
         shared = int(t.get("n_shared_experts") or 0)
-        shared_inter = shared * int(inter)
+        shared_inter = shared * inter
     elif model_type == "qwen2_moe":
         shared_inter = int(t.get("shared_expert_intermediate_size") or 0)
         shared = 1 if shared_inter else 0
     elif model_type in ("llama4", "llama4_text"):
-        shared, shared_inter = 1, int(inter)  # Llama 4 MoE layers always carry one shared expert
+        shared, shared_inter = 1, inter  # Llama 4 MoE layers always carry one shared expert
     return MoESpec(
         num_experts=int(n_experts),
         experts_per_token=int(top_k),
-        expert_intermediate_size=int(inter),
+        expert_intermediate_size=inter,
         num_shared_experts=shared,
         shared_expert_intermediate_size=shared_inter,
         expert_bias=model_type == "gpt_oss",
@@ -501,9 +502,7 @@ def parse_hf_config(
     head_dim = _int(t, "head_dim", where=where, default=default_head)
     intermediate = _int(t, "intermediate_size", where=where, default=4 * hidden)
     vocab = _int(t, "vocab_size", where=where)
-    max_pos = int(
-        _first(t, "max_position_embeddings", "n_positions", "max_sequence_length", "seq_length") or 4096
-    )
+    max_pos = int(_first(t, "max_position_embeddings", "n_positions", "max_sequence_length", "seq_length") or 4096)
     tied_default = model_type in _TIED_BY_DEFAULT
     tied = bool(t.get("tie_word_embeddings", cfg.get("tie_word_embeddings", tied_default)))
     dtype = str(t.get("torch_dtype") or t.get("dtype") or cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
@@ -528,7 +527,9 @@ def parse_hf_config(
         for k, m in zip(kinds, moe_flags, strict=True)
     )
     # Dense layers of Llama 4 use intermediate_size_mlp; MoE experts use intermediate_size.
-    dense_inter = int(t.get("intermediate_size_mlp") or intermediate) if model_type.startswith("llama4") else intermediate
+    dense_inter = (
+        int(t.get("intermediate_size_mlp") or intermediate) if model_type.startswith("llama4") else intermediate
+    )
     bias = bool(t.get("attention_bias", model_type in ("qwen2", "qwen2_moe", "gpt_oss", "phi")))
     return ModelSpec(
         model_id=model_id,

@@ -217,9 +217,8 @@ def _hardware_reason(it: InstanceType, req: PlanRequest) -> str | None:
 def _precision_reason(it: InstanceType, scheme: WeightScheme, kv: KvDtype, req: PlanRequest) -> str | None:
     acc = it.accelerator
     cc = acc.compute_capability or 0.0
-    if scheme.name == "fp8" and not acc.fp8_support:
-        if req.engine is EngineName.TRTLLM or cc < 8.0:
-            return f"FP8 weights need FP8 tensor cores ({acc.model} has none)"
+    if scheme.name == "fp8" and not acc.fp8_support and (req.engine is EngineName.TRTLLM or cc < 8.0):
+        return f"FP8 weights need FP8 tensor cores ({acc.model} has none)"
     if scheme.name == "nvfp4" and cc < 10.0:
         return f"NVFP4 needs a Blackwell GPU ({acc.model} is {acc.architecture})"
     if kv.is_fp8 and req.engine is EngineName.TRTLLM and not acc.fp8_support:
@@ -243,19 +242,27 @@ def _sequence_concurrency(cap: Capacity, workload: Workload) -> int:
     return min(int(cap.max_concurrency), cap.max_num_seqs)
 
 
-def _evaluate(
-    req: PlanRequest, it: InstanceType, tp: int, scheme: WeightScheme, kv: KvDtype
-) -> Candidate | Rejection:
+def _evaluate(req: PlanRequest, it: InstanceType, tp: int, scheme: WeightScheme, kv: KvDtype) -> Candidate | Rejection:
     wl = req.workload
-    rej = {"instance_type": it.name, "tensor_parallel_size": tp, "kv_cache_dtype": kv.value, "weight_precision": scheme.name}
+
+    def reject(reason: str, *, needed_gib: float | None = None, available_gib: float | None = None) -> Rejection:
+        return Rejection(
+            instance_type=it.name,
+            tensor_parallel_size=tp,
+            kv_cache_dtype=kv.value,
+            weight_precision=scheme.name,
+            reason=reason,
+            needed_gib=needed_gib,
+            available_gib=available_gib,
+        )
+
     reason = _precision_reason(it, scheme, kv, req)
     if reason:
-        return Rejection(**rej, reason=reason)
+        return reject(reason)
     assert it.gpu_memory_bytes is not None
     if req.platform is Platform.SAGEMAKER and tp != it.accelerator_count:
-        return Rejection(
-            **rej,
-            reason=f"a SageMaker endpoint runs one engine per instance; it would leave "
+        return reject(
+            f"a SageMaker endpoint runs one engine per instance; it would leave "
             f"{it.accelerator_count - tp} of {it.accelerator_count} GPUs idle",
         )
     settings = EngineSettings(
@@ -268,15 +275,19 @@ def _evaluate(
         quantization=scheme.name if scheme.name != req.model.native_scheme.name else None,
     )
     try:
-        cap = capacity(req.model, gpu_memory_bytes=it.gpu_memory_bytes, settings=settings, accelerator_name=it.accelerator.name)
+        cap = capacity(
+            req.model,
+            gpu_memory_bytes=it.gpu_memory_bytes,
+            settings=settings,
+            accelerator_name=it.accelerator.name,
+        )
     except SizingError as err:
-        return Rejection(**rej, reason=str(err))
+        return reject(str(err))
     if cap.problems:
         need = cap.weights_bytes_per_gpu + cap.activation_peak_bytes + cap.non_torch_bytes
         need += cap.kv.bytes_per_sequence(wl.max_model_len)
-        return Rejection(
-            **rej,
-            reason=cap.problems[0],
+        return reject(
+            cap.problems[0],
             needed_gib=need / GiB,
             available_gib=cap.requested_bytes / GiB,
         )
@@ -284,9 +295,8 @@ def _evaluate(
     target = wl.concurrency_per_replica
     if target is not None and cache_conc < target:
         per_seq = cap.kv.bytes_per_sequence(wl.max_model_len) / GiB
-        return Rejection(
-            **rej,
-            reason=f"the cache holds {cache_conc} sequences of {wl.max_model_len} tokens, target is {target} "
+        return reject(
+            f"the cache holds {cache_conc} sequences of {wl.max_model_len} tokens, target is {target} "
             f"({per_seq:.2f} GiB each, {cap.kv_cache_bytes_per_gpu / GiB:.2f} GiB of cache per GPU)",
             needed_gib=(cap.requested_bytes - cap.kv_cache_bytes_per_gpu + target * per_seq * GiB) / GiB,
             available_gib=cap.requested_bytes / GiB,
@@ -317,9 +327,8 @@ def _evaluate(
     if wl.itl_target_s is not None and perf.itl_s > wl.itl_target_s:
         one = perf_at(1)
         if one.itl_s > wl.itl_target_s:
-            return Rejection(
-                **rej,
-                reason=f"inter-token latency {one.itl_s * 1e3:.1f} ms even for one sequence, "
+            return reject(
+                f"inter-token latency {one.itl_s * 1e3:.1f} ms even for one sequence, "
                 f"target {wl.itl_target_s * 1e3:.1f} ms",
             )
         lo, hi = 1, batch  # itl grows with the batch: largest batch meeting the target
@@ -332,9 +341,8 @@ def _evaluate(
         batch, limited = lo, "itl-target"
         perf = perf_at(batch)
     if wl.ttft_target_s is not None and perf.ttft_s > wl.ttft_target_s:
-        return Rejection(
-            **rej,
-            reason=f"time to first token {perf.ttft_s * 1e3:.0f} ms for a {wl.input_tokens}-token prompt, "
+        return reject(
+            f"time to first token {perf.ttft_s * 1e3:.0f} ms for a {wl.input_tokens}-token prompt, "
             f"target {wl.ttft_target_s * 1e3:.0f} ms",
         )
     # Final engine settings admit exactly `batch` sequences; re-size the cache with that max_num_seqs
@@ -354,13 +362,12 @@ def _evaluate(
     if wl.peak_requests_per_s is not None:
         replicas = max(replicas, math.ceil(wl.peak_requests_per_s / rps))
     if req.max_replicas is not None and replicas > req.max_replicas:
-        return Rejection(
-            **rej,
-            reason=f"needs {replicas} replicas for {wl.peak_requests_per_s} requests/s, max_replicas is {req.max_replicas}",
+        return reject(
+            f"needs {replicas} replicas for {wl.peak_requests_per_s} requests/s, max_replicas is {req.max_replicas}",
         )
     price = _price(it, req.platform)
     if price is None:
-        return Rejection(**rej, reason="the catalog has no on-demand price for this type; pin it to plan anyway")
+        return reject("the catalog has no on-demand price for this type; pin it to plan anyway")
     per_instance = 1 if req.platform is Platform.SAGEMAKER else it.accelerator_count // tp
     count = math.ceil(replicas / per_instance)
     cand = Candidate(
@@ -385,9 +392,8 @@ def _evaluate(
         notes=price[3],
     )
     if req.max_fleet_usd_per_hour is not None and cand.fleet_usd_per_hour > req.max_fleet_usd_per_hour:
-        return Rejection(
-            **rej,
-            reason=f"fleet costs ${cand.fleet_usd_per_hour:.2f}/h, above the ${req.max_fleet_usd_per_hour:.2f}/h ceiling",
+        return reject(
+            f"fleet costs ${cand.fleet_usd_per_hour:.2f}/h, above the ${req.max_fleet_usd_per_hour:.2f}/h ceiling",
         )
     return cand
 
@@ -405,7 +411,15 @@ def enumerate_candidates(req: PlanRequest) -> Plan:
     for it in _instances(req):
         reason = _hardware_reason(it, req)
         if reason:
-            rejs.append(Rejection(instance_type=it.name, tensor_parallel_size=None, kv_cache_dtype=None, weight_precision=None, reason=reason))
+            rejs.append(
+                Rejection(
+                    instance_type=it.name,
+                    tensor_parallel_size=None,
+                    kv_cache_dtype=None,
+                    weight_precision=None,
+                    reason=reason,
+                )
+            )
             continue
         tps = _tp_degrees(req.model, it.accelerator_count)
         if not tps:
@@ -477,7 +491,12 @@ def _longest_fitting_context(req: PlanRequest, best: Rejection) -> str | None:
         quantization=best.weight_precision if best.weight_precision != req.model.native_scheme.name else None,
     )
     try:
-        cap = capacity(req.model, gpu_memory_bytes=it.gpu_memory_bytes, settings=settings, accelerator_name=it.accelerator.name)
+        cap = capacity(
+            req.model,
+            gpu_memory_bytes=it.gpu_memory_bytes,
+            settings=settings,
+            accelerator_name=it.accelerator.name,
+        )
     except SizingError:
         return None
     if cap.kv_cache_bytes_per_gpu <= 0:
@@ -498,7 +517,12 @@ def _what_would_fit(req: PlanRequest) -> list[str]:
     if req.model.quantization is None and "fp8" not in req.weight_precisions:
         trials.append(("fp8 weights (weight_precisions: [fp8])", replace(req, weight_precisions=("fp8",))))
     if req.families or req.instance_types:
-        trials.append(("any instance family (drop families / instance_type)", replace(req, families=(), instance_types=())))
+        trials.append(
+            (
+                "any instance family (drop families / instance_type)",
+                replace(req, families=(), instance_types=()),
+            )
+        )
     if req.max_fleet_usd_per_hour is not None:
         trials.append(("no price ceiling", replace(req, max_fleet_usd_per_hour=None)))
     if req.platform is Platform.SAGEMAKER:
@@ -506,7 +530,10 @@ def _what_would_fit(req: PlanRequest) -> list[str]:
     wl = req.workload
     if wl.concurrency_per_replica and wl.concurrency_per_replica > 1:
         trials.append(
-            ("fewer concurrent sequences per replica (more replicas)", replace(req, workload=replace(wl, concurrency_per_replica=1)))
+            (
+                "fewer concurrent sequences per replica (more replicas)",
+                replace(req, workload=replace(wl, concurrency_per_replica=1)),
+            )
         )
     out = []
     for label, trial in trials:
@@ -538,6 +565,10 @@ def _what_would_fit(req: PlanRequest) -> list[str]:
             break
         combined = replace(
             combined,
-            workload=replace(w, max_input_tokens=max(1, w.max_input_tokens // 2), max_output_tokens=max(1, w.max_output_tokens // 2)),
+            workload=replace(
+                w,
+                max_input_tokens=max(1, w.max_input_tokens // 2),
+                max_output_tokens=max(1, w.max_output_tokens // 2),
+            ),
         )
     return out

@@ -117,9 +117,7 @@ WEIGHT_SCHEMES: dict[str, WeightScheme] = {
             scale_bytes=1 + 4 / 256,
             description="bitsandbytes NF4 with double quantization",
         ),
-        _scheme(
-            name="bnb-8bit", weight_bits=8, group_size=0, description="bitsandbytes LLM.int8 (8-bit)"
-        ),
+        _scheme(name="bnb-8bit", weight_bits=8, group_size=0, description="bitsandbytes LLM.int8 (8-bit)"),
         _scheme(
             name="mxfp4",
             weight_bits=4,
@@ -150,9 +148,7 @@ def weight_scheme(name: str, *, field: str = "quantization") -> WeightScheme:
     key = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "awq-marlin": "awq"}.get(key, key)
     key = {"gptq-marlin": "gptq", "bitsandbytes": "bnb-4bit", "w8a8": "int8", "none": "bf16"}.get(key, key)
     if key not in WEIGHT_SCHEMES:
-        raise KvfleetError(
-            f"unknown weight precision {name!r}; choose one of {', '.join(WEIGHT_SCHEMES)}", field=field
-        )
+        raise KvfleetError(f"unknown weight precision {name!r}; choose one of {', '.join(WEIGHT_SCHEMES)}", field=field)
     return WEIGHT_SCHEMES[key]
 
 

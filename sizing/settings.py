@@ -62,6 +62,9 @@ def trtllm_options(c: Candidate, *, enable_prefix_caching: bool = True) -> dict[
 
 def engine_settings(c: Candidate, *, enable_prefix_caching: bool = True) -> dict[str, Any]:
     if c.capacity.engine is EngineName.TRTLLM:
-        return {"engine": "trtllm", "llm_api_options": trtllm_options(c, enable_prefix_caching=enable_prefix_caching)}
+        return {
+            "engine": "trtllm",
+            "llm_api_options": trtllm_options(c, enable_prefix_caching=enable_prefix_caching),
+        }
     args = vllm_args(c, enable_prefix_caching=enable_prefix_caching)
     return {"engine": "vllm", "args": args, "cli": vllm_cli(args)}

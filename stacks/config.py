@@ -36,7 +36,8 @@ class ModelRef(_Frozen):
         description="Uncompressed model artifacts under this S3 prefix. Default: download from Hugging Face.",
     )
     hf_token_secret: str | None = Field(
-        default=None, description="Secrets Manager secret name or ARN holding a Hugging Face token (gated models)."
+        default=None,
+        description="Secrets Manager secret name or ARN holding a Hugging Face token (gated models).",
     )
 
 
@@ -71,7 +72,8 @@ class WorkloadConfig(_Frozen):
 
 class SizingConfig(_Frozen):
     weight_precisions: tuple[str, ...] = Field(
-        default=(), description="Allowed weight precisions (bf16, fp8, awq, ...). Default: the checkpoint's own."
+        default=(),
+        description="Allowed weight precisions (bf16, fp8, awq, ...). Default: the checkpoint's own.",
     )
     kv_cache_dtypes: tuple[Literal["auto", "bf16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2"], ...] = Field(
         default=("auto",), description="Allowed KV-cache dtypes; fp8 holds about twice the tokens."
@@ -95,7 +97,9 @@ class Ec2Target(_Frozen):
 
 class EksTarget(_Frozen):
     platform: Literal["eks"] = Field(description="A GPU node group and Deployment on EKS.")
-    cluster_name: str | None = Field(default=None, description="Attach to this existing cluster instead of creating one.")
+    cluster_name: str | None = Field(
+        default=None, description="Attach to this existing cluster instead of creating one."
+    )
 
 
 Target = Annotated[SageMakerTarget | Ec2Target | EksTarget, Field(discriminator="platform")]
@@ -202,17 +206,21 @@ def parse_environment(text: str, *, source: str = "<config>") -> Environment:
         return Environment.model_validate(data)
     except ValidationError as exc:
         out = []
-        for err in exc.errors():
-            loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p in ("sagemaker", "ec2", "eks")))
-            line = next((lines[loc[:i]] for i in range(len(loc), -1, -1) if loc[:i] in lines), 1)
-            out.append(f"{source}:{line}: {_fmt_loc(loc)}: {_allowed(err)}")
+        for problem in exc.errors():
+            loc = tuple(p for p in problem["loc"] if not (isinstance(p, str) and p in ("sagemaker", "ec2", "eks")))
+            line_no = next((lines[loc[:i]] for i in range(len(loc), -1, -1) if loc[:i] in lines), 1)
+            out.append(f"{source}:{line_no}: {_fmt_loc(loc)}: {_allowed(problem)}")
         raise ConfigError(out) from None
 
 
 def load_environment(path: str | Path) -> Environment:
     p = Path(path)
     if not p.is_file():
-        hint = ", ".join(sorted(x.stem for x in p.parent.glob("*.yaml") if x.stem != "schema")) if p.parent.is_dir() else ""
+        hint = (
+            ", ".join(sorted(x.stem for x in p.parent.glob("*.yaml") if x.stem != "schema"))
+            if p.parent.is_dir()
+            else ""
+        )
         raise KvfleetError(f"no environment file at {p}" + (f"; found: {hint}" if hint else ""), field="environment")
     return parse_environment(p.read_text(encoding="utf-8"), source=str(path))
 
@@ -221,7 +229,7 @@ def plan_requests(env: Environment) -> list[tuple[str, Any]]:
     """One sizing.PlanRequest per deployment (resolving the model; no AWS calls)."""
     from sizing.catalog import resolve_model
     from sizing.engines import EngineName
-    from sizing.planner import Platform, PlanRequest, Workload
+    from sizing.planner import PlanRequest, Platform, Workload
     from sizing.precision import kv_dtype
 
     out = []
