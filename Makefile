@@ -26,7 +26,7 @@ typecheck: $(BIN)/kvfleet
 	$(BIN)/mypy sizing stacks
 
 unit: $(BIN)/kvfleet
-	$(BIN)/pytest
+	$(BIN)/pytest -q
 
 test: lint typecheck unit
 
