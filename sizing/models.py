@@ -115,9 +115,13 @@ class ModelSpec:
 
     @property
     def active_params(self) -> int:
-        """Parameters one token touches: routed experts count only ``experts_per_token`` of them."""
+        """Parameters one token multiplies with: routed experts count only ``experts_per_token`` of
+        them, and the input embedding (a lookup, not a matmul) not at all — as OpenAI counts gpt-oss's
+        5.1B active parameters. A tied embedding still counts once, as the lm_head."""
         total = 0
         for g in self.param_groups:
+            if g.part is Part.EMBEDDING and not self.tie_word_embeddings:
+                continue
             if g.part is Part.EXPERTS and self.moe is not None:
                 routed = self.moe.num_experts
                 total += g.count * self.moe.experts_per_token // routed
