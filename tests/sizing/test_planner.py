@@ -1,0 +1,133 @@
+"""The planner: enumeration, rejections with reasons, fleet sizing, ranking, and nothing-fits."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from sizing.catalog import catalog_model
+from sizing.engines import EngineName
+from sizing.errors import NothingFitsError
+from sizing.planner import Platform, PlanRequest, Workload, enumerate_candidates, plan
+from sizing.precision import KvDtype
+from sizing.settings import engine_settings
+
+LLAMA8 = catalog_model("meta-llama/Llama-3.1-8B")
+WL = Workload(max_input_tokens=2048, max_output_tokens=512, concurrency_per_replica=16)
+
+
+def _req(**kw: object) -> PlanRequest:
+    base = PlanRequest(model=LLAMA8, workload=WL, platform=Platform.EC2)
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+def test_ranked_by_fleet_cost_then_token_cost() -> None:
+    p = plan(_req())
+    costs = [(c.fleet_usd_per_hour, c.usd_per_million_output_tokens) for c in p.candidates]
+    assert costs == sorted(costs)
+    best = p.best
+    assert best.concurrency_per_replica == 16 and best.cache_concurrency >= 16
+    assert best.price_as_of and best.price_source
+
+
+def test_engine_settings_admit_exactly_what_fits() -> None:
+    best = plan(_req()).best
+    args = engine_settings(best)["args"]
+    assert args["max-num-seqs"] == best.concurrency_per_replica
+    assert args["max-model-len"] == 2048 + 512
+    assert args["tensor-parallel-size"] == best.tensor_parallel_size
+    # The breakdown shown is the one for the emitted max-num-seqs.
+    assert best.capacity.max_num_seqs == best.concurrency_per_replica
+    trt = plan(_req(engine=EngineName.TRTLLM)).best
+    opts = engine_settings(trt)["llm_api_options"]
+    assert opts["max_batch_size"] == trt.concurrency_per_replica and opts["max_seq_len"] == 2560
+    assert opts["kv_cache_config"]["free_gpu_memory_fraction"] == 0.9
+
+
+def test_every_rejection_has_a_reason() -> None:
+    p = enumerate_candidates(_req(platform=Platform.SAGEMAKER))
+    reasons = {r.instance_type: r.reason for r in p.rejections}
+    assert "Neuron" in reasons["inf2.xlarge"]
+    assert "fractional GPU" in reasons["g6f.large"]
+    assert "do not accept" in reasons["gr6.4xlarge"]  # not a SageMaker endpoint type
+    assert all(r.reason for r in p.rejections)
+
+
+def test_small_gpu_rejected_with_cache_numbers() -> None:
+    p = enumerate_candidates(_req(instance_types=("g5.xlarge",), workload=replace(WL, concurrency_per_replica=64)))
+    assert not p.candidates
+    (r,) = p.rejections
+    assert "the cache holds" in r.reason and "target is 64" in r.reason
+    assert r.needed_gib is not None and r.available_gib is not None and r.needed_gib > r.available_gib
+
+
+def test_replicas_follow_the_peak_load() -> None:
+    low = plan(_req(instance_types=("g6e.xlarge",), workload=replace(WL, peak_requests_per_s=0.5))).best
+    high = plan(_req(instance_types=("g6e.xlarge",), workload=replace(WL, peak_requests_per_s=20))).best
+    assert high.replicas > low.replicas >= 1
+    assert high.replicas * high.requests_per_s_per_replica >= 20
+    assert high.fleet_usd_per_hour == pytest.approx(high.instance_count * high.usd_per_hour_per_instance)
+
+
+def test_multi_gpu_instances_pack_engines_on_ec2_not_sagemaker() -> None:
+    ec2 = [c for c in enumerate_candidates(_req(instance_types=("g6e.12xlarge",))).candidates if c.tensor_parallel_size == 1]
+    assert ec2 and ec2[0].engines_per_instance == 4
+    sm = enumerate_candidates(_req(platform=Platform.SAGEMAKER, instance_types=("ml.g6e.12xlarge",)))
+    assert all(c.tensor_parallel_size == 4 for c in sm.candidates)
+    assert any("one engine per instance" in r.reason for r in sm.rejections)
+
+
+def test_itl_target_limits_the_batch() -> None:
+    free = plan(_req(instance_types=("g6e.xlarge",), workload=replace(WL, concurrency_per_replica=None))).best
+    tight = plan(
+        _req(instance_types=("g6e.xlarge",), workload=replace(WL, concurrency_per_replica=None, itl_target_s=0.03))
+    ).best
+    assert tight.limited_by == "itl-target"
+    assert tight.concurrency_per_replica < free.concurrency_per_replica
+    assert tight.perf.itl_s <= 0.03
+
+
+def test_unreachable_latency_is_a_rejection() -> None:
+    p = enumerate_candidates(_req(instance_types=("g6e.xlarge",), workload=replace(WL, itl_target_s=0.001)))
+    assert not p.candidates and "even for one sequence" in p.rejections[0].reason
+
+
+def test_price_ceiling_and_families() -> None:
+    p = enumerate_candidates(_req(max_fleet_usd_per_hour=2.0, families=("g6e", "p5")))
+    assert all(c.fleet_usd_per_hour <= 2.0 for c in p.candidates)
+    assert all(c.instance.family in ("g6e", "p5") for c in p.candidates)
+    assert any("ceiling" in r.reason for r in p.rejections)
+
+
+def test_fp8_kv_admits_more_sequences() -> None:
+    req = _req(instance_types=("g6e.xlarge",), workload=replace(WL, concurrency_per_replica=None, max_input_tokens=16384))
+    by_kv = {c.kv_cache_dtype: c for c in enumerate_candidates(replace(req, kv_cache_dtypes=(KvDtype.AUTO, KvDtype.FP8))).candidates}
+    assert by_kv[KvDtype.FP8].cache_concurrency >= 2 * by_kv[KvDtype.AUTO].cache_concurrency - 1
+
+
+def test_nothing_fits_names_the_nearest_and_the_fix() -> None:
+    req = PlanRequest(
+        model=catalog_model("meta-llama/Llama-3.1-70B"),
+        workload=Workload(max_input_tokens=30000, max_output_tokens=2000, concurrency_per_replica=8),
+        platform=Platform.SAGEMAKER,
+        families=("g5", "g6"),
+    )
+    with pytest.raises(NothingFitsError) as exc:
+        plan(req)
+    msg = str(exc.value)
+    assert "\n" not in msg
+    assert "needs" in msg and "GiB per GPU" in msg and "available" in msg
+    assert "would fit with:" in msg and "any instance family" in msg
+
+
+def test_nothing_fits_suggests_fp8_kv_when_that_is_enough() -> None:
+    # 8 sequences of 28k tokens of Llama-3.1-8B on one L40S: too much bf16 KV, enough in fp8.
+    req = _req(instance_types=("g6e.xlarge",), workload=Workload(max_input_tokens=26000, max_output_tokens=2000, concurrency_per_replica=8))
+    with pytest.raises(NothingFitsError, match=r"fp8 KV cache \(kv_cache_dtypes: \[fp8\]\) -> g6e.xlarge tp=1 bf16 kv=fp8"):
+        plan(req)
+
+
+def test_region_list_rejects_where_known() -> None:
+    p = enumerate_candidates(_req(region="eu-west-3", instance_types=("p5.48xlarge",)))
+    assert not p.candidates and "not offered in eu-west-3" in p.rejections[0].reason
