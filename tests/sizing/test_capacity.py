@@ -93,7 +93,9 @@ def test_request_that_does_not_fit_reports_the_longest_that_does() -> None:
 
 
 def test_no_memory_left_says_needed_vs_available() -> None:
-    cap = capacity(catalog_model("meta-llama/Llama-3.1-70B"), gpu_memory_bytes=int(22.352 * GiB), settings=EngineSettings())
+    cap = capacity(
+        catalog_model("meta-llama/Llama-3.1-70B"), gpu_memory_bytes=int(22.352 * GiB), settings=EngineSettings()
+    )
     assert cap.kv_cache_bytes_per_gpu == 0 and cap.kv_cache_tokens == 0
     assert "GiB per GPU" in cap.problems[0] and "available" in cap.problems[0]
 
@@ -117,7 +119,9 @@ def test_bad_settings_name_the_field(settings: EngineSettings, field: str) -> No
 
 def test_quantized_checkpoint_keeps_its_precision() -> None:
     with pytest.raises(SizingError, match="already quantized as mxfp4"):
-        capacity(catalog_model("openai/gpt-oss-20b"), gpu_memory_bytes=80 * GiB, settings=EngineSettings(quantization="fp8"))
+        capacity(
+            catalog_model("openai/gpt-oss-20b"), gpu_memory_bytes=80 * GiB, settings=EngineSettings(quantization="fp8")
+        )
 
 
 def test_online_fp8_halves_linear_weights() -> None:
@@ -150,7 +154,9 @@ def test_gpt_oss_groups_and_window_per_request() -> None:
 def test_gemma3_five_to_one_grouping() -> None:
     # Gemma-3-12B: 40 sliding (1024) + 8 full layers -> group size 8: 5 sliding groups + 1 full group.
     m = catalog_model("google/gemma-3-12b-it")
-    s = EngineSettings(version="0.11.0", max_model_len=32768, kv_cache_memory_bytes=8 * GiB, max_num_batched_tokens=2048)
+    s = EngineSettings(
+        version="0.11.0", max_model_len=32768, kv_cache_memory_bytes=8 * GiB, max_num_batched_tokens=2048
+    )
     cap = capacity(m, gpu_memory_bytes=80 * GiB, settings=s)
     page = 16 * 2 * 8 * 256 * 2
     assert cap.num_blocks == 8 * GiB // (page * 8)
@@ -181,7 +187,14 @@ def test_example_architecture_capacity_breakdown_is_consistent() -> None:
     m = make_model()
     cap = capacity(m, gpu_memory_bytes=80 * GiB, settings=EngineSettings(max_model_len=8192))
     d = cap.as_dict()
-    for key in ("kv_bytes_per_token_per_gpu", "weights_gib_per_gpu", "activation_peak_gib", "kv_cache_gib_per_gpu", "kv_cache_tokens", "max_concurrency"):
+    for key in (
+        "kv_bytes_per_token_per_gpu",
+        "weights_gib_per_gpu",
+        "activation_peak_gib",
+        "kv_cache_gib_per_gpu",
+        "kv_cache_tokens",
+        "max_concurrency",
+    ):
         assert key in d
     assert d["kv_bytes_per_token_per_gpu"] == 131072
     assert d["kv_cache_dtype"] == KvDtype.AUTO.value

@@ -79,7 +79,9 @@ def test_sliding_window_layers_hold_at_most_the_window() -> None:
 
 
 def test_invalid_tp_names_the_field_and_divisors() -> None:
-    with pytest.raises(SizingError, match=r"tensor_parallel_size: 3 does not divide .* 32 attention heads; use one of 1, 2, 4, 8"):
+    with pytest.raises(
+        SizingError, match=r"tensor_parallel_size: 3 does not divide .* 32 attention heads; use one of 1, 2, 4, 8"
+    ):
         validate_tp(make_model(), 3)
     with pytest.raises(SizingError, match="at least 1"):
         validate_tp(make_model(), 0)

@@ -21,9 +21,25 @@ def test_catalog_has_the_popular_families_with_sources() -> None:
     ids = {m.model_id for m in all_models()}
     assert len(ids) >= 25
     for needle in (
-        "Llama-2-7b", "Meta-Llama-3-8B", "Llama-3.1-70B", "Llama-3.3-70B", "Mistral-7B", "Mixtral-8x7B",
-        "Qwen2-7B", "Qwen2.5-72B", "Qwen3-8B", "Qwen3-30B-A3B", "gemma-2-9b", "gemma-3-12b", "Phi-3-mini",
-        "phi-4", "DeepSeek-V2-Lite", "DeepSeek-V3", "DeepSeek-R1", "gpt-oss-120b", "Llama-4-Scout",
+        "Llama-2-7b",
+        "Meta-Llama-3-8B",
+        "Llama-3.1-70B",
+        "Llama-3.3-70B",
+        "Mistral-7B",
+        "Mixtral-8x7B",
+        "Qwen2-7B",
+        "Qwen2.5-72B",
+        "Qwen3-8B",
+        "Qwen3-30B-A3B",
+        "gemma-2-9b",
+        "gemma-3-12b",
+        "Phi-3-mini",
+        "phi-4",
+        "DeepSeek-V2-Lite",
+        "DeepSeek-V3",
+        "DeepSeek-R1",
+        "gpt-oss-120b",
+        "Llama-4-Scout",
     ):
         assert any(needle in i for i in ids), needle
     for e in catalog_entries():
@@ -142,5 +158,8 @@ def test_compressed_tensors_groups() -> None:
     assert m.quantization is not None and m.quantization.method == "compressed-tensors"
     w8 = {"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"num_bits": 8, "type": "int"}}}}
     assert parse_hf_config(llama_config(quantization_config=w8), model_id="w8").native_scheme.name == "int8"
-    w4 = {"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}}
+    w4 = {
+        "quant_method": "compressed-tensors",
+        "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}},
+    }
     assert parse_hf_config(llama_config(quantization_config=w4), model_id="w4").native_scheme.name == "w4a16"

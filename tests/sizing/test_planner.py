@@ -9,7 +9,7 @@ import pytest
 from sizing.catalog import catalog_model
 from sizing.engines import EngineName
 from sizing.errors import NothingFitsError
-from sizing.planner import Platform, PlanRequest, Workload, enumerate_candidates, plan
+from sizing.planner import PlanRequest, Platform, Workload, enumerate_candidates, plan
 from sizing.precision import KvDtype
 from sizing.settings import engine_settings
 
@@ -71,7 +71,11 @@ def test_replicas_follow_the_peak_load() -> None:
 
 
 def test_multi_gpu_instances_pack_engines_on_ec2_not_sagemaker() -> None:
-    ec2 = [c for c in enumerate_candidates(_req(instance_types=("g6e.12xlarge",))).candidates if c.tensor_parallel_size == 1]
+    ec2 = [
+        c
+        for c in enumerate_candidates(_req(instance_types=("g6e.12xlarge",))).candidates
+        if c.tensor_parallel_size == 1
+    ]
     assert ec2 and ec2[0].engines_per_instance == 4
     sm = enumerate_candidates(_req(platform=Platform.SAGEMAKER, instance_types=("ml.g6e.12xlarge",)))
     assert all(c.tensor_parallel_size == 4 for c in sm.candidates)
@@ -101,8 +105,13 @@ def test_price_ceiling_and_families() -> None:
 
 
 def test_fp8_kv_admits_more_sequences() -> None:
-    req = _req(instance_types=("g6e.xlarge",), workload=replace(WL, concurrency_per_replica=None, max_input_tokens=16384))
-    by_kv = {c.kv_cache_dtype: c for c in enumerate_candidates(replace(req, kv_cache_dtypes=(KvDtype.AUTO, KvDtype.FP8))).candidates}
+    req = _req(
+        instance_types=("g6e.xlarge",), workload=replace(WL, concurrency_per_replica=None, max_input_tokens=16384)
+    )
+    by_kv = {
+        c.kv_cache_dtype: c
+        for c in enumerate_candidates(replace(req, kv_cache_dtypes=(KvDtype.AUTO, KvDtype.FP8))).candidates
+    }
     assert by_kv[KvDtype.FP8].cache_concurrency >= 2 * by_kv[KvDtype.AUTO].cache_concurrency - 1
 
 
@@ -123,8 +132,13 @@ def test_nothing_fits_names_the_nearest_and_the_fix() -> None:
 
 def test_nothing_fits_suggests_fp8_kv_when_that_is_enough() -> None:
     # 8 sequences of 28k tokens of Llama-3.1-8B on one L40S: too much bf16 KV, enough in fp8.
-    req = _req(instance_types=("g6e.xlarge",), workload=Workload(max_input_tokens=26000, max_output_tokens=2000, concurrency_per_replica=8))
-    with pytest.raises(NothingFitsError, match=r"fp8 KV cache \(kv_cache_dtypes: \[fp8\]\) -> g6e.xlarge tp=1 bf16 kv=fp8"):
+    req = _req(
+        instance_types=("g6e.xlarge",),
+        workload=Workload(max_input_tokens=26000, max_output_tokens=2000, concurrency_per_replica=8),
+    )
+    with pytest.raises(
+        NothingFitsError, match=r"fp8 KV cache \(kv_cache_dtypes: \[fp8\]\) -> g6e.xlarge tp=1 bf16 kv=fp8"
+    ):
         plan(req)
 
 

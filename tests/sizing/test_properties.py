@@ -49,7 +49,9 @@ def test_fp8_kv_holds_twice_the_tokens(n: int, kv: int, d: int, gib: int) -> Non
     m = _model(n, kv, d)
     s = EngineSettings(max_model_len=4096, kv_cache_memory_bytes=gib * GiB)
     bf16 = capacity(m, gpu_memory_bytes=80 * GiB, settings=s)
-    fp8 = capacity(m, gpu_memory_bytes=80 * GiB, settings=EngineSettings(**{**s.__dict__, "kv_cache_dtype": KvDtype.FP8}))
+    fp8 = capacity(
+        m, gpu_memory_bytes=80 * GiB, settings=EngineSettings(**{**s.__dict__, "kv_cache_dtype": KvDtype.FP8})
+    )
     assert fp8.kv_bytes_per_token_per_gpu * 2 == bf16.kv_bytes_per_token_per_gpu
     # Whole blocks on both sides: at most one block of rounding.
     assert 2 * bf16.kv_cache_tokens <= fp8.kv_cache_tokens <= 2 * bf16.kv_cache_tokens + 16
