@@ -148,6 +148,23 @@ def resolve_scheme(model: ModelSpec, quantization: str | None) -> WeightScheme:
     return scheme
 
 
+def _memory_hint(model: ModelSpec, tp: int, scheme: WeightScheme, requested: int, runtime: int) -> str:
+    """The nearest change that leaves room: more tensor parallelism, else a 4-bit checkpoint."""
+    heads = model.num_attention_heads
+    for larger in (d for d in range(tp + 1, 65) if heads % d == 0):
+        try:
+            w = weight_bytes(model, tp=larger, scheme=scheme).weights_bytes_per_gpu
+        except SizingError:
+            continue
+        if w + runtime < requested * 0.8:
+            return f"at tensor_parallel_size {larger} the weights take {w / GiB:.2f} GiB per GPU"
+    if scheme.weight_bits > 4:
+        w4 = weight_bytes(model, tp=tp, scheme=weight_scheme("awq")).weights_bytes_per_gpu
+        if w4 + runtime < requested * 0.8:
+            return f"a 4-bit checkpoint (awq/gptq) takes {w4 / GiB:.2f} GiB per GPU"
+    return "use a GPU with more memory or more GPUs"
+
+
 @dataclass(frozen=True, kw_only=True)
 class _Pool:
     """vLLM's KV-cache layout: layers grouped so that every group has the same number of layers."""
@@ -277,10 +294,11 @@ def capacity(
         if s.max_tokens is not None:
             kv_bytes = min(kv_bytes, s.max_tokens * kv.kv_bytes_per_token_per_gpu)
     if kv_bytes <= 0:
-        need = (weights.weights_bytes_per_gpu + act + non_torch) / GiB
+        runtime = act + non_torch + (graphs if graphs_counted else 0)
+        need = (weights.weights_bytes_per_gpu + runtime) / GiB
         problems.append(
             f"no memory left for the KV cache: weights + activations + runtime need {need:.2f} GiB per GPU, "
-            f"{requested / GiB:.2f} GiB available"
+            f"{requested / GiB:.2f} GiB available; {_memory_hint(model, tp, scheme, requested, runtime)}"
         )
         kv_bytes = 0
 
@@ -308,7 +326,8 @@ def capacity(
     if not problems and concurrency < 1:
         problems.append(
             f"one request of max_model_len {max_len} needs {blocks_per_request} KV blocks but only {num_blocks} fit; "
-            f"the largest max_model_len that fits is {fits_len}"
+            f"the largest max_model_len that fits is {fits_len} (lower max_model_len, use kv_cache_dtype fp8, "
+            "or raise gpu_memory_utilization)"
         )
     return Capacity(
         model_id=model.model_id,

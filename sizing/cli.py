@@ -153,7 +153,7 @@ def cmd_capacity(a: argparse.Namespace) -> int:
     cap = capacity(model, gpu_memory_bytes=mem, settings=settings, accelerator_name=acc_name)
     if a.json:
         print(json.dumps(cap.as_dict(), indent=2))
-    else:
+    elif not cap.problems:
         _print_capacity(cap)
     if cap.problems:
         print(f"kvfleet: error: the engine would not start: {cap.problems[0]}", file=sys.stderr)

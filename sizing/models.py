@@ -577,7 +577,7 @@ def load_config_file(path: str | Path) -> ModelSpec:
         raise ModelConfigError(f"{p} is not valid JSON (line {err.lineno}: {err.msg})", field="model") from None
     if not isinstance(cfg, dict):
         raise ModelConfigError(f"{p} must hold a JSON object", field="model")
-    name = cfg.get("_name_or_path") or p.parent.name
+    name = cfg.get("_name_or_path") or (p.parent.name if p.name == "config.json" else p.stem)
     try:
         return parse_hf_config(cfg, model_id=str(name), source=str(p))
     except ModelConfigError as err:
