@@ -26,6 +26,9 @@ from sizing.models import AttentionKind, ModelSpec
 from sizing.precision import KvDtype, WeightScheme, weight_scheme
 from sizing.units import GiB, cdiv
 
+# vllm/config/cache.py: BlockSize = Literal[1, 8, 16, 32, 64, 128] on CUDA (hybrid models may pick larger).
+VLLM_BLOCK_SIZES = frozenset({1, 8, 16, 32, 64, 128, 256})
+
 
 @dataclass(frozen=True, kw_only=True)
 class EngineSettings:
@@ -266,6 +269,11 @@ def capacity(
         )
     max_seqs = min(max_seqs, batched) if s.max_num_seqs is None else max_seqs
     block = s.block_size or profile.block_size
+    if profile.engine is EngineName.VLLM and block not in VLLM_BLOCK_SIZES:
+        allowed = ", ".join(map(str, sorted(VLLM_BLOCK_SIZES)))
+        raise SizingError(f"vLLM accepts block sizes {allowed}; got {block}", field="block_size")
+    if profile.engine is EngineName.TRTLLM and block & (block - 1):
+        raise SizingError(f"TensorRT-LLM tokens_per_block must be a power of two, got {block}", field="block_size")
 
     scheme = resolve_scheme(model, s.quantization)
     weights = weight_bytes(model, tp=tp, scheme=scheme)
@@ -283,6 +291,12 @@ def capacity(
         if s.kv_cache_memory_bytes is not None:
             kv_bytes = s.kv_cache_memory_bytes
             notes.append("kv_cache_memory_bytes set: the cache size is fixed and profiling is skipped")
+            if kv_bytes + non_kv > gpu_memory_bytes:
+                problems.append(
+                    f"kv_cache_memory_bytes {kv_bytes / GiB:.2f} GiB plus {non_kv / GiB:.2f} GiB of weights and "
+                    f"runtime exceed the GPU's {gpu_memory_bytes / GiB:.2f} GiB; at most "
+                    f"{max(0, gpu_memory_bytes - non_kv) / GiB:.2f} GiB fits"
+                )
         else:
             kv_bytes = requested - non_kv
         if not graphs_counted and graphs:

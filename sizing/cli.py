@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -30,7 +31,9 @@ def _console() -> Any:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, not usage + error
-        self.exit(EXIT_USAGE, f"kvfleet: error: {message} (see kvfleet {self.prog.split()[-1]} --help)\n")
+        command = " ".join(self.prog.split()[1:])
+        see = f"kvfleet {command} --help" if command else "kvfleet --help"
+        self.exit(EXIT_USAGE, f"kvfleet: error: {message} (see {see})\n")
 
 
 def _positive_int(text: str) -> int:
@@ -48,8 +51,8 @@ def _positive_float(text: str) -> float:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
     return v
 
 
@@ -230,7 +233,7 @@ def _request_from_flags(a: argparse.Namespace) -> PlanRequest:
         if v is None
     ]
     if missing:
-        raise KvfleetError(f"plan needs an environment file or {', '.join(missing)}", field="plan")
+        raise KvfleetError(f"plan needs an environment file or {', '.join(missing)}")
     wl = Workload(
         max_input_tokens=a.max_input_tokens,
         max_output_tokens=a.max_output_tokens,

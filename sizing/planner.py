@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from sizing.capacity import Capacity, EngineSettings, capacity
-from sizing.engines import EngineName
+from sizing.engines import EngineName, engine_profile
 from sizing.errors import NothingFitsError, SizingError
 from sizing.hardware import AcceleratorKind, InstanceType, instance, instances, offered_in_region
 from sizing.models import ModelSpec
@@ -53,8 +53,11 @@ class Workload:
                 raise SizingError(f"must be positive, got {v}", field=f"workload.{name}")
         for name in ("peak_requests_per_s", "ttft_target_s", "itl_target_s"):
             v = getattr(self, name)
-            if v is not None and v <= 0:
-                raise SizingError(f"must be positive, got {v}", field=f"workload.{name}")
+            if v is not None and not (v > 0 and math.isfinite(v)):
+                raise SizingError(f"must be a positive finite number, got {v}", field=f"workload.{name}")
+        for avg, mx in (("avg_input_tokens", "max_input_tokens"), ("avg_output_tokens", "max_output_tokens")):
+            if (getattr(self, avg) or 0) > getattr(self, mx):
+                raise SizingError(f"{getattr(self, avg)} exceeds {mx} ({getattr(self, mx)})", field=f"workload.{avg}")
 
     @property
     def max_model_len(self) -> int:
@@ -445,6 +448,7 @@ def enumerate_candidates(req: PlanRequest) -> Plan:
 
 def plan(req: PlanRequest) -> Plan:
     """Rank the candidates; raise NothingFitsError with the nearest miss and what would fit."""
+    engine_profile(req.engine, req.engine_version)  # an unknown release is the user's error, not a misfit
     result = enumerate_candidates(req)
     if result.candidates:
         return result

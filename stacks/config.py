@@ -205,8 +205,15 @@ def parse_environment(text: str, *, source: str = "<config>") -> Environment:
     try:
         return Environment.model_validate(data)
     except ValidationError as exc:
+        errors = exc.errors()
+        deeper = {tuple(e["loc"][:-1]) for e in errors if len(e["loc"]) > 1}
+        deeper |= {tuple(e["loc"][:i]) for e in errors for i in range(1, len(e["loc"]))}
         out = []
-        for problem in exc.errors():
+        for problem in errors:
+            # pydantic re-checks min_length on the items that validated; that echo is noise when the
+            # real problem sits inside one of the items.
+            if problem["type"] == "too_short" and tuple(problem["loc"]) in deeper:
+                continue
             loc = tuple(p for p in problem["loc"] if not (isinstance(p, str) and p in ("sagemaker", "ec2", "eks")))
             line_no = next((lines[loc[:i]] for i in range(len(loc), -1, -1) if loc[:i] in lines), 1)
             out.append(f"{source}:{line_no}: {_fmt_loc(loc)}: {_allowed(problem)}")

@@ -159,11 +159,6 @@ def test_bad_region_pattern() -> None:
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: an error inside deployments[i] also yields a spurious 'deployments: Tuple should have at least "
-    "1 item after validation, not 0' line (pydantic re-checks min_length on the items that validated)",
-)
 @pytest.mark.parametrize(
     ("old", "new"),
     [
@@ -181,7 +176,7 @@ def test_exactly_one_line_per_problem(old: str, new: str) -> None:
 @pytest.mark.parametrize(
     ("text", "line"),
     [
-        (BASE.replace("    engine:\n", "    engine: [\n"), 8),  # unclosed flow sequence
+        (BASE.replace("    engine:\n", "    engine: [\n"), 9),  # unclosed flow sequence: seen at the next ':'
         ("name: dev\n  deployments: x\n", 2),  # bad indentation
         ('name: "dev\n', 2),  # unterminated string
     ],
@@ -212,7 +207,9 @@ def test_empty_deployments_rejected() -> None:
 
 def test_min_replicas_above_max_rejected() -> None:
     lines = problems(BASE.replace("min_replicas: 1", "min_replicas: 5"))
-    assert lines[0] == "envs/test.yaml:18: deployments[0].scaling: Value error, min_replicas must not exceed max_replicas"
+    assert (
+        lines[0] == "envs/test.yaml:18: deployments[0].scaling: Value error, min_replicas must not exceed max_replicas"
+    )
 
 
 def test_average_above_max_rejected() -> None:
@@ -243,7 +240,9 @@ def test_load_environment_prefixes_the_path(tmp_path: Path) -> None:
     path.write_text(BASE.replace("max_output_tokens: 1024", "max_output_tokens: 0"), encoding="utf-8")
     with pytest.raises(ConfigError) as info:
         load_environment(path)
-    assert info.value.lines[0] == f"{path}:12: deployments[0].workload.max_output_tokens: Input should be greater than 0"
+    assert (
+        info.value.lines[0] == f"{path}:12: deployments[0].workload.max_output_tokens: Input should be greater than 0"
+    )
 
 
 def test_load_environment_missing_file_lists_neighbours(tmp_path: Path) -> None:
@@ -262,7 +261,9 @@ def test_plan_requests_maps_fields() -> None:
     text = (
         BASE.replace("name: vllm", "name: trtllm")
         .replace('version: "0.11.0"', 'version: "1.0.0"')
-        .replace("      itl_ms: 40\n", "      itl_ms: 40\n      peak_requests_per_s: 2.5\n      avg_output_tokens: 300\n")
+        .replace(
+            "      itl_ms: 40\n", "      itl_ms: 40\n      peak_requests_per_s: 2.5\n      avg_output_tokens: 300\n"
+        )
         .replace("min_replicas: 1", "min_replicas: 0")
         .replace(
             "      kv_cache_dtypes: [auto, fp8]\n",
