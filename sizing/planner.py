@@ -412,7 +412,13 @@ def enumerate_candidates(req: PlanRequest) -> Plan:
     rejs: list[Rejection] = []
     schemes = _schemes(req)
     for it in _instances(req):
-        reason = _hardware_reason(it, req)
+        tps = _tp_degrees(req.model, it.accelerator_count)
+        reason = _hardware_reason(it, req) or (
+            None
+            if tps
+            else f"no tensor-parallel degree divides both {req.model.num_attention_heads} heads and "
+            f"{it.accelerator_count} GPUs"
+        )
         if reason:
             rejs.append(
                 Rejection(
@@ -421,19 +427,6 @@ def enumerate_candidates(req: PlanRequest) -> Plan:
                     kv_cache_dtype=None,
                     weight_precision=None,
                     reason=reason,
-                )
-            )
-            continue
-        tps = _tp_degrees(req.model, it.accelerator_count)
-        if not tps:
-            rejs.append(
-                Rejection(
-                    instance_type=it.name,
-                    tensor_parallel_size=None,
-                    kv_cache_dtype=None,
-                    weight_precision=None,
-                    reason=f"no tensor-parallel degree divides both {req.model.num_attention_heads} heads and "
-                    f"{it.accelerator_count} GPUs",
                 )
             )
             continue
