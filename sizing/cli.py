@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--rejections", action="store_true", help="list every rejected candidate")
     pl.add_argument("--json", action="store_true")
 
+    sc = sub.add_parser("schema", help="JSON Schema of environment files (committed as environments/schema.json)")
+    sc.add_argument("--output", "-o", help="write to this file instead of stdout")
+
     m = sub.add_parser("models", help="the model catalog")
     m.add_argument("--json", action="store_true")
     i = sub.add_parser("instances", help="the accelerator and instance catalog")
@@ -537,7 +540,28 @@ def cmd_instances(a: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"capacity": cmd_capacity, "plan": cmd_plan, "models": cmd_models, "instances": cmd_instances}
+def cmd_schema(a: argparse.Namespace) -> int:
+    from stacks.config import environment_schema_json
+
+    text = environment_schema_json()
+    if a.output:
+        try:
+            with open(a.output, "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as err:
+            raise KvfleetError(f"cannot write {a.output}: {err.strerror}", field="output") from None
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+COMMANDS = {
+    "capacity": cmd_capacity,
+    "plan": cmd_plan,
+    "schema": cmd_schema,
+    "models": cmd_models,
+    "instances": cmd_instances,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -154,6 +154,16 @@ class Environment(_Frozen):
         return v
 
 
+def environment_schema_json() -> str:
+    """The JSON Schema editors use to complete and check environment files."""
+    import json
+
+    schema = Environment.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "kvfleet environment"
+    return json.dumps(schema, indent=2, sort_keys=True) + "\n"
+
+
 # ---- loading with line numbers ---------------------------------------------------------------------
 
 

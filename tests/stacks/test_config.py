@@ -322,3 +322,24 @@ def test_plan_requests_unknown_model_names_the_deployment() -> None:
     with pytest.raises(KvfleetError) as info:
         plan_requests(env)
     assert str(info.value).startswith("deployments.chat.model: model: unknown model 'no/such-model'")
+
+
+def test_committed_schema_is_in_sync() -> None:
+    # `kvfleet schema -o environments/schema.json` regenerates it; editors read it to check the YAML.
+    from stacks.config import environment_schema_json
+
+    committed = (Path(__file__).parents[2] / "environments" / "schema.json").read_text(encoding="utf-8")
+    assert committed == environment_schema_json(), "run: kvfleet schema -o environments/schema.json"
+
+
+def test_schema_documents_every_field() -> None:
+    import json
+
+    from stacks.config import environment_schema_json
+
+    schema = json.loads(environment_schema_json())
+    for name, definition in schema["$defs"].items():
+        for field, spec in definition.get("properties", {}).items():
+            if "$ref" in spec or "discriminator" in spec or "oneOf" in spec:
+                continue
+            assert spec.get("description"), f"{name}.{field} has no description"
