@@ -437,9 +437,10 @@ def test_plan_invalid_environment_file(capsys: pytest.CaptureFixture[str], tmp_p
     assert out == ""
     assert "Traceback" not in err
     first = err.splitlines()[0]
+    line = text.splitlines().index("      itl_ms: 60") + 2  # the inserted key's line, 1-based
     assert (
         first
-        == f"kvfleet: error: {bad}:20: deployments[0].workload.bogus: unknown key; remove it or check its spelling"
+        == f"kvfleet: error: {bad}:{line}: deployments[0].workload.bogus: unknown key; remove it or check its spelling"
     )
 
 
