@@ -138,7 +138,7 @@ def cmd_capacity(a: argparse.Namespace) -> int:
         acc = accelerator(a.gpu)
         if acc.memory_bytes is None:
             raise KvfleetError(f"the catalog has no memory figure for {acc.model}; give --gpu-memory-gib", field="gpu")
-        mem = acc.memory_bytes
+        mem = acc.usable_memory_bytes or acc.memory_bytes
         acc_name = acc.name
     else:
         mem = int(a.gpu_memory_gib * GiB)

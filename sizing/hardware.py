@@ -28,7 +28,9 @@ class Accelerator:
     kind: AcceleratorKind
     architecture: str
     compute_capability: float | None
-    memory_bytes: int | None
+    memory_bytes: int | None  # as AWS reports it (DescribeInstanceTypes)
+    # What CUDA reports as total memory, where a real engine log shows it (slightly below AWS's figure).
+    engine_memory_bytes: int | None
     hbm_bandwidth_bytes_per_s: float | None
     bf16_flops: float | None  # dense, per second
     fp16_flops: float | None
@@ -42,6 +44,11 @@ class Accelerator:
     @property
     def memory_gib(self) -> float | None:
         return None if self.memory_bytes is None else self.memory_bytes / GiB
+
+    @property
+    def usable_memory_bytes(self) -> int | None:
+        """The total the engine budgets against: CUDA's figure where known, else AWS's."""
+        return self.engine_memory_bytes or self.memory_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +84,13 @@ class InstanceType:
     def gpu_memory_gib(self) -> float | None:
         return None if self.gpu_memory_bytes is None else self.gpu_memory_bytes / GiB
 
+    @property
+    def usable_gpu_memory_bytes(self) -> int | None:
+        """Per GPU, what the engine budgets against: CUDA's total where a log shows it, else AWS's."""
+        if self.gpu_memory_bytes is None or self.gpu_fraction is not None:
+            return self.gpu_memory_bytes
+        return self.accelerator.engine_memory_bytes or self.gpu_memory_bytes
+
     def price(self, platform: str) -> Price | None:
         if platform == "sagemaker":
             return self.sagemaker_price
@@ -98,6 +112,7 @@ def accelerators() -> dict[str, Accelerator]:
     out: dict[str, Accelerator] = {}
     for r in _rows("accelerators.csv"):
         mem = _f(r["memory_gib"])
+        engine_mem = _f(r["engine_memory_gib"])
         bw = _f(r["hbm_bandwidth_gbs"])
         out[r["accelerator"]] = Accelerator(
             name=r["accelerator"],
@@ -106,6 +121,7 @@ def accelerators() -> dict[str, Accelerator]:
             architecture=r["architecture"],
             compute_capability=_f(r["compute_capability"]),
             memory_bytes=None if mem is None else round(mem * GiB),
+            engine_memory_bytes=None if engine_mem is None else round(engine_mem * GiB),
             hbm_bandwidth_bytes_per_s=None if bw is None else bw * 1e9,
             bf16_flops=_tflops(r["bf16_tflops"]),
             fp16_flops=_tflops(r["fp16_tflops"]),

@@ -262,7 +262,7 @@ def _evaluate(req: PlanRequest, it: InstanceType, tp: int, scheme: WeightScheme,
     reason = _precision_reason(it, scheme, kv, req)
     if reason:
         return reject(reason)
-    assert it.gpu_memory_bytes is not None
+    assert it.usable_gpu_memory_bytes is not None
     if req.platform is Platform.SAGEMAKER and tp != it.accelerator_count:
         return reject(
             f"a SageMaker endpoint runs one engine per instance; it would leave "
@@ -280,7 +280,7 @@ def _evaluate(req: PlanRequest, it: InstanceType, tp: int, scheme: WeightScheme,
     try:
         cap = capacity(
             req.model,
-            gpu_memory_bytes=it.gpu_memory_bytes,
+            gpu_memory_bytes=it.usable_gpu_memory_bytes,
             settings=settings,
             accelerator_name=it.accelerator.name,
         )
@@ -352,7 +352,7 @@ def _evaluate(req: PlanRequest, it: InstanceType, tp: int, scheme: WeightScheme,
     # so the breakdown shown is the one the engine will print.
     cap = capacity(
         req.model,
-        gpu_memory_bytes=it.gpu_memory_bytes,
+        gpu_memory_bytes=it.usable_gpu_memory_bytes,
         settings=replace(settings, max_num_seqs=batch),
         accelerator_name=it.accelerator.name,
     )
@@ -476,7 +476,7 @@ def nothing_fits_message(req: PlanRequest, result: Plan) -> str:
 
 def _longest_fitting_context(req: PlanRequest, best: Rejection) -> str | None:
     it = instance(best.instance_type)
-    if it.gpu_memory_bytes is None or best.tensor_parallel_size is None:
+    if it.usable_gpu_memory_bytes is None or best.tensor_parallel_size is None:
         return None
     settings = EngineSettings(
         engine=req.engine,
@@ -490,7 +490,7 @@ def _longest_fitting_context(req: PlanRequest, best: Rejection) -> str | None:
     try:
         cap = capacity(
             req.model,
-            gpu_memory_bytes=it.gpu_memory_bytes,
+            gpu_memory_bytes=it.usable_gpu_memory_bytes,
             settings=settings,
             accelerator_name=it.accelerator.name,
         )
