@@ -629,11 +629,9 @@ def _param_groups(m: ModelSpec) -> tuple[ParamGroup, ...]:
     experts = 0
     router = 0
     for layer in m.layers:
-        if layer.attention is not AttentionKind.NONE:
-            attn += _attention_params(m)
-        else:
-            # Linear-attention / state-space layers: same projection budget as attention, roughly.
-            attn += _attention_params(m)
+        # Linear-attention / state-space layers (no KV cache) are counted at attention's projection
+        # budget, roughly; no catalog model has them.
+        attn += _attention_params(m)
         if layer.moe and m.moe is not None:
             e = m.moe
             per_expert = 3 * h * e.expert_intermediate_size

@@ -118,6 +118,7 @@ class Candidate:
     platform: Platform
     tensor_parallel_size: int
     weight_scheme: WeightScheme
+    online_quantization: str | None  # the engine's --quantization; None: the checkpoint's own precision
     kv_cache_dtype: KvDtype
     capacity: Capacity
     concurrency_per_replica: int  # sequences of max_model_len run at once (emitted max_num_seqs)
@@ -240,11 +241,6 @@ def _price(it: InstanceType, platform: Platform) -> tuple[float, str, str, tuple
     return None
 
 
-def _sequence_concurrency(cap: Capacity, workload: Workload) -> int:
-    """Sequences of max_model_len (windowed layers capped) that the cache holds at once."""
-    return min(int(cap.max_concurrency), cap.max_num_seqs)
-
-
 def _evaluate(req: PlanRequest, it: InstanceType, tp: int, scheme: WeightScheme, kv: KvDtype) -> Candidate | Rejection:
     wl = req.workload
 
@@ -294,7 +290,7 @@ def _evaluate(req: PlanRequest, it: InstanceType, tp: int, scheme: WeightScheme,
             needed_gib=need / GiB,
             available_gib=cap.requested_bytes / GiB,
         )
-    cache_conc = _sequence_concurrency(cap, wl)
+    cache_conc = cap.concurrent_sequences
     target = wl.concurrency_per_replica
     if target is not None and cache_conc < target:
         per_seq = cap.kv.bytes_per_sequence(wl.max_model_len) / GiB
@@ -378,6 +374,7 @@ def _evaluate(req: PlanRequest, it: InstanceType, tp: int, scheme: WeightScheme,
         platform=req.platform,
         tensor_parallel_size=tp,
         weight_scheme=scheme,
+        online_quantization=settings.quantization,
         kv_cache_dtype=kv,
         capacity=cap,
         concurrency_per_replica=batch,

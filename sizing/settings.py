@@ -23,10 +23,11 @@ def vllm_args(c: Candidate, *, enable_prefix_caching: bool = True) -> dict[str, 
         "gpu-memory-utilization": cap.gpu_memory_utilization,
         "kv-cache-dtype": c.kv_cache_dtype.vllm_name,
     }
-    native = cap.weights.scheme.name
-    model_q = None if c.weight_scheme.name in ("bf16", "fp16") else c.weight_scheme.name
-    if model_q == "fp8" or (model_q and native != model_q):
-        args["quantization"] = model_q
+    if c.online_quantization and c.online_quantization not in ("bf16", "fp16"):
+        # vLLM reads a quantized checkpoint's method from its config; only on-the-fly needs the flag.
+        args["quantization"] = {"bnb-4bit": "bitsandbytes"}.get(c.online_quantization, c.online_quantization)
+    elif c.online_quantization in ("bf16", "fp16"):
+        args["dtype"] = {"bf16": "bfloat16", "fp16": "float16"}[c.online_quantization]
     if enable_prefix_caching:
         args["enable-prefix-caching"] = True
     else:

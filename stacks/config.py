@@ -171,10 +171,8 @@ def _lines(node: yaml.Node, path: tuple[Any, ...], out: dict[tuple[Any, ...], in
     out[path] = node.start_mark.line + 1
     if isinstance(node, yaml.MappingNode):
         for k, v in node.value:
-            key = k.value
-            out[(*path, key)] = k.start_mark.line + 1
-            _lines(v, (*path, key), out)
-            out[(*path, key)] = k.start_mark.line + 1
+            _lines(v, (*path, k.value), out)
+            out[(*path, k.value)] = k.start_mark.line + 1  # a key's own line, not its value's
     elif isinstance(node, yaml.SequenceNode):
         for i, v in enumerate(node.value):
             _lines(v, (*path, i), out)
@@ -188,15 +186,12 @@ def _fmt_loc(loc: tuple[Any, ...]) -> str:
 
 
 def _allowed(err: Any) -> str:
-    ctx = err.get("ctx") or {}
     kind = err["type"]
     if kind == "extra_forbidden":
         return "unknown key; remove it or check its spelling"
     if kind == "missing":
         return "required field is missing"
-    if "expected" in ctx:
-        return f"{err['msg']}"
-    return str(err["msg"])
+    return str(err["msg"])  # pydantic's message says what is allowed (literals, bounds, types)
 
 
 def parse_environment(text: str, *, source: str = "<config>") -> Environment:

@@ -145,3 +145,18 @@ def test_nothing_fits_suggests_fp8_kv_when_that_is_enough() -> None:
 def test_region_list_rejects_where_known() -> None:
     p = enumerate_candidates(_req(region="eu-west-3", instance_types=("p5.48xlarge",)))
     assert not p.candidates and "not offered in eu-west-3" in p.rejections[0].reason
+
+
+def test_quantization_flag_only_for_on_the_fly_quantization() -> None:
+    online = plan(_req(weight_precisions=("fp8",), instance_types=("p5.4xlarge",))).best
+    assert engine_settings(online)["args"]["quantization"] == "fp8"
+    # An FP8 checkpoint carries its method in config.json; vLLM needs no flag.
+    ckpt = plan(
+        _req(
+            model=catalog_model("Qwen/Qwen3-235B-A22B-FP8"),
+            weight_precisions=(),
+            instance_types=("p5.48xlarge",),
+        )
+    ).best
+    assert ckpt.weight_scheme.name == "fp8" and ckpt.online_quantization is None
+    assert "quantization" not in engine_settings(ckpt)["args"]
