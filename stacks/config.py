@@ -7,6 +7,7 @@ plan from a file without loading CDK.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -86,9 +87,111 @@ class SizingConfig(_Frozen):
     )
 
 
+class ImageConfig(_Frozen):
+    source: Literal["kvfleet", "uri", "dlc"] = Field(
+        default="kvfleet",
+        description=(
+            "kvfleet: the serving image built from containers/<engine> (engine + kvfleet agent, which publishes "
+            "the scaling signals and drains), pushed to ECR repository `repository` with tag `tag` in the "
+            "deploying account. uri: that image at an explicit `uri`. dlc: the AWS Deep Learning Container for "
+            "the pinned engine version, unchanged (no agent: no KV-cache or queue signals, so the replica count "
+            "is fixed)."
+        ),
+    )
+    repository: str | None = Field(
+        default=None,
+        pattern=r"^[a-z0-9]+([._/-][a-z0-9]+)*$",
+        description="ECR repository for source kvfleet. Default: kvfleet-<engine>.",
+    )
+    tag: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$",
+        description="Image tag for source kvfleet. Default: the engine version.",
+    )
+    uri: str | None = Field(
+        default=None,
+        pattern=r"^\d{12}\.dkr\.ecr\.[a-z0-9-]+\.amazonaws\.com(\.cn)?/[a-z0-9._/-]+(:[A-Za-z0-9_.-]+|@sha256:[0-9a-f]{64})$",
+        description="Full ECR image URI for source uri (SageMaker pulls only from ECR).",
+    )
+
+    @model_validator(mode="after")
+    def _fields_match_source(self) -> ImageConfig:
+        if self.source == "uri" and self.uri is None:
+            raise ValueError("source uri needs `uri`")
+        if self.source != "uri" and self.uri is not None:
+            raise ValueError("`uri` is only used with source uri")
+        if self.source != "kvfleet" and (self.repository or self.tag):
+            raise ValueError("`repository` and `tag` are only used with source kvfleet")
+        return self
+
+
+class NetworkConfig(_Frozen):
+    vpc_id: str | None = Field(
+        default=None,
+        pattern=r"^vpc-[0-9a-f]{8,17}$",
+        description="Use this existing VPC instead of creating one (no lookup at synth: give subnets and AZs).",
+    )
+    private_subnet_ids: tuple[str, ...] = Field(
+        default=(), description="Private subnets of the existing VPC, one per availability zone."
+    )
+    availability_zones: tuple[str, ...] = Field(
+        default=(),
+        description="AZs of those subnets, in the same order; for a new VPC, the AZs to use (default: two).",
+    )
+    max_azs: int = Field(default=2, ge=2, le=6, description="AZs for a new VPC.")
+    nat_gateways: int = Field(
+        default=1, ge=0, le=6, description="NAT gateways for a new VPC (0 when the model comes from S3 only)."
+    )
+
+    @field_validator("private_subnet_ids")
+    @classmethod
+    def _subnet_ids(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [s for s in v if not re.fullmatch(r"subnet-[0-9a-f]{8,17}", s)]
+        if bad:
+            raise ValueError(f"not a subnet id: {', '.join(bad)}")
+        return v
+
+    @model_validator(mode="after")
+    def _existing(self) -> NetworkConfig:
+        if self.vpc_id is not None:
+            if len(self.private_subnet_ids) < 2:
+                raise ValueError("an existing VPC needs private_subnet_ids in at least two AZs")
+            if len(self.availability_zones) != len(self.private_subnet_ids):
+                raise ValueError("give one availability_zones entry per private subnet, in the same order")
+        elif self.private_subnet_ids:
+            raise ValueError("private_subnet_ids needs vpc_id")
+        return self
+
+
 class SageMakerTarget(_Frozen):
     platform: Literal["sagemaker"] = Field(description="A SageMaker real-time endpoint.")
-    network_isolation: bool = Field(default=False, description="Run the container with no network access.")
+    network_isolation: bool = Field(
+        default=False,
+        description="Run the container with no network access: the model must come from S3 (model.s3_uri).",
+    )
+    update: Literal["blue_green", "rolling"] = Field(
+        default="blue_green",
+        description=(
+            "How an endpoint update replaces instances. blue_green: a full new fleet, old instances kept "
+            "scaling.drain_budget_s after traffic moves. rolling: batches of instances, waiting "
+            "scaling.drain_budget_s between batches (needs no spare capacity for a whole fleet)."
+        ),
+    )
+    canary_percent: int | None = Field(
+        default=None,
+        ge=1,
+        le=50,
+        description="blue_green only: send this share of capacity to the new fleet first, then the rest.",
+    )
+    canary_wait_s: int = Field(
+        default=600, ge=0, le=3600, description="Seconds the canary runs (alarms watched) before the rest moves."
+    )
+
+    @model_validator(mode="after")
+    def _canary(self) -> SageMakerTarget:
+        if self.canary_percent is not None and self.update != "blue_green":
+            raise ValueError("canary_percent applies to update blue_green only")
+        return self
 
 
 class Ec2Target(_Frozen):
@@ -136,12 +239,45 @@ class Deployment(_Frozen):
     target: Target
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     sizing: SizingConfig = Field(default_factory=SizingConfig)
+    image: ImageConfig = Field(default_factory=ImageConfig)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Deployment:
+        # Each problem starts with the field to change; the loader points at that field's line.
+        problems = []
+        t = self.target
+        if isinstance(t, SageMakerTarget):
+            if self.scaling.min_replicas < 1:
+                problems.append("scaling.min_replicas: a SageMaker real-time endpoint keeps at least one instance; set 1 or more")
+            if t.network_isolation and self.model.s3_uri is None:
+                problems.append(
+                    "model.s3_uri: required with target.network_isolation, which leaves the container no network to "
+                    "download the model"
+                )
+        if self.image.source == "dlc":
+            if self.scaling.min_replicas != self.scaling.max_replicas:
+                problems.append(
+                    "image.source: dlc runs the engine without the kvfleet agent, so nothing publishes the KV-cache "
+                    "and queue signals to scale on; use source kvfleet, or set scaling.max_replicas equal to "
+                    "min_replicas"
+                )
+            if self.model.hf_token_secret and self.model.s3_uri is None:
+                problems.append(
+                    "model.hf_token_secret: image.source dlc cannot read it at start-up; set model.s3_uri, or use "
+                    "image.source kvfleet"
+                )
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
 
 
 class Environment(_Frozen):
     name: str = Field(pattern=r"^[a-z][a-z0-9-]{0,20}$", description="Environment name, e.g. dev.")
     account: str | None = Field(default=None, pattern=r"^\d{12}$", description="AWS account id (12 digits).")
     region: str | None = Field(default=None, pattern=r"^[a-z]{2}(-gov)?-[a-z]+-\d$", description="AWS region.")
+    network: NetworkConfig = Field(
+        default_factory=NetworkConfig, description="Where the replicas run: a new VPC per deployment, or an existing one."
+    )
     deployments: tuple[Deployment, ...] = Field(min_length=1, description="What to serve in this environment.")
 
     @field_validator("deployments")
@@ -191,7 +327,8 @@ def _allowed(err: Any) -> str:
         return "unknown key; remove it or check its spelling"
     if kind == "missing":
         return "required field is missing"
-    return str(err["msg"])  # pydantic's message says what is allowed (literals, bounds, types)
+    msg = str(err["msg"])  # pydantic's message says what is allowed (literals, bounds, types)
+    return msg.removeprefix("Value error, ")
 
 
 def parse_environment(text: str, *, source: str = "<config>") -> Environment:
@@ -220,8 +357,15 @@ def parse_environment(text: str, *, source: str = "<config>") -> Environment:
             if problem["type"] == "too_short" and tuple(problem["loc"]) in deeper:
                 continue
             loc = tuple(p for p in problem["loc"] if not (isinstance(p, str) and p in ("sagemaker", "ec2", "eks")))
-            line_no = next((lines[loc[:i]] for i in range(len(loc), -1, -1) if loc[:i] in lines), 1)
-            out.append(f"{source}:{line_no}: {_fmt_loc(loc)}: {_allowed(problem)}")
+            for msg in _allowed(problem).split("\n"):
+                where = loc
+                # A cross-field check names the field to change first: "scaling.min_replicas: ...".
+                m = re.match(r"^([a-z][a-z0-9_]*(?:\.[a-z][a-z0-9_]*)*): (.*)$", msg) if problem["type"] == "value_error" else None
+                if m:
+                    where = (*loc, *m[1].split("."))
+                    msg = m[2]
+                line_no = next((lines[where[:i]] for i in range(len(where), -1, -1) if where[:i] in lines), 1)
+                out.append(f"{source}:{line_no}: {_fmt_loc(where)}: {msg}")
         raise ConfigError(out) from None
 
 

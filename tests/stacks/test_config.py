@@ -196,7 +196,7 @@ def test_not_a_mapping(text: str) -> None:
 def test_duplicate_deployment_names_rejected() -> None:
     text = BASE + BASE[BASE.index("  - name: chat") :]
     lines = problems(text)
-    assert lines == ["envs/test.yaml:3: deployments: Value error, deployment names must be unique; repeated: chat"]
+    assert lines == ["envs/test.yaml:3: deployments: deployment names must be unique; repeated: chat"]
 
 
 def test_empty_deployments_rejected() -> None:
@@ -208,7 +208,7 @@ def test_empty_deployments_rejected() -> None:
 def test_min_replicas_above_max_rejected() -> None:
     lines = problems(BASE.replace("min_replicas: 1", "min_replicas: 5"))
     assert (
-        lines[0] == "envs/test.yaml:18: deployments[0].scaling: Value error, min_replicas must not exceed max_replicas"
+        lines[0] == "envs/test.yaml:18: deployments[0].scaling: min_replicas must not exceed max_replicas"
     )
 
 
@@ -264,7 +264,6 @@ def test_plan_requests_maps_fields() -> None:
         .replace(
             "      itl_ms: 40\n", "      itl_ms: 40\n      peak_requests_per_s: 2.5\n      avg_output_tokens: 300\n"
         )
-        .replace("min_replicas: 1", "min_replicas: 0")
         .replace(
             "      kv_cache_dtypes: [auto, fp8]\n",
             "      kv_cache_dtypes: [fp8]\n"
@@ -296,8 +295,64 @@ def test_plan_requests_maps_fields() -> None:
     assert req.families == ("g5", "g6e")
     assert req.max_fleet_usd_per_hour == 40
     assert req.gpu_memory_utilization == 0.85
-    assert req.min_replicas == 1  # scale-to-zero still plans one replica
+    assert req.min_replicas == 1
     assert req.max_replicas == 3
+
+
+def test_scale_to_zero_still_plans_one_replica() -> None:
+    text = BASE.replace("platform: sagemaker", "platform: ec2").replace("min_replicas: 1", "min_replicas: 0")
+    [(_, req)] = plan_requests(parse_environment(text, source=SOURCE))
+    assert req.min_replicas == 1
+
+
+def test_sagemaker_needs_one_instance_and_points_at_the_field() -> None:
+    lines = problems(BASE.replace("min_replicas: 1", "min_replicas: 0"))
+    assert lines == [
+        "envs/test.yaml:19: deployments[0].scaling.min_replicas: a SageMaker real-time endpoint keeps at least one "
+        "instance; set 1 or more"
+    ]
+
+
+def test_cross_field_problems_each_get_a_line() -> None:
+    text = (
+        BASE.replace("platform: sagemaker", "platform: sagemaker\n      network_isolation: true")
+        .replace("min_replicas: 1", "min_replicas: 0")
+    ) + "    image:\n      source: dlc\n"
+    lines = problems(text)
+    assert [line.split(": ")[1] for line in lines] == [
+        "deployments[0].scaling.min_replicas",
+        "deployments[0].model.s3_uri",
+        "deployments[0].image.source",
+    ]
+    assert "use source kvfleet, or set scaling.max_replicas equal to min_replicas" in lines[2]
+
+
+def test_network_isolation_with_s3_model_is_accepted() -> None:
+    text = BASE.replace("platform: sagemaker", "platform: sagemaker\n      network_isolation: true").replace(
+        "      id: meta-llama/Llama-3.1-8B\n", "      id: meta-llama/Llama-3.1-8B\n      s3_uri: s3://models-bucket/llama/\n"
+    )
+    env = parse_environment(text, source=SOURCE)
+    assert env.deployments[0].model.s3_uri == "s3://models-bucket/llama/"
+
+
+@pytest.mark.parametrize(
+    ("image", "message"),
+    [
+        ("{source: uri}", "source uri needs `uri`"),
+        ("{source: dlc, tag: x}", "`repository` and `tag` are only used with source kvfleet"),
+        ("{source: kvfleet, uri: 123456789012.dkr.ecr.us-east-1.amazonaws.com/x:1}", "only used with source uri"),
+    ],
+)
+def test_image_fields_must_match_source(image: str, message: str) -> None:
+    lines = problems(BASE + f"    image: {image}\n")
+    assert any(message in line and "deployments[0].image" in line for line in lines), lines
+
+
+def test_existing_vpc_needs_subnets_and_azs() -> None:
+    text = BASE.replace("deployments:\n", "network:\n  vpc_id: vpc-0123456789abcdef0\ndeployments:\n", 1)
+    lines = problems(text)
+    assert lines[0].startswith("envs/test.yaml:3: network: ")
+    assert "private_subnet_ids in at least two AZs" in lines[0]
 
 
 def test_plan_requests_defaults() -> None:

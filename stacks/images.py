@@ -1,0 +1,129 @@
+"""Container images: the AWS Deep Learning Containers for a pinned engine release, resolved offline.
+
+The SageMaker Python SDK ships the registry table of every DLC (account per region, repository, tag);
+``sagemaker.core.image_uris`` reads it with no network and no credentials. For an environment-agnostic
+stack the region is unknown at synth, so the table for every region goes into the template as a
+CloudFormation mapping and the region picks the row at deploy time.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cache
+
+from sizing.errors import KvfleetError
+
+_URI = re.compile(r"^(?P<account>\d{12})\.dkr\.ecr\.(?P<region>[a-z0-9-]+)\.amazonaws\.com(\.cn)?/(?P<repo>[^:@]+)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EcrImage:
+    uri: str
+    account: str
+    region: str
+    repository: str
+
+
+def parse_ecr_uri(uri: str) -> EcrImage:
+    m = _URI.match(uri)
+    if m is None:
+        raise KvfleetError(f"{uri!r} is not an ECR image URI", field="image.uri")
+    return EcrImage(uri=uri, account=m["account"], region=m["region"], repository=m["repo"])
+
+
+@dataclass(frozen=True, kw_only=True)
+class DlcImage:
+    """One DLC release: its URI in each region where AWS publishes it."""
+
+    framework: str  # the SDK's name: vllm, djl-tensorrtllm
+    version: str  # the DLC release
+    engine_version: str
+    by_region: tuple[tuple[str, EcrImage], ...]
+
+    def in_region(self, region: str) -> EcrImage:
+        for r, img in self.by_region:
+            if r == region:
+                return img
+        raise KvfleetError(
+            f"the {self.framework} {self.version} container is not published in {region}; "
+            f"regions: {', '.join(r for r, _ in self.by_region)}",
+            field="region",
+        )
+
+
+def _sdk_config(framework: str) -> dict[str, object]:
+    from sagemaker.core import image_uris
+
+    return dict(image_uris.config_for_framework(framework))
+
+
+@cache
+def _releases(framework: str) -> dict[str, dict[str, object]]:
+    cfg = _sdk_config(framework)
+    versions = cfg.get("versions") or cfg.get("inference", {}).get("versions")  # type: ignore[union-attr]
+    return dict(versions)  # type: ignore[arg-type]
+
+
+@cache
+def _retrieve(framework: str, version: str, region: str, instance_type: str) -> str:
+    from sagemaker.core import image_uris
+
+    return str(image_uris.retrieve(framework=framework, region=region, version=version, instance_type=instance_type))
+
+
+def _norm(v: str) -> str:
+    parts = v.split(".")
+    while len(parts) < 3:
+        parts.append("0")
+    return ".".join(parts)
+
+
+def dlc_image(*, engine: str, engine_version: str, instance_type: str) -> DlcImage:
+    """The DLC that runs ``engine`` at ``engine_version`` (vLLM DLC, or DJL's TensorRT-LLM image)."""
+    if engine == "vllm":
+        framework = "vllm"
+        releases = _releases(framework)
+        want = _norm(engine_version)
+        if want not in releases:
+            raise KvfleetError(
+                f"no AWS vLLM container for vLLM {engine_version}; published: {', '.join(sorted(releases, key=_key))}"
+                " (pin engine.version to one of them, or build containers/vllm and use image.source kvfleet)",
+                field="engine.version",
+            )
+        dlc_version = want
+    else:
+        framework = "djl-tensorrtllm"
+        releases = _releases(framework)
+        # DJL's tag names the TensorRT-LLM it bundles: 0.33.0-tensorrtllm0.21.0-cu128.
+        bundled = {
+            str(v["tag_prefix"]).split("tensorrtllm")[1].split("-")[0]: k  # type: ignore[index]
+            for k, v in releases.items()
+            if "tensorrtllm" in str(v.get("tag_prefix", ""))  # type: ignore[union-attr]
+        }
+        want = _norm(engine_version)
+        if want not in bundled:
+            raise KvfleetError(
+                f"no AWS DJL container bundles TensorRT-LLM {engine_version}; bundled: "
+                f"{', '.join(sorted(bundled, key=_key))} (pin engine.version to one of them, or build "
+                "containers/trtllm and use image.source kvfleet)",
+                field="engine.version",
+            )
+        dlc_version = bundled[want]
+    registries: dict[str, str] = releases[dlc_version]["registries"]  # type: ignore[assignment]
+    # One SDK call builds the URI (its tag format differs per framework); every other region differs only
+    # in registry account and region, which the same table gives.
+    ref_region = "us-east-1" if "us-east-1" in registries else sorted(registries)[0]
+    ref = parse_ecr_uri(_retrieve(framework, dlc_version, ref_region, instance_type))
+    tail = ref.uri.split(".amazonaws.com", 1)[1]
+    rows = []
+    for region in sorted(registries):
+        if not re.fullmatch(r"[a-z]{2}-[a-z]+-\d", region):
+            continue  # other partitions (China, GovCloud ISO) use other domains and ARNs
+        uri = f"{registries[region]}.dkr.ecr.{region}.amazonaws.com{tail}"
+        rows.append((region, parse_ecr_uri(uri)))
+    return DlcImage(framework=framework, version=dlc_version, engine_version=engine_version, by_region=tuple(rows))
+
+
+def _key(v: str) -> tuple[int, ...]:
+    return tuple(int(p) if p.isdigit() else 0 for p in re.split(r"[.\-]", v))
