@@ -4,6 +4,10 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 ENV ?= dev
+CDK := node_modules/.bin/cdk
+# Offline and quiet: no CLI telemetry, and no jsii banner about Node 20's end of life.
+export CDK_DISABLE_CLI_TELEMETRY := true
+export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 
 .PHONY: synth test lint typecheck unit bench clean
 
@@ -15,8 +19,16 @@ $(BIN)/kvfleet: pyproject.toml
 
 venv: $(BIN)/kvfleet
 
-synth: $(BIN)/kvfleet
+# The CDK CLI, pinned by package-lock.json.
+$(CDK): package.json package-lock.json
+	npm ci --no-audit --no-fund --loglevel=error
+	@touch $@
+
+# Plan, then synthesize with CloudFormation validation and cdk-nag on: templates land in cdk.out/.
+synth: $(BIN)/kvfleet $(CDK)
 	$(BIN)/kvfleet plan environments/$(ENV).yaml
+	$(CDK) synth -c env=$(ENV) --quiet
+	@echo "synthesized environments/$(ENV).yaml into cdk.out/"
 
 lint: $(BIN)/kvfleet
 	$(BIN)/ruff check .
@@ -25,7 +37,7 @@ lint: $(BIN)/kvfleet
 typecheck: $(BIN)/kvfleet
 	$(BIN)/mypy sizing stacks
 
-unit: $(BIN)/kvfleet
+unit: $(BIN)/kvfleet $(CDK)
 	$(BIN)/pytest -q
 
 test: lint typecheck unit
@@ -35,4 +47,4 @@ bench: $(BIN)/kvfleet
 	$(BIN)/python benchmarks/cli_startup.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache cdk.out
+	rm -rf $(VENV) node_modules .pytest_cache .mypy_cache .ruff_cache cdk.out

@@ -248,7 +248,9 @@ class Deployment(_Frozen):
         t = self.target
         if isinstance(t, SageMakerTarget):
             if self.scaling.min_replicas < 1:
-                problems.append("scaling.min_replicas: a SageMaker real-time endpoint keeps at least one instance; set 1 or more")
+                problems.append(
+                    "scaling.min_replicas: a SageMaker real-time endpoint keeps at least one instance; set 1 or more"
+                )
             if t.network_isolation and self.model.s3_uri is None:
                 problems.append(
                     "model.s3_uri: required with target.network_isolation, which leaves the container no network to "
@@ -276,7 +278,8 @@ class Environment(_Frozen):
     account: str | None = Field(default=None, pattern=r"^\d{12}$", description="AWS account id (12 digits).")
     region: str | None = Field(default=None, pattern=r"^[a-z]{2}(-gov)?-[a-z]+-\d$", description="AWS region.")
     network: NetworkConfig = Field(
-        default_factory=NetworkConfig, description="Where the replicas run: a new VPC per deployment, or an existing one."
+        default_factory=NetworkConfig,
+        description="Where the replicas run: a new VPC per deployment, or an existing one.",
     )
     deployments: tuple[Deployment, ...] = Field(min_length=1, description="What to serve in this environment.")
 
@@ -357,10 +360,14 @@ def parse_environment(text: str, *, source: str = "<config>") -> Environment:
             if problem["type"] == "too_short" and tuple(problem["loc"]) in deeper:
                 continue
             loc = tuple(p for p in problem["loc"] if not (isinstance(p, str) and p in ("sagemaker", "ec2", "eks")))
-            for msg in _allowed(problem).split("\n"):
-                where = loc
+            for problem_text in _allowed(problem).split("\n"):
+                where, msg = loc, problem_text
                 # A cross-field check names the field to change first: "scaling.min_replicas: ...".
-                m = re.match(r"^([a-z][a-z0-9_]*(?:\.[a-z][a-z0-9_]*)*): (.*)$", msg) if problem["type"] == "value_error" else None
+                m = (
+                    re.match(r"^([a-z][a-z0-9_]*(?:\.[a-z][a-z0-9_]*)*): (.*)$", problem_text)
+                    if problem["type"] == "value_error"
+                    else None
+                )
                 if m:
                     where = (*loc, *m[1].split("."))
                     msg = m[2]

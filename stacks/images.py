@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 from sizing.errors import KvfleetError
 
@@ -52,17 +53,14 @@ class DlcImage:
         )
 
 
-def _sdk_config(framework: str) -> dict[str, object]:
+@cache
+def _releases(framework: str) -> dict[str, dict[str, Any]]:
+    """The SDK's table for ``framework``: release -> {registries, repository, tag_prefix, ...}."""
     from sagemaker.core import image_uris
 
-    return dict(image_uris.config_for_framework(framework))
-
-
-@cache
-def _releases(framework: str) -> dict[str, dict[str, object]]:
-    cfg = _sdk_config(framework)
-    versions = cfg.get("versions") or cfg.get("inference", {}).get("versions")  # type: ignore[union-attr]
-    return dict(versions)  # type: ignore[arg-type]
+    cfg: dict[str, Any] = image_uris.config_for_framework(framework)
+    versions = cfg.get("versions") or cfg.get("inference", {}).get("versions")
+    return dict(versions or {})
 
 
 @cache
@@ -97,9 +95,9 @@ def dlc_image(*, engine: str, engine_version: str, instance_type: str) -> DlcIma
         releases = _releases(framework)
         # DJL's tag names the TensorRT-LLM it bundles: 0.33.0-tensorrtllm0.21.0-cu128.
         bundled = {
-            str(v["tag_prefix"]).split("tensorrtllm")[1].split("-")[0]: k  # type: ignore[index]
+            str(v["tag_prefix"]).split("tensorrtllm")[1].split("-")[0]: k
             for k, v in releases.items()
-            if "tensorrtllm" in str(v.get("tag_prefix", ""))  # type: ignore[union-attr]
+            if "tensorrtllm" in str(v.get("tag_prefix", ""))
         }
         want = _norm(engine_version)
         if want not in bundled:
@@ -110,7 +108,7 @@ def dlc_image(*, engine: str, engine_version: str, instance_type: str) -> DlcIma
                 field="engine.version",
             )
         dlc_version = bundled[want]
-    registries: dict[str, str] = releases[dlc_version]["registries"]  # type: ignore[assignment]
+    registries: dict[str, str] = releases[dlc_version]["registries"]
     # One SDK call builds the URI (its tag format differs per framework); every other region differs only
     # in registry account and region, which the same table gives.
     ref_region = "us-east-1" if "us-east-1" in registries else sorted(registries)[0]

@@ -54,7 +54,9 @@ class ServingNetwork(Construct):
                     ),
                 ]
                 if config.nat_gateways
-                else [ec2.SubnetConfiguration(name="serving", subnet_type=ec2.SubnetType.PRIVATE_ISOLATED, cidr_mask=20)],
+                else [
+                    ec2.SubnetConfiguration(name="serving", subnet_type=ec2.SubnetType.PRIVATE_ISOLATED, cidr_mask=20)
+                ],
                 restrict_default_security_group=True,
             )
             flow_logs = logs.LogGroup(
@@ -65,7 +67,10 @@ class ServingNetwork(Construct):
             vpc.add_gateway_endpoint("S3", service=ec2.GatewayVpcEndpointAwsService.S3)
             # Only the serving replicas reach the interface endpoints (not the whole VPC CIDR).
             self.endpoint_security_group = ec2.SecurityGroup(
-                self, "EndpointSecurityGroup", vpc=vpc, description="kvfleet VPC interface endpoints",
+                self,
+                "EndpointSecurityGroup",
+                vpc=vpc,
+                description="kvfleet VPC interface endpoints",
                 allow_all_outbound=False,
             )
             for name, svc in (
@@ -76,7 +81,10 @@ class ServingNetwork(Construct):
                 ("SecretsManager", ec2.InterfaceVpcEndpointAwsService.SECRETS_MANAGER),
             ):
                 vpc.add_interface_endpoint(
-                    name, service=svc, private_dns_enabled=True, open=False,
+                    name,
+                    service=svc,
+                    private_dns_enabled=True,
+                    open=False,
                     security_groups=[self.endpoint_security_group],
                 )
             self.vpc = vpc

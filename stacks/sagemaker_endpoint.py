@@ -94,14 +94,14 @@ class SageMakerEndpoint(Construct):
         )
         acknowledge(
             policy,
-            f"AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:logs:<AWS::Region>:<AWS::AccountId>:log-group:"
-            f"/aws/sagemaker/Endpoints/*]",
+            "AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:logs:<AWS::Region>:<AWS::AccountId>:log-group:"
+            "/aws/sagemaker/Endpoints/*]",
             "SageMaker names the endpoint's log group after the generated endpoint name, unknown until deploy.",
         )
         acknowledge(
             policy,
-            f"AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:logs:<AWS::Region>:<AWS::AccountId>:log-group:"
-            f"/aws/sagemaker/Endpoints/*:log-stream:*]",
+            "AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:logs:<AWS::Region>:<AWS::AccountId>:log-group:"
+            "/aws/sagemaker/Endpoints/*:log-stream:*]",
             "One log stream per instance and container, named by SageMaker at launch.",
         )
 
@@ -142,8 +142,10 @@ class SageMakerEndpoint(Construct):
             self.key = kms.Key(
                 self, "StorageKey", enable_key_rotation=True, description=f"kvfleet {r.deployment_id} volumes"
             )
-            self.key.grant_encrypt_decrypt(self.role)
-            self.key.grant(self.role, "kms:CreateGrant", "kms:DescribeKey")
+            # Named actions (grant_encrypt_decrypt would add GenerateDataKey* / ReEncrypt* wildcards).
+            self.key.grant(
+                self.role, "kms:Encrypt", "kms:Decrypt", "kms:GenerateDataKey", "kms:CreateGrant", "kms:DescribeKey"
+            )
 
         self.model = sagemaker.CfnModel(
             self,
@@ -220,7 +222,9 @@ class SageMakerEndpoint(Construct):
                 auto_rollback_configuration=rollback if rollback_alarms else None,
             )
         self.endpoint = sagemaker.CfnEndpoint(
-            self, "Endpoint", endpoint_config_name=self.endpoint_config.attr_endpoint_config_name,
+            self,
+            "Endpoint",
+            endpoint_config_name=self.endpoint_config.attr_endpoint_config_name,
             deployment_config=deployment,
         )
         self.endpoint_name = self.endpoint.attr_endpoint_name
@@ -291,13 +295,17 @@ class SageMakerEndpoint(Construct):
                 table = CfnMapping(
                     self,
                     "DlcImage",
-                    mapping={reg: {"uri": e.uri, "account": e.account} for reg, e in dlc.by_region},
+                    mapping={reg: {"uri": row.uri, "account": row.account} for reg, row in dlc.by_region},
                 )
                 uri = table.find_in_map(Aws.REGION, "uri")
-                repo = dlc.by_region[0][1].repository
+                repo_name = dlc.by_region[0][1].repository  # the same in every region
                 repo_arn = Fn.join(
                     "",
-                    [f"arn:{Aws.PARTITION}:ecr:{Aws.REGION}:", table.find_in_map(Aws.REGION, "account"), f":repository/{repo}"],
+                    [
+                        f"arn:{Aws.PARTITION}:ecr:{Aws.REGION}:",
+                        table.find_in_map(Aws.REGION, "account"),
+                        f":repository/{repo_name}",
+                    ],
                 )
         policy.add_statements(
             iam.PolicyStatement(actions=pull, resources=[repo_arn]),

@@ -207,9 +207,7 @@ def test_empty_deployments_rejected() -> None:
 
 def test_min_replicas_above_max_rejected() -> None:
     lines = problems(BASE.replace("min_replicas: 1", "min_replicas: 5"))
-    assert (
-        lines[0] == "envs/test.yaml:18: deployments[0].scaling: min_replicas must not exceed max_replicas"
-    )
+    assert lines[0] == "envs/test.yaml:18: deployments[0].scaling: min_replicas must not exceed max_replicas"
 
 
 def test_average_above_max_rejected() -> None:
@@ -315,8 +313,9 @@ def test_sagemaker_needs_one_instance_and_points_at_the_field() -> None:
 
 def test_cross_field_problems_each_get_a_line() -> None:
     text = (
-        BASE.replace("platform: sagemaker", "platform: sagemaker\n      network_isolation: true")
-        .replace("min_replicas: 1", "min_replicas: 0")
+        BASE.replace("platform: sagemaker", "platform: sagemaker\n      network_isolation: true").replace(
+            "min_replicas: 1", "min_replicas: 0"
+        )
     ) + "    image:\n      source: dlc\n"
     lines = problems(text)
     assert [line.split(": ")[1] for line in lines] == [
@@ -329,7 +328,8 @@ def test_cross_field_problems_each_get_a_line() -> None:
 
 def test_network_isolation_with_s3_model_is_accepted() -> None:
     text = BASE.replace("platform: sagemaker", "platform: sagemaker\n      network_isolation: true").replace(
-        "      id: meta-llama/Llama-3.1-8B\n", "      id: meta-llama/Llama-3.1-8B\n      s3_uri: s3://models-bucket/llama/\n"
+        "      id: meta-llama/Llama-3.1-8B\n",
+        "      id: meta-llama/Llama-3.1-8B\n      s3_uri: s3://models-bucket/llama/\n",
     )
     env = parse_environment(text, source=SOURCE)
     assert env.deployments[0].model.s3_uri == "s3://models-bucket/llama/"
