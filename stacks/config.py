@@ -209,19 +209,51 @@ Target = Annotated[SageMakerTarget | Ec2Target | EksTarget, Field(discriminator=
 
 
 class ScalingConfig(_Frozen):
-    min_replicas: int = Field(default=1, ge=0, description="Replicas kept at all times (0 allows scale to zero).")
-    max_replicas: int = Field(default=4, ge=1, description="Upper bound for autoscaling.")
+    """Autoscaling on the two signals that run out under LLM traffic.
+
+    Two target-tracking policies run side by side; the one asking for more replicas wins, so the fleet
+    grows when either the cache fills or the queue builds. Scale-out reacts within a minute; scale-in
+    waits at least 15 minutes (and twice the drain budget) because a replica takes minutes to load a
+    model and every removed replica first drains its generations.
+    """
+
+    min_replicas: int = Field(
+        default=1,
+        ge=0,
+        description="Replicas kept at all times. SageMaker endpoints need 1 or more; 0 allows scale to zero elsewhere.",
+    )
+    max_replicas: int = Field(
+        default=4, ge=1, description="Upper bound for autoscaling (and for the plan's replica count)."
+    )
     kv_cache_utilization_target: float = Field(
         default=0.75,
         gt=0,
         lt=1,
-        description="Scale out when average KV-cache use passes this fraction: above ~0.9 the engine preempts.",
+        description=(
+            "Average fraction of KV-cache blocks in use to hold the fleet at. The cache is sized for "
+            "max_num_seqs full-length sequences, so typical traffic sits well below 1; past about 0.9 new "
+            "sequences wait for blocks or running ones are preempted and recomputed. 0.75 leaves room for the "
+            "minutes a new replica takes to load; lower it for spiky traffic or slow-loading models."
+        ),
     )
     queue_depth_target: float = Field(
-        default=2.0, gt=0, description="Waiting requests per replica to track: queued requests are TTFT."
+        default=2.0,
+        gt=0,
+        description=(
+            "Requests waiting (not yet scheduled) per replica to hold the fleet at. Every waiting request is "
+            "time-to-first-token already spent; a short queue keeps the batch full without TTFT growing. This "
+            "catches what the cache signal misses: requests held back by max_num_seqs while blocks are free."
+        ),
     )
     drain_budget_s: int = Field(
-        default=300, ge=0, le=3600, description="Seconds a replica may take to finish in-flight generations."
+        default=300,
+        ge=0,
+        le=3600,
+        description=(
+            "Seconds a replica that is being removed may take to finish its in-flight generations (set it "
+            "above your longest generation: max_output_tokens x inter-token latency). Endpoint updates wait "
+            "this long before removing the old instances."
+        ),
     )
 
     @model_validator(mode="after")
