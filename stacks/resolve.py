@@ -93,9 +93,9 @@ class ResolvedDeployment:
         env = {
             signals.ENV_ENGINE: self.engine,
             signals.ENV_ENGINE_VERSION: self.deployment.engine.version,
-            "KVFLEET_MODEL": self.model_location,
-            "KVFLEET_ENGINE_ARGS": json.dumps(_engine_args(self.engine_settings), sort_keys=True),
-            "KVFLEET_PORT": str(SERVING_PORT),
+            signals.ENV_MODEL: self.model_location,
+            signals.ENV_ENGINE_ARGS: json.dumps(_engine_args(self.engine_settings), sort_keys=True),
+            signals.ENV_PORT: str(SERVING_PORT),
             signals.ENV_DEPLOYMENT: self.deployment_id,
             signals.ENV_NAMESPACE: signals.NAMESPACE,
             signals.ENV_DRAIN_BUDGET_S: str(self.deployment.scaling.drain_budget_s),

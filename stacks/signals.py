@@ -34,6 +34,9 @@ ENV_DRAIN_BUDGET_S = "KVFLEET_DRAIN_BUDGET_S"
 ENV_TOKEN_BUDGET = "KVFLEET_TOKEN_BUDGET"  # KV tokens one replica holds (token-aware admission)
 ENV_ENGINE = "KVFLEET_ENGINE"
 ENV_ENGINE_VERSION = "KVFLEET_ENGINE_VERSION"
+ENV_MODEL = "KVFLEET_MODEL"  # a local directory or a Hugging Face id
+ENV_ENGINE_ARGS = "KVFLEET_ENGINE_ARGS"  # JSON: vLLM flags without "--", or TensorRT-LLM LLM-API options
+ENV_PORT = "KVFLEET_PORT"  # the agent's public port
 ENV_HF_TOKEN_SECRET_ARN = "KVFLEET_HF_TOKEN_SECRET_ARN"
 ENV_PUT_METRIC_DATA = "KVFLEET_PUT_METRIC_DATA"  # "1": also call PutMetricData (needs network)
 
