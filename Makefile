@@ -52,9 +52,10 @@ unit: $(BIN)/kvfleet $(CDK) $(VLLM_VENV)/.installed
 
 test: lint typecheck unit
 
-bench: $(BIN)/kvfleet
+bench: $(BIN)/kvfleet $(VLLM_VENV)/.installed
 	$(BIN)/pytest benchmarks --benchmark-only --benchmark-enable -p no:cacheprovider
 	$(BIN)/python benchmarks/cli_startup.py
+	KVFLEET_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python benchmarks/agent_overhead.py --engine vllm
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) node_modules .pytest_cache .mypy_cache .ruff_cache cdk.out

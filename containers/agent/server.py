@@ -105,8 +105,13 @@ class Agent:
 
     async def start(self, *, serve: bool = True) -> None:
         connector = aiohttp.TCPConnector(limit=0, force_close=False)
+        # No cookie jar, no decompression: the engine sets no cookies and the body passes through as is;
+        # both cost time on every request otherwise.
         self._session = aiohttp.ClientSession(
-            connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_connect=5), auto_decompress=False
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+            auto_decompress=False,
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
         self.engine.start()
         self._background.append(asyncio.create_task(self._metrics_loop(), name="metrics"))
