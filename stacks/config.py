@@ -194,8 +194,70 @@ class SageMakerTarget(_Frozen):
         return self
 
 
+class LoadBalancerConfig(_Frozen):
+    internal: bool = Field(default=True, description="An internal load balancer (reachable from inside the VPC).")
+    certificate_arn: str | None = Field(
+        default=None,
+        pattern=r"^arn:aws[a-z-]*:acm:[a-z0-9-]+:\d{12}:certificate/[0-9a-f-]+$",
+        description="ACM certificate: serve HTTPS on 443 with it (default: HTTP on 80 inside the VPC).",
+    )
+    allowed_cidrs: tuple[str, ...] = Field(
+        default=(),
+        description="Client networks allowed to reach the load balancer. Default: the VPC's own CIDR.",
+    )
+    idle_timeout_s: int = Field(
+        default=900,
+        ge=60,
+        le=4000,
+        description="Seconds a connection may stay silent: a non-streaming generation sends nothing until done.",
+    )
+
+    @field_validator("allowed_cidrs")
+    @classmethod
+    def _cidrs(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        import ipaddress
+
+        for c in v:
+            try:
+                net = ipaddress.ip_network(c, strict=True)
+            except ValueError:
+                raise ValueError(f"not a CIDR block: {c}") from None
+            if net.prefixlen == 0:
+                raise ValueError(f"{c} opens the load balancer to every address; name your client networks")
+        return v
+
+
+class WarmPoolConfig(_Frozen):
+    enabled: bool = Field(
+        default=False, description="Keep pre-initialized instances so scale-out skips boot and image pull."
+    )
+    min_size: int = Field(default=0, ge=0, description="Instances kept in the warm pool at least.")
+    state: Literal["Stopped", "Running", "Hibernated"] = Field(
+        default="Stopped", description="Stopped: pay only for volumes; Running: fastest, pay for the instances."
+    )
+
+
 class Ec2Target(_Frozen):
     platform: Literal["ec2"] = Field(description="An EC2 GPU Auto Scaling group behind a load balancer.")
+    load_balancer: LoadBalancerConfig = Field(default_factory=LoadBalancerConfig)
+    warm_pool: WarmPoolConfig = Field(default_factory=WarmPoolConfig)
+    ami_parameter: str = Field(
+        default="/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-amazon-linux-2023/latest/ami-id",
+        pattern=r"^/aws/service/[A-Za-z0-9_./-]+$",
+        description=(
+            "Public SSM parameter of the GPU AMI (NVIDIA driver, Docker and the container toolkit), resolved at "
+            "deploy time. Default: the Deep Learning Base OSS NVIDIA Driver AMI on Amazon Linux 2023."
+        ),
+    )
+    min_healthy_percent: int = Field(
+        default=90, ge=0, le=100, description="Share of the fleet kept in service while instances are replaced."
+    )
+    capacity_rebalance: bool = Field(
+        default=True, description="Replace instances at elevated risk of interruption before they are reclaimed."
+    )
+    shm_size_gib: int = Field(
+        default=16, ge=1, le=512, description="Shared memory for the engine (tensor parallelism)."
+    )
 
 
 class EksTarget(_Frozen):
@@ -314,6 +376,17 @@ class Environment(_Frozen):
         description="Where the replicas run: a new VPC per deployment, or an existing one.",
     )
     deployments: tuple[Deployment, ...] = Field(min_length=1, description="What to serve in this environment.")
+
+    @model_validator(mode="after")
+    def _network_fits_targets(self) -> Environment:
+        if self.network.vpc_id is not None:
+            for d in self.deployments:
+                if isinstance(d.target, Ec2Target) and not d.target.load_balancer.allowed_cidrs:
+                    raise ValueError(
+                        f"network.vpc_id: deployment {d.name} needs target.load_balancer.allowed_cidrs with an "
+                        "existing VPC (its CIDR is not looked up at synth)"
+                    )
+        return self
 
     @field_validator("deployments")
     @classmethod

@@ -5,7 +5,8 @@ from __future__ import annotations
 from aws_cdk import CfnOutput, Environment, Stack, Tags
 from constructs import Construct
 
-from stacks.config import SageMakerTarget
+from stacks.config import Ec2Target, SageMakerTarget
+from stacks.ec2_fleet import Ec2Fleet
 from stacks.monitoring import ServingMonitoring
 from stacks.network import ServingNetwork
 from stacks.resolve import ResolvedDeployment
@@ -33,11 +34,33 @@ class DeploymentStack(Stack):
         ):
             Tags.of(self).add(key, value)
 
-        network = ServingNetwork(self, "Network", config=env_cfg.network, region=env_cfg.region if explicit else None)
         target = r.deployment.target
-        if not isinstance(target, SageMakerTarget):
-            raise NotImplementedError(f"target {target.platform} is not built by this stack")
+        network = ServingNetwork(
+            self,
+            "Network",
+            config=env_cfg.network,
+            region=env_cfg.region if explicit else None,
+            fleet=isinstance(target, Ec2Target),
+        )
         signals_published = r.deployment.image.source != "dlc"
+        self.network = network
+        if isinstance(target, Ec2Target):
+            monitoring = ServingMonitoring(
+                self,
+                "Monitoring",
+                deployment_id=r.deployment_id,
+                scaling=r.deployment.scaling,
+                signals_published=signals_published,
+            )
+            fleet = Ec2Fleet(self, "Fleet", resolved=r, target=target, network=network, region=env_cfg.region)
+            dashboard = monitoring.add_dashboard(fleet.platform_metrics)
+            CfnOutput(self, "LoadBalancerDns", value=fleet.load_balancer.load_balancer_dns_name)
+            CfnOutput(self, "Dashboard", value=dashboard.dashboard_name)
+            self.fleet = fleet
+            self.monitoring = monitoring
+            return
+        if not isinstance(target, SageMakerTarget):
+            raise NotImplementedError(f"target {target.platform} is not built by this stack yet")
 
         # The signal alarms come first: the endpoint's update rolls back on them.
         monitoring = ServingMonitoring(

@@ -13,11 +13,15 @@ from constructs import Construct
 
 from stacks.config import NetworkConfig
 
+VPC_CIDR = "10.64.0.0/16"
+
 
 class ServingNetwork(Construct):
     """A VPC, private subnets for the serving instances and a security group for them."""
 
-    def __init__(self, scope: Construct, id: str, *, config: NetworkConfig, region: str | None) -> None:
+    def __init__(
+        self, scope: Construct, id: str, *, config: NetworkConfig, region: str | None, fleet: bool = False
+    ) -> None:
         super().__init__(scope, id)
         self.vpc: ec2.IVpc
         if config.vpc_id is not None:
@@ -29,6 +33,8 @@ class ServingNetwork(Construct):
                 private_subnet_ids=list(config.private_subnet_ids),
             )
             self.subnet_ids = list(config.private_subnet_ids)
+            self.cidr: str | None = None  # not looked up: callers that need it ask the config
+            self.subnet_selection = ec2.SubnetSelection(subnets=self.vpc.private_subnets)
         else:
             azs = list(config.availability_zones) or None
             if azs is None and region is not None:
@@ -37,7 +43,7 @@ class ServingNetwork(Construct):
             vpc = ec2.Vpc(
                 self,
                 "Vpc",
-                ip_addresses=ec2.IpAddresses.cidr("10.64.0.0/16"),
+                ip_addresses=ec2.IpAddresses.cidr(VPC_CIDR),
                 max_azs=None if azs else config.max_azs,
                 availability_zones=azs,
                 nat_gateways=config.nat_gateways,
@@ -79,6 +85,17 @@ class ServingNetwork(Construct):
                 ("Logs", ec2.InterfaceVpcEndpointAwsService.CLOUDWATCH_LOGS),
                 ("Monitoring", ec2.InterfaceVpcEndpointAwsService.CLOUDWATCH_MONITORING),
                 ("SecretsManager", ec2.InterfaceVpcEndpointAwsService.SECRETS_MANAGER),
+                # Instances of a fleet: Session Manager, and the lifecycle calls of the draining agent.
+                *(
+                    (
+                        ("Ssm", ec2.InterfaceVpcEndpointAwsService.SSM),
+                        ("SsmMessages", ec2.InterfaceVpcEndpointAwsService.SSM_MESSAGES),
+                        ("Ec2Messages", ec2.InterfaceVpcEndpointAwsService.EC2_MESSAGES),
+                        ("AutoScaling", ec2.InterfaceVpcEndpointAwsService.AUTOSCALING),
+                    )
+                    if fleet
+                    else ()
+                ),
             ):
                 vpc.add_interface_endpoint(
                     name,
@@ -89,6 +106,8 @@ class ServingNetwork(Construct):
                 )
             self.vpc = vpc
             self.subnet_ids = vpc.select_subnets(subnet_group_name="serving").subnet_ids
+            self.cidr = VPC_CIDR
+            self.subnet_selection = ec2.SubnetSelection(subnet_group_name="serving")
 
         self.security_group = ec2.SecurityGroup(
             self,

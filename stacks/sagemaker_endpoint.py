@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-from aws_cdk import Acknowledgment, Aws, CfnMapping, Duration, Fn, Validations
+from aws_cdk import Aws, Duration
 from aws_cdk import aws_applicationautoscaling as appscaling
 from aws_cdk import aws_cloudwatch as cw
 from aws_cdk import aws_ec2 as ec2
-from aws_cdk import aws_ecr as ecr
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_kms as kms
 from aws_cdk import aws_sagemaker as sagemaker
-from aws_cdk import aws_secretsmanager as secretsmanager
 from constructs import Construct
 
 from stacks import signals
+from stacks.common import acknowledge, grant_model_read, grant_token_read, serving_image
 from stacks.config import SageMakerTarget
-from stacks.images import dlc_image, parse_ecr_uri
 from stacks.monitoring import PERIOD, PlatformMetrics, signal_metric
 from stacks.resolve import ResolvedDeployment
 
@@ -24,11 +22,6 @@ SCALE_OUT_COOLDOWN = Duration.seconds(60)  # fast: queued requests are TTFT alre
 # Slow: a replica takes minutes to load a model, so removing one that is needed again soon is expensive,
 # and every scale-in drains in-flight generations first.
 SCALE_IN_COOLDOWN_MIN_S = 900
-
-
-def acknowledge(scope: Construct, finding: str, reason: str) -> None:
-    """Accept one cdk-nag finding on ``scope``, with the reason, next to what causes it."""
-    Validations.of(scope).acknowledge(Acknowledgment(id=finding, reason=reason))
 
 
 class SageMakerEndpoint(Construct):
@@ -56,7 +49,7 @@ class SageMakerEndpoint(Construct):
             description=f"kvfleet {r.deployment_id}: pull the image, read the model, write logs and metrics",
         )
         policy = iam.Policy(self, "ExecutionPolicy", roles=[self.role])
-        image_uri = self._image(r, policy, region)
+        image_uri = serving_image(self, r, policy, region)
 
         log_groups = f"arn:{Aws.PARTITION}:logs:{Aws.REGION}:{Aws.ACCOUNT_ID}:log-group:/aws/sagemaker/Endpoints/*"
         policy.add_statements(
@@ -107,34 +100,14 @@ class SageMakerEndpoint(Construct):
 
         model_data = None
         if d.model.s3_uri:
-            bucket, _, prefix = d.model.s3_uri.removeprefix("s3://").partition("/")
-            prefix = prefix.rstrip("/") + "/" if prefix else ""
-            objects = f"arn:{Aws.PARTITION}:s3:::{bucket}/{prefix}*"
-            policy.add_statements(
-                iam.PolicyStatement(actions=["s3:GetObject"], resources=[objects]),
-                iam.PolicyStatement(
-                    actions=["s3:ListBucket"],
-                    resources=[f"arn:{Aws.PARTITION}:s3:::{bucket}"],
-                    conditions={"StringLike": {"s3:prefix": [f"{prefix}*"]}} if prefix else None,
-                ),
-            )
-            acknowledge(
-                policy,
-                f"AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:s3:::{bucket}/{prefix}*]",
-                "Read access to the model's own S3 prefix: its file names (shards, tokenizer) are the checkpoint's.",
-            )
+            model_prefix = grant_model_read(policy, d.model.s3_uri)
             model_data = sagemaker.CfnModel.ModelDataSourceProperty(
                 s3_data_source=sagemaker.CfnModel.S3DataSourceProperty(
-                    s3_uri=f"s3://{bucket}/{prefix}", s3_data_type="S3Prefix", compression_type="None"
+                    s3_uri=model_prefix, s3_data_type="S3Prefix", compression_type="None"
                 )
             )
         if d.model.hf_token_secret and not target.network_isolation:
-            secret = (
-                secretsmanager.Secret.from_secret_complete_arn(self, "HfToken", d.model.hf_token_secret)
-                if d.model.hf_token_secret.startswith("arn:")
-                else secretsmanager.Secret.from_secret_name_v2(self, "HfToken", d.model.hf_token_secret)
-            )
-            secret.grant_read(policy)
+            grant_token_read(self, policy, d.model.hf_token_secret)
 
         self.key: kms.Key | None = None
         if not local_storage:
@@ -271,47 +244,6 @@ class SageMakerEndpoint(Construct):
             period=PERIOD,
             label=label,
         )
-
-    def _image(self, r: ResolvedDeployment, policy: iam.Policy, region: str | None) -> str:
-        img = r.deployment.image
-        pull = ["ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer", "ecr:BatchCheckLayerAvailability"]
-        if img.source == "kvfleet":
-            repo = ecr.Repository.from_repository_name(self, "ImageRepository", img.repository or f"kvfleet-{r.engine}")
-            repo.grant_pull(policy)
-            return repo.repository_uri_for_tag(img.tag or r.deployment.engine.version)
-        if img.source == "uri":
-            assert img.uri is not None
-            e = parse_ecr_uri(img.uri)
-            repo_arn = f"arn:{Aws.PARTITION}:ecr:{e.region}:{e.account}:repository/{e.repository}"
-            uri = img.uri
-        else:
-            dlc = dlc_image(engine=r.engine, engine_version=r.deployment.engine.version, instance_type=r.instance_type)
-            if region is not None:
-                e = dlc.in_region(region)
-                repo_arn = f"arn:{Aws.PARTITION}:ecr:{e.region}:{e.account}:repository/{e.repository}"
-                uri = e.uri
-            else:
-                # Region unknown at synth: every region's URI goes into the template, the stack's region picks.
-                table = CfnMapping(
-                    self,
-                    "DlcImage",
-                    mapping={reg: {"uri": row.uri, "account": row.account} for reg, row in dlc.by_region},
-                )
-                uri = table.find_in_map(Aws.REGION, "uri")
-                repo_name = dlc.by_region[0][1].repository  # the same in every region
-                repo_arn = Fn.join(
-                    "",
-                    [
-                        f"arn:{Aws.PARTITION}:ecr:{Aws.REGION}:",
-                        table.find_in_map(Aws.REGION, "account"),
-                        f":repository/{repo_name}",
-                    ],
-                )
-        policy.add_statements(
-            iam.PolicyStatement(actions=pull, resources=[repo_arn]),
-            iam.PolicyStatement(actions=["ecr:GetAuthorizationToken"], resources=["*"]),
-        )
-        return uri
 
 
 def _update_timeout(r: ResolvedDeployment, drain_s: int, *, batches: int) -> int:

@@ -1,0 +1,384 @@
+"""EC2 scale-in, end to end except AWS: a termination lifecycle hook drains the agent in front of a REAL vLLM.
+
+The agent serves a tiny Llama on vLLM's CPU build while its lifecycle watcher polls a fake IMDSv2 server. Eight
+streaming generations are running when the instance's target lifecycle state flips from InService to Terminated.
+The test proves the whole path the group relies on: readiness turns 503 within a poll or two, new requests are
+turned away with 503 + Retry-After, every in-flight stream runs to its full length, the lifecycle action is kept
+alive with heartbeats while the drain lasts, and CompleteLifecycleAction(CONTINUE) is called once, only after the
+last stream ended. Nothing reaches AWS before the flip. The Auto Scaling API is a real boto3 client under a
+botocore Stubber (moto implements neither heartbeats nor completion).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import subprocess
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import boto3
+import pytest
+from aiohttp import web
+from botocore.stub import Stubber  # type: ignore[import-untyped]
+
+from containers.agent import lifecycle
+from containers.agent.lifecycle import Imds, LifecycleWatcher
+from tests.containers.agent.harness import Running, running, settings, stream_completion
+
+REPO = Path(__file__).resolve().parents[3]
+VLLM_PYTHON = Path(os.environ.get("KVFLEET_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
+
+if not VLLM_PYTHON.exists():
+    if os.environ.get("KVFLEET_REQUIRE_VLLM") == "1":
+        raise RuntimeError(f"the vLLM test virtualenv is missing ({VLLM_PYTHON}); `make test` creates it")
+    pytest.skip("the vLLM CPU virtualenv is created by `make test`", allow_module_level=True)
+
+INSTANCE_ID = "i-0123456789abcdef0"
+REGION = "us-east-1"
+GROUP = "kvfleet-chat"
+HOOK = "kvfleet-chat-drain"
+HEARTBEAT = {"LifecycleHookName": HOOK, "AutoScalingGroupName": GROUP, "InstanceId": INSTANCE_ID}
+COMPLETE = {**HEARTBEAT, "LifecycleActionResult": "CONTINUE"}
+HB_OP = "record_lifecycle_action_heartbeat"
+COMPLETE_OP = "complete_lifecycle_action"
+
+STREAMS = 8
+MAX_TOKENS = 1000
+POLL_S = 0.2
+HEARTBEAT_S = 0.5
+DRAIN_BUDGET_S = 120
+ENGINE_ARGS = {
+    "max-model-len": 1024,
+    "max-num-seqs": 32,
+    "enforce-eager": True,
+    "kv-cache-memory-bytes": 16 * 1024 * 1024,
+    "served-model-name": "tiny",
+}
+
+
+class FakeImds:
+    """IMDSv2 on loopback: GETs need a token from PUT /latest/api/token, otherwise 401."""
+
+    def __init__(self) -> None:
+        self.state = "InService"
+        self.state_reads = 0
+        self.read_at: list[float] = []
+        self.unauthorized = 0
+        self.tokens: set[str] = set()
+        self.url = ""
+
+    async def put_token(self, request: web.Request) -> web.Response:
+        ttl = request.headers.get(lifecycle.TOKEN_TTL_HEADER, "")
+        if not ttl.isdigit() or not 1 <= int(ttl) <= lifecycle.MAX_TOKEN_TTL_S:
+            return web.Response(status=400)
+        token = f"token-{len(self.tokens) + 1}"
+        self.tokens.add(token)
+        return web.Response(text=token)
+
+    async def get(self, request: web.Request) -> web.Response:
+        if request.headers.get(lifecycle.TOKEN_HEADER) not in self.tokens:
+            self.unauthorized += 1
+            return web.Response(status=401)
+        if request.path == "/latest/meta-data/instance-id":
+            return web.Response(text=INSTANCE_ID)
+        if request.path == "/latest/meta-data/placement/region":
+            return web.Response(text=REGION)
+        if request.path == "/latest/meta-data/autoscaling/target-lifecycle-state":
+            self.state_reads += 1
+            self.read_at.append(time.monotonic())
+            return web.Response(text=self.state)
+        return web.Response(status=404)
+
+    @asynccontextmanager
+    async def serve(self) -> AsyncIterator[FakeImds]:
+        app = web.Application()
+        app.router.add_put("/latest/api/token", self.put_token)
+        app.router.add_get("/{tail:.*}", self.get)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        host, port = runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+        try:
+            yield self
+        finally:
+            await runner.cleanup()
+
+
+@dataclass
+class Call:
+    operation: str
+    params: dict[str, Any]
+    at: float
+    in_flight: int  # requests the agent was still serving when the call went out
+    error: str | None = None
+    entered: float = 0.0
+    ended: float = 0.0
+
+
+class RecordingAutoScaling:
+    """The two Auto Scaling operations the watcher uses, on a real boto3 client under a Stubber, each call recorded.
+
+    How many heartbeats a drain takes depends on how fast the CPU generates, so the Stubber's response is queued as
+    each call arrives; it still checks the operation, the exact parameters and the request shape against the service
+    model. Any other operation has no attribute here, so the watcher would log it as a failed call.
+    """
+
+    def __init__(self, in_flight: Callable[[], int]) -> None:
+        self.client = boto3.client("autoscaling", region_name=REGION, aws_access_key_id="x", aws_secret_access_key="x")
+        self.stubber = Stubber(self.client)
+        self.calls: list[Call] = []
+        self.regions: list[str] = []
+        self._in_flight = in_flight
+        # A cancelled heartbeat's worker thread can outlive its task; the lock keeps the queue and the call paired.
+        self._lock = threading.Lock()
+
+    def factory(self, region: str) -> RecordingAutoScaling:
+        self.regions.append(region)
+        return self
+
+    def record_lifecycle_action_heartbeat(self, **params: Any) -> Any:
+        return self._forward(HB_OP, HEARTBEAT, params)
+
+    def complete_lifecycle_action(self, **params: Any) -> Any:
+        return self._forward(COMPLETE_OP, COMPLETE, params)
+
+    def _forward(self, operation: str, expected: dict[str, str], params: dict[str, Any]) -> Any:
+        entered = time.monotonic()
+        with self._lock:
+            call = Call(operation, dict(params), time.monotonic(), self._in_flight())
+            call.entered = entered
+            self.calls.append(call)
+            self.stubber.add_response(operation, {}, expected)
+            try:
+                return getattr(self.client, operation)(**params)
+            except Exception as exc:
+                call.error = repr(exc)
+                raise
+            finally:
+                call.ended = time.monotonic()
+
+
+@dataclass
+class Stream:
+    """One streaming completion, read event by event so the test knows when its first token arrived."""
+
+    first_token: asyncio.Event = field(default_factory=asyncio.Event)
+    status: int = 0
+    events: list[Any] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return sum(1 for e in self.events if isinstance(e, dict) and e.get("choices"))
+
+    @property
+    def finish(self) -> list[str]:
+        return [
+            c["finish_reason"]
+            for e in self.events
+            if isinstance(e, dict)
+            for c in e.get("choices", [])
+            if c.get("finish_reason")
+        ]
+
+    @property
+    def errors(self) -> list[Any]:
+        return [e["error"] for e in self.events if isinstance(e, dict) and "error" in e]
+
+    @property
+    def done(self) -> bool:
+        return bool(self.events) and self.events[-1] == "[DONE]"
+
+    async def run(self, http: aiohttp.ClientSession, url: str) -> Stream:
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": MAX_TOKENS, "stream": True, "ignore_eos": True}
+        async with http.post(url + "/v1/completions", json=body) as r:
+            self.status = r.status
+            buf = b""
+            async for chunk in r.content.iter_any():
+                buf += chunk
+                *blocks, buf = buf.split(b"\n\n")
+                for block in blocks:
+                    if not block.startswith(b"data: "):
+                        continue
+                    data = block[len(b"data: ") :].decode()
+                    event = data if data == "[DONE]" else json.loads(data)
+                    self.events.append(event)
+                    if isinstance(event, dict) and event.get("choices"):
+                        self.first_token.set()
+        return self
+
+
+@pytest.fixture
+def tiny_model(tmp_path: Path) -> Path:
+    out = tmp_path / "tiny-llama"
+    subprocess.run([str(VLLM_PYTHON), str(REPO / "tests/containers/make_tiny_llama.py"), str(out)], check=True)
+    return out
+
+
+async def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+async def ping_status(r: Running) -> int:
+    async with r.http.get(r.url + "/ping") as p:
+        return p.status
+
+
+@dataclass
+class Outcome:
+    streams: list[Stream]
+    calls: list[Call]
+    regions: list[str]
+    flipped_at: float
+    drain_started: list[float]
+    ping_503_after: float | None
+    ping_before_flip: int
+    new_request: dict[str, Any]
+    drained: bool | None
+    imds_closed: bool
+    unauthorized: int
+    pending: str | None
+    read_at: list[float]
+    at_flip: list[int]
+
+
+async def scenario(tiny_model: Path) -> Outcome:
+    s = settings(
+        engine_command=None,
+        engine_python=str(VLLM_PYTHON),
+        model=str(tiny_model),
+        engine_args=ENGINE_ARGS,
+        drain_budget_s=DRAIN_BUDGET_S,
+        admission=False,
+        engine_ready_timeout_s=240.0,
+    )
+    async with running(s, ready_timeout=240) as r, FakeImds().serve() as fake:
+        aws = RecordingAutoScaling(lambda: len(r.agent.flights))
+        drain_started: list[float] = []
+
+        async def drain() -> bool:
+            drain_started.append(time.monotonic())
+            return await r.agent.drain()
+
+        watcher = LifecycleWatcher(
+            imds=Imds(fake.url),
+            autoscaling_client_factory=aws.factory,
+            group_name=GROUP,
+            hook_name=HOOK,
+            poll_s=POLL_S,
+            heartbeat_s=HEARTBEAT_S,
+        )
+        with aws.stubber:
+            # Watching from the start: the drain must come from noticing the flip, not from being started late.
+            watching = asyncio.create_task(watcher.run(drain))
+            streams = [Stream() for _ in range(STREAMS)]
+            tasks = [asyncio.create_task(st.run(r.http, r.url)) for st in streams]
+            await wait_for(
+                lambda: len(r.agent.flights) == STREAMS and all(st.first_token.is_set() for st in streams),
+                60,
+                "every stream to be in flight with its first token",
+            )
+            await wait_for(lambda: fake.state_reads >= 3, 10, "the watcher to poll IMDS")
+            assert not any(t.done() for t in tasks), "generations finished before the drain began"
+            assert not watching.done()
+            ping_before_flip = await ping_status(r)
+
+            at_flip = [st.tokens for st in streams]
+            flipped_at = time.monotonic()
+            fake.state = lifecycle.TERMINATED
+            ping_503_after = None
+            while ping_503_after is None and time.monotonic() - flipped_at < 5:
+                if await ping_status(r) == 503:
+                    ping_503_after = time.monotonic() - flipped_at
+                else:
+                    await asyncio.sleep(0.05)
+            new_request = await stream_completion(r.http, r.url, model="tiny", max_tokens=5, ignore_eos=True)
+
+            await asyncio.wait_for(asyncio.gather(*tasks), DRAIN_BUDGET_S)
+            await asyncio.wait_for(watching, 30)
+            try:
+                aws.stubber.assert_no_pending_responses()
+                pending = None
+            except AssertionError as exc:
+                pending = str(exc)
+        return Outcome(
+            streams=streams,
+            calls=aws.calls,
+            regions=aws.regions,
+            flipped_at=flipped_at,
+            drain_started=drain_started,
+            ping_503_after=ping_503_after,
+            ping_before_flip=ping_before_flip,
+            new_request=new_request,
+            drained=r.agent.drained,
+            imds_closed=watcher.imds.closed,
+            unauthorized=fake.unauthorized,
+            pending=pending,
+            at_flip=at_flip,
+            read_at=[round(t - flipped_at, 2) for t in fake.read_at][-8:],
+        )
+
+
+def test_termination_hook_drains_streams_heartbeats_then_continues(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    caplog.set_level(logging.INFO, logger=lifecycle.__name__)
+    out = asyncio.run(asyncio.wait_for(scenario(tiny_model), 420))
+    print(
+        "DIAG drain_after",
+        out.drain_started[0] - out.flipped_at if out.drain_started else None,
+        "ping",
+        out.ping_503_after,
+        "calls",
+        [(c.operation, round(c.at - out.flipped_at, 2), c.in_flight) for c in out.calls],
+        "tokens",
+        [st.tokens for st in out.streams],
+        "reads",
+        out.read_at,
+        "at_flip",
+        out.at_flip,
+    )
+
+    # Readiness was up until the flip, and down within a couple of polls after it.
+    assert out.ping_before_flip == 200
+    assert out.ping_503_after is not None and out.ping_503_after < 1.5, out.ping_503_after
+    assert out.new_request["status"] == 503, out.new_request
+    assert out.new_request["headers"].get("Retry-After")
+
+    for st in out.streams:
+        assert st.status == 200 and st.done and st.finish == ["length"] and not st.errors
+        assert st.tokens >= MAX_TOKENS - 10, st.tokens  # the whole generation, not a cut stream
+    assert out.drained is True
+
+    # One drain, started by the watcher after the flip; AWS saw nothing before it.
+    assert len(out.drain_started) == 1 and out.drain_started[0] > out.flipped_at
+    assert out.regions == [REGION]
+    assert all(c.at >= out.drain_started[0] for c in out.calls)
+    assert [c.error for c in out.calls if c.error] == []
+    *heartbeats, complete = out.calls
+    assert [c.operation for c in heartbeats] == [HB_OP] * len(heartbeats)
+    assert all(c.params == HEARTBEAT for c in heartbeats)
+    # Heartbeats kept the action alive while generations were still running, not only at the end.
+    assert sum(c.in_flight > 0 for c in heartbeats) >= 2, [c.in_flight for c in heartbeats]
+    # Completion last, once, with CONTINUE, when the agent had no request left.
+    assert complete.operation == COMPLETE_OP and complete.params == COMPLETE
+    assert complete.in_flight == 0
+    assert out.pending is None, out.pending
+
+    assert out.imds_closed and out.unauthorized == 0
+    agent_loggers = (lifecycle.__name__, "containers.agent.server")
+    assert [r.getMessage() for r in caplog.records if r.name in agent_loggers and r.levelno >= logging.WARNING] == []
+    print(f"heartbeats: {len(heartbeats)}, drain {complete.at - out.drain_started[0]:.1f} s")
