@@ -29,6 +29,7 @@ from stacks.network import ServingNetwork
 from stacks.resolve import SERVING_PORT, ResolvedDeployment
 
 LIFECYCLE_HOOK = "kvfleet-drain"  # named: the instances read it at boot, before the hook's id is known
+WARM_HOOK = "kvfleet-warm"  # with a warm pool: held until the image and weights are on the instance
 HEARTBEAT_S = 60  # how often the agent heartbeats the hook while draining
 MODEL_DIR = "/opt/kvfleet/model"  # on local NVMe when the instance has it
 ROOT_DEVICE = "/dev/xvda"  # Amazon Linux 2023 AMIs
@@ -108,7 +109,9 @@ class Ec2Fleet(Construct):
 
         # ---- launch template ------------------------------------------------------------------------
         instance = r.candidate.instance
-        nvme = instance.local_nvme_gb > 0
+        # Instance store is wiped when an instance stops: a stopped warm pool keeps the weights on EBS.
+        warm_stopped = target.warm_pool.enabled and target.warm_pool.state != "Running"
+        nvme = instance.local_nvme_gb > 0 and not warm_stopped
         root_gib = 30 + (0 if nvme else math.ceil(r.disk_gib))  # OS + image (+ weights without NVMe)
         root_gib = max(root_gib, r.disk_gib if not nvme else 0, 60)
         self.instance_security_group = network.security_group
@@ -223,10 +226,23 @@ class Ec2Fleet(Construct):
             f"AwsSolutions-IAM5[Resource::<{_logical_id(self.log_group)}.Arn>]",
             "This deployment's own log group; its ARN ends in :* to cover the group's streams.",
         )
+        self.warm_pool = None
+        self.launch_hook = None
         if target.warm_pool.enabled:
-            self.group.add_warm_pool(
+            self.warm_pool = self.group.add_warm_pool(
                 min_size=target.warm_pool.min_size,
                 pool_state=autoscaling.PoolState(target.warm_pool.state.upper()),
+            )
+            # A new instance stays in Pending:Wait until its user data has pulled the image and the weights
+            # and completes this hook; only then does the group stop it into the pool (or put it in service).
+            self.launch_hook = self.group.add_lifecycle_hook(
+                "Warm",
+                lifecycle_hook_name=WARM_HOOK,
+                lifecycle_transition=autoscaling.LifecycleTransition.INSTANCE_LAUNCHING,
+                heartbeat_timeout=Duration.seconds(
+                    min(7200, math.ceil(2 * (startup.image_pull_s + startup.download_s)))
+                ),
+                default_result=autoscaling.DefaultResult.ABANDON,
             )
 
         # ---- load balancer ----------------------------------------------------------------------------
@@ -373,22 +389,39 @@ class Ec2Fleet(Construct):
             ud.add_commands(f"aws s3 sync --only-show-errors {shlex.quote(d.model.s3_uri)} {MODEL_DIR}")
         ud.add_commands(
             f"cat > /etc/kvfleet/env <<'KVFLEET_ENV'\n{env_lines}\nKVFLEET_ENV",
-            'echo "KVFLEET_ASG_NAME=$GROUP" >> /etc/kvfleet/env',
-            f'echo "KVFLEET_LIFECYCLE_HOOK={LIFECYCLE_HOOK}" >> /etc/kvfleet/env',
-            f'echo "KVFLEET_LIFECYCLE_HEARTBEAT_S={HEARTBEAT_S}" >> /etc/kvfleet/env',
+            f'echo "{signals.ENV_ASG_NAME}=$GROUP" >> /etc/kvfleet/env',
+            f'echo "{signals.ENV_LIFECYCLE_HOOK}={LIFECYCLE_HOOK}" >> /etc/kvfleet/env',
+            f'echo "{signals.ENV_LIFECYCLE_HEARTBEAT_S}={HEARTBEAT_S}" >> /etc/kvfleet/env',
             'echo "AWS_REGION=$REGION" >> /etc/kvfleet/env',
             f"IMAGE={image}",
             'aws ecr get-login-password --region "$REGION" '
             '| docker login --username AWS --password-stdin "${IMAGE%%/*}"',
             'docker pull "$IMAGE"',
-            "docker run -d --name kvfleet --restart unless-stopped --gpus all "
+            # A container, started by systemd at every boot: an instance that comes out of a stopped warm
+            # pool starts serving without re-running this script.
+            "docker create --name kvfleet --gpus all "
             f"--shm-size {target.shm_size_gib}g -p {SERVING_PORT}:{SERVING_PORT} "
             f"--stop-timeout {d.scaling.drain_budget_s + 30} "
             f'--log-driver awslogs --log-opt awslogs-region="$REGION" '
             f"--log-opt awslogs-group={self.log_group.log_group_name} "
             '--log-opt awslogs-stream="$INSTANCE_ID" '
             f'--env-file /etc/kvfleet/env {mount} "$IMAGE" serve',
+            "cat > /etc/systemd/system/kvfleet.service <<'KVFLEET_UNIT'\n"
+            "[Unit]\nDescription=kvfleet serving container\nAfter=docker.service\nRequires=docker.service\n"
+            f"[Service]\nExecStart=/usr/bin/docker start -a kvfleet\nExecStop=/usr/bin/docker stop kvfleet\n"
+            f"TimeoutStopSec={d.scaling.drain_budget_s + 60}\nRestart=always\nRestartSec=5\n"
+            "[Install]\nWantedBy=multi-user.target\nKVFLEET_UNIT",
+            "systemctl daemon-reload && systemctl enable kvfleet.service",
+            "STATE=$(imds meta-data/autoscaling/target-lifecycle-state || echo InService)",
+            # Going into the warm pool: ready on disk, not loaded on the GPU.
+            'case "$STATE" in Warmed:*) ;; *) systemctl start kvfleet.service ;; esac',
         )
+        if target.warm_pool.enabled:
+            ud.add_commands(
+                'aws autoscaling complete-lifecycle-action --region "$REGION" '
+                f'--lifecycle-hook-name {WARM_HOOK} --auto-scaling-group-name "$GROUP" '
+                '--instance-id "$INSTANCE_ID" --lifecycle-action-result CONTINUE',
+            )
         return ud
 
 

@@ -39,6 +39,10 @@ ENV_ENGINE_ARGS = "KVFLEET_ENGINE_ARGS"  # JSON: vLLM flags without "--", or Ten
 ENV_PORT = "KVFLEET_PORT"  # the agent's public port
 ENV_HF_TOKEN_SECRET_ARN = "KVFLEET_HF_TOKEN_SECRET_ARN"
 ENV_PUT_METRIC_DATA = "KVFLEET_PUT_METRIC_DATA"  # "1": also call PutMetricData (needs network)
+# EC2 fleets: the termination lifecycle hook the agent drains for, heartbeats and completes.
+ENV_ASG_NAME = "KVFLEET_ASG_NAME"
+ENV_LIFECYCLE_HOOK = "KVFLEET_LIFECYCLE_HOOK"
+ENV_LIFECYCLE_HEARTBEAT_S = "KVFLEET_LIFECYCLE_HEARTBEAT_S"
 
 
 class Kind(StrEnum):

@@ -17,12 +17,15 @@ from typing import Any
 
 import aiohttp
 
+from stacks import signals
+
 log = logging.getLogger(__name__)
 
 # Environment the stack sets on the agent container.
-ENV_ASG_NAME = "KVFLEET_ASG_NAME"
-ENV_LIFECYCLE_HOOK = "KVFLEET_LIFECYCLE_HOOK"
-ENV_LIFECYCLE_HEARTBEAT_S = "KVFLEET_LIFECYCLE_HEARTBEAT_S"
+# Defined with the rest of the container contract; the EC2 stack writes them.
+ENV_ASG_NAME = signals.ENV_ASG_NAME
+ENV_LIFECYCLE_HOOK = signals.ENV_LIFECYCLE_HOOK
+ENV_LIFECYCLE_HEARTBEAT_S = signals.ENV_LIFECYCLE_HEARTBEAT_S
 ENV_IMDS_URL = "KVFLEET_IMDS_URL"
 
 DEFAULT_HEARTBEAT_S = 60.0

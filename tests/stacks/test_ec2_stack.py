@@ -60,10 +60,10 @@ def test_fleet_resources(template: Template) -> None:
         "AWS::ElasticLoadBalancingV2::TargetGroup",
         "AWS::EC2::LaunchTemplate",
         "AWS::AutoScaling::AutoScalingGroup",
-        "AWS::AutoScaling::LifecycleHook",
         "AWS::AutoScaling::WarmPool",
     ):
         template.resource_count_is(kind, 1)
+    template.resource_count_is("AWS::AutoScaling::LifecycleHook", 2)  # drain, and warm-up for the pool
     template.resource_count_is("AWS::SageMaker::Endpoint", 0)
 
 
@@ -119,9 +119,8 @@ def test_launch_template_imdsv2_encrypted_gp3_and_the_gpu_ami(template: Template
     [bd] = data["BlockDeviceMappings"]
     assert bd["Ebs"]["Encrypted"] is True and bd["Ebs"]["VolumeType"] == "gp3"
     [r] = resolve_environment(environment(EC2_ENV))
-    assert bd["Ebs"]["VolumeSize"] >= 60
-    if not r.candidate.instance.local_nvme_gb:
-        assert bd["Ebs"]["VolumeSize"] >= r.disk_gib
+    # A stopped warm pool loses instance store: the weights live on the root volume.
+    assert bd["Ebs"]["VolumeSize"] >= max(60, r.disk_gib)
     assert data["InstanceType"] == r.candidate.instance.name
     image = json.dumps(data["ImageId"])
     assert "SsmParameterValue" in image  # resolved at deploy time, no lookup at synth
@@ -140,7 +139,11 @@ def user_data(t: Template) -> str:
 
 def test_user_data_runs_the_agent_with_gpus_shm_logs_and_the_model(template: Template) -> None:
     ud = user_data(template)
-    assert "docker run -d --name kvfleet" in ud and "--gpus all" in ud and "--shm-size 16g" in ud
+    assert "docker create --name kvfleet" in ud and "--gpus all" in ud and "--shm-size 16g" in ud
+    assert "systemctl enable kvfleet.service" in ud
+    # Going into the warm pool: image and weights on disk, engine not started; then the warm-up hook completes.
+    assert 'case "$STATE" in Warmed:*) ;; *) systemctl start kvfleet.service ;; esac' in ud
+    assert "--lifecycle-hook-name kvfleet-warm" in ud and ud.index("docker pull") < ud.index("kvfleet-warm")
     assert "--log-driver awslogs" in ud and "awslogs-group=" in ud
     assert "aws s3 sync --only-show-errors s3://model-bucket/llama/8b/ /opt/kvfleet/model" in ud
     assert "-v /opt/kvfleet/model:/opt/ml/model:ro" in ud
@@ -148,9 +151,17 @@ def test_user_data_runs_the_agent_with_gpus_shm_logs_and_the_model(template: Tem
     assert "tags/instance/aws:autoscaling:groupName" in ud
     assert f"{signals.ENV_DEPLOYMENT}=test-chat" in ud
     assert "--stop-timeout 450" in ud  # drain budget + margin
+    assert "Instance Storage" not in ud  # stopped warm pool: no instance store
+
+
+def test_without_a_stopped_warm_pool_the_weights_go_to_local_nvme() -> None:
+    t = only(EC2_ENV.replace("        enabled: true\n", "        enabled: false\n"))
     [r] = resolve_environment(environment(EC2_ENV))
-    if r.candidate.instance.local_nvme_gb:
-        assert "Instance Storage" in ud and "mkfs.xfs" in ud
+    assert r.candidate.instance.local_nvme_gb > 0
+    ud = user_data(t)
+    assert "Instance Storage" in ud and "mkfs.xfs" in ud and "kvfleet-warm" not in ud
+    t.resource_count_is("AWS::AutoScaling::LifecycleHook", 1)
+    t.resource_count_is("AWS::AutoScaling::WarmPool", 0)
 
 
 def test_group_sizes_health_warmup_and_overrides(template: Template) -> None:
@@ -174,7 +185,7 @@ def test_group_sizes_health_warmup_and_overrides(template: Template) -> None:
 
 
 def test_lifecycle_hook_covers_the_drain_budget(template: Template) -> None:
-    [hook] = props(template, "AWS::AutoScaling::LifecycleHook")
+    [hook] = [h for h in props(template, "AWS::AutoScaling::LifecycleHook") if h["LifecycleHookName"] == LIFECYCLE_HOOK]
     assert hook["LifecycleTransition"] == "autoscaling:EC2_INSTANCE_TERMINATING"
     assert hook["LifecycleHookName"] == LIFECYCLE_HOOK
     assert hook["DefaultResult"] == "CONTINUE"
