@@ -246,11 +246,13 @@ class LifecycleWatcher:
             )
             return
 
+        # The client is built now (config files, endpoint data: slow), so the drain starts the moment the
+        # instance is marked for termination.
+        client = await self._client(region)
         await self._wait_for_termination()
         log.info(
             "instance %s is terminating (group %s, hook %s): draining", instance_id, self.group_name, self.hook_name
         )
-        client = await self._client(region)
         params = {
             "LifecycleHookName": self.hook_name,
             "AutoScalingGroupName": self.group_name,

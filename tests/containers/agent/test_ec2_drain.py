@@ -2,11 +2,12 @@
 
 The agent serves a tiny Llama on vLLM's CPU build while its lifecycle watcher polls a fake IMDSv2 server. Eight
 streaming generations are running when the instance's target lifecycle state flips from InService to Terminated.
-The test proves the whole path the group relies on: readiness turns 503 within a poll or two, new requests are
-turned away with 503 + Retry-After, every in-flight stream runs to its full length, the lifecycle action is kept
-alive with heartbeats while the drain lasts, and CompleteLifecycleAction(CONTINUE) is called once, only after the
-last stream ended. Nothing reaches AWS before the flip. The Auto Scaling API is a real boto3 client under a
-botocore Stubber (moto implements neither heartbeats nor completion).
+The test proves the whole path the group relies on: the drain starts on the first poll that reads Terminated and
+readiness turns 503 with it, new requests are turned away with 503 + Retry-After, every in-flight stream runs to
+its full length, the lifecycle action is kept alive with heartbeats while the drain lasts, and
+CompleteLifecycleAction(CONTINUE) is called once, only after the last stream ended. Nothing reaches AWS before
+the flip. The Auto Scaling API is a real boto3 client under a botocore Stubber (moto implements neither heartbeats
+nor completion).
 """
 
 from __future__ import annotations
@@ -63,10 +64,6 @@ ENGINE_ARGS = {
     "enforce-eager": True,
     "kv-cache-memory-bytes": 16 * 1024 * 1024,
     "served-model-name": "tiny",
-    # The clients share the agent's event loop here (in production they are elsewhere). One event per token for
-    # eight streams saturates that loop on a small machine and delays the watcher's polls by seconds; ten tokens
-    # per event keep the loop responsive.
-    "stream-interval": 10,
 }
 
 
@@ -76,6 +73,7 @@ class FakeImds:
     def __init__(self) -> None:
         self.state = "InService"
         self.state_reads = 0
+        self.served: list[tuple[float, str]] = []  # each target-lifecycle-state answer, with when it was given
         self.unauthorized = 0
         self.tokens: set[str] = set()
         self.url = ""
@@ -98,6 +96,7 @@ class FakeImds:
             return web.Response(text=REGION)
         if request.path == "/latest/meta-data/autoscaling/target-lifecycle-state":
             self.state_reads += 1
+            self.served.append((time.monotonic(), self.state))
             return web.Response(text=self.state)
         return web.Response(status=404)
 
@@ -247,9 +246,10 @@ class Outcome:
     streams: list[Stream]
     calls: list[Call]
     regions: list[str]
+    served: list[tuple[float, str]]
     flipped_at: float
     drain_started: list[float]
-    ping_503_after: float | None
+    pings: list[tuple[float, float, int]]  # sent, answered, status
     ping_before_flip: int
     new_request: dict[str, Any]
     drained: bool | None
@@ -286,46 +286,55 @@ async def scenario(tiny_model: Path) -> Outcome:
             poll_s=POLL_S,
             heartbeat_s=HEARTBEAT_S,
         )
-        with aws.stubber:
-            # Watching from the start: the drain must come from noticing the flip, not from being started late.
-            watching = asyncio.create_task(watcher.run(drain))
-            streams = [Stream() for _ in range(STREAMS)]
-            tasks = [asyncio.create_task(st.run(r.http, r.url)) for st in streams]
-            await wait_for(
-                lambda: len(r.agent.flights) == STREAMS and all(st.first_token.is_set() for st in streams),
-                60,
-                "every stream to be in flight with its first token",
-            )
-            await wait_for(lambda: fake.state_reads >= 3, 10, "the watcher to poll IMDS")
-            assert not any(t.done() for t in tasks), "generations finished before the drain began"
-            # Several InService polls did nothing: no drain, no AWS call.
-            assert not watching.done() and drain_started == [] and aws.calls == []
-            ping_before_flip = await ping_status(r)
+        # Watching from the start: the drain must come from noticing the flip, not from being started late.
+        watching = asyncio.create_task(watcher.run(drain))
+        try:
+            with aws.stubber:
+                streams = [Stream() for _ in range(STREAMS)]
+                tasks = [asyncio.create_task(st.run(r.http, r.url)) for st in streams]
+                await wait_for(
+                    lambda: len(r.agent.flights) == STREAMS and all(st.first_token.is_set() for st in streams),
+                    60,
+                    "every stream to be in flight with its first token",
+                )
+                await wait_for(lambda: fake.state_reads >= 3, 10, "the watcher to poll IMDS")
+                assert not any(t.done() for t in tasks), "generations finished before the drain began"
+                # Several InService polls did nothing: no drain, no AWS call.
+                assert not watching.done() and drain_started == [] and aws.calls == []
+                ping_before_flip = await ping_status(r)
 
-            flipped_at = time.monotonic()
-            fake.state = lifecycle.TERMINATED
-            ping_503_after = None
-            while ping_503_after is None and time.monotonic() - flipped_at < 5:
-                if await ping_status(r) == 503:
-                    ping_503_after = time.monotonic() - flipped_at
-                else:
+                flipped_at = time.monotonic()
+                fake.state = lifecycle.TERMINATED
+                pings: list[tuple[float, float, int]] = []
+                while time.monotonic() - flipped_at < 10 and not any(p[2] == 503 for p in pings):
+                    sent = time.monotonic()
+                    status = await ping_status(r)
+                    pings.append((sent, time.monotonic(), status))
                     await asyncio.sleep(0.05)
-            new_request = await stream_completion(r.http, r.url, model="tiny", max_tokens=5, ignore_eos=True)
+                # One more after the flip was seen: readiness must stay down for the rest of the drain.
+                sent = time.monotonic()
+                pings.append((sent, time.monotonic(), await ping_status(r)))
+                new_request = await stream_completion(r.http, r.url, model="tiny", max_tokens=5, ignore_eos=True)
 
-            await asyncio.wait_for(asyncio.gather(*tasks), DRAIN_BUDGET_S)
-            await asyncio.wait_for(watching, 30)
-            try:
-                aws.stubber.assert_no_pending_responses()
-                pending = None
-            except AssertionError as exc:
-                pending = str(exc)
+                await asyncio.wait_for(asyncio.gather(*tasks), DRAIN_BUDGET_S)
+                await asyncio.wait_for(watching, 30)
+                try:
+                    aws.stubber.assert_no_pending_responses()
+                    pending = None
+                except AssertionError as exc:
+                    pending = str(exc)
+        finally:
+            # On a failed assertion the watcher must not outlive the fake IMDS and the engine.
+            watching.cancel()
+            await asyncio.wait({watching})
         return Outcome(
             streams=streams,
             calls=aws.calls,
             regions=aws.regions,
+            served=fake.served,
             flipped_at=flipped_at,
             drain_started=drain_started,
-            ping_503_after=ping_503_after,
+            pings=pings,
             ping_before_flip=ping_before_flip,
             new_request=new_request,
             drained=r.agent.drained,
@@ -342,9 +351,20 @@ def test_termination_hook_drains_streams_heartbeats_then_continues(
     caplog.set_level(logging.INFO, logger=lifecycle.__name__)
     out = asyncio.run(asyncio.wait_for(scenario(tiny_model), 420))
 
-    # Readiness was up until the flip, and down within a couple of polls after it.
+    # The watcher drained on the first poll that read Terminated, and stopped polling there.
+    states = [state for _, state in out.served]
+    assert len(states) >= 4 and states[-1] == lifecycle.TERMINATED, states
+    assert states.count(lifecycle.TERMINATED) == 1, states
+    terminated_read_at = out.served[-1][0]
+    assert len(out.drain_started) == 1 and terminated_read_at <= out.drain_started[0], out.drain_started
+    # Readiness was up until the flip, and every ping sent once the drain had begun answered 503. The wall-clock
+    # bound is loose: the clients, the agent and vLLM share the cores, so the process can stall for a second or two
+    # under load (measured); the poll-count check above is the precise one.
     assert out.ping_before_flip == 200
-    assert out.ping_503_after is not None and out.ping_503_after < 1.5, out.ping_503_after
+    after_drain = [status for sent, _, status in out.pings if sent >= out.drain_started[0]]
+    assert after_drain and set(after_drain) == {503}, out.pings
+    first_503 = next(answered for _, answered, status in out.pings if status == 503)
+    assert first_503 - out.flipped_at < 5.0
     assert out.new_request["status"] == 503, out.new_request
     assert out.new_request["headers"].get("Retry-After")
 
@@ -353,8 +373,7 @@ def test_termination_hook_drains_streams_heartbeats_then_continues(
         assert st.completion_tokens == MAX_TOKENS  # the whole generation, not a cut stream
     assert out.drained is True
 
-    # One drain, started by the watcher after the flip; AWS saw nothing before it.
-    assert len(out.drain_started) == 1 and out.drain_started[0] > out.flipped_at
+    # AWS saw nothing before the drain began.
     assert out.regions == [REGION]
     assert all(c.at >= out.drain_started[0] for c in out.calls)
     assert [c.error for c in out.calls if c.error] == []
@@ -373,4 +392,3 @@ def test_termination_hook_drains_streams_heartbeats_then_continues(
     assert out.imds_closed and out.unauthorized == 0
     agent_loggers = (lifecycle.__name__, "containers.agent.server")
     assert [r.getMessage() for r in caplog.records if r.name in agent_loggers and r.levelno >= logging.WARNING] == []
-    print("TMPDIAG", len(heartbeats), sum(c.in_flight > 0 for c in heartbeats), round(complete.at - out.drain_started[0], 2), round(out.ping_503_after, 2))
