@@ -105,6 +105,7 @@ class Ec2Fleet(Construct):
                 resources=["*"],
                 conditions={"StringEquals": {"cloudwatch:namespace": signals.NAMESPACE}},
             ),
+            iam.PolicyStatement(actions=["autoscaling:DescribeAutoScalingInstances"], resources=["*"]),
         )
 
         # ---- launch template ------------------------------------------------------------------------
@@ -218,8 +219,8 @@ class Ec2Fleet(Construct):
         acknowledge(
             policy,
             "AwsSolutions-IAM5[Resource::*]",
-            "cloudwatch:PutMetricData and ecr:GetAuthorizationToken have no resource-level permissions "
-            "(PutMetricData is limited to the kvfleet namespace by condition).",
+            "cloudwatch:PutMetricData, ecr:GetAuthorizationToken and autoscaling:DescribeAutoScalingInstances have "
+            "no resource-level permissions (PutMetricData is limited to the kvfleet namespace by condition).",
         )
         acknowledge(
             policy,
@@ -369,7 +370,10 @@ class Ec2Fleet(Construct):
             "http://169.254.169.254/latest/api/token)",
             "REGION=$(imds meta-data/placement/region)",
             "INSTANCE_ID=$(imds meta-data/instance-id)",
-            "GROUP=$(imds meta-data/tags/instance/aws:autoscaling:groupName)",
+            # The group's name from the instance's own tags (metadata tags are on); the API as a fallback.
+            "GROUP=$(imds meta-data/tags/instance/aws:autoscaling:groupName || aws autoscaling "
+            'describe-auto-scaling-instances --region "$REGION" --instance-ids "$INSTANCE_ID" '
+            "--query 'AutoScalingInstances[0].AutoScalingGroupName' --output text)",
             f"mkdir -p {MODEL_DIR} /etc/kvfleet",
         )
         if nvme:
