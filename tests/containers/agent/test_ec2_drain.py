@@ -20,8 +20,7 @@ import os
 import subprocess
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,11 +28,11 @@ from typing import Any
 import aiohttp
 import boto3
 import pytest
-from aiohttp import web
 from botocore.stub import Stubber  # type: ignore[import-untyped]
 
 from containers.agent import lifecycle
 from containers.agent.lifecycle import Imds, LifecycleWatcher
+from tests.containers.agent.fake_imds import INSTANCE_ID, REGION, FakeImds
 from tests.containers.agent.harness import Running, running, settings, stream_completion
 
 REPO = Path(__file__).resolve().parents[3]
@@ -44,8 +43,6 @@ if not VLLM_PYTHON.exists():
         raise RuntimeError(f"the vLLM test virtualenv is missing ({VLLM_PYTHON}); `make test` creates it")
     pytest.skip("the vLLM CPU virtualenv is created by `make test`", allow_module_level=True)
 
-INSTANCE_ID = "i-0123456789abcdef0"
-REGION = "us-east-1"
 GROUP = "kvfleet-chat"
 HOOK = "kvfleet-chat-drain"
 HEARTBEAT = {"LifecycleHookName": HOOK, "AutoScalingGroupName": GROUP, "InstanceId": INSTANCE_ID}
@@ -65,55 +62,6 @@ ENGINE_ARGS = {
     "kv-cache-memory-bytes": 16 * 1024 * 1024,
     "served-model-name": "tiny",
 }
-
-
-class FakeImds:
-    """IMDSv2 on loopback: GETs need a token from PUT /latest/api/token, otherwise 401."""
-
-    def __init__(self) -> None:
-        self.state = "InService"
-        self.state_reads = 0
-        self.served: list[tuple[float, str]] = []  # each target-lifecycle-state answer, with when it was given
-        self.unauthorized = 0
-        self.tokens: set[str] = set()
-        self.url = ""
-
-    async def put_token(self, request: web.Request) -> web.Response:
-        ttl = request.headers.get(lifecycle.TOKEN_TTL_HEADER, "")
-        if not ttl.isdigit() or not 1 <= int(ttl) <= lifecycle.MAX_TOKEN_TTL_S:
-            return web.Response(status=400)
-        token = f"token-{len(self.tokens) + 1}"
-        self.tokens.add(token)
-        return web.Response(text=token)
-
-    async def get(self, request: web.Request) -> web.Response:
-        if request.headers.get(lifecycle.TOKEN_HEADER) not in self.tokens:
-            self.unauthorized += 1
-            return web.Response(status=401)
-        if request.path == "/latest/meta-data/instance-id":
-            return web.Response(text=INSTANCE_ID)
-        if request.path == "/latest/meta-data/placement/region":
-            return web.Response(text=REGION)
-        if request.path == "/latest/meta-data/autoscaling/target-lifecycle-state":
-            self.state_reads += 1
-            self.served.append((time.monotonic(), self.state))
-            return web.Response(text=self.state)
-        return web.Response(status=404)
-
-    @asynccontextmanager
-    async def serve(self) -> AsyncIterator[FakeImds]:
-        app = web.Application()
-        app.router.add_put("/latest/api/token", self.put_token)
-        app.router.add_get("/{tail:.*}", self.get)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        host, port = runner.addresses[0][:2]
-        self.url = f"http://{host}:{port}"
-        try:
-            yield self
-        finally:
-            await runner.cleanup()
 
 
 @dataclass
@@ -246,7 +194,7 @@ class Outcome:
     streams: list[Stream]
     calls: list[Call]
     regions: list[str]
-    served: list[tuple[float, str]]
+    served: list[tuple[float, str | None]]
     flipped_at: float
     drain_started: list[float]
     pings: list[tuple[float, float, int]]  # sent, answered, status
