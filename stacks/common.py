@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from aws_cdk import Acknowledgment, Aws, CfnMapping, Fn, Validations
+from aws_cdk import Acknowledgment, Aws, CfnElement, CfnMapping, Fn, Stack, Validations
 from aws_cdk import aws_ecr as ecr
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_secretsmanager as secretsmanager
@@ -10,6 +10,14 @@ from constructs import Construct
 
 from stacks.images import dlc_image, parse_ecr_uri
 from stacks.resolve import ResolvedDeployment
+
+
+def logical_id(c: Construct) -> str:
+    """The CloudFormation logical id of ``c``'s resource, as cdk-nag names it in a finding."""
+    child = c.node.default_child
+    assert isinstance(child, CfnElement)
+    stack = Stack.of(c)
+    return str(stack.resolve(stack.get_logical_id(child)))
 
 
 def acknowledge(scope: Construct, finding: str, reason: str) -> None:

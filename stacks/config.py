@@ -262,8 +262,14 @@ class Ec2Target(_Frozen):
 
 class EksTarget(_Frozen):
     platform: Literal["eks"] = Field(description="A GPU node group and Deployment on EKS.")
-    cluster_name: str | None = Field(
-        default=None, description="Attach to this existing cluster instead of creating one."
+    kubernetes_version: Literal["1.33", "1.34", "1.35"] = Field(
+        default="1.33", description="Kubernetes version of a new cluster (pinned: manifests are validated for it)."
+    )
+    namespace: str = Field(
+        default="kvfleet", pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$", description="Namespace of the workload."
+    )
+    shm_size_gib: int = Field(
+        default=16, ge=1, le=512, description="Shared memory for the engine (tensor parallelism)."
     )
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 from aws_cdk import CfnOutput, Environment, Stack, Tags
 from constructs import Construct
 
-from stacks.config import Ec2Target, SageMakerTarget
+from stacks.config import Ec2Target, EksTarget, SageMakerTarget
 from stacks.ec2_fleet import Ec2Fleet
-from stacks.monitoring import ServingMonitoring
+from stacks.eks_service import EksService
+from stacks.monitoring import PlatformMetrics, ServingMonitoring
 from stacks.network import ServingNetwork
 from stacks.resolve import ResolvedDeployment
 from stacks.sagemaker_endpoint import SageMakerEndpoint
@@ -59,8 +60,22 @@ class DeploymentStack(Stack):
             self.fleet = fleet
             self.monitoring = monitoring
             return
-        if not isinstance(target, SageMakerTarget):
-            raise NotImplementedError(f"target {target.platform} is not built by this stack yet")
+        if isinstance(target, EksTarget):
+            monitoring = ServingMonitoring(
+                self,
+                "Monitoring",
+                deployment_id=r.deployment_id,
+                scaling=r.deployment.scaling,
+                signals_published=signals_published,
+            )
+            service = EksService(self, "Eks", resolved=r, target=target, network=network, region=env_cfg.region)
+            dashboard = monitoring.add_dashboard(PlatformMetrics())
+            CfnOutput(self, "ClusterName", value=service.cluster.cluster_name)
+            CfnOutput(self, "Dashboard", value=dashboard.dashboard_name)
+            self.eks = service
+            self.monitoring = monitoring
+            return
+        assert isinstance(target, SageMakerTarget)
 
         # The signal alarms come first: the endpoint's update rolls back on them.
         monitoring = ServingMonitoring(

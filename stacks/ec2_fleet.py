@@ -22,7 +22,7 @@ from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
 from stacks import signals
-from stacks.common import acknowledge, grant_model_read, grant_token_read, serving_image
+from stacks.common import acknowledge, grant_model_read, grant_token_read, logical_id, serving_image
 from stacks.config import Ec2Target
 from stacks.monitoring import PERIOD, PlatformMetrics, signal_metric
 from stacks.network import ServingNetwork
@@ -213,7 +213,7 @@ class Ec2Fleet(Construct):
         acknowledge(
             lifecycle,
             "AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:autoscaling:<AWS::Region>:<AWS::AccountId>:"
-            f"autoScalingGroup:*:autoScalingGroupName/<{_logical_id(self.group)}>]",
+            f"autoScalingGroup:*:autoScalingGroupName/<{logical_id(self.group)}>]",
             "Only this group: its ARN's id part is assigned at creation, so it is a wildcard here.",
         )
         acknowledge(
@@ -224,7 +224,7 @@ class Ec2Fleet(Construct):
         )
         acknowledge(
             policy,
-            f"AwsSolutions-IAM5[Resource::<{_logical_id(self.log_group)}.Arn>]",
+            f"AwsSolutions-IAM5[Resource::<{logical_id(self.log_group)}.Arn>]",
             "This deployment's own log group; its ARN ends in :* to cover the group's streams.",
         )
         self.warm_pool = None
@@ -427,13 +427,3 @@ class Ec2Fleet(Construct):
                 '--instance-id "$INSTANCE_ID" --lifecycle-action-result CONTINUE',
             )
         return ud
-
-
-def _logical_id(c: Construct) -> str:
-    """The CloudFormation logical id of ``c``'s resource, as cdk-nag names it in a finding."""
-    from aws_cdk import CfnElement, Stack
-
-    child = c.node.default_child
-    assert isinstance(child, CfnElement)
-    stack = Stack.of(c)
-    return str(stack.resolve(stack.get_logical_id(child)))

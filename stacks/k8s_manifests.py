@@ -98,6 +98,8 @@ class WorkloadOptions:
         "TriggerAuthentication"
     )
     prometheus_aws_region: str | None = None
+    # Also publish the signals to CloudWatch (the deployment's dashboard and alarms read them there).
+    put_metric_data: bool = False
 
     def __post_init__(self) -> None:
         if not MIN_SCALE_DOWN_STABILIZATION_S <= self.scale_down_stabilization_s <= 3600:
@@ -168,8 +170,11 @@ def _model_cache_gib(r: ResolvedDeployment) -> int:
     return max(1, r.disk_gib - IMAGE_DISK_GIB)  # the weights with room for a retried download
 
 
-def _env(r: ResolvedDeployment) -> list[dict[str, str]]:
+def _env(r: ResolvedDeployment, opts: WorkloadOptions) -> list[dict[str, str]]:
     env = dict(r.container_environment())
+    if opts.put_metric_data:
+        # No log driver turns stdout into metrics here: the agent sends the signals to CloudWatch itself.
+        env[signals.ENV_PUT_METRIC_DATA] = "1"
     # The agent's Secrets Manager client needs a region; IRSA injects one, EKS Pod Identity does not.
     if r.environment.region:
         env.setdefault("AWS_REGION", r.environment.region)
@@ -242,7 +247,7 @@ def deployment(r: ResolvedDeployment, opts: WorkloadOptions) -> Manifest:
         "image": opts.image,
         "imagePullPolicy": opts.image_pull_policy,
         "args": ["serve"],
-        "env": _env(r),
+        "env": _env(r, opts),
         "ports": [{"name": PORT_NAME, "containerPort": SERVING_PORT, "protocol": "TCP"}],
         # Extended resources need limits equal to requests; cpu and memory get no limits: a CPU limit
         # throttles tokenization and scheduling on the token path, and a memory limit counts the page

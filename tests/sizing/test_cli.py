@@ -408,6 +408,7 @@ def test_plan_infinite_peak_rps_is_a_usage_error(capsys: pytest.CaptureFixture[s
         ("dev", "chat", LLAMA_8B),
         ("staging", "assistant", "Qwen/Qwen2.5-32B"),
         ("prod", "chat-70b", "meta-llama/Llama-3.3-70B-Instruct"),
+        ("platform", "coder", "Qwen/Qwen2.5-7B"),
     ],
 )
 def test_plan_environment_files(capsys: pytest.CaptureFixture[str], env: str, deployment: str, model: str) -> None:
@@ -419,8 +420,8 @@ def test_plan_environment_files(capsys: pytest.CaptureFixture[str], env: str, de
     prices = [c["fleet_usd_per_hour"] for c in cands]
     assert prices == sorted(prices)
     for c in cands:
-        # SageMaker names its instance types ml.*; the EC2 example (staging) uses EC2 names.
-        assert c["instance_type"].startswith("ml.") == (env != "staging")
+        # SageMaker names its instance types ml.*; the EC2 and EKS examples use EC2 names.
+        assert c["instance_type"].startswith("ml.") == (env in ("dev", "prod"))
         assert c["replicas"] >= 1
         assert c["engine_settings"]["args"]["max-num-seqs"] == c["concurrency_per_replica"]
     if env == "prod":
@@ -432,7 +433,7 @@ def test_plan_environment_files(capsys: pytest.CaptureFixture[str], env: str, de
 
 def test_plan_missing_environment_file(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "plan", str(REPO / "environments" / "nope.yaml"))
-    one_error_line(code, err, "environment", "no environment file", "nope.yaml", "found: dev, prod, staging")
+    one_error_line(code, err, "environment", "no environment file", "nope.yaml", "found: dev, platform, prod, staging")
 
 
 def test_plan_invalid_environment_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

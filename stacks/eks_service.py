@@ -1,0 +1,282 @@
+"""EKS target for one planned deployment: a cluster with a GPU node group, the engine Deployment, KEDA.
+
+Choices, and why:
+- Node autoscaling is Cluster Autoscaler on the managed GPU node group. The plan fixes the instance
+  types, and managed node groups already carry the auto-discovery tags it reads; Karpenter would bypass
+  the node group (its own NodePool and EC2NodeClass, an interruption queue) for flexibility this
+  workload does not use.
+- Prometheus runs in the cluster (the community chart's server, scraping the annotated pods). KEDA
+  queries it over the cluster network with no SigV4 credentials, and a scale decision never depends on
+  a remote service; long-term retention can remote-write to Amazon Managed Service for Prometheus.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from aws_cdk import Aws, CfnJson
+from aws_cdk import aws_ec2 as ec2
+from aws_cdk import aws_eks_v2 as eks
+from aws_cdk import aws_iam as iam
+from aws_cdk.lambda_layer_kubectl_v35 import KubectlV35Layer
+from constructs import Construct
+
+from sizing.errors import KvfleetError
+from stacks import k8s_manifests as k8s
+from stacks import signals
+from stacks.common import acknowledge, grant_model_read, grant_token_read, logical_id, serving_image
+from stacks.config import EksTarget
+from stacks.network import ServingNetwork
+from stacks.resolve import ResolvedDeployment
+
+# Helm charts, pinned: (chart, repository, version).
+DEVICE_PLUGIN_CHART = ("nvidia-device-plugin", "https://nvidia.github.io/k8s-device-plugin", "0.17.1")
+KEDA_CHART = ("keda", "https://kedacore.github.io/charts", "2.17.2")
+PROMETHEUS_CHART = ("prometheus", "https://prometheus-community.github.io/helm-charts", "27.20.0")
+CLUSTER_AUTOSCALER_CHART = ("cluster-autoscaler", "https://kubernetes.github.io/autoscaler", "9.46.6")
+PROMETHEUS_URL = "http://prometheus-server.monitoring.svc.cluster.local:80"
+SERVING_ACCOUNT = "kvfleet-serving"
+GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+
+
+class EksService(Construct):
+    def __init__(
+        self,
+        scope: Construct,
+        id: str,
+        *,
+        resolved: ResolvedDeployment,
+        target: EksTarget,
+        network: ServingNetwork,
+        region: str | None,
+    ) -> None:
+        super().__init__(scope, id)
+        r = resolved
+        d = r.deployment
+        s = d.scaling
+        instance = r.candidate.instance
+        tp = r.candidate.tensor_parallel_size
+        per_node = max(1, instance.accelerator_count // tp)  # replicas one GPU node holds
+
+        self.cluster = eks.Cluster(
+            self,
+            "Cluster",
+            version=eks.KubernetesVersion.of(target.kubernetes_version),
+            vpc=network.vpc,
+            vpc_subnets=[network.subnet_selection],
+            # Managed node groups, not Auto Mode: the plan picks the GPU instance types.
+            default_capacity=0,
+            default_capacity_type=eks.DefaultCapacityType.NODEGROUP,
+            endpoint_access=eks.EndpointAccess.PRIVATE,
+            cluster_logging=[
+                eks.ClusterLoggingTypes.API,
+                eks.ClusterLoggingTypes.AUDIT,
+                eks.ClusterLoggingTypes.AUTHENTICATOR,
+                eks.ClusterLoggingTypes.CONTROLLER_MANAGER,
+                eks.ClusterLoggingTypes.SCHEDULER,
+            ],
+            kubectl_provider_options=eks.KubectlProviderOptions(kubectl_layer=KubectlV35Layer(self, "KubectlLayer")),
+        )
+        labels = {"kvfleet.io/gpu": "true", "kvfleet.io/deployment": r.deployment_id}
+        self.nodegroup = self.cluster.add_nodegroup_capacity(
+            "Gpu",
+            ami_type=eks.NodegroupAmiType.AL2023_X86_64_NVIDIA,
+            instance_types=[ec2.InstanceType(instance.name)],
+            min_size=max(1, math.ceil(s.min_replicas / per_node)),
+            max_size=max(1, math.ceil(s.max_replicas / per_node)),
+            disk_size=r.disk_gib,
+            labels=labels,
+            taints=[eks.TaintSpec(effect=eks.TaintEffect.NO_SCHEDULE, key=GPU_TAINT["key"], value=GPU_TAINT["value"])],
+        )
+
+        # ---- the pods' identity: the model and the token, nothing else --------------------------------
+        serving = self.cluster.add_service_account("Serving", name=SERVING_ACCOUNT, namespace=target.namespace)
+        pull = iam.Policy(self, "ImagePull", roles=[self.nodegroup.role])
+        image = serving_image(self, r, pull, region)
+        access = iam.Policy(self, "ServingPolicy", roles=[serving.role])
+        if d.model.s3_uri:
+            grant_model_read(access, d.model.s3_uri)
+        if d.model.hf_token_secret:
+            grant_token_read(self, access, d.model.hf_token_secret)
+        access.add_statements(
+            iam.PolicyStatement(
+                actions=["cloudwatch:PutMetricData"],
+                resources=["*"],
+                conditions={"StringEquals": {"cloudwatch:namespace": signals.NAMESPACE}},
+            )
+        )
+        acknowledge(
+            access,
+            "AwsSolutions-IAM5[Resource::*]",
+            "cloudwatch:PutMetricData has no resource-level permissions; limited to the kvfleet namespace.",
+        )
+        acknowledge(
+            pull, "AwsSolutions-IAM5[Resource::*]", "ecr:GetAuthorizationToken has no resource-level permissions."
+        )
+
+        # ---- cluster add-ons, pinned ------------------------------------------------------------------
+        tolerate_gpu = [{"key": GPU_TAINT["key"], "operator": "Exists", "effect": GPU_TAINT["effect"]}]
+        self.device_plugin = self._chart(
+            "DevicePlugin",
+            DEVICE_PLUGIN_CHART,
+            "kube-system",
+            {"tolerations": tolerate_gpu, "nodeSelector": {"kvfleet.io/gpu": "true"}},
+        )
+        self.keda = self._chart("Keda", KEDA_CHART, "keda", {})
+        self.prometheus = self._chart(
+            "Prometheus",
+            PROMETHEUS_CHART,
+            "monitoring",
+            {
+                "alertmanager": {"enabled": False},
+                "prometheus-pushgateway": {"enabled": False},
+                "prometheus-node-exporter": {"enabled": False},
+                "kube-state-metrics": {"enabled": False},
+                "server": {"global": {"scrape_interval": "15s"}, "retention": "2d"},
+            },
+        )
+        autoscaler = self.cluster.add_service_account(
+            "ClusterAutoscaler", name="cluster-autoscaler", namespace="kube-system"
+        )
+        autoscaler_policy = iam.Policy(
+            self,
+            "ClusterAutoscalerPolicy",
+            roles=[autoscaler.role],
+            statements=[
+                iam.PolicyStatement(
+                    actions=[
+                        "autoscaling:DescribeAutoScalingGroups",
+                        "autoscaling:DescribeAutoScalingInstances",
+                        "autoscaling:DescribeLaunchConfigurations",
+                        "autoscaling:DescribeScalingActivities",
+                        "autoscaling:DescribeTags",
+                        "ec2:DescribeImages",
+                        "ec2:DescribeInstanceTypes",
+                        "ec2:DescribeLaunchTemplateVersions",
+                        "ec2:GetInstanceTypesFromInstanceRequirements",
+                        "eks:DescribeNodegroup",
+                    ],
+                    resources=["*"],
+                ),
+                iam.PolicyStatement(
+                    actions=["autoscaling:SetDesiredCapacity", "autoscaling:TerminateInstanceInAutoScalingGroup"],
+                    resources=["*"],
+                    # Only the groups of this cluster's node groups.
+                    conditions={
+                        "StringEquals": CfnJson(
+                            self,
+                            "OwnedTag",
+                            value={f"aws:ResourceTag/k8s.io/cluster-autoscaler/{self.cluster.cluster_name}": "owned"},
+                        )
+                    },
+                ),
+            ],
+        )
+        acknowledge(
+            autoscaler_policy,
+            "AwsSolutions-IAM5[Resource::*]",
+            "Describe calls have no resource-level permissions; scaling calls are limited by condition to the "
+            "groups tagged as owned by this cluster (EKS tags its managed node groups so).",
+        )
+        self.cluster_autoscaler = self._chart(
+            "ClusterAutoscaler",
+            CLUSTER_AUTOSCALER_CHART,
+            "kube-system",
+            {
+                "autoDiscovery": {"clusterName": self.cluster.cluster_name},
+                "awsRegion": Aws.REGION,
+                "rbac": {"serviceAccount": {"create": False, "name": "cluster-autoscaler"}},
+                # Slow scale-in, like the pods: a GPU node takes minutes to come back.
+                "extraArgs": {"scale-down-unneeded-time": "15m", "scale-down-delay-after-add": "15m"},
+            },
+        )
+        self.cluster_autoscaler.node.add_dependency(autoscaler)
+
+        # ---- the workload -----------------------------------------------------------------------------
+        self.options = k8s.WorkloadOptions(
+            image=image,
+            prometheus_server_address=PROMETHEUS_URL,
+            namespace=target.namespace,
+            service_account_name=SERVING_ACCOUNT,
+            taint_key=GPU_TAINT["key"],
+            taint_value=GPU_TAINT["value"],
+            shm_size_gib=target.shm_size_gib,
+            model_sync_image="public.ecr.aws/aws-cli/aws-cli:2.27.20" if d.model.s3_uri else None,
+            put_metric_data=True,
+        )
+        self.manifests = k8s.manifests(r, self.options)
+        problems = k8s.check_consistency(
+            self.manifests,
+            node_taints=[GPU_TAINT],
+            gpus_per_node=instance.accelerator_count,
+            tensor_parallel_size=tp,
+            drain_budget_s=s.drain_budget_s,
+            startup_estimate_s=r.startup.ready_s,
+            # kubelet adds the well-known instance-type label to every node.
+            node_labels={**labels, "node.kubernetes.io/instance-type": instance.name},
+        )
+        if problems:
+            raise KvfleetError("; ".join(problems), field=f"deployments.{d.name}.target")
+        ns = self.cluster.add_manifest("Namespace", k8s.namespace(self.options))
+        serving.node.add_dependency(ns)
+        for m in self.manifests:
+            kind = str(m["kind"])
+            applied = self.cluster.add_manifest(kind, m)
+            applied.node.add_dependency(ns)
+            applied.node.add_dependency(serving)
+            if kind == "ScaledObject":
+                applied.node.add_dependency(self.keda)  # the CRD comes with the chart
+        self._acknowledge_cdk_internals()
+
+    def _chart(self, id: str, chart: tuple[str, str, str], namespace: str, values: dict[str, Any]) -> eks.HelmChart:
+        name, repository, version = chart
+        return self.cluster.add_helm_chart(
+            id,
+            chart=name,
+            repository=repository,
+            version=version,
+            namespace=namespace,
+            create_namespace=True,
+            values=values,
+        )
+
+    def _acknowledge_cdk_internals(self) -> None:
+        provider = self.cluster.node.find_child("KubectlProvider")
+        handler = provider.node.find_child("Handler")
+        assert isinstance(provider, Construct) and isinstance(handler, Construct)
+        why = "aws-cdk-lib's kubectl provider (a Lambda that applies the manifests and Helm charts): "
+        for policy in (
+            "service-role/AWSLambdaBasicExecutionRole",
+            "service-role/AWSLambdaVPCAccessExecutionRole",
+            "AmazonEC2ContainerRegistryReadOnly",
+        ):
+            acknowledge(
+                provider,
+                f"AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/{policy}]",
+                why + "CDK attaches this AWS managed policy to its role.",
+            )
+        acknowledge(
+            provider,
+            'AwsSolutions-IAM4[Policy::{"Fn::If":["EksClusterKubectlProviderHandlerHasEcrPublicC426D1A5",'
+            '{"Fn::Join":["",["arn:",{"Ref":"AWS::Partition"},":iam::aws:policy/'
+            'AmazonElasticContainerRegistryPublicReadOnly"]]},{"Ref":"AWS::NoValue"}]}]',
+            why + "CDK adds public-ECR read access where the region has public ECR (for the kubectl image layer).",
+        )
+        acknowledge(provider, "AwsSolutions-L1", why + "CDK pins its runtime; upgrading aws-cdk-lib moves it.")
+        acknowledge(
+            provider,
+            f"AwsSolutions-IAM5[Resource::<{logical_id(handler)}.Arn>:*]",
+            why + "its framework invokes the handler's versions.",
+        )
+        for policy in ("AmazonEKSWorkerNodePolicy", "AmazonEKS_CNI_Policy", "AmazonEC2ContainerRegistryReadOnly"):
+            acknowledge(
+                self.nodegroup,
+                f"AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/{policy}]",
+                "The managed policies EKS requires for worker nodes (kubelet, VPC CNI, image pulls).",
+            )
+        acknowledge(
+            self.cluster,
+            "AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/AmazonEKSClusterPolicy]",
+            "The managed policy EKS requires for the cluster's service role.",
+        )
