@@ -20,6 +20,13 @@ def logical_id(c: Construct) -> str:
     return str(stack.resolve(stack.get_logical_id(child)))
 
 
+def condition_id(c: object) -> str:
+    """The logical id of a CloudFormation condition (cdk-nag quotes it inside some findings)."""
+    assert isinstance(c, CfnElement)
+    stack = Stack.of(c)
+    return str(stack.resolve(stack.get_logical_id(c)))
+
+
 def acknowledge(scope: Construct, finding: str, reason: str) -> None:
     """Accept one cdk-nag finding on ``scope``, with the reason, next to what causes it."""
     Validations.of(scope).acknowledge(Acknowledgment(id=finding, reason=reason))

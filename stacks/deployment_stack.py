@@ -43,61 +43,37 @@ class DeploymentStack(Stack):
             region=env_cfg.region if explicit else None,
             fleet=isinstance(target, Ec2Target),
         )
-        signals_published = r.deployment.image.source != "dlc"
         self.network = network
-        if isinstance(target, Ec2Target):
-            monitoring = ServingMonitoring(
-                self,
-                "Monitoring",
-                deployment_id=r.deployment_id,
-                scaling=r.deployment.scaling,
-                signals_published=signals_published,
-            )
-            fleet = Ec2Fleet(self, "Fleet", resolved=r, target=target, network=network, region=env_cfg.region)
-            dashboard = monitoring.add_dashboard(fleet.platform_metrics)
-            CfnOutput(self, "LoadBalancerDns", value=fleet.load_balancer.load_balancer_dns_name)
-            CfnOutput(self, "Dashboard", value=dashboard.dashboard_name)
-            self.fleet = fleet
-            self.monitoring = monitoring
-            return
-        if isinstance(target, EksTarget):
-            monitoring = ServingMonitoring(
-                self,
-                "Monitoring",
-                deployment_id=r.deployment_id,
-                scaling=r.deployment.scaling,
-                signals_published=signals_published,
-            )
-            service = EksService(self, "Eks", resolved=r, target=target, network=network, region=env_cfg.region)
-            dashboard = monitoring.add_dashboard(PlatformMetrics())
-            CfnOutput(self, "ClusterName", value=service.cluster.cluster_name)
-            CfnOutput(self, "Dashboard", value=dashboard.dashboard_name)
-            self.eks = service
-            self.monitoring = monitoring
-            return
-        assert isinstance(target, SageMakerTarget)
-
-        # The signal alarms come first: the endpoint's update rolls back on them.
-        monitoring = ServingMonitoring(
+        # The signal alarms come first: a SageMaker endpoint's update rolls back on them.
+        self.monitoring = ServingMonitoring(
             self,
             "Monitoring",
             deployment_id=r.deployment_id,
             scaling=r.deployment.scaling,
-            signals_published=signals_published,
+            signals_published=r.deployment.image.source != "dlc",
         )
-        endpoint = SageMakerEndpoint(
-            self,
-            "Endpoint",
-            resolved=r,
-            target=target,
-            vpc_subnets=network.subnet_ids,
-            security_group=network.security_group,
-            region=env_cfg.region,
-            rollback_alarms=list(monitoring.rollback_alarms),
-        )
-        dashboard = monitoring.add_dashboard(endpoint.platform_metrics)
-        CfnOutput(self, "EndpointName", value=endpoint.endpoint_name)
+        platform: PlatformMetrics
+        if isinstance(target, Ec2Target):
+            self.fleet = Ec2Fleet(self, "Fleet", resolved=r, target=target, network=network, region=env_cfg.region)
+            platform = self.fleet.platform_metrics
+            CfnOutput(self, "LoadBalancerDns", value=self.fleet.load_balancer.load_balancer_dns_name)
+        elif isinstance(target, EksTarget):
+            self.eks = EksService(self, "Eks", resolved=r, target=target, network=network, region=env_cfg.region)
+            platform = PlatformMetrics()  # replicas counted from their signals
+            CfnOutput(self, "ClusterName", value=self.eks.cluster.cluster_name)
+        else:
+            assert isinstance(target, SageMakerTarget)
+            self.endpoint = SageMakerEndpoint(
+                self,
+                "Endpoint",
+                resolved=r,
+                target=target,
+                vpc_subnets=network.subnet_ids,
+                security_group=network.security_group,
+                region=env_cfg.region,
+                rollback_alarms=list(self.monitoring.rollback_alarms),
+            )
+            platform = self.endpoint.platform_metrics
+            CfnOutput(self, "EndpointName", value=self.endpoint.endpoint_name)
+        dashboard = self.monitoring.add_dashboard(platform)
         CfnOutput(self, "Dashboard", value=dashboard.dashboard_name)
-        self.endpoint = endpoint
-        self.monitoring = monitoring
-        self.network = network

@@ -26,13 +26,14 @@ from stacks.common import acknowledge, grant_model_read, grant_token_read, logic
 from stacks.config import Ec2Target
 from stacks.monitoring import PERIOD, PlatformMetrics, signal_metric
 from stacks.network import ServingNetwork
-from stacks.resolve import SERVING_PORT, ResolvedDeployment
+from stacks.resolve import IMAGE_DISK_GIB, SERVING_PORT, ResolvedDeployment
 
 LIFECYCLE_HOOK = "kvfleet-drain"  # named: the instances read it at boot, before the hook's id is known
 WARM_HOOK = "kvfleet-warm"  # with a warm pool: held until the image and weights are on the instance
 HEARTBEAT_S = 60  # how often the agent heartbeats the hook while draining
 MODEL_DIR = "/opt/kvfleet/model"  # on local NVMe when the instance has it
 ROOT_DEVICE = "/dev/xvda"  # Amazon Linux 2023 AMIs
+OS_DISK_GIB = 30  # the GPU AMI's own root volume (drivers, CUDA, Docker)
 
 
 def fleet_instance_types(r: ResolvedDeployment) -> list[str]:
@@ -113,8 +114,8 @@ class Ec2Fleet(Construct):
         # Instance store is wiped when an instance stops: a stopped warm pool keeps the weights on EBS.
         warm_stopped = target.warm_pool.enabled and target.warm_pool.state != "Running"
         nvme = instance.local_nvme_gb > 0 and not warm_stopped
-        root_gib = 30 + (0 if nvme else math.ceil(r.disk_gib))  # OS + image (+ weights without NVMe)
-        root_gib = max(root_gib, r.disk_gib if not nvme else 0, 60)
+        # The AMI itself, then the image, and the weights too when they do not go to local NVMe.
+        root_gib = OS_DISK_GIB + (IMAGE_DISK_GIB if nvme else r.disk_gib)
         self.instance_security_group = network.security_group
         self.launch_template = ec2.LaunchTemplate(
             self,

@@ -25,7 +25,14 @@ from constructs import Construct
 from sizing.errors import KvfleetError
 from stacks import k8s_manifests as k8s
 from stacks import signals
-from stacks.common import acknowledge, grant_model_read, grant_token_read, logical_id, serving_image
+from stacks.common import (
+    acknowledge,
+    condition_id,
+    grant_model_read,
+    grant_token_read,
+    logical_id,
+    serving_image,
+)
 from stacks.config import EksTarget
 from stacks.network import ServingNetwork
 from stacks.resolve import ResolvedDeployment
@@ -258,7 +265,7 @@ class EksService(Construct):
             )
         acknowledge(
             provider,
-            'AwsSolutions-IAM4[Policy::{"Fn::If":["EksClusterKubectlProviderHandlerHasEcrPublicC426D1A5",'
+            f'AwsSolutions-IAM4[Policy::{{"Fn::If":["{condition_id(handler.node.find_child("HasEcrPublic"))}",'
             '{"Fn::Join":["",["arn:",{"Ref":"AWS::Partition"},":iam::aws:policy/'
             'AmazonElasticContainerRegistryPublicReadOnly"]]},{"Ref":"AWS::NoValue"}]}]',
             why + "CDK adds public-ECR read access where the region has public ECR (for the kubectl image layer).",

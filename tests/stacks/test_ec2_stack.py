@@ -11,7 +11,7 @@ from aws_cdk.assertions import Template
 
 from stacks import signals
 from stacks.app import build_app
-from stacks.ec2_fleet import LIFECYCLE_HOOK, fleet_instance_types
+from stacks.ec2_fleet import LIFECYCLE_HOOK, OS_DISK_GIB, fleet_instance_types
 from stacks.resolve import resolve_environment
 from tests.stacks.conftest import environment, make_app, only
 
@@ -120,7 +120,7 @@ def test_launch_template_imdsv2_encrypted_gp3_and_the_gpu_ami(template: Template
     assert bd["Ebs"]["Encrypted"] is True and bd["Ebs"]["VolumeType"] == "gp3"
     [r] = resolve_environment(environment(EC2_ENV))
     # A stopped warm pool loses instance store: the weights live on the root volume.
-    assert bd["Ebs"]["VolumeSize"] >= max(60, r.disk_gib)
+    assert bd["Ebs"]["VolumeSize"] == OS_DISK_GIB + r.disk_gib
     assert data["InstanceType"] == r.candidate.instance.name
     image = json.dumps(data["ImageId"])
     assert "SsmParameterValue" in image  # resolved at deploy time, no lookup at synth
