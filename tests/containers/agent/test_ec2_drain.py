@@ -198,6 +198,7 @@ class Outcome:
     flipped_at: float
     drain_started: list[float]
     pings: list[tuple[float, float, int]]  # sent, answered, status
+    running_at_first_503: int | None  # generations still streaming when readiness first read 503
     ping_before_flip: int
     new_request: dict[str, Any]
     drained: bool | None
@@ -254,10 +255,13 @@ async def scenario(tiny_model: Path) -> Outcome:
                 flipped_at = time.monotonic()
                 fake.state = lifecycle.TERMINATED
                 pings: list[tuple[float, float, int]] = []
-                while time.monotonic() - flipped_at < 10 and not any(p[2] == 503 for p in pings):
+                running_at_first_503: int | None = None
+                while time.monotonic() - flipped_at < 60 and not any(p[2] == 503 for p in pings):
                     sent = time.monotonic()
                     status = await ping_status(r)
                     pings.append((sent, time.monotonic(), status))
+                    if status == 503:
+                        running_at_first_503 = sum(not t.done() for t in tasks)
                     await asyncio.sleep(0.05)
                 # One more after the flip was seen: readiness must stay down for the rest of the drain.
                 sent = time.monotonic()
@@ -283,6 +287,7 @@ async def scenario(tiny_model: Path) -> Outcome:
             flipped_at=flipped_at,
             drain_started=drain_started,
             pings=pings,
+            running_at_first_503=running_at_first_503,
             ping_before_flip=ping_before_flip,
             new_request=new_request,
             drained=r.agent.drained,
@@ -305,14 +310,13 @@ def test_termination_hook_drains_streams_heartbeats_then_continues(
     assert states.count(lifecycle.TERMINATED) == 1, states
     terminated_read_at = out.served[-1][0]
     assert len(out.drain_started) == 1 and terminated_read_at <= out.drain_started[0], out.drain_started
-    # Readiness was up until the flip, and every ping sent once the drain had begun answered 503. The wall-clock
-    # bound is loose: the clients, the agent and vLLM share the cores, so the process can stall for a second or two
-    # under load (measured); the poll-count check above is the precise one.
+    # Readiness was up until the flip, every ping sent once the drain had begun answered 503, and it turned 503 while
+    # every generation was still streaming. Counted, not timed: the clients, the agent and vLLM share the cores, so
+    # the process can stall for seconds under load and a wall-clock bound flakes.
     assert out.ping_before_flip == 200
     after_drain = [status for sent, _, status in out.pings if sent >= out.drain_started[0]]
     assert after_drain and set(after_drain) == {503}, out.pings
-    first_503 = next(answered for _, answered, status in out.pings if status == 503)
-    assert first_503 - out.flipped_at < 5.0
+    assert out.running_at_first_503 == STREAMS, out.running_at_first_503
     assert out.new_request["status"] == 503, out.new_request
     assert out.new_request["headers"].get("Retry-After")
 

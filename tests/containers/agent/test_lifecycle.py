@@ -196,14 +196,15 @@ def test_imds_region_falls_back_to_the_identity_document() -> None:
 
 def test_imds_refused_connection_is_unavailable_fast() -> None:
     async def scenario() -> None:
-        imds = Imds(closed_port_url())
+        # A long timeout, so that only a refusal (not the timeout firing) can end the call well inside it.
+        imds = Imds(closed_port_url(), timeout_s=60.0)
         started = time.monotonic()
         try:
             with pytest.raises(ImdsUnavailable):
                 await imds.instance_id()
         finally:
             await imds.close()
-        assert time.monotonic() - started < 2.0
+        assert time.monotonic() - started < 30.0
 
     run(scenario())
 
@@ -219,7 +220,8 @@ def test_imds_that_never_answers_times_out() -> None:
                     await imds.instance_id()
             finally:
                 await imds.close()
-            assert 0.15 < time.monotonic() - started < 1.0
+            # At least the timeout; the upper bound only separates "timed out" from "hung" (loose: shared cores).
+            assert 0.15 < time.monotonic() - started < 10.0
 
     run(scenario())
 
@@ -243,7 +245,6 @@ def test_heartbeats_through_a_long_drain_then_completes(caplog: pytest.LogCaptur
             return w, fake.state_reads
 
     caplog.set_level(logging.INFO, logger=lifecycle.__name__)
-    started = time.monotonic()
     w, reads = run(scenario())
     aws.stubber.assert_no_pending_responses()
     assert reads == 4  # three InService polls, then Terminated
@@ -254,7 +255,6 @@ def test_heartbeats_through_a_long_drain_then_completes(caplog: pytest.LogCaptur
     assert len(gaps) == 3
     assert all(gap >= HEARTBEAT_S * 0.9 for gap in gaps), gaps
     assert sum(gaps) / len(gaps) < 4 * HEARTBEAT_S, gaps
-    assert drains[0] - started < 1.0
     assert aws.regions == [REGION]
     assert aws.attempts == [HB_OP, HB_OP, HB_OP, COMPLETE_OP]
     assert w.imds.closed
@@ -389,14 +389,17 @@ def test_no_imds_returns_quickly_without_raising(caplog: pytest.LogCaptureFixtur
 
     async def scenario() -> LifecycleWatcher:
         w = LifecycleWatcher(
-            imds=Imds(closed_port_url()), autoscaling_client_factory=aws.factory, group_name=GROUP, hook_name=HOOK
+            imds=Imds(closed_port_url(), timeout_s=60.0),
+            autoscaling_client_factory=aws.factory,
+            group_name=GROUP,
+            hook_name=HOOK,
         )
         await w.run(drain_until(lambda: True, drains))
         return w
 
     started = time.monotonic()
     w = run(scenario())
-    assert time.monotonic() - started < 2.0
+    assert time.monotonic() - started < 30.0  # gave up on the refusal, not after the 60 s timeout
     assert drains == []
     assert aws.regions == []
     assert w.imds.closed

@@ -53,12 +53,12 @@ def test_drain_finishes_in_flight_and_refuses_new_work_with_503() -> None:
             streams = [asyncio.create_task(stream_completion(r.http, r.url, max_tokens=30)) for _ in range(10)]
             await asyncio.sleep(0.4)  # all ten are generating
             assert len(r.agent.flights) == 10
-            t0 = time.monotonic()
             r.agent.request_shutdown()
             shutdown = asyncio.create_task(r.agent.shutdown())
+            # Readiness is down on the very next ping, while all ten are still generating.
             async with r.http.get(r.url + "/ping") as p:
                 assert p.status == 503
-            assert time.monotonic() - t0 < 1.0
+            assert not any(task.done() for task in streams)
             new = await stream_completion(r.http, r.url)
             assert new["status"] == 503 and new["headers"]["Retry-After"] == "2"
             async with r.http.get(r.url + "/v1/models") as m:
@@ -82,8 +82,9 @@ def test_past_the_budget_streams_end_with_an_error_event_not_a_hang() -> None:
             r.agent.request_shutdown()
             t0 = time.monotonic()
             await r.agent.drain()
-            results = await asyncio.wait_for(asyncio.gather(*streams), 10)
-            assert time.monotonic() - t0 < 5
+            results = await asyncio.wait_for(asyncio.gather(*streams), 30)
+            # Cut at the budget: a full generation would take 200 x 0.2 s = 40 s.
+            assert time.monotonic() - t0 < 20
             for x in results:
                 assert x["status"] == 200 and x["done"]
                 assert x["errors"][0]["type"] == "server_shutdown" and x["errors"][0]["code"] == 503

@@ -200,19 +200,22 @@ def test_sigterm_drains_ten_streams_then_exits_zero(agent: AgentProcess) -> None
             assert not any(t.done() for t in tasks), "generations finished before the drain began"
             t0 = time.monotonic()
             agent.proc.send_signal(signal.SIGTERM)
-            ping_503_after = None
-            while ping_503_after is None and time.monotonic() - t0 < 5:
+            # How many generations were still running when readiness first read 503: the drain must take the pod out
+            # of rotation as it starts, not once the streams have ended. (Counted, not timed: the clients, the agent
+            # and vLLM share the cores, so wall-clock bounds flake under load.)
+            ping_503_running = None
+            while ping_503_running is None and time.monotonic() - t0 < 60:
                 async with http.get(agent.url + "/ping") as p:
                     if p.status == 503:
-                        ping_503_after = time.monotonic() - t0
+                        ping_503_running = sum(not t.done() for t in tasks)
                 await asyncio.sleep(0.05)
             new = await stream_completion(http, agent.url, model="tiny", max_tokens=5)
             results = await asyncio.gather(*tasks)
             code = await asyncio.to_thread(agent.proc.wait, DRAIN_BUDGET_S + 60)
-            return {"ping": ping_503_after, "new": new, "results": results, "code": code, "t": time.monotonic() - t0}
+            return {"ping": ping_503_running, "new": new, "results": results, "code": code, "t": time.monotonic() - t0}
 
     out = run(go())
-    assert out["ping"] is not None and out["ping"] < 1.0
+    assert out["ping"] == 10, out["ping"]
     assert out["new"]["status"] == 503 and out["new"]["headers"].get("Retry-After")
     for r in out["results"]:
         assert r["status"] == 200 and r["done"] and r["finish"] == ["length"] and not r["errors"]
