@@ -260,10 +260,73 @@ class Ec2Target(_Frozen):
     )
 
 
+class ExistingCluster(_Frozen):
+    """An EKS cluster kvfleet attaches to: it adds the GPU node group and the workload, and owns nothing else.
+
+    Nothing is looked up at synth, so the config names what the templates need. kvfleet's kubectl function gets
+    cluster-admin through an EKS access entry, which needs the cluster's authentication mode to be API or
+    API_AND_CONFIG_MAP (`aws eks update-cluster-config --name NAME --access-config
+    authenticationMode=API_AND_CONFIG_MAP` switches a ConfigMap-only cluster without disruption). It runs in the
+    cluster security group inside network.private_subnet_ids, so those subnets need a route to the EKS and STS
+    APIs (NAT or VPC endpoints); the Helm charts it installs come from their public repositories.
+    """
+
+    name: str = Field(
+        pattern=r"^[0-9A-Za-z][A-Za-z0-9_-]{0,99}$", description="Name of the existing cluster (in this region)."
+    )
+    security_group_id: str = Field(
+        pattern=r"^sg-[0-9a-f]{8,17}$",
+        description=(
+            "The cluster security group EKS created for the cluster (`aws eks describe-cluster` "
+            "resourcesVpcConfig.clusterSecurityGroupId): the kubectl function runs in it to reach the API endpoint."
+        ),
+    )
+    oidc_provider_arn: str | None = Field(
+        default=None,
+        pattern=r"^arn:aws[a-z-]*:iam::\d{12}:oidc-provider/oidc\.eks\.[a-z0-9-]+\.amazonaws\.com(\.cn)?/id/[0-9A-Za-z]+$",
+        description=(
+            "The cluster's IAM OIDC provider: pods get their AWS roles through IRSA. Without it they get them "
+            "through EKS Pod Identity, which needs the eks-pod-identity-agent add-on on the cluster."
+        ),
+    )
+
+
+class EksAddons(_Frozen):
+    """The cluster add-ons the workload needs. A new cluster gets all of them; an existing one may already run some."""
+
+    device_plugin: bool = Field(
+        default=True,
+        description="Install the NVIDIA device plugin (off when the cluster already runs it or the GPU Operator).",
+    )
+    keda: bool = Field(default=True, description="Install KEDA (off when the cluster already runs KEDA 2.x).")
+    prometheus_url: str | None = Field(
+        default=None,
+        pattern=r"^https?://[A-Za-z0-9.-]+(:\d+)?(/[^\s]*)?$",
+        description=(
+            "Query this Prometheus instead of installing one. It must scrape pods annotated prometheus.io/scrape "
+            "(the kubernetes-pods job of the community chart does) and answer KEDA without authentication."
+        ),
+    )
+    cluster_autoscaler: bool = Field(
+        default=True,
+        description=(
+            "Install Cluster Autoscaler for the GPU node group (off when the cluster already runs one with "
+            "node group auto-discovery: EKS tags managed node groups for it)."
+        ),
+    )
+
+
 class EksTarget(_Frozen):
     platform: Literal["eks"] = Field(description="A GPU node group and Deployment on EKS.")
+    cluster: ExistingCluster | None = Field(
+        default=None, description="Attach to this existing cluster instead of creating one (needs network.vpc_id)."
+    )
+    addons: EksAddons = Field(default_factory=EksAddons)
     kubernetes_version: Literal["1.33", "1.34", "1.35"] = Field(
-        default="1.33", description="Kubernetes version of a new cluster (pinned: manifests are validated for it)."
+        default="1.33",
+        description=(
+            "Kubernetes version of a new cluster, or of the existing one (pinned: manifests are validated for it)."
+        ),
     )
     namespace: str = Field(
         default="kvfleet", pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$", description="Namespace of the workload."
@@ -271,6 +334,17 @@ class EksTarget(_Frozen):
     shm_size_gib: int = Field(
         default=16, ge=1, le=512, description="Shared memory for the engine (tensor parallelism)."
     )
+
+    @model_validator(mode="after")
+    def _new_cluster_addons(self) -> EksTarget:
+        if self.cluster is None:
+            missing = [name for name in ("device_plugin", "keda") if not getattr(self.addons, name)]
+            if missing:
+                raise ValueError(
+                    f"addons.{missing[0]}: a new cluster has nothing else to provide it; set it to true, or attach "
+                    "to an existing cluster with target.cluster"
+                )
+        return self
 
 
 Target = Annotated[SageMakerTarget | Ec2Target | EksTarget, Field(discriminator="platform")]
@@ -385,6 +459,12 @@ class Environment(_Frozen):
 
     @model_validator(mode="after")
     def _network_fits_targets(self) -> Environment:
+        for d in self.deployments:
+            if isinstance(d.target, EksTarget) and d.target.cluster is not None and self.network.vpc_id is None:
+                raise ValueError(
+                    f"network.vpc_id: deployment {d.name} attaches to cluster {d.target.cluster.name}; give the "
+                    "cluster's VPC (vpc_id, private_subnet_ids, availability_zones) so its GPU nodes join it"
+                )
         if self.network.vpc_id is not None:
             for d in self.deployments:
                 if isinstance(d.target, Ec2Target) and not d.target.load_balancer.allowed_cidrs:

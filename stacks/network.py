@@ -6,7 +6,7 @@ from the config or, for an environment-agnostic stack, from Fn::GetAZs at deploy
 
 from __future__ import annotations
 
-from aws_cdk import RemovalPolicy
+from aws_cdk import Annotations, RemovalPolicy
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_logs as logs
 from constructs import Construct
@@ -32,6 +32,12 @@ class ServingNetwork(Construct):
                 availability_zones=list(config.availability_zones),
                 private_subnet_ids=list(config.private_subnet_ids),
             )
+            for subnet in self.vpc.private_subnets:
+                # CDK warns that route tables of imported subnets are unknown; kvfleet adds no routes to an
+                # existing VPC (no gateway endpoints, no NAT), so nothing reads them.
+                Annotations.of(subnet).acknowledge_warning(
+                    "@aws-cdk/aws-ec2:noSubnetRouteTableId", "kvfleet adds no routes to an existing VPC"
+                )
             self.subnet_ids = list(config.private_subnet_ids)
             self.cidr: str | None = None  # not looked up: callers that need it ask the config
             self.subnet_selection = ec2.SubnetSelection(subnets=self.vpc.private_subnets)

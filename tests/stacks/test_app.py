@@ -69,4 +69,5 @@ def test_unknown_environment_name_lists_the_examples(tmp_path: Path) -> None:
     result = cdk_synth("qa", tmp_path / "cdk.out")
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
-    assert "no environment file at" in result.stderr and "found: dev, platform, prod, staging" in result.stderr
+    assert "no environment file at" in result.stderr
+    assert "found: dev, platform, prod, shared-cluster, staging" in result.stderr

@@ -11,8 +11,10 @@ from aws_cdk.assertions import Template
 
 from stacks import signals
 from stacks.app import build_app
+from stacks.config import EksTarget
 from stacks.eks_service import (
     CLUSTER_AUTOSCALER_CHART,
+    CLUSTER_AUTOSCALER_IMAGE_TAGS,
     DEVICE_PLUGIN_CHART,
     GPU_TAINT,
     KEDA_CHART,
@@ -70,6 +72,15 @@ def test_pinned_helm_charts(template: Template) -> None:
     assert plugin["tolerations"][0]["key"] == GPU_TAINT["key"]  # it must run on the tainted GPU nodes
 
 
+def test_cluster_autoscaler_matches_the_clusters_minor_version(template: Template) -> None:
+    [chart] = [c for c in props(template, "Custom::AWSCDK-EKS-HelmChart") if c["Chart"] == "cluster-autoscaler"]
+    assert '\\"image\\":{\\"tag\\":\\"v1.33.' in json.dumps(chart["Values"])  # platform.yaml runs 1.33
+    # Every Kubernetes version a config may name has an autoscaler of the same minor version.
+    versions = EksTarget.model_fields["kubernetes_version"].annotation.__args__  # type: ignore[union-attr]
+    assert sorted(CLUSTER_AUTOSCALER_IMAGE_TAGS) == sorted(versions)
+    assert all(tag.startswith(f"v{v}.") for v, tag in CLUSTER_AUTOSCALER_IMAGE_TAGS.items())
+
+
 def test_workload_manifests_with_drain_hooks_and_keda(template: Template) -> None:
     dep = manifest(template, "Deployment")
     assert "containers.agent" in dep and "drain" in dep and "preStop" in dep
@@ -81,7 +92,7 @@ def test_workload_manifests_with_drain_hooks_and_keda(template: Template) -> Non
     assert scaled.count('\\"type\\":\\"prometheus\\"') == 2
     resources = template.find_resources("Custom::AWSCDK-EKS-KubernetesResource")
     [(_, so)] = [(k, r) for k, r in resources.items() if "ScaledObject" in k]
-    assert any(d.startswith("EksClusterchartKeda") for d in so["DependsOn"])  # the CRD comes first
+    assert any(d.startswith("EksChartKeda") for d in so["DependsOn"])  # the CRD comes first
 
 
 def test_cluster_autoscaler_may_scale_only_this_clusters_groups(template: Template) -> None:
@@ -119,3 +130,146 @@ def test_cdk_nag_passes(tmp_path: Path) -> None:
     app = build_app(environment(PLATFORM), app=make_app(outdir=str(tmp_path)), nag=True)
     app.synth()
     assert json.loads((tmp_path / "validation-report.json").read_text())["pluginReports"] == []
+
+
+# ---- attaching to an existing cluster (environments/shared-cluster.yaml) -------------------------------------
+
+SHARED = (REPO / "environments" / "shared-cluster.yaml").read_text(encoding="utf-8")
+SHARED_CLUSTER = "platform-prod"
+SHARED_SG = "sg-0123456789abcdef0"
+SHARED_SUBNETS = ["subnet-0a1b2c3d4e5f60718", "subnet-0f1e2d3c4b5a69788"]
+OIDC_LINE = (
+    "        oidc_provider_arn: arn:aws:iam::123456789012:oidc-provider/"
+    "oidc.eks.us-east-1.amazonaws.com/id/EXAMPLED539D4633E53DE1B71EXAMPLE\n"
+)
+ADDONS_OFF = (
+    "      addons:\n"
+    "        keda: false\n"
+    "        prometheus_url: http://prometheus.observability.svc.cluster.local:9090\n"
+    "        cluster_autoscaler: false\n"
+)
+
+
+@pytest.fixture(scope="module")
+def shared() -> Template:
+    return only(SHARED)
+
+
+def kubectl_applied(t: Template) -> dict[str, dict[str, Any]]:
+    """Every resource the kubectl provider applies: manifests, service accounts and Helm charts."""
+    return {
+        **t.find_resources("Custom::AWSCDK-EKS-KubernetesResource"),
+        **t.find_resources("Custom::AWSCDK-EKS-HelmChart"),
+    }
+
+
+def test_attach_creates_no_cluster_and_joins_the_named_one(shared: Template) -> None:
+    assert shared.find_resources("AWS::EKS::Cluster") == {}
+    [ng] = props(shared, "AWS::EKS::Nodegroup")
+    assert ng["ClusterName"] == SHARED_CLUSTER
+    assert sorted(ng["Subnets"]) == sorted(SHARED_SUBNETS)  # the cluster's VPC, from the config
+    assert "Version" not in ng  # follows the cluster's own version
+    assert shared.find_resources("AWS::EC2::VPC") == {}
+
+
+def test_attach_grants_kubectl_cluster_admin_through_an_access_entry(shared: Template) -> None:
+    [(entry_id, entry)] = shared.find_resources("AWS::EKS::AccessEntry").items()
+    p = entry["Properties"]
+    assert p["ClusterName"] == SHARED_CLUSTER
+    [policy] = p["AccessPolicies"]
+    assert json.dumps(policy["PolicyArn"]).endswith(':cluster-access-policy/AmazonEKSClusterAdminPolicy"]]}')
+    assert policy["AccessScope"] == {"Type": "cluster"}
+    # The entry is for the role the kubectl function runs as.
+    [(fn_id, fn)] = [
+        (k, r)
+        for k, r in shared.find_resources("AWS::Lambda::Function").items()
+        if "kubectl resource provider" in r["Properties"].get("Description", "")
+    ]
+    assert p["PrincipalArn"] == fn["Properties"]["Role"]
+    # It runs in the cluster security group inside the cluster's subnets, to reach a private API endpoint.
+    vpc = fn["Properties"]["VpcConfig"]
+    assert vpc["SecurityGroupIds"] == [SHARED_SG] and sorted(vpc["SubnetIds"]) == sorted(SHARED_SUBNETS)
+    # Nothing is applied before that access exists.
+    applied = kubectl_applied(shared)
+    assert applied and all(entry_id in r.get("DependsOn", []) for r in applied.values()), fn_id
+
+
+def test_attach_installs_only_the_addons_the_cluster_lacks(shared: Template) -> None:
+    charts = [c["Chart"] for c in props(shared, "Custom::AWSCDK-EKS-HelmChart")]
+    assert charts == [DEVICE_PLUGIN_CHART[0]]
+    scaled = manifest(shared, "ScaledObject")
+    assert scaled.count("http://prometheus.observability.svc.cluster.local:9090") == 2  # both triggers
+    # No Cluster Autoscaler role either: the cluster's own autoscaler discovers the node group by its tags.
+    stmts = [s for p in props(shared, "AWS::IAM::Policy") for s in p["PolicyDocument"]["Statement"]]
+    assert not [s for s in stmts if "autoscaling:SetDesiredCapacity" in s["Action"]]
+
+
+def test_attach_with_every_addon_installs_them_after_the_access_entry() -> None:
+    t = only(SHARED.replace(ADDONS_OFF, ""))
+    charts = sorted(c["Chart"] for c in props(t, "Custom::AWSCDK-EKS-HelmChart"))
+    assert charts == sorted(c[0] for c in (DEVICE_PLUGIN_CHART, KEDA_CHART, PROMETHEUS_CHART, CLUSTER_AUTOSCALER_CHART))
+    [entry_id] = t.find_resources("AWS::EKS::AccessEntry")
+    assert all(entry_id in r["DependsOn"] for r in kubectl_applied(t).values())
+    autoscaler = next(c for c in props(t, "Custom::AWSCDK-EKS-HelmChart") if c["Chart"] == "cluster-autoscaler")
+    assert '\\"clusterName\\":\\"platform-prod\\"' in json.dumps(autoscaler["Values"])
+
+
+def test_attach_with_an_oidc_provider_gives_the_pods_their_role_through_irsa(shared: Template) -> None:
+    roles = [
+        r["Properties"]["AssumeRolePolicyDocument"]["Statement"][0]
+        for r in shared.find_resources("AWS::IAM::Role").values()
+    ]
+    federated = [s for s in roles if "Federated" in s["Principal"]]
+    assert len(federated) == 1  # the serving account (no Cluster Autoscaler here)
+    assert federated[0]["Principal"]["Federated"].endswith(
+        ":oidc-provider/oidc.eks.us-east-1.amazonaws.com/id/EXAMPLED539D4633E53DE1B71EXAMPLE"
+    )
+    assert shared.find_resources("AWS::EKS::PodIdentityAssociation") == {}
+
+
+def test_attach_without_an_oidc_provider_uses_pod_identity() -> None:
+    t = only(SHARED.replace(OIDC_LINE, "").replace(ADDONS_OFF, ""))
+    associations = props(t, "AWS::EKS::PodIdentityAssociation")
+    assert sorted((a["Namespace"], a["ServiceAccount"]) for a in associations) == [
+        ("assistant", "kvfleet-serving"),
+        ("kube-system", "cluster-autoscaler"),
+    ]
+    assert all(a["ClusterName"] == SHARED_CLUSTER for a in associations)
+    trusts = [
+        r["Properties"]["AssumeRolePolicyDocument"]["Statement"] for r in t.find_resources("AWS::IAM::Role").values()
+    ]
+    pods = [s for stmts in trusts for s in stmts if s.get("Principal", {}).get("Service") == "pods.eks.amazonaws.com"]
+    assert len(pods) == 2 and all(s["Action"] == ["sts:AssumeRole", "sts:TagSession"] for s in pods)
+
+
+def test_attach_cdk_nag_passes(tmp_path: Path) -> None:
+    app = build_app(environment(SHARED), app=make_app(outdir=str(tmp_path)), nag=True)
+    app.synth()
+    assert json.loads((tmp_path / "validation-report.json").read_text())["pluginReports"] == []
+
+
+def test_attach_needs_the_clusters_vpc() -> None:
+    from stacks.config import ConfigError
+
+    no_vpc = SHARED.split("network:\n")[0] + "deployments:" + SHARED.split("deployments:", 1)[1]
+    with pytest.raises(ConfigError) as err:
+        environment(no_vpc)
+    [line] = err.value.lines
+    assert (
+        line.startswith("test.yaml:")
+        and "network.vpc_id: deployment assistant attaches to cluster platform-prod" in line
+    )
+
+
+def test_a_new_cluster_cannot_leave_out_keda() -> None:
+    from stacks.config import ConfigError
+
+    text = PLATFORM.replace(
+        '      kubernetes_version: "1.33"\n', '      kubernetes_version: "1.33"\n      addons:\n        keda: false\n'
+    )
+    with pytest.raises(ConfigError) as err:
+        environment(text)
+    [line] = err.value.lines
+    assert "deployments[0].target.addons.keda: a new cluster has nothing else to provide it" in line
+    keda_line = text.splitlines().index("        keda: false") + 1
+    assert line.startswith(f"test.yaml:{keda_line}:"), line
