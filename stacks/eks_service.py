@@ -43,7 +43,13 @@ from stacks.resolve import ResolvedDeployment
 
 # Helm charts, pinned: (chart, repository, version).
 DEVICE_PLUGIN_CHART = ("nvidia-device-plugin", "https://nvidia.github.io/k8s-device-plugin", "0.17.1")
-KEDA_CHART = ("keda", "https://kedacore.github.io/charts", "2.17.2")
+# KEDA supports the Kubernetes minor it was released with and the two before it (keda.sh, Operate > Cluster), so
+# 2.17 would already be outside its window on 1.33; 2.19 is the newest minor pinned here. Its ScaledObject API
+# (keda.sh/v1alpha1) only grows between minors, so the manifests still validate against the project's schema,
+# written from 2.17's fields.
+KEDA_CHART = ("keda", "https://kedacore.github.io/charts", "2.19.0")
+# The chart's default nodeAffinity (values.yaml, 0.17.x) admits nodes carrying one of NFD's NVIDIA labels or this one.
+DEVICE_PLUGIN_NODE_LABEL = ("nvidia.com/gpu.present", "true")
 PROMETHEUS_CHART = ("prometheus", "https://prometheus-community.github.io/helm-charts", "27.20.0")
 CLUSTER_AUTOSCALER_CHART = ("cluster-autoscaler", "https://kubernetes.github.io/autoscaler", "9.59.0")
 # Cluster Autoscaler's minor version must match the cluster's (its compatibility policy); the chart's default image
@@ -112,7 +118,13 @@ class EksService(Construct):
         else:
             self.cluster, self.kubectl_provider = self._attach(target.cluster, network, layer)
             identity = eks.IdentityType.IRSA if target.cluster.oidc_provider_arn else eks.IdentityType.POD_IDENTITY
-        labels = {"kvfleet.io/gpu": "true", "kvfleet.io/deployment": r.deployment_id}
+        labels = {
+            "kvfleet.io/gpu": "true",
+            "kvfleet.io/deployment": r.deployment_id,
+            # The device plugin chart's DaemonSet (and the GPU Operator's) requires node labels that Node Feature
+            # Discovery would add; this is the one the chart documents for forcing a GPU node without NFD.
+            DEVICE_PLUGIN_NODE_LABEL[0]: DEVICE_PLUGIN_NODE_LABEL[1],
+        }
         self.nodegroup = eks.Nodegroup(
             self,
             "Gpu",

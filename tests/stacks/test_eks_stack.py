@@ -58,7 +58,11 @@ def test_gpu_node_group_from_the_plan(template: Template) -> None:
     assert ng["AmiType"] == "AL2023_x86_64_NVIDIA"
     assert ng["InstanceTypes"] == [r.candidate.instance.name]
     assert ng["Taints"] == [{"Effect": "NO_SCHEDULE", "Key": GPU_TAINT["key"], "Value": GPU_TAINT["value"]}]
-    assert ng["Labels"] == {"kvfleet.io/gpu": "true", "kvfleet.io/deployment": "platform-coder"}
+    assert ng["Labels"] == {
+        "kvfleet.io/gpu": "true",
+        "kvfleet.io/deployment": "platform-coder",
+        "nvidia.com/gpu.present": "true",
+    }
     assert ng["DiskSize"] == r.disk_gib
     per_node = r.candidate.instance.accelerator_count // r.candidate.tensor_parallel_size
     assert ng["ScalingConfig"]["MaxSize"] == -(-6 // per_node)
@@ -70,6 +74,23 @@ def test_pinned_helm_charts(template: Template) -> None:
         assert charts[name]["Version"] == version and charts[name]["Repository"] == repo
     plugin = json.loads(charts["nvidia-device-plugin"]["Values"])
     assert plugin["tolerations"][0]["key"] == GPU_TAINT["key"]  # it must run on the tainted GPU nodes
+
+
+def test_the_device_plugin_daemonset_can_land_on_the_gpu_nodes(template: Template) -> None:
+    # The chart keeps its default nodeAffinity (values.yaml of nvidia-device-plugin 0.17.x): a node must carry
+    # one of these labels, which Node Feature Discovery adds and an EKS node group does not. Without one the
+    # DaemonSet never schedules, no GPU is advertised and every serving pod stays Pending.
+    chart_affinity_terms = [
+        ("feature.node.kubernetes.io/pci-10de.present", "true"),
+        ("feature.node.kubernetes.io/cpu-model.vendor_id", "NVIDIA"),
+        ("nvidia.com/gpu.present", "true"),
+    ]
+    [ng] = props(template, "AWS::EKS::Nodegroup")
+    assert any(ng["Labels"].get(key) == value for key, value in chart_affinity_terms)
+    charts = {c["Chart"]: c for c in props(template, "Custom::AWSCDK-EKS-HelmChart")}
+    plugin = json.loads(charts["nvidia-device-plugin"]["Values"])
+    assert "affinity" not in plugin  # the default stays, so the label above is what admits the node
+    assert all(ng["Labels"].get(k) == v for k, v in plugin["nodeSelector"].items())
 
 
 def test_cluster_autoscaler_matches_the_clusters_minor_version(template: Template) -> None:
