@@ -433,7 +433,10 @@ def test_plan_environment_files(capsys: pytest.CaptureFixture[str], env: str, de
 
 def test_plan_missing_environment_file(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "plan", str(REPO / "environments" / "nope.yaml"))
-    one_error_line(code, err, "environment", "no environment file", "nope.yaml", "found: dev, platform, prod, staging")
+    # The error lists the environments that do exist, so a typo is one look away from the fix.
+    found = ", ".join(sorted(p.stem for p in (REPO / "environments").glob("*.yaml")))
+    assert "dev" in found
+    one_error_line(code, err, "environment", "no environment file", "nope.yaml", f"found: {found}")
 
 
 def test_plan_invalid_environment_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
