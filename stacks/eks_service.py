@@ -23,7 +23,7 @@ from aws_cdk import Aws, CfnJson
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_eks_v2 as eks
 from aws_cdk import aws_iam as iam
-from aws_cdk.lambda_layer_kubectl_v35 import KubectlV35Layer
+from aws_cdk.lambda_layer_kubectl_v34 import KubectlV34Layer
 from constructs import Construct
 
 from sizing.errors import KvfleetError
@@ -41,6 +41,8 @@ from stacks.config import EksTarget, ExistingCluster
 from stacks.network import ServingNetwork
 from stacks.resolve import ResolvedDeployment
 
+# kubectl in the provider's layer: one minor either side of the API server is within kubectl's skew policy.
+KUBECTL_MINOR = "1.34"
 # Helm charts, pinned: (chart, repository, version).
 DEVICE_PLUGIN_CHART = ("nvidia-device-plugin", "https://nvidia.github.io/k8s-device-plugin", "0.17.1")
 # KEDA supports the Kubernetes minor it was released with and the two before it (keda.sh, Operate > Cluster), so
@@ -85,7 +87,7 @@ class EksService(Construct):
         self.kubectl_access: eks.AccessEntry | None = None
         self.cluster: eks.ICluster
         self.kubectl_provider: eks.IKubectlProvider
-        layer = KubectlV35Layer(self, "KubectlLayer")
+        layer = KubectlV34Layer(self, "KubectlLayer")
         if target.cluster is None:
             created = eks.Cluster(
                 self,
@@ -244,7 +246,7 @@ class EksService(Construct):
         self._acknowledge_cdk_internals()
 
     def _attach(
-        self, existing: ExistingCluster, network: ServingNetwork, layer: KubectlV35Layer
+        self, existing: ExistingCluster, network: ServingNetwork, layer: KubectlV34Layer
     ) -> tuple[eks.ICluster, eks.IKubectlProvider]:
         """The existing cluster, a kubectl provider that can reach it, and the access entry that lets it in."""
         cluster_sg = ec2.SecurityGroup.from_security_group_id(

@@ -18,6 +18,7 @@ from stacks.eks_service import (
     DEVICE_PLUGIN_CHART,
     GPU_TAINT,
     KEDA_CHART,
+    KUBECTL_MINOR,
     PROMETHEUS_CHART,
 )
 from stacks.resolve import resolve_environment
@@ -100,6 +101,15 @@ def test_cluster_autoscaler_matches_the_clusters_minor_version(template: Templat
     versions = EksTarget.model_fields["kubernetes_version"].annotation.__args__  # type: ignore[union-attr]
     assert sorted(CLUSTER_AUTOSCALER_IMAGE_TAGS) == sorted(versions)
     assert all(tag.startswith(f"v{v}.") for v, tag in CLUSTER_AUTOSCALER_IMAGE_TAGS.items())
+
+
+def test_kubectl_is_within_one_minor_of_every_cluster_version() -> None:
+    import aws_cdk.lambda_layer_kubectl_v34 as layer
+
+    assert layer.__name__.endswith("v" + KUBECTL_MINOR.replace("1.", ""))  # the layer is the version named
+    versions = EksTarget.model_fields["kubernetes_version"].annotation.__args__  # type: ignore[union-attr]
+    minor = int(KUBECTL_MINOR.split(".")[1])
+    assert all(abs(int(v.split(".")[1]) - minor) <= 1 for v in versions), versions
 
 
 def test_workload_manifests_with_drain_hooks_and_keda(template: Template) -> None:
