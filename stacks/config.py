@@ -261,7 +261,8 @@ class Ec2Target(_Frozen):
 
 
 class ExistingCluster(_Frozen):
-    """An EKS cluster kvfleet attaches to: it adds the GPU node group and the workload, and owns nothing else.
+    """An EKS cluster kvfleet attaches to: it adds the GPU node group, the add-ons asked for and the workload in its
+    own namespace (target.namespace, created and deleted with the stack: give each deployment one of its own).
 
     Nothing is looked up at synth, so the config names what the templates need. kvfleet's kubectl function gets
     cluster-admin through an EKS access entry, which needs the cluster's authentication mode to be API or
@@ -459,12 +460,37 @@ class Environment(_Frozen):
 
     @model_validator(mode="after")
     def _network_fits_targets(self) -> Environment:
-        for d in self.deployments:
-            if isinstance(d.target, EksTarget) and d.target.cluster is not None and self.network.vpc_id is None:
+        # Deployments that share an existing cluster share what lives in it: one namespace each, and each add-on
+        # installed by one of them only (a second Helm release of KEDA or the device plugin would collide).
+        namespaces: dict[tuple[str, str], str] = {}
+        installs: dict[tuple[str, str], str] = {}
+        for i, d in enumerate(self.deployments):
+            if not (isinstance(d.target, EksTarget) and d.target.cluster is not None):
+                continue
+            cluster = d.target.cluster.name
+            if self.network.vpc_id is None:
                 raise ValueError(
-                    f"network.vpc_id: deployment {d.name} attaches to cluster {d.target.cluster.name}; give the "
+                    f"network.vpc_id: deployment {d.name} attaches to cluster {cluster}; give the "
                     "cluster's VPC (vpc_id, private_subnet_ids, availability_zones) so its GPU nodes join it"
                 )
+            where = f"deployments.{i}.target"
+            if (other := namespaces.setdefault((cluster, d.target.namespace), d.name)) != d.name:
+                raise ValueError(
+                    f"{where}.namespace: deployment {other} already uses namespace {d.target.namespace} on cluster "
+                    f"{cluster}; give {d.name} a namespace of its own"
+                )
+            a = d.target.addons
+            for addon, installed in (
+                ("device_plugin", a.device_plugin),
+                ("keda", a.keda),
+                ("prometheus_url", a.prometheus_url is None),
+                ("cluster_autoscaler", a.cluster_autoscaler),
+            ):
+                if installed and (other := installs.setdefault((cluster, addon), d.name)) != d.name:
+                    fix = "set prometheus_url to its Prometheus" if addon == "prometheus_url" else "set it to false"
+                    raise ValueError(
+                        f"{where}.addons.{addon}: deployment {other} already installs it on cluster {cluster}; {fix}"
+                    )
         if self.network.vpc_id is not None:
             for d in self.deployments:
                 if isinstance(d.target, Ec2Target) and not d.target.load_balancer.allowed_cidrs:
@@ -497,15 +523,22 @@ def environment_schema_json() -> str:
 # ---- loading with line numbers ---------------------------------------------------------------------
 
 
-def _lines(node: yaml.Node, path: tuple[Any, ...], out: dict[tuple[Any, ...], int]) -> None:
+def _lines(
+    node: yaml.Node, path: tuple[Any, ...], out: dict[tuple[Any, ...], int], repeated: list[tuple[tuple[Any, ...], int]]
+) -> None:
     out[path] = node.start_mark.line + 1
     if isinstance(node, yaml.MappingNode):
+        seen: set[Any] = set()
         for k, v in node.value:
-            _lines(v, (*path, k.value), out)
+            if k.value in seen:
+                # YAML loaders keep the last one silently; a repeated key is almost always an edit gone wrong.
+                repeated.append(((*path, k.value), k.start_mark.line + 1))
+            seen.add(k.value)
+            _lines(v, (*path, k.value), out, repeated)
             out[(*path, k.value)] = k.start_mark.line + 1  # a key's own line, not its value's
     elif isinstance(node, yaml.SequenceNode):
         for i, v in enumerate(node.value):
-            _lines(v, (*path, i), out)
+            _lines(v, (*path, i), out, repeated)
 
 
 def _fmt_loc(loc: tuple[Any, ...]) -> str:
@@ -537,7 +570,15 @@ def parse_environment(text: str, *, source: str = "<config>") -> Environment:
     if not isinstance(data, dict) or node is None:
         raise ConfigError([f"{source}:1: expected a mapping with 'name' and 'deployments'"])
     lines: dict[tuple[Any, ...], int] = {}
-    _lines(node, (), lines)
+    repeated: list[tuple[tuple[Any, ...], int]] = []
+    _lines(node, (), lines, repeated)
+    if repeated:
+        raise ConfigError(
+            [
+                f"{source}:{line}: {_fmt_loc(where)}: key repeated; keep one (a loader would silently use the last)"
+                for where, line in repeated
+            ]
+        )
     try:
         return Environment.model_validate(data)
     except ValidationError as exc:
@@ -555,12 +596,12 @@ def parse_environment(text: str, *, source: str = "<config>") -> Environment:
                 where, msg = loc, problem_text
                 # A cross-field check names the field to change first: "scaling.min_replicas: ...".
                 m = (
-                    re.match(r"^([a-z][a-z0-9_]*(?:\.[a-z][a-z0-9_]*)*): (.*)$", problem_text)
+                    re.match(r"^([a-z][a-z0-9_]*(?:\.(?:[a-z][a-z0-9_]*|\d+))*): (.*)$", problem_text)
                     if problem["type"] == "value_error"
                     else None
                 )
                 if m:
-                    where = (*loc, *m[1].split("."))
+                    where = (*loc, *(int(part) if part.isdigit() else part for part in m[1].split(".")))
                     msg = m[2]
                 line_no = next((lines[where[:i]] for i in range(len(where), -1, -1) if where[:i] in lines), 1)
                 out.append(f"{source}:{line_no}: {_fmt_loc(where)}: {msg}")

@@ -101,6 +101,14 @@ def test_unknown_key_names_file_line_and_path() -> None:
     )
 
 
+def test_a_repeated_key_is_an_error_not_a_silent_override() -> None:
+    text = BASE.replace("      max_replicas: 3\n", "      max_replicas: 3\n      max_replicas: 8\n")
+    assert problems(text) == [
+        "envs/test.yaml:21: deployments[0].scaling.max_replicas: key repeated; keep one (a loader would silently "
+        "use the last)"
+    ]
+
+
 def test_unknown_top_level_key() -> None:
     lines = problems(BASE + "colour: blue\n")
     assert lines == ["envs/test.yaml:23: colour: unknown key; remove it or check its spelling"]
