@@ -104,9 +104,12 @@ def test_cluster_autoscaler_matches_the_clusters_minor_version(template: Templat
 
 
 def test_kubectl_is_within_one_minor_of_every_cluster_version() -> None:
-    import aws_cdk.lambda_layer_kubectl_v34 as layer
+    from stacks import eks_service
 
-    assert layer.__name__.endswith("v" + KUBECTL_MINOR.replace("1.", ""))  # the layer is the version named
+    # The layer the construct uses is the version the constant names.
+    assert eks_service.KubectlV34Layer.__module__.startswith(
+        "aws_cdk.lambda_layer_kubectl_v" + KUBECTL_MINOR.replace("1.", "")
+    )
     versions = EksTarget.model_fields["kubernetes_version"].annotation.__args__  # type: ignore[union-attr]
     minor = int(KUBECTL_MINOR.split(".")[1])
     assert all(abs(int(v.split(".")[1]) - minor) <= 1 for v in versions), versions
