@@ -351,6 +351,10 @@ class EksTarget(_Frozen):
 Target = Annotated[SageMakerTarget | Ec2Target | EksTarget, Field(discriminator="platform")]
 
 
+# A replica takes minutes to load a model, so removing one that is needed again soon is expensive.
+SCALE_IN_MIN_S = 900
+
+
 class ScalingConfig(_Frozen):
     """Autoscaling on the two signals that run out under LLM traffic.
 
@@ -404,6 +408,12 @@ class ScalingConfig(_Frozen):
         if self.min_replicas > self.max_replicas:
             raise ValueError("min_replicas must not exceed max_replicas")
         return self
+
+    @property
+    def scale_in_wait_s(self) -> int:
+        """How long every target waits before acting on a scale-in: at least 15 minutes and twice the drain
+        budget, so a scale-in decision outlives the drain it starts."""
+        return max(SCALE_IN_MIN_S, 2 * self.drain_budget_s)
 
 
 class Deployment(_Frozen):

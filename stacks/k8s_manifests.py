@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from stacks import signals
+from stacks.config import SCALE_IN_MIN_S
 from stacks.resolve import IMAGE_DISK_GIB, SAGEMAKER_MODEL_DIR, SERVING_PORT, ResolvedDeployment
 
 Manifest = dict[str, Any]
@@ -42,7 +43,7 @@ STARTUP_PERIOD_S = 10
 # After preStop returns, SIGTERM stops the agent and the engine frees GPU memory: allow this much.
 ENGINE_STOP_S = 60
 MIN_ENGINE_STOP_S = 30  # what check_consistency insists on
-MIN_SCALE_DOWN_STABILIZATION_S = 600
+MIN_SCALE_DOWN_STABILIZATION_S = SCALE_IN_MIN_S
 TRIGGER_CACHE = "kv-cache-utilization"
 TRIGGER_QUEUE = "requests-waiting"
 # How each scaling signal is compared (see scaled_object): an average as a Value, a sum per replica.
@@ -148,9 +149,8 @@ def termination_grace_s(r: ResolvedDeployment) -> int:
 
 
 def scale_down_stabilization_s(r: ResolvedDeployment, opts: WorkloadOptions) -> int:
-    # At least twice the drain budget, as the SageMaker target's scale-in cooldown: a scale-in decision
-    # outlives the drain it triggers. HPA caps the window at an hour.
-    return min(3600, max(opts.scale_down_stabilization_s, 2 * r.deployment.scaling.drain_budget_s))
+    # The scale-in wait every target uses (or a longer one from the options); HPA caps the window at an hour.
+    return min(3600, max(opts.scale_down_stabilization_s, r.deployment.scaling.scale_in_wait_s))
 
 
 def _gpus(r: ResolvedDeployment) -> int:

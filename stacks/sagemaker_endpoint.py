@@ -19,9 +19,6 @@ from stacks.resolve import ResolvedDeployment
 
 VARIANT = "AllTraffic"
 SCALE_OUT_COOLDOWN = Duration.seconds(60)  # fast: queued requests are TTFT already lost
-# Slow: a replica takes minutes to load a model, so removing one that is needed again soon is expensive,
-# and every scale-in drains in-flight generations first.
-SCALE_IN_COOLDOWN_MIN_S = 900
 
 
 class SageMakerEndpoint(Construct):
@@ -219,7 +216,7 @@ class SageMakerEndpoint(Construct):
                 min_capacity=s.min_replicas,
                 max_capacity=s.max_replicas,
             )
-            scale_in = Duration.seconds(max(SCALE_IN_COOLDOWN_MIN_S, 2 * drain))
+            scale_in = Duration.seconds(s.scale_in_wait_s)
             self.cache_policy = self.scalable_target.scale_to_track_metric(
                 "KvCacheUtilization",
                 target_value=s.kv_cache_utilization_target,

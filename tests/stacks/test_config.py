@@ -406,3 +406,11 @@ def test_schema_documents_every_field() -> None:
             if "$ref" in spec or "discriminator" in spec or "oneOf" in spec:
                 continue
             assert spec.get("description"), f"{name}.{field} has no description"
+
+
+def test_scale_in_waits_fifteen_minutes_or_twice_the_drain_budget() -> None:
+    env = parse_environment(BASE, source=SOURCE)
+    scaling = env.deployments[0].scaling
+    assert scaling.scale_in_wait_s == max(900, 2 * scaling.drain_budget_s)
+    longer = BASE.replace("      max_replicas: 3\n", "      max_replicas: 3\n      drain_budget_s: 600\n")
+    assert parse_environment(longer, source=SOURCE).deployments[0].scaling.scale_in_wait_s == 1200
