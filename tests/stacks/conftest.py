@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION", "20")
 
@@ -62,3 +63,8 @@ def synth(text: str = SAGEMAKER_ENV, *, nag: bool = False) -> dict[str, Template
 def only(text: str = SAGEMAKER_ENV, *, nag: bool = False) -> Template:
     [t] = synth(text, nag=nag).values()
     return t
+
+
+def props(t: Template, kind: str) -> list[dict[str, Any]]:
+    """The Properties of every resource of one CloudFormation type."""
+    return [r["Properties"] for r in t.find_resources(kind).values()]

@@ -13,7 +13,7 @@ from stacks import signals
 from stacks.app import build_app
 from stacks.ec2_fleet import LIFECYCLE_HOOK, OS_DISK_GIB, fleet_instance_types
 from stacks.resolve import resolve_environment
-from tests.stacks.conftest import environment, make_app, only
+from tests.stacks.conftest import environment, make_app, only, props
 
 EC2_ENV = """\
 name: test
@@ -47,10 +47,6 @@ deployments:
 @pytest.fixture(scope="module")
 def template() -> Template:
     return only(EC2_ENV)
-
-
-def props(t: Template, kind: str) -> list[dict[str, Any]]:
-    return [r["Properties"] for r in t.find_resources(kind).values()]
 
 
 def test_fleet_resources(template: Template) -> None:

@@ -22,7 +22,7 @@ from stacks.eks_service import (
     PROMETHEUS_CHART,
 )
 from stacks.resolve import resolve_environment
-from tests.stacks.conftest import REPO, environment, make_app, only, synth
+from tests.stacks.conftest import REPO, environment, make_app, only, props, synth
 
 PLATFORM = (REPO / "environments" / "platform.yaml").read_text(encoding="utf-8")
 
@@ -30,10 +30,6 @@ PLATFORM = (REPO / "environments" / "platform.yaml").read_text(encoding="utf-8")
 @pytest.fixture(scope="module")
 def template() -> Template:
     return only(PLATFORM)
-
-
-def props(t: Template, kind: str) -> list[dict[str, Any]]:
-    return [r["Properties"] for r in t.find_resources(kind).values()]
 
 
 def manifest(t: Template, kind: str) -> str:

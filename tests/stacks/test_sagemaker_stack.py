@@ -17,7 +17,7 @@ from stacks.app import build_app
 from stacks.config import SageMakerTarget
 from stacks.deployment_stack import DeploymentStack
 from stacks.resolve import ResolvedDeployment, resolve_environment
-from tests.stacks.conftest import SAGEMAKER_ENV, environment, make_app, only, synth
+from tests.stacks.conftest import SAGEMAKER_ENV, environment, make_app, only, props, synth
 
 
 @pytest.fixture(scope="module")
@@ -25,13 +25,9 @@ def template() -> Template:
     return only()
 
 
-def resources(t: Template, kind: str) -> list[dict[str, Any]]:
-    return [r["Properties"] for r in t.find_resources(kind).values()]
-
-
 def policy_statements(t: Template) -> list[dict[str, Any]]:
     out = []
-    for p in resources(t, "AWS::IAM::Policy"):
+    for p in props(t, "AWS::IAM::Policy"):
         out += p["PolicyDocument"]["Statement"]
     return out
 
@@ -60,22 +56,22 @@ def test_one_model_endpoint_config_and_endpoint(template: Template) -> None:
 
 
 def test_no_fixed_physical_names(template: Template) -> None:
-    [model] = resources(template, "AWS::SageMaker::Model")
-    [config] = resources(template, "AWS::SageMaker::EndpointConfig")
-    [endpoint] = resources(template, "AWS::SageMaker::Endpoint")
+    [model] = props(template, "AWS::SageMaker::Model")
+    [config] = props(template, "AWS::SageMaker::EndpointConfig")
+    [endpoint] = props(template, "AWS::SageMaker::Endpoint")
     assert "ModelName" not in model
     assert "EndpointConfigName" not in config
     assert "EndpointName" not in endpoint
-    for role in resources(template, "AWS::IAM::Role"):
+    for role in props(template, "AWS::IAM::Role"):
         assert "RoleName" not in role
-    for dash in resources(template, "AWS::CloudWatch::Dashboard"):
+    for dash in props(template, "AWS::CloudWatch::Dashboard"):
         assert "DashboardName" not in dash
 
 
 def test_variant_takes_the_plan() -> None:
     env = environment()
     [r] = resolve_environment(env)
-    [config] = resources(only(), "AWS::SageMaker::EndpointConfig")
+    [config] = props(only(), "AWS::SageMaker::EndpointConfig")
     [variant] = config["ProductionVariants"]
     assert variant["InstanceType"] == "ml.g6e.xlarge" == r.instance_type
     assert variant["InitialInstanceCount"] == r.initial_instance_count
@@ -85,7 +81,7 @@ def test_variant_takes_the_plan() -> None:
 
 
 def test_container_environment_carries_the_engine_settings(template: Template) -> None:
-    [model] = resources(template, "AWS::SageMaker::Model")
+    [model] = props(template, "AWS::SageMaker::Model")
     env = model["PrimaryContainer"]["Environment"]
     [r] = resolve_environment(environment())
     args = json.loads(env["KVFLEET_ENGINE_ARGS"])
@@ -103,13 +99,13 @@ def test_container_environment_carries_the_engine_settings(template: Template) -
 
 
 def test_image_is_the_kvfleet_repository_at_the_engine_version(template: Template) -> None:
-    [model] = resources(template, "AWS::SageMaker::Model")
+    [model] = props(template, "AWS::SageMaker::Model")
     image = json.dumps(model["PrimaryContainer"]["Image"])
     assert "/kvfleet-vllm:0.30.0" in image
 
 
 def test_in_vpc_private_subnets_with_a_security_group(template: Template) -> None:
-    [model] = resources(template, "AWS::SageMaker::Model")
+    [model] = props(template, "AWS::SageMaker::Model")
     vpc = model["PrimaryContainer"].get("VpcConfig") or model["VpcConfig"]
     assert len(vpc["Subnets"]) == 2
     assert all(s["Ref"].startswith("NetworkVpcserving") for s in vpc["Subnets"])
@@ -119,7 +115,7 @@ def test_in_vpc_private_subnets_with_a_security_group(template: Template) -> Non
 
 def test_local_nvme_instance_gets_no_volume_and_no_kms_key(template: Template) -> None:
     # g6e.xlarge has local NVMe: SageMaker refuses VolumeSizeInGB and KmsKeyId for it.
-    [config] = resources(template, "AWS::SageMaker::EndpointConfig")
+    [config] = props(template, "AWS::SageMaker::EndpointConfig")
     assert "VolumeSizeInGB" not in config["ProductionVariants"][0]
     assert "KmsKeyId" not in config
     template.resource_count_is("AWS::KMS::Key", 0)
@@ -135,17 +131,17 @@ def ebs_only_template() -> tuple[Template, ResolvedDeployment]:
 
 def test_ebs_only_instance_gets_an_encrypted_volume_sized_for_the_weights() -> None:
     t, r = ebs_only_template()
-    [config] = resources(t, "AWS::SageMaker::EndpointConfig")
+    [config] = props(t, "AWS::SageMaker::EndpointConfig")
     variant = config["ProductionVariants"][0]
     assert variant["VolumeSizeInGB"] == r.disk_gib
     assert r.disk_gib * 2**30 > r.checkpoint_bytes + 20 * 2**30
     assert config["KmsKeyId"]["Fn::GetAtt"][0].startswith("EndpointStorageKey")
-    [key] = resources(t, "AWS::KMS::Key")
+    [key] = props(t, "AWS::KMS::Key")
     assert key["EnableKeyRotation"] is True
 
 
 def test_blue_green_update_waits_the_drain_budget_and_rolls_back_on_alarms(template: Template) -> None:
-    [endpoint] = resources(template, "AWS::SageMaker::Endpoint")
+    [endpoint] = props(template, "AWS::SageMaker::Endpoint")
     cfg = endpoint["DeploymentConfig"]
     bg = cfg["BlueGreenUpdatePolicy"]
     assert bg["TerminationWaitInSeconds"] == 420
@@ -163,7 +159,7 @@ def test_canary_update() -> None:
     text = SAGEMAKER_ENV.replace(
         "      platform: sagemaker\n", "      platform: sagemaker\n      canary_percent: 20\n      canary_wait_s: 300\n"
     )
-    [endpoint] = resources(only(text), "AWS::SageMaker::Endpoint")
+    [endpoint] = props(only(text), "AWS::SageMaker::Endpoint")
     routing = endpoint["DeploymentConfig"]["BlueGreenUpdatePolicy"]["TrafficRoutingConfiguration"]
     assert routing == {
         "Type": "CANARY",
@@ -174,7 +170,7 @@ def test_canary_update() -> None:
 
 def test_rolling_update_waits_the_drain_budget_between_batches() -> None:
     text = SAGEMAKER_ENV.replace("      platform: sagemaker\n", "      platform: sagemaker\n      update: rolling\n")
-    [endpoint] = resources(only(text), "AWS::SageMaker::Endpoint")
+    [endpoint] = props(only(text), "AWS::SageMaker::Endpoint")
     cfg = endpoint["DeploymentConfig"]
     assert "BlueGreenUpdatePolicy" not in cfg
     rolling = cfg["RollingUpdatePolicy"]
@@ -239,7 +235,7 @@ def isolated() -> Template:
 
 
 def test_s3_model_is_read_from_its_prefix_uncompressed(isolated: Template) -> None:
-    [model] = resources(isolated, "AWS::SageMaker::Model")
+    [model] = props(isolated, "AWS::SageMaker::Model")
     src = model["PrimaryContainer"]["ModelDataSource"]["S3DataSource"]
     assert src == {"S3Uri": "s3://model-bucket/llama/8b/", "S3DataType": "S3Prefix", "CompressionType": "None"}
     assert model["PrimaryContainer"]["Environment"]["KVFLEET_MODEL"] == "/opt/ml/model"
@@ -251,7 +247,7 @@ def test_s3_model_is_read_from_its_prefix_uncompressed(isolated: Template) -> No
 
 
 def test_network_isolation(isolated: Template) -> None:
-    [model] = resources(isolated, "AWS::SageMaker::Model")
+    [model] = props(isolated, "AWS::SageMaker::Model")
     assert model["EnableNetworkIsolation"] is True
     assert signals.ENV_HF_TOKEN_SECRET_ARN not in model["PrimaryContainer"]["Environment"]
 
@@ -260,7 +256,7 @@ def test_network_isolation(isolated: Template) -> None:
 
 
 def test_scalable_target_on_the_variant(template: Template) -> None:
-    [st] = resources(template, "AWS::ApplicationAutoScaling::ScalableTarget")
+    [st] = props(template, "AWS::ApplicationAutoScaling::ScalableTarget")
     assert st["ServiceNamespace"] == "sagemaker"
     assert st["ScalableDimension"] == "sagemaker:variant:DesiredInstanceCount"
     assert (st["MinCapacity"], st["MaxCapacity"]) == (1, 4)
@@ -270,7 +266,7 @@ def test_scalable_target_on_the_variant(template: Template) -> None:
 
 
 def test_two_target_tracking_policies_on_cache_and_queue(template: Template) -> None:
-    policies = resources(template, "AWS::ApplicationAutoScaling::ScalingPolicy")
+    policies = props(template, "AWS::ApplicationAutoScaling::ScalingPolicy")
     assert len(policies) == 2
     by_metric = {}
     for p in policies:
@@ -300,7 +296,7 @@ def test_targets_come_from_the_config() -> None:
         p["TargetTrackingScalingPolicyConfiguration"]["CustomizedMetricSpecification"]["MetricName"]: p[
             "TargetTrackingScalingPolicyConfiguration"
         ]
-        for p in resources(only(text), "AWS::ApplicationAutoScaling::ScalingPolicy")
+        for p in props(only(text), "AWS::ApplicationAutoScaling::ScalingPolicy")
     }
     assert values["KvCacheUtilization"]["TargetValue"] == 0.6
     assert values["RequestsWaiting"]["TargetValue"] == 5
@@ -318,7 +314,7 @@ def test_fixed_size_has_no_scaling() -> None:
 
 
 def dashboard_body(t: Template) -> str:
-    [dash] = resources(t, "AWS::CloudWatch::Dashboard")
+    [dash] = props(t, "AWS::CloudWatch::Dashboard")
     return json.dumps(dash["DashboardBody"])
 
 
@@ -388,7 +384,7 @@ def test_alarms(template: Template) -> None:
 
 
 def test_tags_name_environment_deployment_and_model(template: Template) -> None:
-    [endpoint] = resources(template, "AWS::SageMaker::Endpoint")
+    [endpoint] = props(template, "AWS::SageMaker::Endpoint")
     tags = {t["Key"]: t["Value"] for t in endpoint["Tags"]}
     assert tags == {
         "kvfleet:environment": "test",
@@ -408,7 +404,7 @@ DLC = (
 
 def test_dlc_image_for_a_known_region() -> None:
     t = only(DLC)
-    [model] = resources(t, "AWS::SageMaker::Model")
+    [model] = props(t, "AWS::SageMaker::Model")
     c = model["PrimaryContainer"]
     assert (
         c["Image"] == "763104351884.dkr.ecr.us-east-1.amazonaws.com/vllm:0.30.0-gpu-py312-cu130-ubuntu24.04-sagemaker"
@@ -421,7 +417,7 @@ def test_dlc_image_for_a_known_region() -> None:
     # Without the agent there are no signals to alarm on; the platform's own 5xx alarm stays.
     names = " ".join(alarms_by_id(t))
     assert "SignalsMissing" not in names and "Platform5xx" in names
-    [endpoint] = resources(t, "AWS::SageMaker::Endpoint")
+    [endpoint] = props(t, "AWS::SageMaker::Endpoint")
     assert "AutoRollbackConfiguration" not in endpoint["DeploymentConfig"]
 
 
@@ -432,7 +428,7 @@ def test_dlc_image_for_an_environment_agnostic_stack_maps_every_region() -> None
     assert len(table) > 20
     assert table["eu-west-1"]["account"] == "763104351884"
     assert table["eu-west-1"]["uri"].startswith("763104351884.dkr.ecr.eu-west-1.amazonaws.com/vllm:0.30.0-")
-    [model] = resources(t, "AWS::SageMaker::Model")
+    [model] = props(t, "AWS::SageMaker::Model")
     assert "Fn::FindInMap" in model["PrimaryContainer"]["Image"]
 
 

@@ -11,6 +11,11 @@ from aiohttp import web
 
 INSTANCE_ID = "i-0123456789abcdef0"
 REGION = "us-east-1"
+# The group and termination hook the fake instance belongs to, and the Auto Scaling calls the watcher must make.
+GROUP = "kvfleet-chat"
+HOOK = "kvfleet-chat-drain"
+HEARTBEAT = {"LifecycleHookName": HOOK, "AutoScalingGroupName": GROUP, "InstanceId": INSTANCE_ID}
+COMPLETE = {**HEARTBEAT, "LifecycleActionResult": "CONTINUE"}
 
 
 class FakeImds:

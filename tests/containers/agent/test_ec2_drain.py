@@ -32,7 +32,7 @@ from botocore.stub import Stubber  # type: ignore[import-untyped]
 
 from containers.agent import lifecycle
 from containers.agent.lifecycle import Imds, LifecycleWatcher
-from tests.containers.agent.fake_imds import INSTANCE_ID, REGION, FakeImds
+from tests.containers.agent.fake_imds import COMPLETE, GROUP, HEARTBEAT, HOOK, REGION, FakeImds
 from tests.containers.agent.harness import Running, running, settings, stream_completion
 
 REPO = Path(__file__).resolve().parents[3]
@@ -43,10 +43,6 @@ if not VLLM_PYTHON.exists():
         raise RuntimeError(f"the vLLM test virtualenv is missing ({VLLM_PYTHON}); `make test` creates it")
     pytest.skip("the vLLM CPU virtualenv is created by `make test`", allow_module_level=True)
 
-GROUP = "kvfleet-chat"
-HOOK = "kvfleet-chat-drain"
-HEARTBEAT = {"LifecycleHookName": HOOK, "AutoScalingGroupName": GROUP, "InstanceId": INSTANCE_ID}
-COMPLETE = {**HEARTBEAT, "LifecycleActionResult": "CONTINUE"}
 HB_OP = "record_lifecycle_action_heartbeat"
 COMPLETE_OP = "complete_lifecycle_action"
 

@@ -25,14 +25,10 @@ from containers.agent.lifecycle import (
     LifecycleWatcher,
     watcher_from_env,
 )
-from tests.containers.agent.fake_imds import INSTANCE_ID, REGION, FakeImds
+from tests.containers.agent.fake_imds import COMPLETE, GROUP, HEARTBEAT, HOOK, INSTANCE_ID, REGION, FakeImds
 
 T = TypeVar("T")
 
-GROUP = "kvfleet-chat"
-HOOK = "kvfleet-chat-drain"
-HEARTBEAT = {"LifecycleHookName": HOOK, "AutoScalingGroupName": GROUP, "InstanceId": INSTANCE_ID}
-COMPLETE = {**HEARTBEAT, "LifecycleActionResult": "CONTINUE"}
 HB_OP = "RecordLifecycleActionHeartbeat"
 COMPLETE_OP = "CompleteLifecycleAction"
 HEARTBEAT_S = 0.05
@@ -196,17 +192,15 @@ def test_imds_region_falls_back_to_the_identity_document() -> None:
 
 def test_imds_refused_connection_is_unavailable_fast() -> None:
     async def scenario() -> None:
-        # A long timeout, so that only a refusal (not the timeout firing) can end the call well inside it.
         imds = Imds(closed_port_url(), timeout_s=60.0)
-        started = time.monotonic()
         try:
             with pytest.raises(ImdsUnavailable):
                 await imds.instance_id()
         finally:
             await imds.close()
-        assert time.monotonic() - started < 30.0
 
-    run(scenario())
+    # The check is the bound: ending inside 30 s of a 60 s timeout means the refusal ended it, not the timeout.
+    run(scenario(), timeout=30.0)
 
 
 def test_imds_that_never_answers_times_out() -> None:
@@ -220,10 +214,9 @@ def test_imds_that_never_answers_times_out() -> None:
                     await imds.instance_id()
             finally:
                 await imds.close()
-            # At least the timeout; the upper bound only separates "timed out" from "hung" (loose: shared cores).
-            assert 0.15 < time.monotonic() - started < 10.0
+            assert time.monotonic() - started > 0.15  # it waited for the timeout
 
-    run(scenario())
+    run(scenario())  # and did not hang: run() bounds it
 
 
 # Watcher
@@ -397,9 +390,7 @@ def test_no_imds_returns_quickly_without_raising(caplog: pytest.LogCaptureFixtur
         await w.run(drain_until(lambda: True, drains))
         return w
 
-    started = time.monotonic()
-    w = run(scenario())
-    assert time.monotonic() - started < 30.0  # gave up on the refusal, not after the 60 s timeout
+    w = run(scenario(), timeout=30.0)  # gave up on the refusal, not after the 60 s IMDS timeout
     assert drains == []
     assert aws.regions == []
     assert w.imds.closed
