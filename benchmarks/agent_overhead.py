@@ -28,7 +28,7 @@ import aiohttp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.containers.agent.harness import fake_engine_command, free_port  # noqa: E402
+from tests.agent.harness import fake_engine_command, free_port  # noqa: E402
 
 VLLM_PYTHON = Path(os.environ.get("KVFLEET_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
 
@@ -83,9 +83,7 @@ def start_agent(engine: str, workdir: Path) -> tuple[subprocess.Popen[bytes], in
         model = "fake"
     else:
         model_dir = workdir / "tiny"
-        subprocess.run(
-            [str(VLLM_PYTHON), str(REPO / "tests/containers/make_tiny_llama.py"), str(model_dir)], check=True
-        )
+        subprocess.run([str(VLLM_PYTHON), str(REPO / "tests/agent/make_tiny_llama.py"), str(model_dir)], check=True)
         env["KVFLEET_MODEL"] = str(model_dir)
         env["KVFLEET_ENGINE_PYTHON"] = str(VLLM_PYTHON)
         env["KVFLEET_ENGINE_ARGS"] = json.dumps(
@@ -100,7 +98,7 @@ def start_agent(engine: str, workdir: Path) -> tuple[subprocess.Popen[bytes], in
         model = "tiny"
     log = (workdir / "agent.log").open("wb")
     proc = subprocess.Popen(
-        [sys.executable, *(os.environ.get("KVFLEET_BENCH_AGENT_CMD", "-m containers.agent").split())],
+        [sys.executable, *(os.environ.get("KVFLEET_BENCH_AGENT_CMD", "-m kvfleet.agent").split())],
         cwd=REPO,
         env=env,
         stdout=log,

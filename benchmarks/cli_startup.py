@@ -1,8 +1,8 @@
 """CLI start-up: ``kvfleet plan ... --json`` against a bare ``python -c pass``, and the import check.
 
-Prints best-of-N wall times and their ratio, then the modules ``import sizing.cli`` pulls in
+Prints best-of-N wall times and their ratio, then the modules ``import kvfleet.cli`` pulls in
 (``python -X importtime``). Exits 1 if a heavy module (pydantic, yaml, rich, aws_cdk, boto3) is
-imported by ``sizing.cli`` itself: those belong inside the commands that need them.
+imported by ``kvfleet.cli`` itself: those belong inside the commands that need them.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def kvfleet() -> list[str]:
     if script.is_file():
         return [str(script)]
     found = shutil.which("kvfleet")
-    return [found] if found else [sys.executable, "-m", "sizing.cli"]
+    return [found] if found else [sys.executable, "-m", "kvfleet.cli"]
 
 
 def best_of(cmd: list[str], n: int = N) -> float:
@@ -67,15 +67,15 @@ def main() -> int:
     print(f"kvfleet plan ... --json:   {plan * 1e3:8.1f} ms (best of {N})")
     print(f"ratio:                     {plan / bare:8.2f}x")
 
-    mods = imported_modules("sizing.cli")
-    print("\nimport sizing.cli loads (top-level packages, cumulative us, slowest first):")
+    mods = imported_modules("kvfleet.cli")
+    print("\nimport kvfleet.cli loads (top-level packages, cumulative us, slowest first):")
     for name, us in mods[:15]:
         print(f"  {name:<36} {us:>8}")
     heavy = sorted(name for name, _ in mods if name in HEAVY)
     if heavy:
-        print(f"\nFAIL: import sizing.cli loads {', '.join(heavy)}")
+        print(f"\nFAIL: import kvfleet.cli loads {', '.join(heavy)}")
         return 1
-    print(f"\nPASS: import sizing.cli loads none of {', '.join(HEAVY)}")
+    print(f"\nPASS: import kvfleet.cli loads none of {', '.join(HEAVY)}")
     return 0
 
 

@@ -9,18 +9,19 @@ from typing import Any
 
 import pytest
 
-from sizing.capacity import EngineSettings, capacity
-from sizing.catalog import catalog_model
-from sizing.hardware import accelerator, instances
-from sizing.planner import PlanRequest, Platform, Workload, enumerate_candidates
-from sizing.precision import KvDtype
+from kvfleet.sizing.capacity import EngineSettings, capacity
+from kvfleet.sizing.catalog import catalog_model
+from kvfleet.sizing.hardware import accelerator, instances
+from kvfleet.sizing.planner import PlanRequest, Workload, enumerate_candidates
+from kvfleet.sizing.precision import KvDtype
+from kvfleet.targets import TARGETS
 
 WORKLOAD = Workload(max_input_tokens=4096, max_output_tokens=1024, concurrency_per_replica=16, peak_requests_per_s=2)
 
 
 def _request(model_id: str, **kw: Any) -> PlanRequest:
     # EC2 accepts every instance type and several engines per instance: the widest enumeration.
-    return PlanRequest(model=catalog_model(model_id), workload=WORKLOAD, platform=Platform.EC2, **kw)
+    return PlanRequest(model=catalog_model(model_id), workload=WORKLOAD, hosting=TARGETS["ec2"].hosting, **kw)
 
 
 def test_enumerate_llama_8b(benchmark: Any) -> None:

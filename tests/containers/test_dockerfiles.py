@@ -242,7 +242,7 @@ def check_entrypoint(df: Dockerfile) -> list[str]:
     except json.JSONDecodeError:
         # Shell form wraps the agent in /bin/sh -c, which does not forward SIGTERM.
         return [f"ENTRYPOINT is shell form: {args}"]
-    if not (isinstance(argv, list) and argv[:3] == ["python3", "-m", "containers.agent"]):
+    if not (isinstance(argv, list) and argv[:3] == ["python3", "-m", "kvfleet.agent"]):
         return [f"ENTRYPOINT does not run the agent: {argv}"]
     return []
 
@@ -424,7 +424,7 @@ def unresolved_imports(modules: dict[str, Path], third_party: set[str], root: Pa
         top = name.split(".", 1)[0]
         if name in modules:
             return True
-        # A copied package's missing submodule (stacks.config) is missing, whatever else is installed.
+        # A copied package's missing submodule (kvfleet.config.schema) is missing, whatever else is installed.
         return top not in first_party and (top in stdlib or top in third_party)
 
     problems = []
@@ -516,7 +516,7 @@ def test_static_check_fails_on_a_bad_dockerfile(check: str) -> None:
         "RUN pip install \\\n"
         "    -r /tmp/requirements.txt\n"
         "EXPOSE 8000\n"
-        "ENTRYPOINT python3 -m containers.agent\n"
+        "ENTRYPOINT python3 -m kvfleet.agent\n"
     )
     assert STATIC_CHECKS[check](bad) != []
 
@@ -607,7 +607,7 @@ def test_agent_import_closure_is_in_the_image(dockerfile: Dockerfile) -> None:
     # The image's copy must cover every agent module that exists now, whatever else is added later.
     agent = {p for p in (REPO / "containers" / "agent").rglob("*.py") if "__pycache__" not in p.parts}
     assert agent <= set(modules.values())
-    assert {"stacks.signals", "containers.agent"} <= set(modules)
+    assert {"kvfleet.contract", "kvfleet.agent"} <= set(modules)
     third_party = third_party_imports(set(requirement_pins(REQUIREMENTS.read_text(encoding="utf-8"))))
     assert unresolved_imports(modules, third_party, REPO) == []
 
@@ -624,13 +624,13 @@ def test_import_closure_check_fails_on_what_the_image_lacks(tmp_path: Path) -> N
         "from __future__ import annotations\n"
         "import json\n"
         "import aiohttp\n"
-        "from stacks import signals\n"
+        "from kvfleet import contract\n"
         "from . import helpers\n"
-        "import sizing.planner\n"
+        "import kvfleet.sizing.planner\n"
         "from stacks import config\n"
         "import yaml\n"
         "import importlib\n"
-        "planner = importlib.import_module('sizing.planner')\n"
+        "planner = importlib.import_module('kvfleet.sizing.planner')\n"
         "from typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n"
         "    import pandas\n"
@@ -643,15 +643,15 @@ def test_import_closure_check_fails_on_what_the_image_lacks(tmp_path: Path) -> N
     (pkg / "helpers.py").write_text("", encoding="utf-8")
     df = parse_dockerfile(
         "FROM a:1.0\n"
-        "COPY stacks/__init__.py stacks/signals.py /opt/k/stacks/\n"
+        "COPY stacks/__init__.py stacks/contract.py /opt/k/stacks/\n"
         "COPY containers/__init__.py /opt/k/containers/\n"
         "COPY containers/agent/ /opt/k/containers/agent/\n"
         "ENV PYTHONPATH=/opt/k\n"
     )
     modules = provided_modules(df, tmp_path, [])
     assert unresolved_imports(modules, third_party_imports({"aiohttp"}), tmp_path) == [
-        "containers/agent/bad.py:6: imports sizing.planner",
-        "containers/agent/bad.py:7: imports stacks.config",
+        "containers/agent/bad.py:6: imports kvfleet.sizing.planner",
+        "containers/agent/bad.py:7: imports kvfleet.config.schema",
         "containers/agent/bad.py:8: imports yaml",
-        "containers/agent/bad.py:10: imports sizing.planner",
+        "containers/agent/bad.py:10: imports kvfleet.sizing.planner",
     ]

@@ -4,7 +4,7 @@ from typing import Any
 
 import pytest
 
-from sizing.models import ModelSpec, parse_hf_config
+from kvfleet.sizing.models import ModelSpec, parse_hf_config
 
 
 def llama_config(**overrides: Any) -> dict[str, Any]:

@@ -6,12 +6,12 @@ from dataclasses import replace
 
 import pytest
 
-from sizing.capacity import EngineSettings, capacity
-from sizing.catalog import catalog_model
-from sizing.engines import EngineName, engine_profile
-from sizing.errors import SizingError
-from sizing.precision import KvDtype
-from sizing.units import GiB, cdiv
+from kvfleet.errors import SizingError
+from kvfleet.sizing.capacity import EngineSettings, capacity
+from kvfleet.sizing.catalog import catalog_model
+from kvfleet.sizing.engines import EngineName, engine_profile
+from kvfleet.sizing.precision import KvDtype
+from kvfleet.sizing.units import GiB, cdiv
 from tests.sizing.conftest import make_model
 
 LLAMA = "meta-llama/Llama-3.1-8B"

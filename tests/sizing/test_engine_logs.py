@@ -11,20 +11,20 @@ from dataclasses import replace
 
 import pytest
 
-from sizing.capacity import EngineSettings, capacity
-from sizing.catalog import catalog_model
-from sizing.engines import EngineName, activation_peak_bytes
-from sizing.memory import kv_layout, weight_bytes
-from sizing.models import ModelSpec, parse_hf_config
-from sizing.precision import KvDtype
-from sizing.units import GiB
+from kvfleet.sizing.capacity import EngineSettings, capacity
+from kvfleet.sizing.catalog import catalog_model
+from kvfleet.sizing.engines import EngineName, activation_peak_bytes
+from kvfleet.sizing.memory import kv_layout, weight_bytes
+from kvfleet.sizing.models import ModelSpec, parse_hf_config
+from kvfleet.sizing.precision import KvDtype
+from kvfleet.sizing.units import GiB
 
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}
 
 
 def _quantized(model_id: str, q: dict[str, object], **overrides: object) -> ModelSpec:
-    from sizing.catalog import _index
+    from kvfleet.sizing.catalog import _index
 
     cfg = dict(_index()[model_id.lower()].config)
     cfg.update(overrides)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from sizing.errors import CatalogError
-from sizing.hardware import AcceleratorKind, accelerator, accelerators, instance, instances, offered_in_region
-from sizing.units import GiB
+from kvfleet.errors import CatalogError
+from kvfleet.sizing.hardware import AcceleratorKind, accelerator, accelerators, instance, instances, offered_in_region
+from kvfleet.sizing.units import GiB
 
 
 def test_memory_is_what_aws_reports() -> None:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from sizing.catalog import catalog_model
-from sizing.errors import SizingError
-from sizing.memory import kv_layout, validate_tp, weight_bytes
-from sizing.models import ModelSpec
-from sizing.precision import KvDtype, Part, weight_scheme
-from sizing.units import GiB, KiB
+from kvfleet.errors import SizingError
+from kvfleet.sizing.catalog import catalog_model
+from kvfleet.sizing.memory import kv_layout, validate_tp, weight_bytes
+from kvfleet.sizing.models import ModelSpec
+from kvfleet.sizing.precision import KvDtype, Part, weight_scheme
+from kvfleet.sizing.units import GiB, KiB
 from tests.sizing.conftest import make_model
 
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from sizing.catalog import all_models, catalog_entries, catalog_model, resolve_model
-from sizing.errors import ModelConfigError
-from sizing.memory import weight_bytes
-from sizing.models import AttentionKind, load_config_file, parse_hf_config
-from sizing.units import GiB
+from kvfleet.errors import ModelConfigError
+from kvfleet.sizing.catalog import all_models, catalog_entries, catalog_model, resolve_model
+from kvfleet.sizing.memory import weight_bytes
+from kvfleet.sizing.models import AttentionKind, load_config_file, parse_hf_config
+from kvfleet.sizing.units import GiB
 from tests.sizing.conftest import llama_config
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "hf_configs"

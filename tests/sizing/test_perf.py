@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from sizing.catalog import catalog_model
-from sizing.hardware import accelerator
-from sizing.memory import kv_layout, weight_bytes
-from sizing.perf import BW_EFFICIENCY, STEP_OVERHEAD_S, estimate
-from sizing.precision import KvDtype, weight_scheme
+from kvfleet.sizing.catalog import catalog_model
+from kvfleet.sizing.hardware import accelerator
+from kvfleet.sizing.memory import kv_layout, weight_bytes
+from kvfleet.sizing.perf import BW_EFFICIENCY, STEP_OVERHEAD_S, estimate
+from kvfleet.sizing.precision import KvDtype, weight_scheme
 
 
 def _est(model_id: str, gpu: str, *, tp: int = 1, batch: int = 1, inp: int = 1024, out: int = 256, q: str = "bf16"):  # type: ignore[no-untyped-def]

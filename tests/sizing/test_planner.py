@@ -6,19 +6,18 @@ from dataclasses import replace
 
 import pytest
 
-from sizing.catalog import catalog_model
-from sizing.engines import EngineName
-from sizing.errors import NothingFitsError
-from sizing.planner import PlanRequest, Platform, Workload, enumerate_candidates, plan
-from sizing.precision import KvDtype
-from sizing.settings import engine_settings
+from kvfleet.errors import NothingFitsError
+from kvfleet.sizing.catalog import catalog_model
+from kvfleet.sizing.planner import PlanRequest, Workload, enumerate_candidates, plan
+from kvfleet.sizing.precision import KvDtype
+from kvfleet.targets import TARGETS
 
 LLAMA8 = catalog_model("meta-llama/Llama-3.1-8B")
 WL = Workload(max_input_tokens=2048, max_output_tokens=512, concurrency_per_replica=16)
 
 
 def _req(**kw: object) -> PlanRequest:
-    base = PlanRequest(model=LLAMA8, workload=WL, platform=Platform.EC2)
+    base = PlanRequest(model=LLAMA8, workload=WL, hosting=TARGETS["ec2"].hosting)
     return replace(base, **kw)  # type: ignore[arg-type]
 
 
@@ -31,22 +30,8 @@ def test_ranked_by_fleet_cost_then_token_cost() -> None:
     assert best.price_as_of and best.price_source
 
 
-def test_engine_settings_admit_exactly_what_fits() -> None:
-    best = plan(_req()).best
-    args = engine_settings(best)["args"]
-    assert args["max-num-seqs"] == best.concurrency_per_replica
-    assert args["max-model-len"] == 2048 + 512
-    assert args["tensor-parallel-size"] == best.tensor_parallel_size
-    # The breakdown shown is the one for the emitted max-num-seqs.
-    assert best.capacity.max_num_seqs == best.concurrency_per_replica
-    trt = plan(_req(engine=EngineName.TRTLLM)).best
-    opts = engine_settings(trt)["llm_api_options"]
-    assert opts["max_batch_size"] == trt.concurrency_per_replica and opts["max_seq_len"] == 2560
-    assert opts["kv_cache_config"]["free_gpu_memory_fraction"] == 0.9
-
-
 def test_every_rejection_has_a_reason() -> None:
-    p = enumerate_candidates(_req(platform=Platform.SAGEMAKER))
+    p = enumerate_candidates(_req(hosting=TARGETS["sagemaker"].hosting))
     reasons = {r.instance_type: r.reason for r in p.rejections}
     assert "Neuron" in reasons["inf2.xlarge"]
     assert "fractional GPU" in reasons["g6f.large"]
@@ -77,7 +62,7 @@ def test_multi_gpu_instances_pack_engines_on_ec2_not_sagemaker() -> None:
         if c.tensor_parallel_size == 1
     ]
     assert ec2 and ec2[0].engines_per_instance == 4
-    sm = enumerate_candidates(_req(platform=Platform.SAGEMAKER, instance_types=("ml.g6e.12xlarge",)))
+    sm = enumerate_candidates(_req(hosting=TARGETS["sagemaker"].hosting, instance_types=("ml.g6e.12xlarge",)))
     assert all(c.tensor_parallel_size == 4 for c in sm.candidates)
     assert any("one engine per instance" in r.reason for r in sm.rejections)
 
@@ -119,7 +104,7 @@ def test_nothing_fits_names_the_nearest_and_the_fix() -> None:
     req = PlanRequest(
         model=catalog_model("meta-llama/Llama-3.1-70B"),
         workload=Workload(max_input_tokens=30000, max_output_tokens=2000, concurrency_per_replica=8),
-        platform=Platform.SAGEMAKER,
+        hosting=TARGETS["sagemaker"].hosting,
         families=("g5", "g6"),
     )
     with pytest.raises(NothingFitsError) as exc:
@@ -145,18 +130,3 @@ def test_nothing_fits_suggests_fp8_kv_when_that_is_enough() -> None:
 def test_region_list_rejects_where_known() -> None:
     p = enumerate_candidates(_req(region="eu-west-3", instance_types=("p5.48xlarge",)))
     assert not p.candidates and "not offered in eu-west-3" in p.rejections[0].reason
-
-
-def test_quantization_flag_only_for_on_the_fly_quantization() -> None:
-    online = plan(_req(weight_precisions=("fp8",), instance_types=("p5.4xlarge",))).best
-    assert engine_settings(online)["args"]["quantization"] == "fp8"
-    # An FP8 checkpoint carries its method in config.json; vLLM needs no flag.
-    ckpt = plan(
-        _req(
-            model=catalog_model("Qwen/Qwen3-235B-A22B-FP8"),
-            weight_precisions=(),
-            instance_types=("p5.48xlarge",),
-        )
-    ).best
-    assert ckpt.weight_scheme.name == "fp8" and ckpt.online_quantization is None
-    assert "quantization" not in engine_settings(ckpt)["args"]

@@ -5,10 +5,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sizing.capacity import EngineSettings, capacity
-from sizing.memory import kv_layout
-from sizing.precision import KvDtype
-from sizing.units import GiB
+from kvfleet.sizing.capacity import EngineSettings, capacity
+from kvfleet.sizing.memory import kv_layout
+from kvfleet.sizing.precision import KvDtype
+from kvfleet.sizing.units import GiB
 from tests.sizing.conftest import make_model
 
 layers = st.integers(min_value=1, max_value=96)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from sizing import startup
-from sizing.startup import startup_estimate
-from sizing.units import GiB
+from kvfleet.sizing import startup
+from kvfleet.sizing.startup import startup_estimate
+from kvfleet.sizing.units import GiB
 
 
 def test_parts_add_up() -> None:

@@ -1,1 +1,0 @@
-"""Serving containers: engine images and the serving agent."""

@@ -1,0 +1,393 @@
+"""The agent's HTTP side: SageMaker and OpenAI routes streamed through to the engine, readiness, drain.
+
+Draining answers what the engines get wrong (measured on vLLM 0.32): readiness turns 503 at once,
+new requests get 503 with Retry-After (never 500), in-flight requests run to completion within the
+drain budget, and past it every remaining stream ends with an error event instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import logging
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import aiohttp
+from aiohttp import web
+
+from kvfleet import contract
+from kvfleet.agent import metrics
+from kvfleet.agent.admission import Admission, request_tokens
+from kvfleet.agent.engine import EngineSupervisor
+from kvfleet.agent.settings import AgentSettings
+from kvfleet.agent.tenancy import apply_salt
+
+log = logging.getLogger(__name__)
+
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/invocations")
+ABORT_GRACE_S = 5.0  # after the budget: time for aborted streams to write their error event and close
+
+
+@dataclass(eq=False)
+class Flight:
+    """One request in progress."""
+
+    task: asyncio.Task[Any] | None
+    streaming: bool = False
+    aborted: bool = False
+    started: float = field(default_factory=time.monotonic)
+
+
+def _json_error(status: int, message: str, kind: str, *, retry_after: int | None = None) -> web.Response:
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return web.json_response(
+        {"error": {"message": message, "type": kind, "code": status}}, status=status, headers=headers
+    )
+
+
+def _sse_error(message: str, kind: str, code: int) -> bytes:
+    event = json.dumps({"error": {"message": message, "type": kind, "code": code}})
+    return f"data: {event}\n\ndata: [DONE]\n\n".encode()
+
+
+class Agent:
+    def __init__(
+        self,
+        settings: AgentSettings,
+        *,
+        engine: EngineSupervisor | None = None,
+        stdout: IO[str] | None = None,
+        publisher: metrics.CloudWatchPublisher | None = None,
+    ) -> None:
+        self.settings = settings
+        self.engine = engine or EngineSupervisor(settings)
+        self.admission = Admission(budget_tokens=settings.admitted_tokens)
+        # The agent starts the engine, so the engine's counters begin at zero with it: nothing is lost to
+        # a baseline taken while the first requests are already running.
+        self.collector = metrics.SignalCollector(
+            engine=settings.engine, engine_version=settings.engine_version, counters_from_zero=True
+        )
+        self.publisher = publisher
+        self.stdout = stdout or sys.stdout
+        self.draining = False
+        self.drained: bool | None = None  # after a drain: True when nothing had to be aborted
+        self.flights: set[Flight] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._drain_task: asyncio.Task[bool] | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self._background: list[asyncio.Task[Any]] = []
+        self._publishing: asyncio.Task[Any] | None = None
+        self.shutdown_requested = asyncio.Event()
+        self.app = self._make_app()
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+
+    def _make_app(self) -> web.Application:
+        # A large client_max_size: prompts of long-context models are megabytes of JSON.
+        app = web.Application(client_max_size=64 * 1024**2, handler_args={"keepalive_timeout": 75})
+        app.router.add_get("/ping", self.ping)
+        app.router.add_post("/ping", self.ping)
+        app.router.add_get("/health", self.ping)
+        app.router.add_get("/metrics", self.prometheus)
+        app.router.add_post("/drain", self.drain_route)
+        for route in GENERATION_ROUTES:
+            app.router.add_post(route, self.generate)
+        app.router.add_route("*", "/v1/{tail:.*}", self.passthrough)
+        return app
+
+    async def start(self, *, serve: bool = True) -> None:
+        connector = aiohttp.TCPConnector(limit=0, force_close=False)
+        # No cookie jar, no decompression: the engine sets no cookies and the body passes through as is;
+        # both cost time on every request otherwise.
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+            auto_decompress=False,
+            cookie_jar=aiohttp.DummyCookieJar(),
+        )
+        self.engine.start()
+        self._background.append(asyncio.create_task(self._metrics_loop(), name="metrics"))
+        if serve:
+            self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, self.settings.host, self.settings.port, backlog=1024)
+            await site.start()
+            log.info("serving on %s:%d", self.settings.host, self.settings.port)
+
+    def add_background(self, coro: Awaitable[Any], name: str) -> None:
+        self._background.append(asyncio.ensure_future(coro))
+        self._background[-1].set_name(name)
+
+    def request_shutdown(self) -> None:
+        if not self.shutdown_requested.is_set():
+            log.info("shutdown requested: draining (budget %.0f s)", self.settings.drain_budget_s)
+            self.draining = True  # readiness flips now, before anything else runs
+            self.shutdown_requested.set()
+
+    async def shutdown(self) -> None:
+        await self.drain()
+        await self._publish_once()  # the last interval's signals
+        for t in self._background:
+            t.cancel()
+        for t in self._background:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        await self.engine.stop(timeout=30)
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    # ---- drain -------------------------------------------------------------------------------------
+
+    async def drain(self) -> bool:
+        """Stop admitting, let in-flight requests finish within the budget, abort what remains."""
+        if self._drain_task is None:
+            self.draining = True
+            self._drain_task = asyncio.create_task(self._drain(), name="drain")
+        return await asyncio.shield(self._drain_task)
+
+    async def _drain(self) -> bool:
+        budget = self.settings.drain_budget_s
+        n = len(self.flights)
+        log.info("draining: %d request(s) in flight, budget %.0f s", n, budget)
+        try:
+            await asyncio.wait_for(self._idle.wait(), budget)
+            self.drained = True
+            log.info("drained: every in-flight request completed")
+            return True
+        except TimeoutError:
+            pass
+        remaining = list(self.flights)
+        log.warning("drain budget of %.0f s passed: ending %d request(s) with an error", budget, len(remaining))
+        for f in remaining:
+            f.aborted = True
+            if f.task is not None:
+                f.task.cancel()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), ABORT_GRACE_S)
+        self.drained = False
+        return False
+
+    async def drain_route(self, request: web.Request) -> web.StreamResponse:
+        # Only hooks inside the instance or pod (preStop, lifecycle) may drain: never a client.
+        if not _is_loopback(request.remote):
+            return _json_error(403, "drain is accepted from the local host only", "forbidden")
+        if request.query.get("wait") in ("1", "true"):
+            clean = await self.drain()
+            return web.json_response({"drained": True, "clean": clean})
+        task = asyncio.create_task(self.drain())
+        self._background.append(task)
+        return web.json_response({"draining": True}, status=202)
+
+    def _unavailable(self, why: str) -> web.Response:
+        return _json_error(503, why, "service_unavailable", retry_after=self.settings.retry_after_s)
+
+    # ---- routes ------------------------------------------------------------------------------------
+
+    async def ping(self, request: web.Request) -> web.Response:
+        if self.draining:
+            return web.json_response({"status": "draining"}, status=503)
+        if not self.engine.ready:
+            return web.json_response({"status": str(self.engine.state)}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        own = (
+            "# HELP kvfleet_agent_draining 1 while the replica drains.\n# TYPE kvfleet_agent_draining gauge\n"
+            f'kvfleet_agent_draining{{deployment="{self.settings.deployment}"}} {int(self.draining)}\n'
+            "# HELP kvfleet_engine_ready 1 when the engine answers its health check.\n"
+            "# TYPE kvfleet_engine_ready gauge\n"
+            f'kvfleet_engine_ready{{deployment="{self.settings.deployment}"}} {int(self.engine.ready)}\n'
+            "# HELP kvfleet_engine_restarts_total Engine restarts after it died.\n"
+            "# TYPE kvfleet_engine_restarts_total counter\n"
+            f'kvfleet_engine_restarts_total{{deployment="{self.settings.deployment}"}} {self.engine.restarts}\n'
+            "# HELP kvfleet_admission_reserved_tokens Tokens reserved by admitted requests.\n"
+            "# TYPE kvfleet_admission_reserved_tokens gauge\n"
+            f'kvfleet_admission_reserved_tokens{{deployment="{self.settings.deployment}"}} '
+            f"{self.admission.reserved_tokens}\n"
+        )
+        text = self.collector.prometheus_text(deployment=self.settings.deployment) + own
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+    async def passthrough(self, request: web.Request) -> web.StreamResponse:
+        """Other engine routes (/v1/models, ...): no admission, but still gated by drain and readiness."""
+        if self.draining:
+            return self._unavailable("replica is draining; retry on another replica")
+        if not self.engine.ready:
+            return self._unavailable("engine is starting")
+        data = await request.read()
+        return await self._forward(request, request.path_qs, data, method=request.method)
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        if self.draining:
+            return self._unavailable("replica is draining; retry on another replica")
+        if not self.engine.ready:
+            return self._unavailable("engine is starting")
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _json_error(400, "request body is not JSON", "invalid_request_error")
+        if not isinstance(body, dict):
+            return _json_error(400, "request body must be a JSON object", "invalid_request_error")
+        path = request.path
+        if path == "/invocations":
+            # SageMaker's contract has one route; the body's shape says which OpenAI route it is.
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        changed = False
+        s = self.settings
+        if s.tenant_isolation:
+            assert s.tenant_header is not None and s.tenant_secret is not None
+            tenant = request.headers.get(s.tenant_header)
+            if not tenant:
+                return _json_error(400, f"missing tenant header {s.tenant_header}", "invalid_request_error")
+            apply_salt(body, secret=s.tenant_secret, tenant=tenant)
+            changed = True
+        tokens = request_tokens(body, max_model_len=s.max_model_len)
+        if not self.admission.try_reserve(tokens):
+            self.collector.record(contract.REQUESTS_SHED.name, 1)
+            return _json_error(
+                429,
+                f"replica at its token budget ({self.admission.budget_tokens} tokens reserved or queued); retry",
+                "rate_limit_exceeded",
+                retry_after=s.retry_after_s,
+            )
+        try:
+            data = json.dumps(body).encode() if changed else raw
+            return await self._forward(request, path, data, method="POST", streaming=bool(body.get("stream")))
+        finally:
+            self.admission.release(tokens)
+
+    # ---- proxying ----------------------------------------------------------------------------------
+
+    def _enter(self, streaming: bool) -> Flight:
+        f = Flight(task=asyncio.current_task(), streaming=streaming)
+        self.flights.add(f)
+        self._idle.clear()
+        return f
+
+    def _leave(self, f: Flight) -> None:
+        self.flights.discard(f)
+        if not self.flights:
+            self._idle.set()
+
+    def _server_error(self) -> None:
+        self.collector.record(contract.SERVER_ERRORS.name, 1)
+
+    async def _forward(
+        self, request: web.Request, path: str, data: bytes, *, method: str, streaming: bool = False
+    ) -> web.StreamResponse:
+        assert self._session is not None
+        flight = self._enter(streaming)
+        headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
+        if "Accept" in request.headers:
+            headers["Accept"] = request.headers["Accept"]
+        resp: web.StreamResponse | None = None
+        tail = b"\n\n"
+        try:
+            async with self._session.request(
+                method, self.settings.engine_url + path, data=data or None, headers=headers
+            ) as upstream:
+                if upstream.status >= 500:
+                    self._server_error()
+                ctype = upstream.headers.get("Content-Type", "application/json")
+                if "text/event-stream" not in ctype:
+                    body = await upstream.read()
+                    return web.Response(status=upstream.status, body=body, headers={"Content-Type": ctype})
+                resp = web.StreamResponse(
+                    status=upstream.status, headers={"Content-Type": ctype, "Cache-Control": "no-cache"}
+                )
+                await resp.prepare(request)
+                async for chunk in upstream.content.iter_any():
+                    await resp.write(chunk)
+                    tail = chunk[-2:]
+                await resp.write_eof()
+                return resp
+        except asyncio.CancelledError:
+            if not flight.aborted:
+                raise  # not ours: the server is going away
+            msg = "the replica shut down before this request completed (drain budget exceeded); retry it"
+            if resp is None:
+                return self._unavailable(msg)
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await resp.write(b"" if tail == b"\n\n" else b"\n\n")
+                await resp.write(_sse_error(msg, "server_shutdown", 503))
+                await resp.write_eof()
+            return resp
+        except (aiohttp.ClientError, TimeoutError) as err:
+            # The engine went away mid-request (it died, or it is restarting).
+            self._server_error()
+            msg = f"the engine failed during this request ({type(err).__name__}); retry it"
+            if resp is None:
+                return _json_error(502, msg, "engine_error")
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await resp.write(b"" if tail == b"\n\n" else b"\n\n")
+                await resp.write(_sse_error(msg, "engine_error", 502))
+                await resp.write_eof()
+            return resp
+        except ConnectionResetError:
+            # The client went away; leaving the upstream context closes the engine request too.
+            return resp if resp is not None else web.Response(status=499)
+        finally:
+            self._leave(flight)
+
+    # ---- signals -----------------------------------------------------------------------------------
+
+    async def _scrape(self) -> str | None:
+        assert self._session is not None
+        if not self.engine.ready:
+            return None
+        try:
+            async with self._session.get(
+                self.settings.engine_url + self.settings.metrics_path, timeout=aiohttp.ClientTimeout(total=5)
+            ) as r:
+                if r.status != 200:
+                    return None
+                return await r.text()
+        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+            return None
+
+    async def _publish_once(self) -> None:
+        try:
+            text = await self._scrape()
+            sample = self.collector.update(text if text is not None else "")
+            line = metrics.emf_line(
+                sample,
+                namespace=self.settings.namespace,
+                deployment=self.settings.deployment,
+                replica=self.settings.replica,
+                timestamp_ms=int(time.time() * 1000),
+            )
+            self.stdout.write(line + "\n")
+            self.stdout.flush()
+            if self.publisher is not None and (self._publishing is None or self._publishing.done()):
+                # One PutMetricData at a time; a slow or throttled call never delays serving.
+                self._publishing = asyncio.create_task(self.publisher.publish(sample))
+        except Exception:  # a metrics problem must never take the agent down
+            log.exception("publishing signals failed")
+
+    async def _metrics_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.publish_interval_s)
+            await self._publish_once()
+
+
+def _is_loopback(remote: str | None) -> bool:
+    if remote is None:
+        return False
+    try:
+        return ipaddress.ip_address(remote).is_loopback
+    except ValueError:
+        return False
+
+
+DrainCallback = Callable[[], Awaitable[bool]]

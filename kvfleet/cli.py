@@ -1,0 +1,582 @@
+"""``kvfleet``: capacity, plans and catalogs, as tables for people or JSON for machines.
+
+Errors a user can cause print one line on stderr and exit 2. Heavy imports (rich, pydantic, YAML)
+happen only in the commands that need them, so ``kvfleet`` starts about as fast as Python does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from kvfleet.engines import ENGINES
+from kvfleet.errors import KvfleetError
+from kvfleet.targets import TARGETS
+
+if TYPE_CHECKING:
+    from kvfleet.sizing.capacity import Capacity
+    from kvfleet.sizing.planner import Candidate, Plan, PlanRequest
+
+EXIT_USAGE = 2
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    # Pipelines and CI logs are not terminals: give tables room instead of rich's 80 columns.
+    return Console(width=None if sys.stdout.isatty() else 160, highlight=False)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, not usage + error
+        command = " ".join(self.prog.split()[1:])
+        see = f"kvfleet {command} --help" if command else "kvfleet --help"
+        self.exit(EXIT_USAGE, f"kvfleet: error: {message} (see {see})\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {v}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return v
+
+
+def _fraction(text: str) -> float:
+    v = _positive_float(text)
+    if v > 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="kvfleet", description="Size, plan and deploy LLM serving on AWS.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    c = sub.add_parser("capacity", help="the KV cache one engine start gets")
+    c.add_argument("--model", required=True, help="catalog id/alias, or a path to config.json or its directory")
+    g = c.add_mutually_exclusive_group(required=True)
+    g.add_argument("--gpu", help="catalog accelerator (kvfleet instances lists them), e.g. A10G, H100")
+    g.add_argument("--gpu-memory-gib", type=_positive_float, help="total memory per GPU as the engine sees it")
+    c.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size (default 1)")
+    c.add_argument("--engine", choices=list(ENGINES), default="vllm")
+    c.add_argument("--engine-version", help="engine release, e.g. 0.11.0 (default: newest modelled)")
+    c.add_argument("--gpu-memory-utilization", type=_fraction, help="vLLM gpu_memory_utilization / TRT-LLM fraction")
+    c.add_argument("--max-model-len", type=_positive_int)
+    c.add_argument("--max-num-seqs", type=_positive_int)
+    c.add_argument("--max-num-batched-tokens", type=_positive_int)
+    c.add_argument("--kv-cache-dtype", default="auto", help="auto, bf16, fp16, fp8, fp8_e4m3, fp8_e5m2")
+    c.add_argument("--quantization", help="weight precision: bf16, fp16, fp8, int8, awq, gptq, bnb-4bit, mxfp4, ...")
+    c.add_argument("--block-size", type=_positive_int)
+    c.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    c.add_argument("--kv-cache-memory-bytes", type=_positive_int, help="vLLM: fixed cache size, skips profiling")
+    c.add_argument("--json", action="store_true", help="machine-readable output")
+
+    pl = sub.add_parser("plan", help="ranked deployment candidates, from flags or an environment file")
+    pl.add_argument("environment", nargs="?", help="environments/<name>.yaml: plan every deployment in it")
+    pl.add_argument("--model", help="catalog id/alias, or a path to config.json")
+    pl.add_argument("--engine", choices=list(ENGINES), default="vllm")
+    pl.add_argument("--engine-version")
+    pl.add_argument("--platform", choices=list(TARGETS), default="sagemaker", help="deployment target")
+    pl.add_argument("--max-input-tokens", type=_positive_int)
+    pl.add_argument("--max-output-tokens", type=_positive_int)
+    pl.add_argument("--concurrency", type=_positive_int, help="target concurrent sequences per replica")
+    pl.add_argument("--peak-rps", type=_positive_float, help="peak requests per second across the fleet")
+    pl.add_argument("--avg-input-tokens", type=_positive_int)
+    pl.add_argument("--avg-output-tokens", type=_positive_int)
+    pl.add_argument("--ttft-ms", type=_positive_float, help="time-to-first-token target")
+    pl.add_argument("--itl-ms", type=_positive_float, help="inter-token latency target")
+    pl.add_argument("--precision", action="append", default=[], help="allowed weight precision (repeatable)")
+    pl.add_argument("--kv-cache-dtype", action="append", default=[], help="allowed KV dtype (repeatable)")
+    pl.add_argument("--family", action="append", default=[], help="allowed instance family (repeatable)")
+    pl.add_argument("--instance-type", action="append", default=[], help="only this instance type (repeatable)")
+    pl.add_argument("--region")
+    pl.add_argument("--max-usd-per-hour", type=_positive_float, help="fleet price ceiling")
+    pl.add_argument("--top", type=_positive_int, default=5, help="candidates to show (default 5)")
+    pl.add_argument("--rejections", action="store_true", help="list every rejected candidate")
+    pl.add_argument("--json", action="store_true")
+
+    sc = sub.add_parser("schema", help="JSON Schema of environment files (committed as environments/schema.json)")
+    sc.add_argument("--output", "-o", help="write to this file instead of stdout")
+
+    m = sub.add_parser("models", help="the model catalog")
+    m.add_argument("--json", action="store_true")
+    i = sub.add_parser("instances", help="the accelerator and instance catalog")
+    i.add_argument("--platform", choices=list(TARGETS))
+    i.add_argument("--json", action="store_true")
+    return p
+
+
+# ---- capacity ------------------------------------------------------------------------------------
+
+
+def cmd_capacity(a: argparse.Namespace) -> int:
+    from kvfleet.sizing.capacity import EngineSettings, capacity
+    from kvfleet.sizing.catalog import resolve_model
+    from kvfleet.sizing.engines import EngineName
+    from kvfleet.sizing.hardware import accelerator
+    from kvfleet.sizing.precision import kv_dtype
+    from kvfleet.sizing.units import GiB
+
+    model = resolve_model(a.model)
+    acc_name = ""
+    if a.gpu:
+        acc = accelerator(a.gpu)
+        if acc.memory_bytes is None:
+            raise KvfleetError(f"the catalog has no memory figure for {acc.model}; give --gpu-memory-gib", field="gpu")
+        mem = acc.usable_memory_bytes or acc.memory_bytes
+        acc_name = acc.name
+    else:
+        mem = int(a.gpu_memory_gib * GiB)
+    settings = EngineSettings(
+        engine=EngineName(a.engine),
+        version=a.engine_version,
+        tensor_parallel_size=a.tp,
+        gpu_memory_utilization=a.gpu_memory_utilization,
+        max_model_len=a.max_model_len,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        kv_cache_dtype=kv_dtype(a.kv_cache_dtype),
+        quantization=a.quantization,
+        block_size=a.block_size,
+        enforce_eager=a.enforce_eager,
+        kv_cache_memory_bytes=a.kv_cache_memory_bytes,
+    )
+    cap = capacity(model, gpu_memory_bytes=mem, settings=settings, accelerator_name=acc_name)
+    if a.json:
+        print(json.dumps(cap.as_dict(), indent=2))
+    elif not cap.problems:
+        _print_capacity(cap)
+    if cap.problems:
+        print(f"kvfleet: error: the engine would not start: {cap.problems[0]}", file=sys.stderr)
+        return EXIT_USAGE
+    return 0
+
+
+def _print_capacity(cap: Capacity) -> None:
+    from rich.table import Table
+
+    from kvfleet.sizing.units import GiB
+
+    t = Table(
+        title=f"{cap.model_id} on {cap.gpu_memory_bytes / GiB:.2f} GiB x {cap.tensor_parallel_size} "
+        f"({cap.engine.value} {cap.engine_version})",
+        show_header=True,
+    )
+    t.add_column("term")
+    t.add_column("per GPU", justify="right")
+    t.add_column("how")
+    util = cap.gpu_memory_utilization
+    t.add_row("GPU memory", f"{cap.gpu_memory_bytes / GiB:.2f} GiB", "as the engine sees it")
+    t.add_row(
+        "budget",
+        f"{cap.requested_bytes / GiB:.2f} GiB",
+        f"x {util} gpu_memory_utilization" if cap.engine.value == "vllm" else f"fraction {util} of what is free",
+    )
+    t.add_row("weights", f"{cap.weights_bytes_per_gpu / GiB:.2f} GiB", cap.weights.scheme.description)
+    t.add_row(
+        "activation peak",
+        f"{cap.activation_peak_bytes / GiB:.2f} GiB",
+        f"profiling {cap.max_num_batched_tokens} tokens / {cap.max_num_seqs} seqs",
+    )
+    t.add_row("non-torch", f"{cap.non_torch_bytes / GiB:.2f} GiB", "CUDA / NCCL allocations")
+    t.add_row(
+        "CUDA graphs",
+        f"{cap.cuda_graph_bytes / GiB:.2f} GiB",
+        "subtracted" if cap.cuda_graph_counted else "not subtracted (uses the headroom)",
+    )
+    t.add_row("KV cache", f"{cap.kv_cache_bytes_per_gpu / GiB:.2f} GiB", f"{cap.kv.kv_dtype.value} KV")
+    t.add_row(
+        "KV bytes / token",
+        f"{cap.kv_bytes_per_token_per_gpu:,}",
+        ", ".join(
+            f"{g.num_layers} {g.attention.value}" + (f"({g.window_tokens})" if g.window_tokens else "")
+            for g in cap.kv.groups
+        ),
+    )
+    t.add_row("blocks", f"{cap.num_blocks:,}", f"{cap.block_size} tokens each")
+    t.add_row("KV cache tokens", f"{cap.kv_cache_tokens:,}", "GPU KV cache size")
+    t.add_row("max concurrency", f"{cap.max_concurrency:.2f}x", f"sequences of {cap.max_model_len:,} tokens")
+    console = _console()
+    console.print(t)
+    for n in cap.notes:
+        console.print(f"  note: {n}")
+
+
+# ---- plan ----------------------------------------------------------------------------------------
+
+
+def _request_from_flags(a: argparse.Namespace) -> PlanRequest:
+    from kvfleet.sizing.catalog import resolve_model
+    from kvfleet.sizing.engines import EngineName
+    from kvfleet.sizing.planner import PlanRequest, Workload
+    from kvfleet.sizing.precision import KvDtype, kv_dtype
+
+    missing = [
+        f
+        for f, v in (
+            ("--model", a.model),
+            ("--max-input-tokens", a.max_input_tokens),
+            ("--max-output-tokens", a.max_output_tokens),
+        )
+        if v is None
+    ]
+    if missing:
+        raise KvfleetError(f"plan needs an environment file or {', '.join(missing)}")
+    wl = Workload(
+        max_input_tokens=a.max_input_tokens,
+        max_output_tokens=a.max_output_tokens,
+        concurrency_per_replica=a.concurrency,
+        peak_requests_per_s=a.peak_rps,
+        avg_input_tokens=a.avg_input_tokens,
+        avg_output_tokens=a.avg_output_tokens,
+        ttft_target_s=None if a.ttft_ms is None else a.ttft_ms / 1e3,
+        itl_target_s=None if a.itl_ms is None else a.itl_ms / 1e3,
+    )
+    kvs = tuple(kv_dtype(k) for k in a.kv_cache_dtype) or (KvDtype.AUTO,)
+    return PlanRequest(
+        model=resolve_model(a.model),
+        workload=wl,
+        engine=EngineName(a.engine),
+        engine_version=a.engine_version,
+        hosting=TARGETS[a.platform].hosting,
+        weight_precisions=tuple(a.precision),
+        kv_cache_dtypes=kvs,
+        families=tuple(a.family),
+        instance_types=tuple(a.instance_type),
+        region=a.region,
+        max_fleet_usd_per_hour=a.max_usd_per_hour,
+    )
+
+
+def cmd_plan(a: argparse.Namespace) -> int:
+    from kvfleet.sizing.planner import plan
+
+    if a.environment:
+        from kvfleet.config.loader import environment_path, load_environment
+        from kvfleet.deployments import plan_requests
+
+        env = load_environment(environment_path(a.environment))
+        requests = [(dr.deployment.name, dr.deployment.target.platform, dr.request) for dr in plan_requests(env)]
+    else:
+        requests = [("plan", a.platform, _request_from_flags(a))]
+    results = []
+    for name, target, req in requests:
+        try:
+            results.append((name, target, plan(req)))
+        except KvfleetError as err:
+            raise KvfleetError(str(err), field=f"deployments.{name}" if a.environment else None) from None
+    if a.json:
+        print(json.dumps([_plan_json(name, target, p, a.top) for name, target, p in results], indent=2))
+    else:
+        for name, target, p in results:
+            _print_plan(name, target, p, a.top, a.rejections)
+    return 0
+
+
+def _engine_line(c: Candidate) -> tuple[str, dict[str, Any]]:
+    from kvfleet.deployments import engine_args
+
+    a = ENGINES[c.capacity.engine.value]
+    args = engine_args(c)
+    return a.describe(args), a.settings_json(args)
+
+
+def _candidate_json(c: Candidate) -> dict[str, Any]:
+    return {
+        "instance_type": c.name,
+        "tensor_parallel_size": c.tensor_parallel_size,
+        "weight_precision": c.weight_scheme.name,
+        "kv_cache_dtype": c.kv_cache_dtype.value,
+        "concurrency_per_replica": c.concurrency_per_replica,
+        "cache_concurrency": c.cache_concurrency,
+        "limited_by": c.limited_by,
+        "replicas": c.replicas,
+        "engines_per_instance": c.engines_per_instance,
+        "instance_count": c.instance_count,
+        "usd_per_hour_per_instance": c.usd_per_hour_per_instance,
+        "fleet_usd_per_hour": round(c.fleet_usd_per_hour, 4),
+        "usd_per_million_output_tokens": round(c.usd_per_million_output_tokens, 4),
+        "price_as_of": c.price_as_of,
+        "price_source": c.price_source,
+        "ttft_s": round(c.perf.ttft_s, 4),
+        "itl_s": round(c.perf.itl_s, 5),
+        "decode_bound": c.perf.bound,
+        "requests_per_s_per_replica": round(c.requests_per_s_per_replica, 3),
+        "output_tokens_per_s_per_replica": round(c.output_tokens_per_s_per_replica, 1),
+        "memory": c.capacity.as_dict(),
+        "engine_settings": _engine_line(c)[1],
+        "notes": list(c.notes),
+    }
+
+
+def _plan_json(name: str, target: str, p: Plan, top: int) -> dict[str, Any]:
+    return {
+        "deployment": name,
+        "model": p.request.model.model_id,
+        "platform": target,
+        "candidates": [_candidate_json(c) for c in p.candidates[:top]],
+        "rejections": [
+            {
+                "instance_type": r.instance_type,
+                "tensor_parallel_size": r.tensor_parallel_size,
+                "weight_precision": r.weight_precision,
+                "kv_cache_dtype": r.kv_cache_dtype,
+                "reason": r.reason,
+            }
+            for r in p.rejections
+        ],
+    }
+
+
+def _print_plan(name: str, target: str, p: Plan, top: int, all_rejections: bool) -> None:
+    from rich.table import Table
+
+    from kvfleet.sizing.units import GiB
+
+    console = _console()
+    wl = p.request.workload
+    t = Table(
+        title=f"{name}: {p.request.model.model_id} on {target} ({wl.max_input_tokens}+{wl.max_output_tokens} tokens)"
+    )
+    for col in (
+        "#",
+        "instance",
+        "tp",
+        "weights",
+        "kv",
+        "seqs",
+        "limited by",
+        "replicas",
+        "instances",
+        "$/h fleet",
+        "$/M tok",
+        "TTFT ms",
+        "ITL ms",
+        "wts GiB",
+        "KV GiB",
+    ):
+        t.add_column(col, justify="right" if col not in ("instance", "limited by") else "left")
+    for n, c in enumerate(p.candidates[:top], 1):
+        cap = c.capacity
+        t.add_row(
+            str(n),
+            c.name,
+            str(c.tensor_parallel_size),
+            c.weight_scheme.name,
+            c.kv_cache_dtype.value,
+            str(c.concurrency_per_replica),
+            c.limited_by,
+            str(c.replicas),
+            str(c.instance_count),
+            f"{c.fleet_usd_per_hour:.2f}",
+            f"{c.usd_per_million_output_tokens:.3f}",
+            f"{c.perf.ttft_s * 1e3:.0f}",
+            f"{c.perf.itl_s * 1e3:.1f}",
+            f"{cap.weights_bytes_per_gpu / GiB:.2f}",
+            f"{cap.kv_cache_bytes_per_gpu / GiB:.2f}",
+        )
+    console.print(t)
+    best = p.best
+    console.print(
+        f"chosen: {best.label()} - {best.capacity.kv_cache_tokens:,} KV tokens per replica, "
+        f"{best.cache_concurrency} sequences of {best.capacity.max_model_len} fit, running "
+        f"{best.concurrency_per_replica}; price ${best.usd_per_hour_per_instance}/h as of {best.price_as_of}"
+    )
+    console.print(_engine_line(best)[0], markup=False)
+    for note in best.notes:
+        console.print(f"  note: {note}", markup=False)
+    if all_rejections:
+        shown = list(p.rejections)
+    else:  # one per family, for a spread of reasons
+        seen: set[str] = set()
+        shown = []
+        for r in p.rejections:
+            family = r.instance_type.split(".")[0]
+            if family not in seen:
+                seen.add(family)
+                shown.append(r)
+    more = "" if all_rejections else " (one per family; --rejections for all)"
+    console.print(f"rejected {len(p.rejections)} candidates{more}:")
+    for r in shown:
+        console.print(f"  - {r.describe()}", markup=False)
+
+
+# ---- catalogs ------------------------------------------------------------------------------------
+
+
+def cmd_models(a: argparse.Namespace) -> int:
+    from kvfleet.sizing.catalog import all_models
+    from kvfleet.sizing.memory import kv_layout
+    from kvfleet.sizing.precision import KvDtype
+
+    rows = []
+    for m in all_models():
+        kv = kv_layout(m, tp=1, kv_dtype=KvDtype.AUTO)
+        rows.append(
+            {
+                "id": m.model_id,
+                "family": m.family,
+                "model_type": m.model_type,
+                "params_b": round(m.total_params / 1e9, 2),
+                "active_params_b": round(m.active_params / 1e9, 2),
+                "layers": m.num_layers,
+                "kv_heads": m.num_kv_heads,
+                "head_dim": m.head_dim,
+                "kv_bytes_per_token": kv.kv_bytes_per_token_per_gpu,
+                "max_position_embeddings": m.max_position_embeddings,
+                "precision": m.native_scheme.name,
+                "attention": m.summary(),
+                "aliases": list(m.aliases),
+                "source": m.source,
+            }
+        )
+    if a.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    from rich.table import Table
+
+    t = Table(title=f"{len(rows)} models")
+    for col in ("id", "params (B)", "active (B)", "layers", "KV heads", "KV B/token", "context", "precision"):
+        t.add_column(col, justify="left" if col == "id" else "right")
+    for r in rows:
+        t.add_row(
+            str(r["id"]),
+            str(r["params_b"]),
+            str(r["active_params_b"]),
+            str(r["layers"]),
+            str(r["kv_heads"]),
+            f"{r['kv_bytes_per_token']:,}",
+            f"{r['max_position_embeddings']:,}",
+            str(r["precision"]),
+        )
+    _console().print(t)
+    return 0
+
+
+def cmd_instances(a: argparse.Namespace) -> int:
+    from kvfleet.sizing.hardware import instances
+
+    rows = []
+    for it in instances().values():
+        if a.platform == "sagemaker" and not it.sagemaker_endpoint:
+            continue
+        acc = it.accelerator
+        price = it.price(a.platform or "ec2")
+        rows.append(
+            {
+                "instance_type": it.sagemaker_name if a.platform == "sagemaker" else it.name,
+                "accelerator": acc.name,
+                "kind": acc.kind.value,
+                "count": it.accelerator_count,
+                "gpu_fraction": it.gpu_fraction,
+                "gpu_memory_gib": None if it.gpu_memory_gib is None else round(it.gpu_memory_gib, 3),
+                "hbm_bandwidth_gbs": None
+                if acc.hbm_bandwidth_bytes_per_s is None
+                else acc.hbm_bandwidth_bytes_per_s / 1e9,
+                "bf16_tflops": None if acc.bf16_flops is None else acc.bf16_flops / 1e12,
+                "fp8_tflops": None if acc.fp8_flops is None else acc.fp8_flops / 1e12,
+                "fp8_support": acc.fp8_support,
+                "vcpus": it.vcpus,
+                "ram_gib": it.ram_gib,
+                "sagemaker_endpoint": it.sagemaker_endpoint,
+                "usd_per_hour": None if price is None else price.usd_per_hour,
+                "price_as_of": None if price is None else price.as_of,
+                "price_source": None if price is None else price.source,
+            }
+        )
+    if a.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    from rich.table import Table
+
+    t = Table(title=f"{len(rows)} instance types" + (f" ({a.platform})" if a.platform else ""))
+    for col in (
+        "type",
+        "accelerator",
+        "n",
+        "GiB/GPU",
+        "GB/s",
+        "bf16 TF",
+        "fp8",
+        "vCPU",
+        "$/h",
+        "as of",
+        "SageMaker",
+    ):
+        t.add_column(col, justify="left" if col in ("type", "accelerator") else "right")
+
+    def fmt(v: object) -> str:
+        return "-" if v is None else (f"{v:g}" if isinstance(v, float) else str(v))
+
+    for r in rows:
+        t.add_row(
+            str(r["instance_type"]),
+            str(r["accelerator"]),
+            fmt(r["count"]),
+            fmt(r["gpu_memory_gib"]),
+            fmt(r["hbm_bandwidth_gbs"]),
+            fmt(r["bf16_tflops"]),
+            "yes" if r["fp8_support"] else "no",
+            fmt(r["vcpus"]),
+            fmt(r["usd_per_hour"]),
+            fmt(r["price_as_of"]),
+            "yes" if r["sagemaker_endpoint"] else "no",
+        )
+    _console().print(t)
+    return 0
+
+
+def cmd_schema(a: argparse.Namespace) -> int:
+    from kvfleet.config.loader import environment_schema_json
+
+    text = environment_schema_json()
+    if a.output:
+        try:
+            with open(a.output, "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as err:
+            raise KvfleetError(f"cannot write {a.output}: {err.strerror}", field="output") from None
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+COMMANDS = {
+    "capacity": cmd_capacity,
+    "plan": cmd_plan,
+    "schema": cmd_schema,
+    "models": cmd_models,
+    "instances": cmd_instances,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except KvfleetError as err:
+        print(f"kvfleet: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,338 @@
+"""The environment file's schema: ``environments/<name>.yaml`` as validated, frozen objects.
+
+Unknown keys are rejected; cross-field checks name the field to change first ("scaling.min_replicas: ..."),
+so the loader can point at its line. pydantic, never aws_cdk: the CLI plans from a file without CDK. The
+targets' own sections are in ``kvfleet.config.targets``; reading files is ``kvfleet.config.loader``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from kvfleet import contract
+from kvfleet.config.base import Frozen
+from kvfleet.config.targets import Ec2Target, EksTarget, SageMakerTarget, Target
+from kvfleet.engines import ENGINES
+
+
+class ModelRef(Frozen):
+    id: str = Field(description="Catalog id or alias (kvfleet models), or a path to a local config.json.")
+    s3_uri: str | None = Field(
+        default=None,
+        pattern=r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?$",
+        description="Uncompressed model artifacts under this S3 prefix. Default: download from Hugging Face.",
+    )
+    hf_token_secret: str | None = Field(
+        default=None,
+        description="Secrets Manager secret name or ARN holding a Hugging Face token (gated models).",
+    )
+
+
+class EngineRef(Frozen):
+    # The names come from the engine registry (kvfleet.engines.ENGINES): a new engine needs no change here.
+    name: str = Field(description="Serving engine.", json_schema_extra={"enum": list(ENGINES)})
+    version: str = Field(
+        pattern=r"^\d+\.\d+(\.\d+)?([.\-+][0-9A-Za-z.]+)?$",
+        description="Pinned engine release, e.g. 0.11.0. Capacity semantics differ between releases.",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _known_engine(cls, v: str) -> str:
+        if v not in ENGINES:
+            raise ValueError(f"Input should be {' or '.join(repr(e) for e in ENGINES)}")
+        return v
+
+
+class WorkloadConfig(Frozen):
+    max_input_tokens: int = Field(gt=0, description="Longest prompt, in tokens.")
+    max_output_tokens: int = Field(gt=0, description="Longest generation, in tokens.")
+    concurrency_per_replica: int | None = Field(
+        default=None, gt=0, description="Concurrent sequences one replica must hold. Default: as many as fit."
+    )
+    peak_requests_per_s: float | None = Field(default=None, gt=0, description="Peak load across the fleet.")
+    avg_input_tokens: int | None = Field(default=None, gt=0, description="Typical prompt length (default: max).")
+    avg_output_tokens: int | None = Field(default=None, gt=0, description="Typical output length (default: max).")
+    ttft_ms: float | None = Field(default=None, gt=0, description="Time-to-first-token target.")
+    itl_ms: float | None = Field(default=None, gt=0, description="Inter-token latency target.")
+
+    @model_validator(mode="after")
+    def _averages_within_max(self) -> WorkloadConfig:
+        if self.avg_input_tokens and self.avg_input_tokens > self.max_input_tokens:
+            raise ValueError("avg_input_tokens must not exceed max_input_tokens")
+        if self.avg_output_tokens and self.avg_output_tokens > self.max_output_tokens:
+            raise ValueError("avg_output_tokens must not exceed max_output_tokens")
+        return self
+
+
+class SizingConfig(Frozen):
+    weight_precisions: tuple[str, ...] = Field(
+        default=(),
+        description="Allowed weight precisions (bf16, fp8, awq, ...). Default: the checkpoint's own.",
+    )
+    kv_cache_dtypes: tuple[Literal["auto", "bf16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2"], ...] = Field(
+        default=("auto",), description="Allowed KV-cache dtypes; fp8 holds about twice the tokens."
+    )
+    families: tuple[str, ...] = Field(default=(), description="Allowed instance families, e.g. [g6e, p5].")
+    instance_type: str | None = Field(default=None, description="Pin one instance type (EC2 or ml.* name).")
+    max_fleet_usd_per_hour: float | None = Field(default=None, gt=0, description="Fleet price ceiling.")
+    gpu_memory_utilization: float | None = Field(
+        default=None, gt=0, le=1, description="Engine memory fraction. Default: the engine's for its version."
+    )
+
+
+class ImageConfig(Frozen):
+    source: Literal["kvfleet", "uri", "dlc"] = Field(
+        default="kvfleet",
+        description=(
+            "kvfleet: the serving image built from containers/<engine> (engine + kvfleet agent, which publishes "
+            "the scaling signals and drains), pushed to ECR repository `repository` with tag `tag` in the "
+            "deploying account. uri: that image at an explicit `uri`. dlc: the AWS Deep Learning Container for "
+            "the pinned engine version, unchanged (no agent: no KV-cache or queue signals, so the replica count "
+            "is fixed)."
+        ),
+    )
+    repository: str | None = Field(
+        default=None,
+        pattern=r"^[a-z0-9]+([._/-][a-z0-9]+)*$",
+        description="ECR repository for source kvfleet. Default: kvfleet-<engine>.",
+    )
+    tag: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$",
+        description="Image tag for source kvfleet. Default: the engine version.",
+    )
+    uri: str | None = Field(
+        default=None,
+        pattern=r"^\d{12}\.dkr\.ecr\.[a-z0-9-]+\.amazonaws\.com(\.cn)?/[a-z0-9._/-]+(:[A-Za-z0-9_.-]+|@sha256:[0-9a-f]{64})$",
+        description="Full ECR image URI for source uri (SageMaker pulls only from ECR).",
+    )
+
+    @model_validator(mode="after")
+    def _fields_match_source(self) -> ImageConfig:
+        if self.source == "uri" and self.uri is None:
+            raise ValueError("source uri needs `uri`")
+        if self.source != "uri" and self.uri is not None:
+            raise ValueError("`uri` is only used with source uri")
+        if self.source != "kvfleet" and (self.repository or self.tag):
+            raise ValueError("`repository` and `tag` are only used with source kvfleet")
+        return self
+
+
+class NetworkConfig(Frozen):
+    vpc_id: str | None = Field(
+        default=None,
+        pattern=r"^vpc-[0-9a-f]{8,17}$",
+        description="Use this existing VPC instead of creating one (no lookup at synth: give subnets and AZs).",
+    )
+    private_subnet_ids: tuple[str, ...] = Field(
+        default=(), description="Private subnets of the existing VPC, one per availability zone."
+    )
+    availability_zones: tuple[str, ...] = Field(
+        default=(),
+        description="AZs of those subnets, in the same order; for a new VPC, the AZs to use (default: two).",
+    )
+    max_azs: int = Field(default=2, ge=2, le=6, description="AZs for a new VPC.")
+    nat_gateways: int = Field(
+        default=1, ge=0, le=6, description="NAT gateways for a new VPC (0 when the model comes from S3 only)."
+    )
+
+    @field_validator("private_subnet_ids")
+    @classmethod
+    def _subnet_ids(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [s for s in v if not re.fullmatch(r"subnet-[0-9a-f]{8,17}", s)]
+        if bad:
+            raise ValueError(f"not a subnet id: {', '.join(bad)}")
+        return v
+
+    @model_validator(mode="after")
+    def _existing(self) -> NetworkConfig:
+        if self.vpc_id is not None:
+            if len(self.private_subnet_ids) < 2:
+                raise ValueError("an existing VPC needs private_subnet_ids in at least two AZs")
+            if len(self.availability_zones) != len(self.private_subnet_ids):
+                raise ValueError("give one availability_zones entry per private subnet, in the same order")
+        elif self.private_subnet_ids:
+            raise ValueError("private_subnet_ids needs vpc_id")
+        return self
+
+
+# A replica takes minutes to load a model, so removing one that is needed again soon is expensive.
+SCALE_IN_MIN_S = 900
+
+
+class ScalingConfig(Frozen):
+    """Autoscaling on the two signals that run out under LLM traffic.
+
+    Two target-tracking policies run side by side; the one asking for more replicas wins, so the fleet
+    grows when either the cache fills or the queue builds. Scale-out reacts within a minute; scale-in
+    waits at least 15 minutes (and twice the drain budget) because a replica takes minutes to load a
+    model and every removed replica first drains its generations.
+    """
+
+    min_replicas: int = Field(
+        default=1,
+        ge=0,
+        description="Replicas kept at all times. SageMaker endpoints need 1 or more; 0 allows scale to zero elsewhere.",
+    )
+    max_replicas: int = Field(
+        default=4, ge=1, description="Upper bound for autoscaling (and for the plan's replica count)."
+    )
+    kv_cache_utilization_target: float = Field(
+        default=0.75,
+        gt=0,
+        lt=1,
+        description=(
+            "Average fraction of KV-cache blocks in use to hold the fleet at. The cache is sized for "
+            "max_num_seqs full-length sequences, so typical traffic sits well below 1; past about 0.9 new "
+            "sequences wait for blocks or running ones are preempted and recomputed. 0.75 leaves room for the "
+            "minutes a new replica takes to load; lower it for spiky traffic or slow-loading models."
+        ),
+    )
+    queue_depth_target: float = Field(
+        default=2.0,
+        gt=0,
+        description=(
+            "Requests waiting (not yet scheduled) per replica to hold the fleet at. Every waiting request is "
+            "time-to-first-token already spent; a short queue keeps the batch full without TTFT growing. This "
+            "catches what the cache signal misses: requests held back by max_num_seqs while blocks are free."
+        ),
+    )
+    drain_budget_s: int = Field(
+        default=300,
+        ge=0,
+        le=3600,
+        description=(
+            "Seconds a replica that is being removed may take to finish its in-flight generations (set it "
+            "above your longest generation: max_output_tokens x inter-token latency). Endpoint updates wait "
+            "this long before removing the old instances."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> ScalingConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must not exceed max_replicas")
+        return self
+
+    @property
+    def scale_in_wait_s(self) -> int:
+        """How long every target waits before acting on a scale-in: at least 15 minutes and twice the drain
+        budget, so a scale-in decision outlives the drain it starts."""
+        return max(SCALE_IN_MIN_S, 2 * self.drain_budget_s)
+
+    @property
+    def signal_targets(self) -> tuple[tuple[contract.Signal, float], ...]:
+        """Each scaling signal with the per-replica value to hold the fleet at, in the contract's order."""
+        targets = {
+            contract.KV_CACHE_UTILIZATION.name: self.kv_cache_utilization_target,
+            contract.REQUESTS_WAITING.name: self.queue_depth_target,
+        }
+        return tuple((s, targets[s.name]) for s in contract.SCALING_SIGNALS)
+
+
+class Deployment(Frozen):
+    name: str = Field(pattern=r"^[a-z][a-z0-9-]{0,30}$", description="Short name: lowercase letters, digits, '-'.")
+    model: ModelRef
+    engine: EngineRef
+    workload: WorkloadConfig
+    target: Target
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig)
+    sizing: SizingConfig = Field(default_factory=SizingConfig)
+    image: ImageConfig = Field(default_factory=ImageConfig)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Deployment:
+        # Each problem starts with the field to change; the loader points at that field's line.
+        problems = []
+        t = self.target
+        if isinstance(t, SageMakerTarget):
+            if self.scaling.min_replicas < 1:
+                problems.append(
+                    "scaling.min_replicas: a SageMaker real-time endpoint keeps at least one instance; set 1 or more"
+                )
+            if t.network_isolation and self.model.s3_uri is None:
+                problems.append(
+                    "model.s3_uri: required with target.network_isolation, which leaves the container no network to "
+                    "download the model"
+                )
+        if self.image.source == "dlc":
+            if self.scaling.min_replicas != self.scaling.max_replicas:
+                problems.append(
+                    "image.source: dlc runs the engine without the kvfleet agent, so nothing publishes the KV-cache "
+                    "and queue signals to scale on; use source kvfleet, or set scaling.max_replicas equal to "
+                    "min_replicas"
+                )
+            if self.model.hf_token_secret and self.model.s3_uri is None:
+                problems.append(
+                    "model.hf_token_secret: image.source dlc cannot read it at start-up; set model.s3_uri, or use "
+                    "image.source kvfleet"
+                )
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+
+class Environment(Frozen):
+    name: str = Field(pattern=r"^[a-z][a-z0-9-]{0,20}$", description="Environment name, e.g. dev.")
+    account: str | None = Field(default=None, pattern=r"^\d{12}$", description="AWS account id (12 digits).")
+    region: str | None = Field(default=None, pattern=r"^[a-z]{2}(-gov)?-[a-z]+-\d$", description="AWS region.")
+    network: NetworkConfig = Field(
+        default_factory=NetworkConfig,
+        description="Where the replicas run: a new VPC per deployment, or an existing one.",
+    )
+    deployments: tuple[Deployment, ...] = Field(min_length=1, description="What to serve in this environment.")
+
+    @model_validator(mode="after")
+    def _network_fits_targets(self) -> Environment:
+        # Deployments that share an existing cluster share what lives in it: one namespace each, and each add-on
+        # installed by one of them only (a second Helm release of KEDA or the device plugin would collide).
+        namespaces: dict[tuple[str, str], str] = {}
+        installs: dict[tuple[str, str], str] = {}
+        for i, d in enumerate(self.deployments):
+            if not (isinstance(d.target, EksTarget) and d.target.cluster is not None):
+                continue
+            cluster = d.target.cluster.name
+            if self.network.vpc_id is None:
+                raise ValueError(
+                    f"network.vpc_id: deployment {d.name} attaches to cluster {cluster}; give the "
+                    "cluster's VPC (vpc_id, private_subnet_ids, availability_zones) so its GPU nodes join it"
+                )
+            where = f"deployments.{i}.target"
+            if (other := namespaces.setdefault((cluster, d.target.namespace), d.name)) != d.name:
+                raise ValueError(
+                    f"{where}.namespace: deployment {other} already uses namespace {d.target.namespace} on cluster "
+                    f"{cluster}; give {d.name} a namespace of its own"
+                )
+            a = d.target.addons
+            for addon, installed in (
+                ("device_plugin", a.device_plugin),
+                ("keda", a.keda),
+                ("prometheus_url", a.prometheus_url is None),
+                ("cluster_autoscaler", a.cluster_autoscaler),
+            ):
+                if installed and (other := installs.setdefault((cluster, addon), d.name)) != d.name:
+                    fix = "set prometheus_url to its Prometheus" if addon == "prometheus_url" else "set it to false"
+                    raise ValueError(
+                        f"{where}.addons.{addon}: deployment {other} already installs it on cluster {cluster}; {fix}"
+                    )
+        if self.network.vpc_id is not None:
+            for d in self.deployments:
+                if isinstance(d.target, Ec2Target) and not d.target.load_balancer.allowed_cidrs:
+                    raise ValueError(
+                        f"network.vpc_id: deployment {d.name} needs target.load_balancer.allowed_cidrs with an "
+                        "existing VPC (its CIDR is not looked up at synth)"
+                    )
+        return self
+
+    @field_validator("deployments")
+    @classmethod
+    def _unique(cls, v: tuple[Deployment, ...]) -> tuple[Deployment, ...]:
+        names = [d.name for d in v]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"deployment names must be unique; repeated: {', '.join(dup)}")
+        return v

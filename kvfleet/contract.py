@@ -1,0 +1,222 @@
+"""The stack <-> image contract: everything the infrastructure and the serving image must agree on, defined once.
+
+The serving agent in the image (``kvfleet.agent``) publishes the scaling signals (CloudWatch Embedded Metric
+Format on stdout, optionally PutMetricData, and Prometheus text on ``/metrics``) and reads its settings from the
+environment variables named here; the scaling policies, alarms, dashboards, probes, hooks and manifests of every
+deployment target read the same names. Renaming a signal here renames it everywhere, so an engine upgrade that
+renames its own metrics only changes that engine's adapter table, never an autoscaler.
+
+Standard library only: the image copies this module and nothing else of the infrastructure. Any change a
+running image would not understand bumps ``CONTRACT_VERSION``; images are tagged with the version they speak
+(``image_tag``) and the stacks refuse an image tag that names another one.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+
+# Bump on any change an already-built image would not understand (a renamed variable, route or signal).
+CONTRACT_VERSION = 1
+
+NAMESPACE = "Kvfleet"
+
+# Dimension sets. Scaling and alarms use the deployment-wide set: CloudWatch's Average over every
+# replica's data points is the per-replica mean that target tracking needs. The per-replica set is
+# for finding the one hot or stuck replica.
+DEPLOYMENT_DIMENSION = "Deployment"
+REPLICA_DIMENSION = "Replica"
+DIMENSION_SETS: tuple[tuple[str, ...], ...] = ((DEPLOYMENT_DIMENSION,), (DEPLOYMENT_DIMENSION, REPLICA_DIMENSION))
+
+# Seconds between two publications from one replica. The dashboards count replicas from the number of
+# data points per period, so this must match what the agent does.
+PUBLISH_INTERVAL_S = 10
+
+# ---- the container ---------------------------------------------------------------------------------------
+# SageMaker's container contract: traffic on 8080, health on GET /ping, the container started as `<image> serve`,
+# ModelDataSource files under /opt/ml/model. The agent keeps that contract on every target.
+SERVING_PORT = 8080
+ENGINE_PORT = 8081  # the engine behind the agent, on loopback only
+HEALTH_ROUTE = "/ping"
+METRICS_ROUTE = "/metrics"  # the agent's Prometheus re-export under the signals' names
+DRAIN_ROUTE = "/drain"
+SERVE_ARG = "serve"
+MODEL_DIR = "/opt/ml/model"
+# The image's non-root user. Fixed (not 1000: Ubuntu 24.04 bases already have a user there) so volume
+# permissions and runAsUser policies can name it; runAsNonRoot needs it numeric.
+AGENT_UID = 10001
+AGENT_HOME = "/home/kvfleet"
+HF_HOME = f"{AGENT_HOME}/.cache/huggingface"  # where the engine caches Hugging Face downloads
+# The agent's console script in the image. `kvfleet-agent drain` asks the running agent to drain and returns
+# when it has: what a Kubernetes preStop hook runs.
+AGENT_COMMAND = "kvfleet-agent"
+DRAIN_COMMAND: tuple[str, ...] = (AGENT_COMMAND, "drain")
+# OCI label the image carries with the contract version it was built for.
+CONTRACT_LABEL = "io.kvfleet.contract-version"
+
+# ---- environment variables the stacks set on the serving container and the agent reads ------------------------
+ENV_CONTRACT_VERSION = "KVFLEET_CONTRACT_VERSION"  # the agent refuses to start under another version
+ENV_DEPLOYMENT = "KVFLEET_DEPLOYMENT"  # value of the Deployment dimension
+ENV_REPLICA = "KVFLEET_REPLICA"  # value of the Replica dimension (default: the host name)
+ENV_NAMESPACE = "KVFLEET_METRICS_NAMESPACE"
+ENV_DRAIN_BUDGET_S = "KVFLEET_DRAIN_BUDGET_S"
+ENV_TOKEN_BUDGET = "KVFLEET_TOKEN_BUDGET"  # KV tokens one replica holds (token-aware admission)
+ENV_ENGINE = "KVFLEET_ENGINE"
+ENV_ENGINE_VERSION = "KVFLEET_ENGINE_VERSION"
+ENV_MODEL = "KVFLEET_MODEL"  # a local directory or a Hugging Face id
+ENV_ENGINE_ARGS = "KVFLEET_ENGINE_ARGS"  # JSON of kvfleet.engines.EngineArgs
+ENV_PORT = "KVFLEET_PORT"  # the agent's public port
+ENV_HF_TOKEN_SECRET_ARN = "KVFLEET_HF_TOKEN_SECRET_ARN"
+ENV_PUT_METRIC_DATA = "KVFLEET_PUT_METRIC_DATA"  # "1": also call PutMetricData (needs network)
+# EC2 fleets: the termination lifecycle hook the agent drains for, heartbeats and completes.
+ENV_ASG_NAME = "KVFLEET_ASG_NAME"
+ENV_LIFECYCLE_HOOK = "KVFLEET_LIFECYCLE_HOOK"
+ENV_LIFECYCLE_HEARTBEAT_S = "KVFLEET_LIFECYCLE_HEARTBEAT_S"
+# Optional knobs: unset means the agent's default.
+ENV_HOST = "KVFLEET_HOST"
+ENV_ENGINE_PORT = "KVFLEET_ENGINE_PORT"
+ENV_ENGINE_PYTHON = "KVFLEET_ENGINE_PYTHON"  # the interpreter that has the engine installed
+ENV_ENGINE_COMMAND = "KVFLEET_ENGINE_COMMAND"  # JSON list replacing the engine's command line (tests)
+ENV_ENGINE_READY_TIMEOUT_S = "KVFLEET_ENGINE_READY_TIMEOUT_S"
+ENV_ADMISSION = "KVFLEET_ADMISSION"
+ENV_ADMISSION_FACTOR = "KVFLEET_ADMISSION_FACTOR"
+ENV_RETRY_AFTER_S = "KVFLEET_RETRY_AFTER_S"
+ENV_PUBLISH_INTERVAL_S = "KVFLEET_PUBLISH_INTERVAL_S"
+ENV_TENANT_HEADER = "KVFLEET_TENANT_HEADER"
+ENV_TENANT_SECRET = "KVFLEET_TENANT_SECRET"
+ENV_TENANT_SECRET_FILE = "KVFLEET_TENANT_SECRET_FILE"
+ENV_IMDS_URL = "KVFLEET_IMDS_URL"
+ENV_LOG_LEVEL = "KVFLEET_LOG_LEVEL"
+
+# ---- image tags ----------------------------------------------------------------------------------------------
+# `<engine release>-kvfleet<contract version>`, optionally followed by `-<build id>`: 0.30.0-kvfleet1-20261201.
+_TAG = re.compile(r"^(?P<engine>[0-9][0-9A-Za-z.+_]*)-kvfleet(?P<contract>[0-9]+)(?:-[A-Za-z0-9_.]+)?$")
+
+
+def image_tag(engine_version: str) -> str:
+    """The tag a serving image built for this contract carries."""
+    return f"{engine_version}-kvfleet{CONTRACT_VERSION}"
+
+
+def parse_image_tag(tag: str) -> tuple[str, int] | None:
+    """(engine release, contract version) from a tag made by ``image_tag``; None for any other tag."""
+    m = _TAG.match(tag)
+    return (m["engine"], int(m["contract"])) if m else None
+
+
+class Kind(StrEnum):
+    GAUGE = "gauge"  # the value at publication time
+    DELTA = "delta"  # a count since the previous publication (from a Prometheus counter)
+    DISTRIBUTION = "distribution"  # observations since the previous publication (from a histogram)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Signal:
+    name: str  # CloudWatch metric name
+    unit: str  # CloudWatch unit
+    kind: Kind
+    statistic: str  # what scaling, alarms and the dashboard aggregate with by default
+    prometheus_name: str  # the agent's re-export on /metrics (Kubernetes scrapes this)
+    description: str
+
+
+KV_CACHE_UTILIZATION = Signal(
+    name="KvCacheUtilization",
+    unit="None",
+    kind=Kind.GAUGE,
+    statistic="Average",
+    prometheus_name="kvfleet_kv_cache_utilization",
+    description="Fraction (0-1) of the replica's KV-cache blocks in use.",
+)
+REQUESTS_WAITING = Signal(
+    name="RequestsWaiting",
+    unit="Count",
+    kind=Kind.GAUGE,
+    statistic="Average",
+    prometheus_name="kvfleet_requests_waiting",
+    description="Requests queued in the engine, not yet scheduled (no KV blocks yet).",
+)
+REQUESTS_RUNNING = Signal(
+    name="RequestsRunning",
+    unit="Count",
+    kind=Kind.GAUGE,
+    statistic="Average",
+    prometheus_name="kvfleet_requests_running",
+    description="Sequences the engine is generating for.",
+)
+TIME_TO_FIRST_TOKEN = Signal(
+    name="TimeToFirstToken",
+    unit="Milliseconds",
+    kind=Kind.DISTRIBUTION,
+    statistic="p95",
+    prometheus_name="kvfleet_time_to_first_token_seconds",
+    description="Time from arrival to the first output token, per request.",
+)
+INTER_TOKEN_LATENCY = Signal(
+    name="InterTokenLatency",
+    unit="Milliseconds",
+    kind=Kind.DISTRIBUTION,
+    statistic="p95",
+    prometheus_name="kvfleet_inter_token_latency_seconds",
+    description="Time between two output tokens of one sequence.",
+)
+OUTPUT_TOKENS = Signal(
+    name="OutputTokens",
+    unit="Count",
+    kind=Kind.DELTA,
+    statistic="Sum",
+    prometheus_name="kvfleet_output_tokens_total",
+    description="Tokens generated; Sum / period is the output throughput in tokens/s.",
+)
+PREEMPTIONS = Signal(
+    name="Preemptions",
+    unit="Count",
+    kind=Kind.DELTA,
+    statistic="Sum",
+    prometheus_name="kvfleet_preemptions_total",
+    description="Sequences evicted from the KV cache to make room (recomputed later): the cache is too small.",
+)
+REQUESTS_SHED = Signal(
+    name="RequestsShed",
+    unit="Count",
+    kind=Kind.DELTA,
+    statistic="Sum",
+    prometheus_name="kvfleet_requests_shed_total",
+    description="Requests answered 429 by token-aware admission because the replica's token budget was full.",
+)
+SERVER_ERRORS = Signal(
+    name="ServerErrors",
+    unit="Count",
+    kind=Kind.DELTA,
+    statistic="Sum",
+    prometheus_name="kvfleet_server_errors_total",
+    description="Responses with a 5xx status (drain answers 503 and is not counted).",
+)
+
+SIGNALS: tuple[Signal, ...] = (
+    KV_CACHE_UTILIZATION,
+    REQUESTS_WAITING,
+    REQUESTS_RUNNING,
+    TIME_TO_FIRST_TOKEN,
+    INTER_TOKEN_LATENCY,
+    OUTPUT_TOKENS,
+    PREEMPTIONS,
+    REQUESTS_SHED,
+    SERVER_ERRORS,
+)
+
+# The two signals every target scales on.
+SCALING_SIGNALS: tuple[Signal, ...] = (KV_CACHE_UTILIZATION, REQUESTS_WAITING)
+
+
+def deployment_id(environment: str, deployment: str) -> str:
+    """Value of the Deployment dimension: unique per environment and deployment."""
+    return f"{environment}-{deployment}"
+
+
+def signal(name: str) -> Signal:
+    for s in SIGNALS:
+        if s.name == name:
+            return s
+    raise KeyError(f"no signal named {name!r}; known: {', '.join(s.name for s in SIGNALS)}")

@@ -1,0 +1,262 @@
+"""The one bridge from config to infrastructure: Environment -> plan requests -> typed resolved deployments.
+
+Everything a stack builds from is decided here, once: the model (resolved once per deployment), the plan's
+candidate, the engine settings as typed ``EngineArgs``, the container environment of the stack <-> image
+contract, disk and timeouts. The CDK app, the tests and the manifests of every target read the same
+``ResolvedDeployment``, so the instance type, the engine flags and the timeouts cannot drift apart.
+
+Pure Python (no aws_cdk); the config schema is only a type here, so ``kvfleet plan`` with flags stays fast.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvfleet import contract
+from kvfleet.engines import EngineAdapter, EngineArgs, adapter
+from kvfleet.errors import KvfleetError
+from kvfleet.sizing.catalog import resolve_model
+from kvfleet.sizing.engines import EngineName
+from kvfleet.sizing.memory import weight_bytes
+from kvfleet.sizing.models import ModelSpec
+from kvfleet.sizing.planner import Candidate, PlanRequest, Workload, plan
+from kvfleet.sizing.precision import kv_dtype
+from kvfleet.sizing.startup import StartupEstimate, startup_estimate
+from kvfleet.sizing.units import GiB
+
+if TYPE_CHECKING:
+    from kvfleet.config.schema import Deployment, Environment, WorkloadConfig
+
+IMAGE_DISK_GIB = 30  # engine image layers on the instance's disk
+_TIMEOUT_SAFETY = 2.0  # timeouts are twice the estimate: too short kills a replica that would have come up
+
+
+def engine_args(c: Candidate) -> EngineArgs:
+    """The settings that admit exactly what the plan sized: ``max_num_seqs`` is the concurrency that fits (not
+    the engine default), ``max_model_len`` the workload's longest sequence."""
+    cap = c.capacity
+    return EngineArgs(
+        tensor_parallel_size=c.tensor_parallel_size,
+        max_model_len=cap.max_model_len,
+        max_num_seqs=c.concurrency_per_replica,
+        max_num_batched_tokens=cap.max_num_batched_tokens,
+        gpu_memory_utilization=cap.gpu_memory_utilization,
+        kv_cache_dtype=c.kv_cache_dtype.value,
+        quantization=c.online_quantization,
+        enable_prefix_caching=True,
+    )
+
+
+def workload(w: WorkloadConfig) -> Workload:
+    """The planner's workload from the file's (milliseconds become seconds)."""
+    return Workload(
+        max_input_tokens=w.max_input_tokens,
+        max_output_tokens=w.max_output_tokens,
+        concurrency_per_replica=w.concurrency_per_replica,
+        peak_requests_per_s=w.peak_requests_per_s,
+        avg_input_tokens=w.avg_input_tokens,
+        avg_output_tokens=w.avg_output_tokens,
+        ttft_target_s=None if w.ttft_ms is None else w.ttft_ms / 1e3,
+        itl_target_s=None if w.itl_ms is None else w.itl_ms / 1e3,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeploymentRequest:
+    """One deployment of the file with its model resolved and the planner's request built from it."""
+
+    deployment: Deployment
+    model: ModelSpec
+    request: PlanRequest
+
+
+def plan_requests(env: Environment) -> tuple[DeploymentRequest, ...]:
+    """One plan request per deployment, resolving each model once (no AWS calls)."""
+    out = []
+    for d in env.deployments:
+        try:
+            model = resolve_model(d.model.id)
+        except KvfleetError as err:
+            raise KvfleetError(str(err), field=f"deployments.{d.name}.model") from None
+        req = PlanRequest(
+            model=model,
+            workload=workload(d.workload),
+            engine=EngineName(d.engine.name),
+            engine_version=d.engine.version,
+            hosting=d.target.hosting,
+            weight_precisions=d.sizing.weight_precisions,
+            kv_cache_dtypes=tuple(kv_dtype(k) for k in d.sizing.kv_cache_dtypes),
+            families=d.sizing.families,
+            instance_types=(d.sizing.instance_type,) if d.sizing.instance_type else (),
+            region=env.region,
+            max_fleet_usd_per_hour=d.sizing.max_fleet_usd_per_hour,
+            gpu_memory_utilization=d.sizing.gpu_memory_utilization,
+            min_replicas=max(1, d.scaling.min_replicas),
+            max_replicas=d.scaling.max_replicas,
+        )
+        out.append(DeploymentRequest(deployment=d, model=model, request=req))
+    return tuple(out)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResolvedDeployment:
+    environment: Environment
+    deployment: Deployment
+    model: ModelSpec
+    candidate: Candidate  # the plan's choice
+    alternatives: tuple[Candidate, ...]  # the next feasible instance types, best first
+    engine_args: EngineArgs
+    checkpoint_bytes: int  # the checkpoint as stored (what is downloaded and read from disk)
+    startup: StartupEstimate
+
+    @property
+    def model_id(self) -> str:
+        return self.model.model_id  # Hugging Face id (catalog id)
+
+    @property
+    def deployment_id(self) -> str:
+        return contract.deployment_id(self.environment.name, self.deployment.name)
+
+    @property
+    def stack_name(self) -> str:
+        return f"kvfleet-{self.deployment_id}"
+
+    @property
+    def engine(self) -> str:
+        return self.deployment.engine.name
+
+    @property
+    def adapter(self) -> EngineAdapter:
+        return adapter(self.engine)
+
+    @property
+    def instance_type(self) -> str:
+        return self.candidate.name
+
+    @property
+    def initial_instance_count(self) -> int:
+        s = self.deployment.scaling
+        return min(max(self.candidate.instance_count, s.min_replicas, 1), s.max_replicas)
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.candidate.capacity.kv_cache_tokens
+
+    @property
+    def model_location(self) -> str:
+        """What the engine loads: the local copy of the S3 prefix, or the Hugging Face id."""
+        return contract.MODEL_DIR if self.deployment.model.s3_uri else self.model_id
+
+    @property
+    def disk_gib(self) -> int:
+        """Disk for the image plus the weights, with room for a second copy during a download retry."""
+        return IMAGE_DISK_GIB + math.ceil(1.2 * self.checkpoint_bytes / GiB)
+
+    @property
+    def download_timeout_s(self) -> int:
+        return _clamp(_TIMEOUT_SAFETY * (self.startup.download_s + self.startup.image_pull_s))
+
+    @property
+    def startup_timeout_s(self) -> int:
+        # An engine that downloads from Hugging Face itself does so inside the health-check window.
+        s = self.startup.container_start_s + (0 if self.deployment.model.s3_uri else self.startup.download_s)
+        return _clamp(_TIMEOUT_SAFETY * s)
+
+    def container_environment(self, *, isolated: bool = False) -> dict[str, str]:
+        """Environment of the serving container. AWS's own engine images take their engine's variables."""
+        if self.deployment.image.source == "dlc":
+            w = self.deployment.workload
+            return self.adapter.dlc_environment(
+                self.engine_args,
+                model=self.model_location,
+                max_input_tokens=w.max_input_tokens,
+                max_output_tokens=w.max_output_tokens,
+            )
+        env = {
+            contract.ENV_CONTRACT_VERSION: str(contract.CONTRACT_VERSION),
+            contract.ENV_ENGINE: self.engine,
+            contract.ENV_ENGINE_VERSION: self.deployment.engine.version,
+            contract.ENV_MODEL: self.model_location,
+            contract.ENV_ENGINE_ARGS: self.engine_args.to_json(),
+            contract.ENV_PORT: str(contract.SERVING_PORT),
+            contract.ENV_DEPLOYMENT: self.deployment_id,
+            contract.ENV_NAMESPACE: contract.NAMESPACE,
+            contract.ENV_DRAIN_BUDGET_S: str(self.deployment.scaling.drain_budget_s),
+            contract.ENV_TOKEN_BUDGET: str(self.kv_cache_tokens),
+            # EMF lines on stdout become metrics through the container's log stream, which also works with
+            # no network; PutMetricData on top would count every data point twice.
+            contract.ENV_PUT_METRIC_DATA: "0",
+        }
+        if self.deployment.model.hf_token_secret and not isolated:
+            env[contract.ENV_HF_TOKEN_SECRET_ARN] = self.deployment.model.hf_token_secret
+        return env
+
+
+def _clamp(seconds: float) -> int:
+    # SageMaker accepts 60..3600 s for both health-check timeouts.
+    return int(min(3600, max(600, math.ceil(seconds / 60) * 60)))
+
+
+def _alternatives(candidates: tuple[Candidate, ...]) -> tuple[Candidate, ...]:
+    """The best candidate of each other instance type, in the plan's order."""
+    seen = {candidates[0].instance.name}
+    out = []
+    for c in candidates[1:]:
+        if c.instance.name not in seen:
+            seen.add(c.instance.name)
+            out.append(c)
+    return tuple(out)
+
+
+def resolve(env: Environment, dr: DeploymentRequest) -> ResolvedDeployment:
+    """Plan one deployment. A deployment that cannot be planned is the user's error (one line)."""
+    d = dr.deployment
+    try:
+        result = plan(dr.request)
+    except KvfleetError as err:
+        raise KvfleetError(str(err), field=f"deployments.{d.name}") from None
+    if "/" not in dr.model.model_id and d.model.s3_uri is None:
+        raise KvfleetError(
+            f"{d.model.id!r} is not a Hugging Face id, so the engine cannot download it: set model.s3_uri",
+            field=f"deployments.{d.name}.model",
+        )
+    ckpt = weight_bytes(dr.model, tp=1, scheme=dr.model.native_scheme).weights_bytes_per_gpu
+    r = ResolvedDeployment(
+        environment=env,
+        deployment=d,
+        model=dr.model,
+        candidate=result.best,
+        alternatives=_alternatives(result.candidates),
+        engine_args=engine_args(result.best),
+        checkpoint_bytes=ckpt,
+        startup=startup_estimate(checkpoint_bytes=ckpt),
+    )
+    _check_disk(r)
+    return r
+
+
+def resolve_environment(env: Environment) -> tuple[ResolvedDeployment, ...]:
+    return tuple(resolve(env, dr) for dr in plan_requests(env))
+
+
+def _check_disk(r: ResolvedDeployment) -> None:
+    """The image and weights fit the host's storage: its instance store, or the largest volume it attaches."""
+    limit = r.candidate.hosting.max_volume_gib
+    if limit is None:
+        return
+    nvme = r.candidate.instance.local_nvme_gb
+    need_gb = math.ceil(r.disk_gib * GiB / 1e9)
+    if nvme and nvme < need_gb:
+        raise KvfleetError(
+            f"{r.instance_type} has {nvme} GB of instance storage, the image and weights need {need_gb} GB; "
+            "pin a larger sizing.instance_type or a smaller weight precision",
+            field=f"deployments.{r.deployment.name}.sizing",
+        )
+    if r.disk_gib > limit and not nvme:
+        raise KvfleetError(
+            f"the weights need a {r.disk_gib} GiB volume, this target allows {limit}: choose an instance type with "
+            "local NVMe storage (sizing.families)",
+            field=f"deployments.{r.deployment.name}.sizing",
+        )

@@ -1,0 +1,154 @@
+"""What every engine adapter provides, and the engine settings a plan decides (``EngineArgs``).
+
+Standard library only: the serving image carries this package with the contract. Settings travel from
+the stacks to the agent as ``EngineArgs`` JSON in ``contract.ENV_ENGINE_ARGS``; each adapter renders
+them in its engine's terms (vLLM flags, TensorRT-LLM LLM-API options, the AWS images' variables), so
+there is one renderer per engine and nobody re-parses a flag list.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from kvfleet.versions import Version, parse_version
+
+# kvfleet's KV-cache dtype names (kvfleet.sizing.precision.KvDtype values).
+KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+SignalNames = Mapping[str, tuple[str, ...]]  # contract signal name -> engine metric names, preferred first
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineArgs:
+    """The settings of one engine start, engine-neutral. ``None`` leaves the engine's own default."""
+
+    tensor_parallel_size: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None  # concurrent sequences (TensorRT-LLM: max_batch_size)
+    max_num_batched_tokens: int | None = None  # tokens per step (TensorRT-LLM: max_num_tokens)
+    gpu_memory_utilization: float | None = None  # TensorRT-LLM: free_gpu_memory_fraction
+    kv_cache_dtype: str | None = None  # one of KV_CACHE_DTYPES
+    # Weight precision applied at load: a quantization method (fp8, bnb-4bit, ...) or a dtype cast (bf16, fp16).
+    # None: the checkpoint's own precision (a quantized checkpoint names its method in config.json).
+    quantization: str | None = None
+    enable_prefix_caching: bool = True
+    # vLLM knobs a plan does not set, for local runs and tests.
+    enforce_eager: bool = False  # no CUDA graphs
+    kv_cache_memory_bytes: int | None = None  # vLLM: a fixed cache size, skipping the memory profile
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        for f in ("tensor_parallel_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, f)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                raise ValueError(f"{f}: must be a positive integer, got {v!r}")
+        if self.kv_cache_memory_bytes is not None and (
+            not isinstance(self.kv_cache_memory_bytes, int) or self.kv_cache_memory_bytes <= 0
+        ):
+            raise ValueError(f"kv_cache_memory_bytes: must be a positive integer, got {self.kv_cache_memory_bytes!r}")
+        u = self.gpu_memory_utilization
+        if u is not None and (isinstance(u, bool) or not isinstance(u, int | float) or not (0 < u <= 1)):
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {u!r}")
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
+        for f in ("enable_prefix_caching", "enforce_eager"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"{f}: must be true or false, got {getattr(self, f)!r}")
+        for f in ("quantization", "served_model_name"):
+            v = getattr(self, f)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"{f}: must be a non-empty string, got {v!r}")
+
+    def to_json(self) -> str:
+        """Compact JSON without the defaults: what the stacks put in ``contract.ENV_ENGINE_ARGS``."""
+        defaults = EngineArgs()
+        out = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(defaults, f.name)
+        }
+        return json.dumps(out, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineArgs:
+        """The inverse of ``to_json``. ValueError names the key at fault (unknown keys are errors)."""
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, RecursionError) as err:
+            raise ValueError(f"not JSON ({getattr(err, 'msg', 'nested too deeply')})") from None
+        if not isinstance(data, dict):
+            raise ValueError("must be a JSON object of engine settings")
+        return cls.from_mapping(data)
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> EngineArgs:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown setting {unknown[0]!r}; known: {', '.join(sorted(known))}")
+        value = data.get("gpu_memory_utilization")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError("gpu_memory_utilization: must be a finite number")
+        return cls(**data)
+
+
+class EngineAdapter(ABC):
+    """One serving engine: how kvfleet starts it, configures it and reads its metrics."""
+
+    name: ClassVar[str]
+    title: ClassVar[str]  # for people
+    # The engine's Prometheus endpoint (on its own port, behind the agent).
+    metrics_path: ClassVar[str]
+    health_path: ClassVar[str] = "/health"
+    # The image the kvfleet serving image is built on by default (containers/Dockerfile, --build-arg BASE_IMAGE).
+    default_base_image: ClassVar[str]
+    # (first release, contract signal -> engine metric names), oldest first: a release uses the last row at or
+    # below it. Each row lists the release's own name first and other releases' after it, so a wrong or stale
+    # version string still finds the metric; the version only decides which name wins when both exist.
+    metric_rows: ClassVar[tuple[tuple[str, SignalNames], ...]]
+
+    @abstractmethod
+    def settings(self, args: EngineArgs) -> dict[str, Any]:
+        """The settings in the engine's own terms (vLLM flags without "--", TensorRT-LLM LLM-API options)."""
+
+    @abstractmethod
+    def server_command(
+        self, args: EngineArgs, *, model: str, port: int, python: str, options_file: str | None
+    ) -> list[str]:
+        """The engine's OpenAI-compatible server on 127.0.0.1:``port``."""
+
+    def options_file(self, args: EngineArgs) -> str | None:
+        """Text of an options file the server command reads (``options_file``), or None for none."""
+        return None
+
+    @abstractmethod
+    def dlc_environment(
+        self, args: EngineArgs, *, model: str, max_input_tokens: int, max_output_tokens: int
+    ) -> dict[str, str]:
+        """The variables AWS's own image for this engine reads, for deployments that run it without the agent."""
+
+    @abstractmethod
+    def describe(self, args: EngineArgs) -> str:
+        """One line for people: how to start the engine with these settings."""
+
+    def settings_json(self, args: EngineArgs) -> dict[str, Any]:
+        """What ``kvfleet plan --json`` shows of the settings."""
+        return {"engine": self.name, "settings": self.settings(args), "command": self.describe(args)}
+
+    def metric_names(self, version: str) -> tuple[Version, SignalNames]:
+        """(the row's first release, its name table) for ``version``; ValueError for a malformed version."""
+        parsed = parse_version(version)
+        rows = [(parse_version(since), names) for since, names in self.metric_rows]
+        chosen = rows[0]
+        for row in rows:
+            if row[0] <= parsed:
+                chosen = row
+        return chosen

@@ -1,0 +1,85 @@
+"""TensorRT-LLM (trtllm-serve, PyTorch backend): LLM-API options, server command, DJL's variables, metric names."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, ClassVar
+
+from kvfleet import contract
+from kvfleet.engines.base import EngineAdapter, EngineArgs, SignalNames
+
+_S = contract
+# trtllm-serve exports no preemption or generated-token counter: those signals stay absent for it.
+_V0_0: SignalNames = {
+    _S.KV_CACHE_UTILIZATION.name: ("trtllm_kv_cache_utilization",),
+    _S.REQUESTS_WAITING.name: ("trtllm_num_requests_waiting",),
+    _S.REQUESTS_RUNNING.name: ("trtllm_num_requests_running",),
+    _S.TIME_TO_FIRST_TOKEN.name: ("trtllm_time_to_first_token_seconds",),
+    _S.INTER_TOKEN_LATENCY.name: ("trtllm_time_per_output_token_seconds",),
+}
+
+
+class TensorRtLlm(EngineAdapter):
+    name: ClassVar[str] = "trtllm"
+    title: ClassVar[str] = "TensorRT-LLM"
+    # trtllm-serve's /metrics is JSON iteration stats (and blocks under load); Prometheus text is here.
+    metrics_path: ClassVar[str] = "/prometheus/metrics"
+    default_base_image: ClassVar[str] = "nvcr.io/nvidia/tensorrt-llm/release:1.0.0"
+    metric_rows: ClassVar[tuple[tuple[str, SignalNames], ...]] = (("0.0.0", _V0_0),)
+
+    def settings(self, args: EngineArgs) -> dict[str, Any]:
+        """LLM-API options (tensorrt_llm/llmapi/llm_args.py): what --extra_llm_api_options reads."""
+        if args.enforce_eager or args.kv_cache_memory_bytes is not None or args.served_model_name is not None:
+            raise ValueError("enforce_eager, kv_cache_memory_bytes and served_model_name are vLLM settings")
+        kv: dict[str, Any] = {}
+        if args.gpu_memory_utilization is not None:
+            kv["free_gpu_memory_fraction"] = args.gpu_memory_utilization
+        kv["enable_block_reuse"] = args.enable_prefix_caching
+        if args.kv_cache_dtype not in (None, "auto"):
+            kv["dtype"] = "fp8" if args.kv_cache_dtype.startswith("fp8") else args.kv_cache_dtype
+        out: dict[str, Any] = {}
+        for key, value in (
+            ("tensor_parallel_size", args.tensor_parallel_size),
+            ("max_batch_size", args.max_num_seqs),
+            ("max_num_tokens", args.max_num_batched_tokens),
+            ("max_seq_len", args.max_model_len),
+        ):
+            if value is not None:
+                out[key] = value
+        out["kv_cache_config"] = kv
+        return out
+
+    def server_command(
+        self, args: EngineArgs, *, model: str, port: int, python: str, options_file: str | None
+    ) -> list[str]:
+        cmd = ["trtllm-serve", model, "--host", "127.0.0.1", "--port", str(port)]
+        if options_file:
+            cmd += ["--extra_llm_api_options", options_file]
+        return cmd
+
+    def options_file(self, args: EngineArgs) -> str | None:
+        return json.dumps(self.settings(args))  # JSON is YAML
+
+    def dlc_environment(
+        self, args: EngineArgs, *, model: str, max_input_tokens: int, max_output_tokens: int
+    ) -> dict[str, str]:
+        # DJL LMI's TensorRT-LLM options (option.<name>, given as OPTION_<NAME>).
+        opts = self.settings(args)
+        kv = opts["kv_cache_config"]
+        env = {
+            "HF_MODEL_ID": model,
+            "OPTION_ROLLING_BATCH": "trtllm",
+            "OPTION_TENSOR_PARALLEL_DEGREE": str(opts["tensor_parallel_size"]),
+            "OPTION_MAX_ROLLING_BATCH_SIZE": str(opts["max_batch_size"]),
+            "OPTION_MAX_NUM_TOKENS": str(opts["max_num_tokens"]),
+            "OPTION_MAX_INPUT_LEN": str(max_input_tokens),
+            "OPTION_MAX_OUTPUT_LEN": str(max_output_tokens),
+            "OPTION_KV_CACHE_FREE_GPU_MEM_FRACTION": str(kv["free_gpu_memory_fraction"]),
+            "OPTION_ENABLE_KV_CACHE_REUSE": str(bool(kv["enable_block_reuse"])).lower(),
+        }
+        if args.quantization:
+            env["OPTION_QUANTIZE"] = args.quantization
+        return env
+
+    def describe(self, args: EngineArgs) -> str:
+        return f"trtllm-serve <model> --extra_llm_api_options <file with: {json.dumps(self.settings(args))}>"

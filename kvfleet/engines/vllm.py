@@ -1,0 +1,111 @@
+"""vLLM: flags, server command, the AWS vLLM container's variables, and metric names per release."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from kvfleet import contract
+from kvfleet.engines.base import EngineAdapter, EngineArgs, SignalNames
+
+# vLLM's --kv-cache-dtype names (vllm/config/cache.py CacheDType) for kvfleet's.
+_KV_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+# --quantization names where kvfleet's differ (vllm/model_executor/layers/quantization/__init__.py).
+_QUANTIZATION = {"bnb-4bit": "bitsandbytes"}
+_DTYPE_CASTS = {"bf16": "bfloat16", "fp16": "float16"}
+
+_S = contract
+_V0_0: SignalNames = {
+    _S.KV_CACHE_UTILIZATION.name: ("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc"),
+    _S.REQUESTS_WAITING.name: ("vllm:num_requests_waiting",),
+    _S.REQUESTS_RUNNING.name: ("vllm:num_requests_running",),
+    _S.TIME_TO_FIRST_TOKEN.name: ("vllm:time_to_first_token_seconds",),
+    _S.INTER_TOKEN_LATENCY.name: ("vllm:time_per_output_token_seconds", "vllm:inter_token_latency_seconds"),
+    _S.OUTPUT_TOKENS.name: ("vllm:generation_tokens_total",),
+    _S.PREEMPTIONS.name: ("vllm:num_preemptions_total", "vllm:num_preemptions"),
+}
+# 0.9 renamed the KV-cache gauge (the old name stayed, deprecated, for a few releases).
+_V0_9: SignalNames = {**_V0_0, _S.KV_CACHE_UTILIZATION.name: ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")}
+# 0.11 renamed the per-token latency histogram; around it both are exported.
+_V0_11: SignalNames = {
+    **_V0_9,
+    _S.INTER_TOKEN_LATENCY.name: ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+}
+
+
+class Vllm(EngineAdapter):
+    name: ClassVar[str] = "vllm"
+    title: ClassVar[str] = "vLLM"
+    metrics_path: ClassVar[str] = "/metrics"
+    default_base_image: ClassVar[str] = (
+        "763104351884.dkr.ecr.us-east-1.amazonaws.com/vllm:0.30.0-gpu-py312-cu130-ubuntu24.04-sagemaker"
+    )
+    metric_rows: ClassVar[tuple[tuple[str, SignalNames], ...]] = (
+        ("0.0.0", _V0_0),
+        ("0.9.0", _V0_9),
+        ("0.11.0", _V0_11),
+    )
+
+    def settings(self, args: EngineArgs) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for flag, value in (
+            ("tensor-parallel-size", args.tensor_parallel_size),
+            ("max-model-len", args.max_model_len),
+            ("max-num-seqs", args.max_num_seqs),
+            ("max-num-batched-tokens", args.max_num_batched_tokens),
+            ("gpu-memory-utilization", args.gpu_memory_utilization),
+            (
+                "kv-cache-dtype",
+                None if args.kv_cache_dtype is None else _KV_DTYPES.get(args.kv_cache_dtype, args.kv_cache_dtype),
+            ),
+        ):
+            if value is not None:
+                out[flag] = value
+        q = args.quantization
+        if q in _DTYPE_CASTS:
+            out["dtype"] = _DTYPE_CASTS[q]
+        elif q is not None:
+            out["quantization"] = _QUANTIZATION.get(q, q)
+        out["enable-prefix-caching" if args.enable_prefix_caching else "no-enable-prefix-caching"] = True
+        if args.enforce_eager:
+            out["enforce-eager"] = True
+        if args.kv_cache_memory_bytes is not None:
+            out["kv-cache-memory-bytes"] = args.kv_cache_memory_bytes
+        if args.served_model_name is not None:
+            out["served-model-name"] = args.served_model_name
+        return out
+
+    def flags(self, args: EngineArgs) -> list[str]:
+        out: list[str] = []
+        for k, v in self.settings(args).items():
+            out.append(f"--{k}")
+            if v is not True:
+                out.append(str(v))
+        return out
+
+    def server_command(
+        self, args: EngineArgs, *, model: str, port: int, python: str, options_file: str | None
+    ) -> list[str]:
+        return [
+            python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *self.flags(args),
+        ]
+
+    def dlc_environment(
+        self, args: EngineArgs, *, model: str, max_input_tokens: int, max_output_tokens: int
+    ) -> dict[str, str]:
+        # The vLLM DLC's entrypoint turns SM_VLLM_<NAME>=<value> into --<name> <value> (empty: a bare flag).
+        env = {"SM_VLLM_MODEL": model}
+        for k, v in self.settings(args).items():
+            env["SM_VLLM_" + k.upper().replace("-", "_")] = "" if v is True else str(v)
+        return env
+
+    def describe(self, args: EngineArgs) -> str:
+        return "vllm serve <model> " + " ".join(self.flags(args))

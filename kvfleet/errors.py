@@ -1,0 +1,39 @@
+"""User-facing errors. Each carries one line that says what is wrong, the field, and what to change.
+
+Every layer raises these; the two edges (the ``kvfleet`` command and the CDK app) print them and exit 2.
+Standard library only.
+"""
+
+from __future__ import annotations
+
+
+class KvfleetError(Exception):
+    """Base for every error a user can cause. The CLI prints ``str(err)`` and exits 2."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        self.field = field
+        super().__init__(f"{field}: {message}" if field else message)
+
+
+class ModelConfigError(KvfleetError):
+    """A model id or config.json that cannot be turned into an architecture."""
+
+
+class CatalogError(KvfleetError):
+    """An unknown accelerator or instance type, or a broken catalog file."""
+
+
+class SizingError(KvfleetError):
+    """Settings that cannot work: impossible tensor parallelism, negative lengths, no memory left."""
+
+
+class NothingFitsError(SizingError):
+    """The planner found no candidate; the message names the nearest one and the change that fits."""
+
+
+class ConfigError(KvfleetError):
+    """One or more problems in an environment file; ``lines`` holds one ``file:line: field: fix`` per problem."""
+
+    def __init__(self, lines: list[str]) -> None:
+        self.lines = lines
+        super().__init__("\n".join(lines))

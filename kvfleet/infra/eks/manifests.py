@@ -1,0 +1,662 @@
+"""Kubernetes manifests for one deployment: Deployment, Service, PodDisruptionBudget, KEDA ScaledObject.
+
+Pure functions from a ResolvedDeployment to plain dicts (no aws_cdk): the EKS stack applies them, the
+tests validate them offline (core kinds against the Kubernetes OpenAPI schemas, the ScaledObject against
+``schemas/keda-scaledobject.schema.json``), and ``check_consistency`` proves that the pieces fit the
+nodes they land on and the agent inside the pod.
+
+Everything that has a reason elsewhere comes from there: GPUs from the plan's tensor-parallel degree,
+the startup window from the model-load estimate, the grace period from the drain budget, the scaling
+queries from the signals contract.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from kvfleet import contract
+from kvfleet.config.schema import SCALE_IN_MIN_S
+from kvfleet.contract import AGENT_UID, DRAIN_COMMAND, HEALTH_ROUTE, METRICS_ROUTE, SERVING_PORT
+from kvfleet.contract import HF_HOME as HF_CACHE_DIR
+from kvfleet.contract import MODEL_DIR as SAGEMAKER_MODEL_DIR
+from kvfleet.deployments import IMAGE_DISK_GIB, ResolvedDeployment
+
+Manifest = dict[str, Any]
+
+KEDA_SCALEDOBJECT_SCHEMA = Path(__file__).parent / "schemas" / "keda-scaledobject.schema.json"
+
+APP_NAME = "kvfleet"
+CONTAINER_NAME = "serving"
+PORT_NAME = "http"
+SERVICE_PORT = 80
+STARTUP_ESTIMATE_ANNOTATION = "kvfleet.io/startup-estimate-s"
+# The startup probe allows twice the estimate, as the SageMaker and EC2 timeouts do: a probe that gives
+# up too early kills a replica that was about to come up, and it then starts the whole load over.
+STARTUP_SAFETY = 2.0
+STARTUP_PERIOD_S = 10
+# After preStop returns, SIGTERM stops the agent and the engine frees GPU memory: allow this much.
+ENGINE_STOP_S = 60
+MIN_ENGINE_STOP_S = 30  # what check_consistency insists on
+MIN_SCALE_DOWN_STABILIZATION_S = SCALE_IN_MIN_S
+TRIGGER_CACHE = "kv-cache-utilization"
+TRIGGER_QUEUE = "requests-waiting"
+# How each scaling signal is compared (see scaled_object): an average as a Value, a sum per replica.
+_TRIGGER_METRIC_TYPES = {contract.KV_CACHE_UTILIZATION.name: "Value", contract.REQUESTS_WAITING.name: "AverageValue"}
+_ENGINE_TP_KEYS = ("tensor-parallel-size", "tensor_parallel_size")
+_ENV_TP_KEYS = ("OPTION_TENSOR_PARALLEL_DEGREE", "SM_VLLM_TENSOR_PARALLEL_SIZE")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkloadOptions:
+    """What the cluster decides, not the plan: image, node labels and taints, Prometheus, scaling pace."""
+
+    image: str
+    prometheus_server_address: str  # Prometheus-compatible query endpoint KEDA polls (AMP: the workspace URL)
+    namespace: str = "kvfleet"
+    service_account_name: str | None = None  # IRSA / Pod Identity: Secrets Manager (HF token), S3 (weights)
+    gpu_resource: str = "nvidia.com/gpu"
+    node_selector: Mapping[str, str] = field(default_factory=lambda: {"kvfleet.io/gpu": "true"})
+    # Node label naming the deployment a node group is for (value: the deployment id); None: no such label.
+    deployment_node_label: str | None = "kvfleet.io/deployment"
+    # Pin the planned instance type: the engine flags (memory utilization, max_num_seqs) are sized for it.
+    pin_instance_type: bool = True
+    taint_key: str = "nvidia.com/gpu"
+    taint_value: str = "present"
+    taint_effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] = "NoSchedule"
+    topology_key: str = "topology.kubernetes.io/zone"
+    shm_size_gib: int = 16  # NCCL between tensor-parallel ranks uses /dev/shm
+    # Model cache on a node directory (e.g. the instance-store NVMe) instead of an emptyDir. The directory
+    # must exist and be writable by the agent's UID; it also rules out the "restricted" Pod Security level.
+    model_cache_host_path: str | None = None
+    # Image with the AWS CLI for the init container that copies model.s3_uri; required when it is set.
+    model_sync_image: str | None = None
+    # Share of the node's CPU and memory (per GPU requested) a pod asks for; the rest is for the kubelet,
+    # the system daemons and DaemonSets. cpu_request / memory_request override it.
+    resource_fraction: float = 0.75
+    cpu_request: str | None = None
+    memory_request: str | None = None
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    # Scaling pace. Up: fast, a queued request is time-to-first-token already spent. Down: slow, a removed
+    # replica takes minutes to come back and first drains its generations.
+    scale_up_pods: int = 2
+    scale_up_percent: int = 100
+    scale_up_period_s: int = 60
+    scale_down_stabilization_s: int = MIN_SCALE_DOWN_STABILIZATION_S
+    scale_down_pods: int = 1
+    scale_down_period_s: int = 300
+    polling_interval_s: int = 15
+    cooldown_period_s: int = 300
+    # KEDA authentication for the Prometheus endpoint. For Amazon Managed Service for Prometheus: a
+    # TriggerAuthentication with podIdentity provider "aws", and the workspace's region for SigV4.
+    trigger_authentication: str | None = None
+    trigger_authentication_kind: Literal["TriggerAuthentication", "ClusterTriggerAuthentication"] = (
+        "TriggerAuthentication"
+    )
+    prometheus_aws_region: str | None = None
+    # Also publish the signals to CloudWatch (the deployment's dashboard and alarms read them there).
+    put_metric_data: bool = False
+
+    def __post_init__(self) -> None:
+        if not MIN_SCALE_DOWN_STABILIZATION_S <= self.scale_down_stabilization_s <= 3600:
+            raise ValueError(
+                f"scale_down_stabilization_s must be {MIN_SCALE_DOWN_STABILIZATION_S}..3600 (HPA's maximum), "
+                f"not {self.scale_down_stabilization_s}"
+            )
+        if not 0 < self.resource_fraction <= 1:
+            raise ValueError(f"resource_fraction must be in (0, 1], not {self.resource_fraction}")
+        if min(self.scale_up_pods, self.scale_up_percent, self.scale_down_pods) < 1:
+            raise ValueError("scaling policy values must be 1 or more")
+        for name in ("scale_up_period_s", "scale_down_period_s"):
+            if not 1 <= getattr(self, name) <= 1800:
+                raise ValueError(f"{name} must be 1..1800 s (HPA's bounds)")
+        if self.shm_size_gib < 1:
+            raise ValueError("shm_size_gib must be 1 or more")
+
+
+def name(r: ResolvedDeployment) -> str:
+    """Object name shared by every manifest of the deployment (a DNS label: env and deployment names are)."""
+    return r.deployment_id
+
+
+def selector_labels(r: ResolvedDeployment) -> dict[str, str]:
+    """The labels that select the pods: Deployment selector, Service, PDB and spread constraints."""
+    return {"app.kubernetes.io/name": APP_NAME, "app.kubernetes.io/instance": r.deployment_id}
+
+
+def _labels(r: ResolvedDeployment) -> dict[str, str]:
+    return {**selector_labels(r), "app.kubernetes.io/component": "serving", "app.kubernetes.io/managed-by": "kvfleet"}
+
+
+def _metadata(r: ResolvedDeployment, opts: WorkloadOptions, **extra: Any) -> dict[str, Any]:
+    return {"name": name(r), "namespace": opts.namespace, "labels": _labels(r), **extra}
+
+
+def startup_window_s(r: ResolvedDeployment) -> int:
+    """Seconds the startup probe allows: twice launch-to-ready (image pull, download, load, engine init),
+    rounded up to a minute."""
+    return int(math.ceil(STARTUP_SAFETY * r.startup.ready_s / 60) * 60)
+
+
+def termination_grace_s(r: ResolvedDeployment) -> int:
+    """The preStop drain (up to the drain budget) plus the engine's own stop, both within the grace period."""
+    return r.deployment.scaling.drain_budget_s + ENGINE_STOP_S
+
+
+def scale_down_stabilization_s(r: ResolvedDeployment, opts: WorkloadOptions) -> int:
+    # The scale-in wait every target uses (or a longer one from the options); HPA caps the window at an hour.
+    return min(3600, max(opts.scale_down_stabilization_s, r.deployment.scaling.scale_in_wait_s))
+
+
+def _gpus(r: ResolvedDeployment) -> int:
+    # One pod is one engine: it gets exactly its tensor-parallel ranks, so several engines can share a node.
+    return r.candidate.tensor_parallel_size
+
+
+def _cpu_memory(r: ResolvedDeployment, opts: WorkloadOptions) -> tuple[str, str]:
+    it = r.candidate.instance
+    share = _gpus(r) / max(1, it.accelerator_count) * opts.resource_fraction
+    cpu = opts.cpu_request or str(max(1, math.floor((it.vcpus or 4) * share)))
+    memory = opts.memory_request or f"{max(4, math.floor((it.ram_gib or 16) * share))}Gi"
+    return cpu, memory
+
+
+def _model_cache_gib(r: ResolvedDeployment) -> int:
+    return max(1, r.disk_gib - IMAGE_DISK_GIB)  # the weights with room for a retried download
+
+
+def _env(r: ResolvedDeployment, opts: WorkloadOptions) -> list[dict[str, str]]:
+    env = dict(r.container_environment())
+    if opts.put_metric_data:
+        # No log driver turns stdout into metrics here: the agent sends the signals to CloudWatch itself.
+        env[contract.ENV_PUT_METRIC_DATA] = "1"
+    # The agent's Secrets Manager client needs a region; IRSA injects one, EKS Pod Identity does not.
+    if r.environment.region:
+        env.setdefault("AWS_REGION", r.environment.region)
+    return [{"name": k, "value": env[k]} for k in sorted(env)]
+
+
+def _security_context() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": AGENT_UID,
+        "runAsGroup": AGENT_UID,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _http_probe(path: str, *, period: int, failures: int, timeout: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": PORT_NAME},
+        "periodSeconds": period,
+        "timeoutSeconds": timeout,
+        "failureThreshold": failures,
+        "successThreshold": 1,
+    }
+
+
+def _model_volume(r: ResolvedDeployment, opts: WorkloadOptions) -> dict[str, Any]:
+    if opts.model_cache_host_path:
+        return {"name": "model-cache", "hostPath": {"path": opts.model_cache_host_path, "type": "Directory"}}
+    return {"name": "model-cache", "emptyDir": {"sizeLimit": f"{_model_cache_gib(r)}Gi"}}
+
+
+def _model_sync(r: ResolvedDeployment, opts: WorkloadOptions) -> dict[str, Any] | None:
+    """Init container copying model.s3_uri to where the engine reads it (as the EC2 target's user data)."""
+    uri = r.deployment.model.s3_uri
+    if not uri:
+        return None
+    if not opts.model_sync_image:
+        raise ValueError(f"deployment {r.deployment.name!r} loads from {uri}: set WorkloadOptions.model_sync_image")
+    env = [{"name": "HOME", "value": "/tmp"}]  # the CLI writes its cache under HOME; the image's may be /root
+    if r.environment.region:
+        env.append({"name": "AWS_REGION", "value": r.environment.region})
+    return {
+        "name": "model-sync",
+        "image": opts.model_sync_image,
+        "imagePullPolicy": opts.image_pull_policy,
+        "command": ["aws", "s3", "sync", "--only-show-errors", uri, SAGEMAKER_MODEL_DIR],
+        "env": env,
+        "resources": {"requests": {"cpu": "1", "memory": "1Gi"}},
+        "securityContext": _security_context(),
+        "volumeMounts": [{"name": "model-cache", "mountPath": SAGEMAKER_MODEL_DIR}],
+    }
+
+
+def deployment(r: ResolvedDeployment, opts: WorkloadOptions) -> Manifest:
+    gpus = _gpus(r)
+    cpu, memory = _cpu_memory(r, opts)
+    requests: dict[str, str] = {"cpu": cpu, "memory": memory, opts.gpu_resource: str(gpus)}
+    if not opts.model_cache_host_path:
+        requests["ephemeral-storage"] = f"{_model_cache_gib(r)}Gi"  # schedules onto a node with room for the weights
+    sync = _model_sync(r, opts)
+    model_mount = (
+        {"name": "model-cache", "mountPath": SAGEMAKER_MODEL_DIR, "readOnly": True}
+        if sync
+        else {"name": "model-cache", "mountPath": HF_CACHE_DIR}
+    )
+    period = STARTUP_PERIOD_S
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": opts.image,
+        "imagePullPolicy": opts.image_pull_policy,
+        "args": ["serve"],
+        "env": _env(r, opts),
+        "ports": [{"name": PORT_NAME, "containerPort": SERVING_PORT, "protocol": "TCP"}],
+        # Extended resources need limits equal to requests; cpu and memory get no limits: a CPU limit
+        # throttles tokenization and scheduling on the token path, and a memory limit counts the page
+        # cache of memory-mapped weights and /dev/shm against the engine.
+        "resources": {"requests": requests, "limits": {opts.gpu_resource: str(gpus)}},
+        # Startup covers the model load: it runs until /ping first answers 200, and liveness and readiness
+        # only start after it.
+        "startupProbe": _http_probe(HEALTH_ROUTE, period=period, failures=startup_window_s(r) // period, timeout=5),
+        # Readiness takes the pod out of the Service within ~10 s of /ping turning 503 (draining, engine
+        # restarting) and back in when it recovers.
+        "readinessProbe": _http_probe(HEALTH_ROUTE, period=5, failures=2, timeout=3),
+        # Liveness is a TCP check, not /health: /health answers 503 while the replica drains and while the
+        # agent restarts a crashed engine, both states the agent handles itself; an HTTP liveness probe
+        # would kill the pod mid-drain or mid-reload. The socket check restarts only a pod whose agent no
+        # longer listens.
+        "livenessProbe": {
+            "tcpSocket": {"port": PORT_NAME},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 6,
+        },
+        "lifecycle": {"preStop": {"exec": {"command": list(DRAIN_COMMAND)}}},
+        "securityContext": _security_context(),
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, model_mount],
+    }
+    node_selector = dict(opts.node_selector)
+    if opts.deployment_node_label:
+        node_selector[opts.deployment_node_label] = r.deployment_id
+    if opts.pin_instance_type:
+        node_selector["node.kubernetes.io/instance-type"] = r.candidate.instance.name
+    pod_spec: dict[str, Any] = {
+        # The agent does not call the Kubernetes API; IRSA and Pod Identity mount their own tokens.
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": termination_grace_s(r),
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": AGENT_UID,
+            "runAsGroup": AGENT_UID,
+            "fsGroup": AGENT_UID,  # emptyDir volumes writable by the agent
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "nodeSelector": node_selector,
+        "tolerations": [
+            {"key": opts.taint_key, "operator": "Equal", "value": opts.taint_value, "effect": opts.taint_effect}
+        ],
+        # Spread replicas over zones, but never leave one pending for it: GPU capacity is often in one zone.
+        "topologySpreadConstraints": [
+            {
+                "maxSkew": 1,
+                "topologyKey": opts.topology_key,
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": selector_labels(r)},
+                "matchLabelKeys": ["pod-template-hash"],  # spread each rollout revision on its own
+            }
+        ],
+        "containers": [container],
+        "volumes": [
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{opts.shm_size_gib}Gi"}},
+            _model_volume(r, opts),
+        ],
+    }
+    if sync:
+        pod_spec["initContainers"] = [sync]
+    if opts.service_account_name:
+        pod_spec["serviceAccountName"] = opts.service_account_name
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(r, opts, annotations={STARTUP_ESTIMATE_ANNOTATION: str(math.ceil(r.startup.ready_s))}),
+        "spec": {
+            # The plan's count for the first rollout; from then on the ScaledObject's HPA owns the scale.
+            "replicas": r.initial_instance_count,
+            "revisionHistoryLimit": 3,
+            # A rollout waits for new pods to load the model (and maybe for a node): the default 600 s
+            # would report a healthy slow rollout as failed.
+            "progressDeadlineSeconds": startup_window_s(r) + 600,
+            "selector": {"matchLabels": selector_labels(r)},
+            # One extra replica at a time and none removed before its replacement is ready: capacity never
+            # drops during a rollout, and the surge is one node's worth of GPUs at most.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {
+                "metadata": {
+                    "labels": _labels(r),
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(SERVING_PORT),
+                        "prometheus.io/path": METRICS_ROUTE,
+                    },
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def service(r: ResolvedDeployment, opts: WorkloadOptions) -> Manifest:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(r, opts),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(r),
+            "ports": [{"name": PORT_NAME, "port": SERVICE_PORT, "targetPort": PORT_NAME, "protocol": "TCP"}],
+        },
+    }
+
+
+def pod_disruption_budget(r: ResolvedDeployment, opts: WorkloadOptions) -> Manifest:
+    # maxUnavailable 1 rather than a minAvailable: with minAvailable = the replica count a one-replica
+    # deployment could never be evicted and would block every node drain and cluster upgrade. One at a
+    # time, each evicted pod drains through its preStop hook first. Pods that are not ready (still
+    # loading, or stuck) may always be evicted: they serve nothing.
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(r, opts),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": selector_labels(r)},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+
+
+def _number(x: float) -> str:
+    return format(x, "g")  # KEDA's trigger metadata is map[string]string
+
+
+def cache_query(r: ResolvedDeployment) -> str:
+    return f'avg({contract.KV_CACHE_UTILIZATION.prometheus_name}{{deployment="{r.deployment_id}"}})'
+
+
+def queue_query(r: ResolvedDeployment) -> str:
+    return f'sum({contract.REQUESTS_WAITING.prometheus_name}{{deployment="{r.deployment_id}"}})'
+
+
+def scaled_object(r: ResolvedDeployment, opts: WorkloadOptions) -> Manifest:
+    s = r.deployment.scaling
+
+    def trigger(trigger_name: str, query: str, threshold: float, metric_type: str) -> dict[str, Any]:
+        metadata = {
+            "serverAddress": opts.prometheus_server_address,
+            "query": query,
+            "threshold": _number(threshold),
+            # A lost scrape is an error, not a zero: with "true" an empty result reads as an idle fleet and
+            # scales it in; as an error the HPA holds the current count.
+            "ignoreNullValues": "false",
+        }
+        if opts.prometheus_aws_region:
+            metadata["awsRegion"] = opts.prometheus_aws_region
+        t: dict[str, Any] = {
+            "type": "prometheus",
+            "name": trigger_name,
+            "metricType": metric_type,
+            "metadata": metadata,
+        }
+        if opts.trigger_authentication:
+            t["authenticationRef"] = {"name": opts.trigger_authentication, "kind": opts.trigger_authentication_kind}
+        return t
+
+    return {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": _metadata(r, opts),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name(r)},
+            "pollingInterval": opts.polling_interval_s,
+            "cooldownPeriod": opts.cooldown_period_s,
+            # Never zero: both signals come from the pods themselves, so with no pod there is no queue to
+            # see and nothing would ever scale the deployment back up. Scale-to-zero needs a signal from in
+            # front of the pods (a gateway's request count) with idleReplicaCount and an activation
+            # threshold; until then min_replicas 0 means 1 here.
+            "minReplicaCount": max(1, s.min_replicas),
+            "maxReplicaCount": s.max_replicas,
+            "advanced": {
+                "horizontalPodAutoscalerConfig": {
+                    "behavior": {
+                        "scaleUp": {
+                            "stabilizationWindowSeconds": 0,
+                            "selectPolicy": "Max",
+                            "policies": [
+                                {"type": "Pods", "value": opts.scale_up_pods, "periodSeconds": opts.scale_up_period_s},
+                                {
+                                    "type": "Percent",
+                                    "value": opts.scale_up_percent,
+                                    "periodSeconds": opts.scale_up_period_s,
+                                },
+                            ],
+                        },
+                        "scaleDown": {
+                            "stabilizationWindowSeconds": scale_down_stabilization_s(r, opts),
+                            "selectPolicy": "Min",
+                            "policies": [
+                                {
+                                    "type": "Pods",
+                                    "value": opts.scale_down_pods,
+                                    "periodSeconds": opts.scale_down_period_s,
+                                }
+                            ],
+                        },
+                    }
+                }
+            },
+            "triggers": [
+                # The query already averages over the pods, so it is compared as a Value: the HPA scales by
+                # current/target. As an AverageValue KEDA would divide it by the replica count again, and a
+                # fleet at 90 % cache use across 4 pods would read as 22 %.
+                trigger(TRIGGER_CACHE, cache_query(r), s.kv_cache_utilization_target, "Value"),
+                # The query sums the fleet's queue; AverageValue divides by the replica count, which is the
+                # per-pod queue the target is written in. Desired replicas = ceil(total / target).
+                trigger(TRIGGER_QUEUE, queue_query(r), s.queue_depth_target, "AverageValue"),
+            ],
+        },
+    }
+
+
+def namespace(opts: WorkloadOptions) -> Manifest:
+    labels = {"app.kubernetes.io/managed-by": "kvfleet"}
+    # The pods meet the "restricted" Pod Security Standard (non-root, no privilege escalation, no
+    # capabilities, RuntimeDefault seccomp, emptyDir volumes only). A hostPath model cache is outside
+    # even "baseline", so that namespace gets no enforcement label and the cluster's default applies.
+    if not opts.model_cache_host_path:
+        labels["pod-security.kubernetes.io/enforce"] = "restricted"
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": opts.namespace, "labels": labels}}
+
+
+def manifests(r: ResolvedDeployment, opts: WorkloadOptions) -> list[Manifest]:
+    """Every object of the deployment in its namespace, in apply order (the Namespace is applied first, apart)."""
+    return [deployment(r, opts), service(r, opts), pod_disruption_budget(r, opts), scaled_object(r, opts)]
+
+
+# ---- consistency -------------------------------------------------------------------------------------
+
+
+def _tolerates(toleration: Mapping[str, Any], taint: Mapping[str, Any]) -> bool:
+    """Kubernetes' matching rule: empty effect matches every effect; Exists ignores the value; an empty
+    key with Exists matches every taint."""
+    effect = toleration.get("effect") or ""
+    if effect and effect != taint.get("effect"):
+        return False
+    operator = toleration.get("operator") or "Equal"
+    key = toleration.get("key") or ""
+    if operator == "Exists":
+        return not key or key == taint.get("key")
+    return key == taint.get("key") and (toleration.get("value") or "") == (taint.get("value") or "")
+
+
+def _one(items: Sequence[Mapping[str, Any]], kind: str) -> Mapping[str, Any] | None:
+    found = [m for m in items if m.get("kind") == kind]
+    return found[0] if len(found) == 1 else None
+
+
+def _int(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def check_consistency(
+    manifests: Sequence[Mapping[str, Any]],
+    *,
+    node_taints: Sequence[Mapping[str, Any]],
+    gpus_per_node: int,
+    tensor_parallel_size: int,
+    drain_budget_s: int,
+    gpu_resource: str = "nvidia.com/gpu",
+    startup_estimate_s: float | None = None,
+    node_labels: Mapping[str, str] | None = None,
+) -> list[str]:
+    """Problems that would make the manifests fail on these nodes or with the agent; empty: consistent.
+
+    startup_estimate_s: launch-to-ready estimate to hold the startup probe against (default: the one the
+    Deployment records in its annotation). node_labels: when given, the nodeSelector must match them.
+    """
+    problems: list[str] = []
+    dep = _one(manifests, "Deployment")
+    if dep is None:
+        return ["expected exactly one Deployment"]
+    dep_name = dep.get("metadata", {}).get("name")
+    pod = dep.get("spec", {}).get("template", {}).get("spec", {})
+    pod_labels = dep.get("spec", {}).get("template", {}).get("metadata", {}).get("labels", {})
+    containers = [c for c in pod.get("containers", []) if c.get("name") == CONTAINER_NAME]
+    if len(containers) != 1:
+        return [f"expected one container named {CONTAINER_NAME!r} in the Deployment"]
+    c = containers[0]
+
+    # Taints: every hard taint on the nodes needs a toleration, or no pod schedules (NoSchedule) or
+    # stays (NoExecute). PreferNoSchedule only steers the scheduler.
+    tolerations = pod.get("tolerations") or []
+    for taint in node_taints:
+        if taint.get("effect") == "PreferNoSchedule":
+            continue
+        if not any(_tolerates(t, taint) for t in tolerations):
+            shown = f"{taint.get('key')}={taint.get('value') or ''}:{taint.get('effect')}"
+            problems.append(f"node taint {shown} is not tolerated by the pod")
+    if node_labels is not None:
+        for k, v in (pod.get("nodeSelector") or {}).items():
+            if node_labels.get(k) != v:
+                problems.append(f"nodeSelector {k}={v} does not match the nodes ({k}={node_labels.get(k)})")
+
+    # GPUs: requests == limits == the tensor-parallel degree, within one node.
+    res = c.get("resources", {})
+    req = _int(res.get("requests", {}).get(gpu_resource))
+    lim = _int(res.get("limits", {}).get(gpu_resource))
+    if req != lim:
+        problems.append(f"{gpu_resource} requests ({req}) differ from limits ({lim})")
+    if lim != tensor_parallel_size:
+        problems.append(f"{gpu_resource} limit is {lim}, the tensor-parallel degree is {tensor_parallel_size}")
+    if lim is not None and lim > gpus_per_node:
+        problems.append(f"{gpu_resource} limit is {lim}, a node has {gpus_per_node}: the pod never schedules")
+    env = {e.get("name"): e.get("value") for e in c.get("env", [])}
+    engine_tp = _engine_tp(env)
+    if engine_tp is not None and engine_tp != tensor_parallel_size:
+        problems.append(f"the engine runs tensor parallel {engine_tp}, the plan says {tensor_parallel_size}")
+
+    # Drain: preStop runs the agent's drain, and the grace period outlasts it plus the engine's stop.
+    grace = _int(pod.get("terminationGracePeriodSeconds"))
+    if grace is None or grace < drain_budget_s + MIN_ENGINE_STOP_S:
+        problems.append(
+            f"terminationGracePeriodSeconds {grace} is below the drain budget {drain_budget_s} s + "
+            f"{MIN_ENGINE_STOP_S} s for the engine to stop: the kubelet kills in-flight generations"
+        )
+    command = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command")
+    if command != list(DRAIN_COMMAND):
+        problems.append(f"preStop runs {command}, not the agent's drain {list(DRAIN_COMMAND)}")
+    if env.get(contract.ENV_DRAIN_BUDGET_S) not in (None, str(drain_budget_s)):
+        problems.append(f"the agent's drain budget is {env.get(contract.ENV_DRAIN_BUDGET_S)} s, not {drain_budget_s} s")
+
+    # Startup: the probe waits out the model load with the same safety factor as the other targets.
+    estimate = startup_estimate_s
+    if estimate is None:
+        estimate = _int(dep.get("metadata", {}).get("annotations", {}).get(STARTUP_ESTIMATE_ANNOTATION))
+    probe = c.get("startupProbe") or {}
+    window = (_int(probe.get("periodSeconds")) or 10) * (_int(probe.get("failureThreshold")) or 3)
+    if not probe:
+        problems.append("the serving container has no startupProbe")
+    elif estimate is None:
+        problems.append(f"no startup estimate to check the startup probe against ({STARTUP_ESTIMATE_ANNOTATION})")
+    elif window < STARTUP_SAFETY * estimate:
+        problems.append(
+            f"the startup probe allows {window} s, less than {STARTUP_SAFETY:g} x the {estimate:.0f} s model-load "
+            "estimate: a slow load is killed and starts over"
+        )
+
+    # Selectors: the Service, PDB and spread constraints select exactly these pods.
+    selectors: list[tuple[str, Mapping[str, Any]]] = []
+    svc = _one(manifests, "Service")
+    if svc is not None:
+        selectors.append(("Service", svc.get("spec", {}).get("selector") or {}))
+    pdb = _one(manifests, "PodDisruptionBudget")
+    if pdb is not None:
+        selectors.append(("PodDisruptionBudget", pdb.get("spec", {}).get("selector", {}).get("matchLabels") or {}))
+    for i, tsc in enumerate(pod.get("topologySpreadConstraints") or []):
+        selectors.append((f"topologySpreadConstraints[{i}]", tsc.get("labelSelector", {}).get("matchLabels") or {}))
+    for what, sel in selectors:
+        if not sel or any(pod_labels.get(k) != v for k, v in sel.items()):
+            problems.append(f"the {what} selector {dict(sel)} does not select the Deployment's pods")
+
+    problems += _check_scaled_object(manifests, dep_name=dep_name, deployment_id=env.get(contract.ENV_DEPLOYMENT))
+    return problems
+
+
+def _engine_tp(env: Mapping[str, Any]) -> int | None:
+    for key in _ENV_TP_KEYS:
+        if key in env:
+            return _int(env[key])
+    raw = env.get(contract.ENV_ENGINE_ARGS)
+    if raw:
+        try:
+            args = json.loads(raw)
+        except json.JSONDecodeError:
+            return None
+        if isinstance(args, dict):
+            for key in _ENGINE_TP_KEYS:
+                if key in args:
+                    return _int(args[key])
+    return None
+
+
+def _check_scaled_object(manifests: Sequence[Mapping[str, Any]], *, dep_name: Any, deployment_id: Any) -> list[str]:
+    so = _one(manifests, "ScaledObject")
+    if so is None:
+        return ["expected exactly one ScaledObject"]
+    problems = []
+    spec = so.get("spec", {})
+    ref = spec.get("scaleTargetRef", {})
+    if ref.get("name") != dep_name or ref.get("kind", "Deployment") != "Deployment":
+        problems.append(f"the ScaledObject scales {ref.get('kind', 'Deployment')}/{ref.get('name')}, not {dep_name}")
+    if not deployment_id:
+        return [*problems, f"the serving container sets no {contract.ENV_DEPLOYMENT}"]
+    expected = {s.prometheus_name: _TRIGGER_METRIC_TYPES[s.name] for s in contract.SCALING_SIGNALS}
+    seen: set[str] = set()
+    for t in spec.get("triggers", []):
+        query = str(t.get("metadata", {}).get("query", ""))
+        metrics = [m for m in expected if m in query]
+        if len(metrics) != 1:
+            problems.append(f"trigger {t.get('name')!r} queries {query!r}, not exactly one of the contract's signals")
+            continue
+        metric = metrics[0]
+        seen.add(metric)
+        if f'deployment="{deployment_id}"' not in query:
+            problems.append(f"trigger {t.get('name')!r} does not select deployment={deployment_id!r}: {query!r}")
+        if t.get("metricType", "AverageValue") != expected[metric]:
+            problems.append(
+                f"trigger {t.get('name')!r} on {metric} is {t.get('metricType', 'AverageValue')}, "
+                f"expected {expected[metric]}"
+            )
+    for metric in sorted(set(expected) - seen):
+        problems.append(f"no trigger scales on {metric}")
+    return problems

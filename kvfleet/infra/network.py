@@ -1,0 +1,128 @@
+"""Where replicas run: a new VPC with private subnets and endpoints, or an existing VPC from the config.
+
+No lookups at synth: an existing VPC is described by ids and AZs in the config, a new one takes its AZs
+from the config or, for an environment-agnostic stack, from Fn::GetAZs at deploy time.
+"""
+
+from __future__ import annotations
+
+from aws_cdk import Annotations, RemovalPolicy
+from aws_cdk import aws_ec2 as ec2
+from aws_cdk import aws_logs as logs
+from constructs import Construct
+
+from kvfleet.config.schema import NetworkConfig
+
+VPC_CIDR = "10.64.0.0/16"
+
+
+class ServingNetwork(Construct):
+    """A VPC, private subnets for the serving instances and a security group for them."""
+
+    def __init__(
+        self, scope: Construct, id: str, *, config: NetworkConfig, region: str | None, fleet: bool = False
+    ) -> None:
+        super().__init__(scope, id)
+        self.vpc: ec2.IVpc
+        if config.vpc_id is not None:
+            self.vpc = ec2.Vpc.from_vpc_attributes(
+                self,
+                "Vpc",
+                vpc_id=config.vpc_id,
+                availability_zones=list(config.availability_zones),
+                private_subnet_ids=list(config.private_subnet_ids),
+            )
+            for subnet in self.vpc.private_subnets:
+                # CDK warns that route tables of imported subnets are unknown; kvfleet adds no routes to an
+                # existing VPC (no gateway endpoints, no NAT), so nothing reads them.
+                Annotations.of(subnet).acknowledge_warning(
+                    "@aws-cdk/aws-ec2:noSubnetRouteTableId", "kvfleet adds no routes to an existing VPC"
+                )
+            self.subnet_ids = list(config.private_subnet_ids)
+            self.cidr: str | None = None  # not looked up: callers that need it ask the config
+            self.subnet_selection = ec2.SubnetSelection(subnets=self.vpc.private_subnets)
+        else:
+            azs = list(config.availability_zones) or None
+            if azs is None and region is not None:
+                # A stack with a concrete account and region would look its AZs up at synth; name them instead.
+                azs = [f"{region}{letter}" for letter in "abcdef"[: config.max_azs]]
+            vpc = ec2.Vpc(
+                self,
+                "Vpc",
+                ip_addresses=ec2.IpAddresses.cidr(VPC_CIDR),
+                max_azs=None if azs else config.max_azs,
+                availability_zones=azs,
+                nat_gateways=config.nat_gateways,
+                subnet_configuration=[
+                    ec2.SubnetConfiguration(name="public", subnet_type=ec2.SubnetType.PUBLIC, cidr_mask=24),
+                    ec2.SubnetConfiguration(
+                        name="serving",
+                        subnet_type=(
+                            ec2.SubnetType.PRIVATE_WITH_EGRESS
+                            if config.nat_gateways
+                            else ec2.SubnetType.PRIVATE_ISOLATED
+                        ),
+                        cidr_mask=20,
+                    ),
+                ]
+                if config.nat_gateways
+                else [
+                    ec2.SubnetConfiguration(name="serving", subnet_type=ec2.SubnetType.PRIVATE_ISOLATED, cidr_mask=20)
+                ],
+                restrict_default_security_group=True,
+            )
+            flow_logs = logs.LogGroup(
+                self, "FlowLogs", retention=logs.RetentionDays.ONE_MONTH, removal_policy=RemovalPolicy.DESTROY
+            )
+            vpc.add_flow_log("FlowLog", destination=ec2.FlowLogDestination.to_cloud_watch_logs(flow_logs))
+            # Image layers, S3 model data, logs and metrics stay off the NAT gateway (and work without one).
+            vpc.add_gateway_endpoint("S3", service=ec2.GatewayVpcEndpointAwsService.S3)
+            # Only the serving replicas reach the interface endpoints (not the whole VPC CIDR).
+            self.endpoint_security_group = ec2.SecurityGroup(
+                self,
+                "EndpointSecurityGroup",
+                vpc=vpc,
+                description="kvfleet VPC interface endpoints",
+                allow_all_outbound=False,
+            )
+            for name, svc in (
+                ("EcrApi", ec2.InterfaceVpcEndpointAwsService.ECR),
+                ("EcrDocker", ec2.InterfaceVpcEndpointAwsService.ECR_DOCKER),
+                ("Logs", ec2.InterfaceVpcEndpointAwsService.CLOUDWATCH_LOGS),
+                ("Monitoring", ec2.InterfaceVpcEndpointAwsService.CLOUDWATCH_MONITORING),
+                ("SecretsManager", ec2.InterfaceVpcEndpointAwsService.SECRETS_MANAGER),
+                # Instances of a fleet: Session Manager, and the lifecycle calls of the draining agent.
+                *(
+                    (
+                        ("Ssm", ec2.InterfaceVpcEndpointAwsService.SSM),
+                        ("SsmMessages", ec2.InterfaceVpcEndpointAwsService.SSM_MESSAGES),
+                        ("Ec2Messages", ec2.InterfaceVpcEndpointAwsService.EC2_MESSAGES),
+                        ("AutoScaling", ec2.InterfaceVpcEndpointAwsService.AUTOSCALING),
+                    )
+                    if fleet
+                    else ()
+                ),
+            ):
+                vpc.add_interface_endpoint(
+                    name,
+                    service=svc,
+                    private_dns_enabled=True,
+                    open=False,
+                    security_groups=[self.endpoint_security_group],
+                )
+            self.vpc = vpc
+            self.subnet_ids = vpc.select_subnets(subnet_group_name="serving").subnet_ids
+            self.cidr = VPC_CIDR
+            self.subnet_selection = ec2.SubnetSelection(subnet_group_name="serving")
+
+        self.security_group = ec2.SecurityGroup(
+            self,
+            "ServingSecurityGroup",
+            vpc=self.vpc,
+            description="kvfleet serving replicas",
+            allow_all_outbound=True,  # model download (S3 / Hugging Face), ECR, logs and metrics
+        )
+        if config.vpc_id is None:
+            self.endpoint_security_group.add_ingress_rule(
+                self.security_group, ec2.Port.tcp(443), "HTTPS from the serving replicas"
+            )

@@ -1,0 +1,105 @@
+"""Autoscaling on the contract's two signals, shared by every target that CloudWatch scales.
+
+Each target tracks KV-cache utilization and requests waiting side by side (the policy asking for more
+replicas wins), scales out within a minute, and acts on a scale-in only after ``ScalingConfig.scale_in_wait_s``
+(15 minutes, or twice the drain budget): a replica takes minutes to load a model, and every removed replica
+first drains its generations. EKS gets the same pair and the same wait as a KEDA ScaledObject
+(``kvfleet.infra.eks.manifests``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from aws_cdk import Duration
+from aws_cdk import aws_applicationautoscaling as appscaling
+from aws_cdk import aws_autoscaling as autoscaling
+from aws_cdk import aws_cloudwatch as cw
+from aws_cdk import aws_cloudwatch_actions as cw_actions
+from constructs import Construct
+
+from kvfleet.config.schema import ScalingConfig
+from kvfleet.infra.metrics import PERIOD, signal_metric
+
+SCALE_OUT_COOLDOWN = Duration.seconds(60)  # fast: queued requests are TTFT already lost
+
+
+def scale_scalable_target(
+    target: appscaling.ScalableTarget, *, deployment_id: str, scaling: ScalingConfig
+) -> list[appscaling.TargetTrackingScalingPolicy]:
+    """Application Auto Scaling (SageMaker variants): target tracking with the scale-in wait as its cooldown."""
+    wait = Duration.seconds(scaling.scale_in_wait_s)
+    return [
+        target.scale_to_track_metric(
+            signal.name,
+            target_value=value,
+            custom_metric=signal_metric(deployment_id, signal),
+            scale_out_cooldown=SCALE_OUT_COOLDOWN,
+            scale_in_cooldown=wait,
+        )
+        for signal, value in scaling.signal_targets
+    ]
+
+
+def scale_group(
+    scope: Construct, group: autoscaling.AutoScalingGroup, *, deployment_id: str, scaling: ScalingConfig
+) -> tuple[list[autoscaling.TargetTrackingScalingPolicy], autoscaling.StepScalingAction]:
+    """EC2 Auto Scaling: target tracking scales out only; one step policy scales in after the wait.
+
+    EC2 target tracking has no scale-in cooldown, and its own scale-in alarm fires after 15 minutes whatever
+    the drain budget. So its scale-in is off, and one instance is removed when, for the whole wait, the fleet
+    with one instance fewer would still hold both signals under their targets:
+    ``max(signal / target) x n / (n - 1) < 1`` with n instances in service.
+    """
+    tracking = [
+        group.scale_to_track_metric(
+            signal.name,
+            metric=signal_metric(deployment_id, signal),
+            target_value=value,
+            disable_scale_in=True,
+        )
+        for signal, value in scaling.signal_targets
+    ]
+    using: dict[str, cw.IMetric] = {
+        f"s{i}": signal_metric(deployment_id, signal) for i, (signal, _) in enumerate(scaling.signal_targets)
+    }
+    using["n"] = cw.Metric(
+        namespace="AWS/AutoScaling",
+        metric_name="GroupInServiceInstances",
+        dimensions_map={"AutoScalingGroupName": group.auto_scaling_group_name},
+        statistic="Average",
+        period=PERIOD,
+    )
+    ratios = ", ".join(f"s{i} / {value:g}" for i, (_, value) in enumerate(scaling.signal_targets))
+    one_fewer = cw.MathExpression(
+        expression=f"MAX([{ratios}]) * n / (n - 1)",
+        using_metrics=using,
+        period=PERIOD,
+        label="load per target with one instance fewer",
+    )
+    wait = Duration.seconds(scaling.scale_in_wait_s)
+    action = autoscaling.StepScalingAction(
+        scope,
+        "ScaleIn",
+        auto_scaling_group=group,
+        adjustment_type=autoscaling.AdjustmentType.CHANGE_IN_CAPACITY,
+        cooldown=wait,
+        metric_aggregation_type=autoscaling.MetricAggregationType.MAXIMUM,
+    )
+    action.add_adjustment(adjustment=-1, upper_bound=0)
+    alarm = cw.Alarm(
+        scope,
+        "ScaleInAlarm",
+        metric=one_fewer,
+        threshold=1,
+        comparison_operator=cw.ComparisonOperator.LESS_THAN_THRESHOLD,
+        evaluation_periods=math.ceil(scaling.scale_in_wait_s / PERIOD.to_seconds()),
+        # With one instance there is no "one fewer" (n - 1 = 0): no data, and nothing to scale in.
+        treat_missing_data=cw.TreatMissingData.NOT_BREACHING,
+        alarm_description=(
+            f"scale in by one: for {scaling.scale_in_wait_s // 60} min the fleet with one instance fewer would "
+            "still hold KV-cache use and queue depth under their targets"
+        ),
+    )
+    alarm.add_alarm_action(cw_actions.AutoScalingAction(action))
+    return tracking, action

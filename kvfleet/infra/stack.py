@@ -1,0 +1,86 @@
+"""One stack per deployment: it composes the network, the target's construct and the monitoring.
+
+The target's construct comes from ``TARGET_CONSTRUCTS``, keyed by the names of ``kvfleet.targets``: a new target
+is a folder under ``kvfleet/infra`` with one construct taking a ``ServingContext``, and one line here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import aws_cdk as cdk
+from aws_cdk import CfnOutput, Stack, Tags
+from constructs import Construct
+
+from kvfleet.deployments import ResolvedDeployment
+from kvfleet.infra.context import ServingContext, TargetConstruct
+from kvfleet.infra.ec2.fleet import Ec2Fleet
+from kvfleet.infra.eks.service import EksService
+from kvfleet.infra.monitoring import ServingMonitoring
+from kvfleet.infra.network import ServingNetwork
+from kvfleet.infra.sagemaker.endpoint import SageMakerEndpoint
+
+
+@dataclass(frozen=True, kw_only=True)
+class TargetSpec:
+    construct_id: str  # the construct's id in the stack: logical ids derive from it, so it never changes
+    build: Callable[[Construct, str, ServingContext], TargetConstruct]
+    fleet_endpoints: bool = False  # instances of their own that need Session Manager and Auto Scaling endpoints
+
+
+TARGET_CONSTRUCTS: Mapping[str, TargetSpec] = {
+    "sagemaker": TargetSpec(construct_id="Endpoint", build=lambda s, i, c: SageMakerEndpoint(s, i, context=c)),
+    "ec2": TargetSpec(construct_id="Fleet", build=lambda s, i, c: Ec2Fleet(s, i, context=c), fleet_endpoints=True),
+    "eks": TargetSpec(construct_id="Eks", build=lambda s, i, c: EksService(s, i, context=c)),
+}
+
+
+class DeploymentStack(Stack):
+    def __init__(self, scope: Construct, id: str, *, resolved: ResolvedDeployment) -> None:
+        r = resolved
+        env_cfg = r.environment
+        explicit = env_cfg.account is not None and env_cfg.region is not None
+        super().__init__(
+            scope,
+            id,
+            env=cdk.Environment(account=env_cfg.account, region=env_cfg.region) if env_cfg.region else None,
+            description=(
+                f"kvfleet {r.deployment_id}: {r.model_id} on {r.candidate.label()} with {r.engine} "
+                f"{r.deployment.engine.version}"
+            ),
+        )
+        for key, value in (
+            ("kvfleet:environment", env_cfg.name),
+            ("kvfleet:deployment", r.deployment.name),
+            ("kvfleet:model", r.model_id),
+        ):
+            Tags.of(self).add(key, value)
+
+        spec = TARGET_CONSTRUCTS[r.deployment.target.platform]
+        self.network = ServingNetwork(
+            self,
+            "Network",
+            config=env_cfg.network,
+            region=env_cfg.region if explicit else None,
+            fleet=spec.fleet_endpoints,
+        )
+        # The signal alarms come first: a SageMaker endpoint's update rolls back on them.
+        self.monitoring = ServingMonitoring(
+            self,
+            "Monitoring",
+            deployment_id=r.deployment_id,
+            scaling=r.deployment.scaling,
+            signals_published=r.deployment.image.source != "dlc",
+        )
+        context = ServingContext(
+            resolved=r,
+            network=self.network,
+            region=env_cfg.region,
+            rollback_alarms=tuple(self.monitoring.rollback_alarms),
+        )
+        self.target = spec.build(self, spec.construct_id, context)
+        for name, value in self.target.outputs.items():
+            CfnOutput(self, name, value=value)
+        dashboard = self.monitoring.add_dashboard(self.target.platform_metrics)
+        CfnOutput(self, "Dashboard", value=dashboard.dashboard_name)

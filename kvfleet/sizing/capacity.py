@@ -1,0 +1,400 @@
+"""The cache one engine start gets: every term of the memory budget, blocks, tokens, concurrency.
+
+``capacity()`` answers the question the whole toolkit derives from: with this model on this GPU at
+these settings, how many tokens of KV cache does the engine allocate, and how many sequences of
+``max_model_len`` tokens does that hold at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvfleet.errors import SizingError
+from kvfleet.sizing.engines import (
+    ACTIVATIONS,
+    DEFAULT_VERSIONS,
+    LARGE_GPU_BYTES,
+    EngineName,
+    EngineProfile,
+    activation_peak_bytes,
+    cuda_graph_bytes,
+    engine_profile,
+    non_torch_bytes,
+)
+from kvfleet.sizing.memory import KvLayout, WeightBreakdown, kv_layout, weight_bytes
+from kvfleet.sizing.models import AttentionKind, ModelSpec
+from kvfleet.sizing.precision import KvDtype, WeightScheme, weight_scheme
+from kvfleet.sizing.units import GiB, cdiv
+
+# vllm/config/cache.py: BlockSize = Literal[1, 8, 16, 32, 64, 128] on CUDA (hybrid models may pick larger).
+VLLM_BLOCK_SIZES = frozenset({1, 8, 16, 32, 64, 128, 256})
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineSettings:
+    """The knobs of one engine start. ``None`` means the engine's default for its version."""
+
+    engine: EngineName = EngineName.VLLM
+    version: str | None = None
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float | None = None  # TRT-LLM: free_gpu_memory_fraction
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    kv_cache_dtype: KvDtype = KvDtype.AUTO
+    quantization: str | None = None  # weight precision; None: the checkpoint's own
+    block_size: int | None = None
+    enforce_eager: bool = False  # no CUDA graphs
+    kv_cache_memory_bytes: int | None = None  # vLLM --kv-cache-memory-bytes: skips profiling
+    max_tokens: int | None = None  # TRT-LLM KvCacheConfig.max_tokens cap
+
+
+@dataclass(frozen=True, kw_only=True)
+class Capacity:
+    model_id: str
+    engine: EngineName
+    engine_version: str
+    profile: EngineProfile
+    tensor_parallel_size: int
+    gpu_memory_bytes: int
+    gpu_memory_utilization: float
+    requested_bytes: int  # vLLM: total x utilization. TRT-LLM: total
+    weights: WeightBreakdown
+    activation_peak_bytes: int
+    non_torch_bytes: int
+    cuda_graph_bytes: int  # estimate; subtracted only where the engine counts it
+    cuda_graph_counted: bool
+    kv_cache_bytes_per_gpu: int
+    kv: KvLayout
+    block_size: int
+    num_blocks: int
+    kv_cache_tokens: int  # as the engine reports "GPU KV cache size: N tokens"
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    blocks_per_max_len_request: int
+    max_concurrency: float  # sequences of max_model_len that fit at once
+    max_model_len_that_fits: int  # the longest single request the cache can hold
+    problems: tuple[str, ...] = field(default=())
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def weights_bytes_per_gpu(self) -> int:
+        return self.weights.weights_bytes_per_gpu
+
+    @property
+    def kv_bytes_per_token_per_gpu(self) -> int:
+        return self.kv.kv_bytes_per_token_per_gpu
+
+    @property
+    def concurrent_sequences(self) -> int:
+        """Sequences of max_model_len that run at once: cache-bound, and capped by max_num_seqs."""
+        return min(int(self.max_concurrency), self.max_num_seqs)
+
+    def as_dict(self) -> dict[str, object]:
+        g = GiB
+        return {
+            "model": self.model_id,
+            "engine": self.engine.value,
+            "engine_version": self.engine_version,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "gpu_memory_gib": round(self.gpu_memory_bytes / g, 3),
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "requested_gib": round(self.requested_bytes / g, 3),
+            "weight_precision": self.weights.scheme.name,
+            "weights_gib_per_gpu": round(self.weights_bytes_per_gpu / g, 3),
+            "activation_peak_gib": round(self.activation_peak_bytes / g, 3),
+            "non_torch_gib": round(self.non_torch_bytes / g, 3),
+            "cuda_graph_gib": round(self.cuda_graph_bytes / g, 3),
+            "cuda_graph_counted": self.cuda_graph_counted,
+            "kv_cache_gib_per_gpu": round(self.kv_cache_bytes_per_gpu / g, 3),
+            "kv_cache_dtype": self.kv.kv_dtype.value,
+            "kv_bytes_per_token_per_gpu": self.kv_bytes_per_token_per_gpu,
+            "block_size": self.block_size,
+            "num_blocks": self.num_blocks,
+            "kv_cache_tokens": self.kv_cache_tokens,
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_concurrency": round(self.max_concurrency, 2),
+            "max_model_len_that_fits": self.max_model_len_that_fits,
+            "kv_groups": [
+                {
+                    "attention": grp.attention.value,
+                    "window_tokens": grp.window_tokens,
+                    "layers": grp.num_layers,
+                    "bytes_per_token_per_layer": grp.bytes_per_token_per_layer,
+                }
+                for grp in self.kv.groups
+            ],
+            "weights_by_part_gib": {p.value: round(b / g, 3) for p, b in self.weights.bytes_by_part},
+            "problems": list(self.problems),
+            "notes": list(self.notes),
+        }
+
+
+def _positive(value: int | None, name: str) -> None:
+    if value is not None and value <= 0:
+        raise SizingError(f"must be positive, got {value}", field=name)
+
+
+def resolve_scheme(model: ModelSpec, quantization: str | None) -> WeightScheme:
+    if quantization is None:
+        return model.native_scheme
+    scheme = weight_scheme(quantization)
+    native = model.native_scheme
+    if model.quantization is not None and scheme.name != native.name:
+        raise SizingError(
+            f"the checkpoint is already quantized as {native.name}; drop --quantization or pick another checkpoint",
+            field="quantization",
+        )
+    return scheme
+
+
+def _memory_hint(model: ModelSpec, tp: int, scheme: WeightScheme, requested: int, runtime: int) -> str:
+    """The nearest change that leaves room: more tensor parallelism, else a 4-bit checkpoint."""
+    heads = model.num_attention_heads
+    for larger in (d for d in range(tp + 1, 65) if heads % d == 0):
+        try:
+            w = weight_bytes(model, tp=larger, scheme=scheme).weights_bytes_per_gpu
+        except SizingError:
+            continue
+        if w + runtime < requested * 0.8:
+            return f"at tensor_parallel_size {larger} the weights take {w / GiB:.2f} GiB per GPU"
+    if scheme.weight_bits > 4:
+        w4 = weight_bytes(model, tp=tp, scheme=weight_scheme("awq")).weights_bytes_per_gpu
+        if w4 + runtime < requested * 0.8:
+            return f"a 4-bit checkpoint (awq/gptq) takes {w4 / GiB:.2f} GiB per GPU"
+    return "use a GPU with more memory or more GPUs"
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Pool:
+    """vLLM's KV-cache layout: layers grouped so that every group has the same number of layers."""
+
+    group_size: int
+    groups: tuple[tuple[AttentionKind, int | None], ...]  # one entry per KV-cache group
+    page_bytes: int  # one block of one layer
+
+
+def _pool(kv: KvLayout, *, block_size: int, hybrid: bool, group_ratio: float) -> _Pool:
+    if not kv.groups:
+        raise SizingError("the model has no attention layers that hold a KV cache", field="model")
+    page = block_size * max(g.bytes_per_token_per_layer for g in kv.groups)
+    if not hybrid or len(kv.groups) == 1:
+        # One group holding every layer; windowed layers are treated as full when hybrid is off.
+        layers = sum(g.num_layers for g in kv.groups)
+        if len(kv.groups) == 1:
+            only = kv.groups[0]
+            return _Pool(group_size=layers, groups=((only.attention, only.window_tokens),), page_bytes=page)
+        return _Pool(group_size=layers, groups=((AttentionKind.FULL, None),), page_bytes=page)
+    # vllm/v1/core/kv_cache_utils.py: group size is the smallest per-type layer count (the "1" of
+    # the n:1 patterns), or the largest when all types are within `group_ratio` of each other.
+    counts = [g.num_layers for g in kv.groups]
+    group_size = min(counts)
+    if max(counts) < min(counts) * group_ratio:
+        group_size = max(counts)
+    groups: list[tuple[AttentionKind, int | None]] = []
+    for g in kv.groups:
+        groups.extend([(g.attention, g.window_tokens)] * cdiv(g.num_layers, group_size))
+    return _Pool(group_size=group_size, groups=tuple(groups), page_bytes=page)
+
+
+def _blocks_per_request(
+    kind: AttentionKind,
+    window: int | None,
+    *,
+    max_model_len: int,
+    block_size: int,
+    max_num_batched_tokens: int,
+) -> int:
+    """Blocks one layer of this kind needs for one request of max_model_len (vLLM's KV specs)."""
+    if window is None or kind in (AttentionKind.FULL, AttentionKind.MLA):
+        return cdiv(max_model_len, block_size)
+    if kind is AttentionKind.SLIDING:
+        # SlidingWindowSpec.max_memory_usage_bytes: the window, plus a chunk being prefilled,
+        # plus one block because the window need not start at a block boundary.
+        tokens = min(window - 1 + max_num_batched_tokens, max_model_len)
+        return cdiv(tokens, block_size) + 1
+    tokens = min(window + max_num_batched_tokens, max_model_len)  # ChunkedLocalAttentionSpec
+    return cdiv(tokens, block_size)
+
+
+def capacity(
+    model: ModelSpec, *, gpu_memory_bytes: int, settings: EngineSettings, accelerator_name: str = ""
+) -> Capacity:
+    """Predict what the engine allocates at start-up. Raises SizingError for settings it rejects.
+
+    ``gpu_memory_bytes`` is the total memory of one GPU as the engine sees it; ``accelerator_name``
+    matters only where defaults depend on the device (vLLM gives A100s the small scheduler defaults).
+    """
+    s = settings
+    profile = engine_profile(s.engine, s.version)
+    version = s.version or DEFAULT_VERSIONS[s.engine]
+    tp = s.tensor_parallel_size
+    for name, value in (
+        ("max_model_len", s.max_model_len),
+        ("max_num_seqs", s.max_num_seqs),
+        ("max_num_batched_tokens", s.max_num_batched_tokens),
+        ("block_size", s.block_size),
+        ("kv_cache_memory_bytes", s.kv_cache_memory_bytes),
+        ("max_tokens", s.max_tokens),
+    ):
+        _positive(value, name)
+    if gpu_memory_bytes <= 0:
+        raise SizingError(f"must be positive, got {gpu_memory_bytes / GiB:.2f} GiB", field="gpu_memory_gib")
+    util = profile.gpu_memory_utilization if s.gpu_memory_utilization is None else s.gpu_memory_utilization
+    if not 0 < util <= 1:
+        raise SizingError(f"must be in (0, 1], got {util}", field="gpu_memory_utilization")
+    max_len = model.max_position_embeddings if s.max_model_len is None else s.max_model_len
+    if max_len > model.max_position_embeddings:
+        raise SizingError(
+            f"{max_len} exceeds the model's max_position_embeddings ({model.max_position_embeddings}); "
+            f"use at most {model.max_position_embeddings}",
+            field="max_model_len",
+        )
+    large = gpu_memory_bytes >= LARGE_GPU_BYTES and "a100" not in accelerator_name.lower()
+    max_seqs = s.max_num_seqs or (profile.max_num_seqs_large_gpu if large else profile.max_num_seqs_small_gpu)
+    if s.max_num_batched_tokens is not None:
+        batched = s.max_num_batched_tokens
+    elif profile.engine is EngineName.VLLM and profile.since < (0, 8, 0):
+        # V0 without chunked prefill schedules a whole prompt at once.
+        batched = max(max_len, 2048) if max_len <= 32768 else 2048
+    else:
+        batched = profile.max_num_batched_tokens_large_gpu if large else profile.max_num_batched_tokens_small_gpu
+    if profile.engine is EngineName.VLLM and batched < max_seqs and s.max_num_batched_tokens is not None:
+        raise SizingError(
+            f"{batched} is below max_num_seqs ({max_seqs}); vLLM requires max_num_batched_tokens >= max_num_seqs",
+            field="max_num_batched_tokens",
+        )
+    max_seqs = min(max_seqs, batched) if s.max_num_seqs is None else max_seqs
+    block = s.block_size or profile.block_size
+    if profile.engine is EngineName.VLLM and block not in VLLM_BLOCK_SIZES:
+        allowed = ", ".join(map(str, sorted(VLLM_BLOCK_SIZES)))
+        raise SizingError(f"vLLM accepts block sizes {allowed}; got {block}", field="block_size")
+    if profile.engine is EngineName.TRTLLM and block & (block - 1):
+        raise SizingError(f"TensorRT-LLM tokens_per_block must be a power of two, got {block}", field="block_size")
+
+    scheme = resolve_scheme(model, s.quantization)
+    weights = weight_bytes(model, tp=tp, scheme=scheme)
+    kv = kv_layout(model, tp=tp, kv_dtype=s.kv_cache_dtype)
+    act = activation_peak_bytes(model, tp=tp, max_num_batched_tokens=batched, max_num_seqs=max_seqs)
+    non_torch = non_torch_bytes(tp=tp)
+    graphs = 0 if s.enforce_eager else cuda_graph_bytes(model)
+    graphs_counted = profile.counts_cuda_graphs and not s.enforce_eager
+    notes: list[str] = [profile.note]
+    problems: list[str] = []
+
+    if profile.engine is EngineName.VLLM:
+        requested = int(gpu_memory_bytes * util)
+        non_kv = weights.weights_bytes_per_gpu + act + non_torch + (graphs if graphs_counted else 0)
+        if s.kv_cache_memory_bytes is not None:
+            kv_bytes = s.kv_cache_memory_bytes
+            notes.append("kv_cache_memory_bytes set: the cache size is fixed and profiling is skipped")
+            if kv_bytes + non_kv > gpu_memory_bytes:
+                problems.append(
+                    f"kv_cache_memory_bytes {kv_bytes / GiB:.2f} GiB plus {non_kv / GiB:.2f} GiB of weights and "
+                    f"runtime exceed the GPU's {gpu_memory_bytes / GiB:.2f} GiB; at most "
+                    f"{max(0, gpu_memory_bytes - non_kv) / GiB:.2f} GiB fits"
+                )
+        else:
+            kv_bytes = requested - non_kv
+        if not graphs_counted and graphs:
+            notes.append("CUDA graphs are captured after the cache is sized, from the 1 - utilization headroom")
+    else:
+        requested = gpu_memory_bytes
+        used = weights.weights_bytes_per_gpu + act + non_torch + graphs + ACTIVATIONS.trtllm_context_bytes
+        kv_bytes = int((gpu_memory_bytes - used) * util)
+        if s.max_tokens is not None:
+            kv_bytes = min(kv_bytes, s.max_tokens * kv.kv_bytes_per_token_per_gpu)
+    if kv_bytes <= 0:
+        runtime = act + non_torch + (graphs if graphs_counted else 0)
+        need = (weights.weights_bytes_per_gpu + runtime) / GiB
+        problems.append(
+            f"no memory left for the KV cache: weights + activations + runtime need {need:.2f} GiB per GPU, "
+            f"{requested / GiB:.2f} GiB available; {_memory_hint(model, tp, scheme, requested, runtime)}"
+        )
+        kv_bytes = 0
+
+    hybrid = profile.hybrid_kv_cache and profile.engine is EngineName.VLLM
+    pool = _pool(kv, block_size=block, hybrid=hybrid, group_ratio=profile.hybrid_group_ratio)
+    if model.is_hybrid and not hybrid:
+        notes.append("this engine version gives sliding-window layers the full context (no hybrid allocator)")
+    num_blocks = kv_bytes // (pool.page_bytes * pool.group_size)
+    per_group_blocks = [
+        _blocks_per_request(k, w, max_model_len=max_len, block_size=block, max_num_batched_tokens=batched)
+        for k, w in pool.groups
+    ]
+    blocks_per_request = sum(per_group_blocks)
+    concurrency = num_blocks / blocks_per_request if blocks_per_request else 0.0
+    if len(pool.groups) > 1 and profile.hybrid_tokens_from_concurrency:
+        tokens = int(concurrency * max_len)  # group-aware capacity, as newer releases log it
+    elif len(pool.groups) > 1:
+        tokens = num_blocks // len(pool.groups) * block  # _report_kv_cache_config of older releases
+    else:
+        tokens = num_blocks * block
+
+    fits_len = _longest_request(
+        pool, num_blocks=num_blocks, block_size=block, max_num_batched_tokens=batched, limit=max_len
+    )
+    if not problems and concurrency < 1:
+        problems.append(
+            f"one request of max_model_len {max_len} needs {blocks_per_request} KV blocks but only {num_blocks} fit; "
+            f"the largest max_model_len that fits is {fits_len} (lower max_model_len, use kv_cache_dtype fp8, "
+            "or raise gpu_memory_utilization)"
+        )
+    return Capacity(
+        model_id=model.model_id,
+        engine=profile.engine,
+        engine_version=version,
+        profile=profile,
+        tensor_parallel_size=tp,
+        gpu_memory_bytes=gpu_memory_bytes,
+        gpu_memory_utilization=util,
+        requested_bytes=requested,
+        weights=weights,
+        activation_peak_bytes=act,
+        non_torch_bytes=non_torch,
+        cuda_graph_bytes=graphs,
+        cuda_graph_counted=graphs_counted if profile.engine is EngineName.VLLM else not s.enforce_eager,
+        kv_cache_bytes_per_gpu=kv_bytes,
+        kv=kv,
+        block_size=block,
+        num_blocks=num_blocks,
+        kv_cache_tokens=tokens,
+        max_model_len=max_len,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=batched,
+        blocks_per_max_len_request=blocks_per_request,
+        max_concurrency=concurrency,
+        max_model_len_that_fits=fits_len,
+        problems=tuple(problems),
+        notes=tuple(notes),
+    )
+
+
+def _longest_request(pool: _Pool, *, num_blocks: int, block_size: int, max_num_batched_tokens: int, limit: int) -> int:
+    """Largest max_model_len (multiple of block_size, at most ``limit``) whose one request fits."""
+
+    def blocks(length: int) -> int:
+        return sum(
+            _blocks_per_request(
+                k,
+                w,
+                max_model_len=length,
+                block_size=block_size,
+                max_num_batched_tokens=max_num_batched_tokens,
+            )
+            for k, w in pool.groups
+        )
+
+    if blocks(limit) <= num_blocks:
+        return limit
+    lo, hi = 0, limit  # blocks() is monotone in length: binary search
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if blocks(mid) <= num_blocks:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo // block_size * block_size

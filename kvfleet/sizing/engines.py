@@ -1,0 +1,241 @@
+"""Engine semantics: how vLLM and TensorRT-LLM turn GPU memory into a KV cache, keyed by version.
+
+vLLM (vllm/v1/worker/gpu_worker.py ``determine_available_memory``)::
+
+    requested      = total_gpu_memory x gpu_memory_utilization
+    non_kv         = weights + peak activations (profiling run) + non-torch increase
+                     (+ CUDA-graph memory, from the releases that count it before sizing the cache)
+    kv_cache_bytes = requested - non_kv            (or --kv-cache-memory-bytes, which skips profiling)
+
+TensorRT-LLM (PyTorch backend, KvCacheConfig)::
+
+    kv_cache_bytes = (total - used after the profiling run) x free_gpu_memory_fraction,
+                     capped by max_tokens x bytes per token when max_tokens is set
+
+Peak activations come from a forward pass over ``max_num_batched_tokens`` tokens followed by a
+sampler pass over ``max_num_seqs`` rows of logits. The estimate, per GPU, in activation-dtype bytes
+``a`` (2 for bf16/fp16)::
+
+    forward  = N x [ R x h  +  max( 3 x I/tp  (gate_up + act, MLP or shared expert),
+                                    k x (max(2 I_e/tp, h) + I_e/tp)  (fused-MoE caches),
+                                    (2 x q + 2 x kv) heads x d / tp  (qkv + attention out) ) ] x a
+    sampler  = S x V x 27              logits and the dummy sampler's top-k/top-p sort buffers
+    peak     = max(forward, sampler) + workspace
+
+with N = max_num_batched_tokens, S = min(max_num_seqs, N), h hidden, I intermediate, I_e expert
+intermediate, k experts per token, V vocab (logits are gathered to the full vocabulary on every
+rank), R the residual-stream copies alive at once. The constants live in ``VllmProfile`` so they can
+be checked against real start-up logs (tests/sizing/test_engine_logs.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from kvfleet import versions
+from kvfleet.errors import SizingError
+from kvfleet.sizing.models import ModelSpec
+from kvfleet.sizing.units import GiB, MiB
+from kvfleet.versions import Version
+
+
+class EngineName(StrEnum):
+    VLLM = "vllm"
+    TRTLLM = "trtllm"
+
+
+def parse_version(text: str, *, field: str = "engine_version") -> Version:
+    try:
+        return versions.parse_version(text)
+    except ValueError as err:
+        raise SizingError(str(err), field=field) from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineProfile:
+    """What one engine release does with memory. Rows of ``VLLM_PROFILES`` / ``TRTLLM_PROFILES``."""
+
+    engine: EngineName
+    since: Version  # first release this row describes
+    gpu_memory_utilization: float  # vLLM default; TRT-LLM: free_gpu_memory_fraction default
+    block_size: int  # tokens per KV block
+    counts_cuda_graphs: bool  # CUDA-graph memory is subtracted before sizing the cache
+    hybrid_kv_cache: bool  # sliding-window layers only hold their window (hybrid allocator)
+    hybrid_group_ratio: float  # kv_cache_utils grouping: use the largest type count below this ratio
+    hybrid_tokens_from_concurrency: bool  # hybrid models log max_concurrency x max_model_len tokens
+    # Scheduler defaults for the OpenAI server, keyed by whether the GPU has >= 70 GiB
+    # (vllm/engine/arg_utils.py, get_batch_defaults; A100s get the small ones, PR 17885).
+    max_num_batched_tokens_small_gpu: int
+    max_num_batched_tokens_large_gpu: int
+    max_num_seqs_small_gpu: int
+    max_num_seqs_large_gpu: int
+    note: str
+
+
+def _vllm(since: Version, note: str, **kw: object) -> EngineProfile:
+    base: dict[str, object] = {
+        "gpu_memory_utilization": 0.90,
+        "block_size": 16,
+        "counts_cuda_graphs": False,
+        "hybrid_kv_cache": True,
+        "hybrid_group_ratio": 1.5,
+        "hybrid_tokens_from_concurrency": False,
+        "max_num_batched_tokens_small_gpu": 2048,
+        "max_num_batched_tokens_large_gpu": 8192,
+        "max_num_seqs_small_gpu": 256,
+        "max_num_seqs_large_gpu": 1024,
+    }
+    base.update(kw)
+    return EngineProfile(engine=EngineName.VLLM, since=since, note=note, **base)  # type: ignore[arg-type]
+
+
+# Sources: vllm/v1/worker/gpu_worker.py determine_available_memory (three generations), vllm/v1/core/
+# kv_cache_utils.py (grouping, num_blocks, _report_kv_cache_config), vllm/engine/arg_utils.py
+# (scheduler defaults), vllm/config/cache.py (gpu_memory_utilization, block_size); PR 30515 and
+# the v0.21.0 log line "CUDA graph memory profiling is enabled (default since v0.21.0)".
+# Release boundaries marked (approx.) were not pinned to a release note.
+VLLM_PROFILES: tuple[EngineProfile, ...] = (
+    _vllm(
+        (0, 6, 0),
+        "V0 engine: every layer holds max_model_len; CUDA graphs use the 1 - utilization headroom",
+        hybrid_kv_cache=False,
+        max_num_batched_tokens_large_gpu=2048,
+        max_num_seqs_large_gpu=256,
+    ),
+    _vllm(
+        (0, 8, 0),
+        "V1 engine; larger scheduler defaults on GPUs with >= 70 GiB other than A100",
+        hybrid_kv_cache=False,
+    ),
+    _vllm(
+        (0, 10, 0),
+        "hybrid KV-cache manager: sliding-window layers hold only their window (approx. release)",
+        hybrid_group_ratio=1.25,
+    ),
+    _vllm(
+        (0, 11, 0),
+        "hybrid KV-cache grouping pads to the larger layer count below a 1.5 ratio (approx. release)",
+    ),
+    _vllm(
+        (0, 21, 0),
+        "CUDA-graph memory is profiled and subtracted before the cache is sized (default since v0.21.0)",
+        counts_cuda_graphs=True,
+        hybrid_tokens_from_concurrency=True,
+    ),
+    _vllm(
+        (0, 30, 0),
+        "gpu_memory_utilization default 0.92 (vllm/config/cache.py; approx. release)",
+        counts_cuda_graphs=True,
+        hybrid_tokens_from_concurrency=True,
+        gpu_memory_utilization=0.92,
+    ),
+)
+
+# TensorRT-LLM PyTorch backend (tensorrt_llm/_torch/pyexecutor/_util.py KvCacheCreator;
+# llmapi/llm_args.py KvCacheConfig): fraction of the memory free after profiling, 32-token blocks.
+TRTLLM_PROFILES: tuple[EngineProfile, ...] = (
+    EngineProfile(
+        engine=EngineName.TRTLLM,
+        since=(0, 17, 0),
+        gpu_memory_utilization=0.90,
+        block_size=32,
+        counts_cuda_graphs=True,
+        hybrid_kv_cache=False,
+        hybrid_group_ratio=1.5,
+        hybrid_tokens_from_concurrency=False,
+        max_num_batched_tokens_small_gpu=8192,
+        max_num_batched_tokens_large_gpu=8192,
+        max_num_seqs_small_gpu=2048,
+        max_num_seqs_large_gpu=2048,
+        note="free_gpu_memory_fraction of the memory free after profiling; max_batch_size 2048, "
+        "max_num_tokens 8192, tokens_per_block 32",
+    ),
+)
+
+# The newest releases modelled; deployments pin their own.
+DEFAULT_VERSIONS = {EngineName.VLLM: "0.32.0", EngineName.TRTLLM: "1.0.0"}
+# 70 GiB: vLLM's threshold for its larger scheduler defaults (H100-class GPUs).
+LARGE_GPU_BYTES = 70 * GiB
+
+
+def engine_profile(engine: EngineName, version: str | None = None) -> EngineProfile:
+    table = VLLM_PROFILES if engine is EngineName.VLLM else TRTLLM_PROFILES
+    v = parse_version(version or DEFAULT_VERSIONS[engine])
+    rows = [p for p in table if p.since <= v]
+    if not rows:
+        oldest = ".".join(map(str, table[0].since))
+        raise SizingError(
+            f"{engine} {version} is older than the oldest modelled release {oldest}", field="engine_version"
+        )
+    return rows[-1]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationModel:
+    """Constants of the activation-peak estimate (see the module docstring).
+
+    Calibrated on vLLM start-up logs (tests/sizing/test_engine_logs.py holds the cases and sources):
+    the forward slope of ~110 KB per batched token for Llama-3.1-8B (vllm issue 10517: 2.07 GiB at
+    20,000 tokens, 2.99 GiB at 29,000) gives 3 residual-stream copies; the 1.04 GiB peak of
+    Qwen2.5-7B-AWQ at 2,048 tokens / 256 sequences is the sampler's: its dummy run takes the
+    top-k/top-p sort path, which holds bf16 logits (2 B), fp32 logits (4), sorted values (4), int64
+    sort indices (8), probabilities (4), their cumulative sum (4) and a mask (1): 27 B per logit.
+    """
+
+    residual_copies: float = 3.0
+    sampler_bytes_per_logit: float = 27.0
+    workspace_bytes: int = 64 * MiB  # cuBLAS / attention workspaces alive at the peak
+    # Allocations outside PyTorch made during profiling (vLLM's "non-torch increase"): 0.06 GiB on one
+    # GPU (Qwen2.5-7B-AWQ log), 0.17-0.21 GiB per rank at TP8 (Qwen3-235B-FP8 on L40S log).
+    non_torch_tp1_bytes: int = 96 * MiB
+    non_torch_per_extra_rank_bytes: int = 16 * MiB
+    # CUDA-graph pools (vLLM "Graph capturing finished ... took X GiB"): 0.48 GiB for a 28-layer 7B,
+    # 0.72 GiB for a 40-layer model, 3.45 GiB for 94-layer Qwen3-235B MoE at TP8.
+    cuda_graph_base_bytes: int = 100 * MiB
+    cuda_graph_per_layer_bytes: int = 14 * MiB
+    cuda_graph_moe_factor: float = 2.5
+    # TRT-LLM counts everything outside torch (CUDA context, NCCL, graphs) as used; the CUDA context
+    # alone is ~0.5 GiB (TensorRT-LLM PR 15985: a stray 550 MiB context cut the cache by as much).
+    trtllm_context_bytes: int = 512 * MiB
+
+
+ACTIVATIONS = ActivationModel()
+
+
+def activation_peak_bytes(
+    model: ModelSpec,
+    *,
+    tp: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    constants: ActivationModel = ACTIVATIONS,
+    activation_bytes: int = 2,
+) -> int:
+    n = max_num_batched_tokens
+    a = activation_bytes
+    h = model.hidden_size
+    heads_dim = model.num_attention_heads * model.head_dim
+    kv_dim = max(1, model.num_kv_heads // tp) * model.head_dim
+    attn = (2 * heads_dim // tp + 2 * kv_dim) if model.mla is None else 3 * heads_dim // tp
+    mlp = 3 * model.intermediate_size // tp
+    if model.moe is not None:
+        e = model.moe
+        # fused_moe's intermediate caches: max(2 I_e/tp, h) shared by caches 1 and 3, plus I_e/tp.
+        inter = e.expert_intermediate_size // tp
+        moe = e.experts_per_token * (max(2 * inter, h) + inter)
+        shared = 3 * e.shared_expert_intermediate_size // tp
+        mlp = max(moe + shared, mlp if any(not lay.moe for lay in model.layers) else 0)
+    forward = n * (constants.residual_copies * h + max(attn, mlp)) * a
+    rows = min(max_num_seqs, n)
+    sampler = rows * model.vocab_size * constants.sampler_bytes_per_logit
+    return int(max(forward, sampler)) + constants.workspace_bytes
+
+
+def non_torch_bytes(*, tp: int, constants: ActivationModel = ACTIVATIONS) -> int:
+    return constants.non_torch_tp1_bytes + (tp - 1) * constants.non_torch_per_extra_rank_bytes
+
+
+def cuda_graph_bytes(model: ModelSpec, *, constants: ActivationModel = ACTIVATIONS) -> int:
+    factor = constants.cuda_graph_moe_factor if model.moe is not None else 1.0
+    return constants.cuda_graph_base_bytes + int(model.num_layers * constants.cuda_graph_per_layer_bytes * factor)

@@ -1,0 +1,31 @@
+"""Hosting shapes: how a deployment target puts engines on instances. All the planner knows of a target.
+
+The planner never sees target names; ``kvfleet.targets`` maps each target to its shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class PriceList(StrEnum):
+    """Whose instance names and on-demand prices apply (the catalog has a column for each)."""
+
+    SAGEMAKER = "sagemaker"  # SageMaker hosting: ml.* names, SageMaker's prices
+    EC2 = "ec2"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hosting:
+    price_list: PriceList
+    # Only the instance types a SageMaker real-time endpoint accepts (the catalog's sagemaker_endpoint column).
+    endpoint_types_only: bool = False
+    # One engine per instance, spanning all its GPUs; otherwise an instance holds GPUs / TP engines.
+    one_engine_per_instance: bool = False
+    # The largest attached volume for image and weights, where the host limits it (GiB); instance store
+    # replaces the volume on instance types that have it.
+    max_volume_gib: int | None = None
+    # A shape with more instance types that the nothing-fits message may suggest, and how to ask for it.
+    wider: Hosting | None = None
+    wider_label: str = ""

@@ -1,0 +1,151 @@
+"""Per-GPU memory terms that do not depend on the engine: KV bytes per token and weight bytes.
+
+KV cache, per token per GPU and per layer:
+  * full / sliding / chunked attention: 2 (K and V) x KV heads on this rank x head_dim x dtype bytes.
+    KV heads are split across tensor-parallel ranks; with fewer KV heads than ranks each rank holds
+    one head (replicated), as vLLM and TensorRT-LLM do.
+  * MLA (DeepSeek-V2/V3): one latent of (kv_lora_rank + qk_rope_head_dim) x dtype bytes, held by
+    every rank (the latent is not split by heads).
+  * layers without attention: nothing.
+Sliding-window and chunked layers hold at most their window per sequence; how that caps a
+request's memory is the engine's business (``engines.py``).
+
+Weights, per GPU: each parameter part (``models.ParamGroup``) at the scheme's bytes per parameter;
+shardable parts divide by TP (embeddings and lm_head after padding the vocabulary to a multiple of
+64 per rank, vLLM's VocabParallelEmbedding), replicated parts (norms, routers) do not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvfleet.errors import SizingError
+from kvfleet.sizing.models import AttentionKind, ModelSpec
+from kvfleet.sizing.precision import KvDtype, Part, WeightScheme
+from kvfleet.sizing.units import cdiv
+
+# vLLM pads the vocabulary so every TP rank holds the same multiple of 64 rows
+# (vllm/model_executor/layers/vocab_parallel_embedding.py, DEFAULT_VOCAB_PADDING_SIZE = 64).
+VOCAB_PADDING = 64
+
+
+def validate_tp(model: ModelSpec, tp: int, *, field: str = "tensor_parallel_size") -> None:
+    """Raise SizingError unless ``tp`` is a degree the engines accept for this model."""
+    if tp < 1:
+        raise SizingError(f"must be at least 1, got {tp}", field=field)
+    heads = model.num_attention_heads
+    if heads % tp:
+        divisors = [d for d in range(1, heads + 1) if heads % d == 0 and d <= 64]
+        raise SizingError(
+            f"{tp} does not divide the model's {heads} attention heads; use one of {', '.join(map(str, divisors))}",
+            field=field,
+        )
+    kv = model.num_kv_heads
+    if model.mla is None and kv % tp and tp % kv:
+        raise SizingError(
+            f"{tp} ranks cannot split {kv} KV heads (one must divide the other)",
+            field=field,
+        )
+
+
+def kv_heads_per_rank(model: ModelSpec, tp: int) -> int:
+    return max(1, model.num_kv_heads // tp)
+
+
+@dataclass(frozen=True, kw_only=True)
+class KvGroup:
+    """Layers that cache alike: same attention kind and window."""
+
+    attention: AttentionKind
+    window_tokens: int | None
+    num_layers: int
+    bytes_per_token_per_layer: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_layers * self.bytes_per_token_per_layer
+
+
+@dataclass(frozen=True, kw_only=True)
+class KvLayout:
+    tp: int
+    kv_dtype: KvDtype
+    dtype_bytes: int
+    groups: tuple[KvGroup, ...]
+
+    @property
+    def kv_bytes_per_token_per_gpu(self) -> int:
+        """Bytes one token costs on one GPU if every KV layer held it (full-attention equivalent)."""
+        return sum(g.bytes_per_token for g in self.groups)
+
+    @property
+    def full_bytes_per_token(self) -> int:
+        """Bytes per token of the layers that hold the whole sequence (full attention and MLA)."""
+        return sum(g.bytes_per_token for g in self.groups if g.window_tokens is None)
+
+    def bytes_per_sequence(self, tokens: int) -> int:
+        """KV bytes on one GPU for one sequence of ``tokens`` (windowed layers capped, no blocks)."""
+        total = 0
+        for g in self.groups:
+            held = tokens if g.window_tokens is None else min(tokens, g.window_tokens)
+            total += held * g.bytes_per_token
+        return total
+
+
+def kv_layout(model: ModelSpec, *, tp: int, kv_dtype: KvDtype) -> KvLayout:
+    validate_tp(model, tp)
+    dtype_bytes = kv_dtype.bytes_per_element()
+    per_layer_attn = 2 * kv_heads_per_rank(model, tp) * model.head_dim * dtype_bytes
+    counts: dict[tuple[AttentionKind, int | None], int] = {}
+    for layer in model.layers:
+        if layer.attention is AttentionKind.NONE:
+            continue
+        key = (layer.attention, layer.window_tokens)
+        counts[key] = counts.get(key, 0) + 1
+    groups = []
+    for (kind, window), n in counts.items():
+        if kind is AttentionKind.MLA:
+            assert model.mla is not None
+            per_layer = model.mla.latent_dim * dtype_bytes
+        else:
+            per_layer = per_layer_attn
+        groups.append(KvGroup(attention=kind, window_tokens=window, num_layers=n, bytes_per_token_per_layer=per_layer))
+    return KvLayout(tp=tp, kv_dtype=kv_dtype, dtype_bytes=dtype_bytes, groups=tuple(groups))
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightBreakdown:
+    tp: int
+    scheme: WeightScheme
+    bytes_by_part: tuple[tuple[Part, int], ...]
+
+    @property
+    def weights_bytes_per_gpu(self) -> int:
+        return sum(b for _, b in self.bytes_by_part)
+
+
+def weight_bytes(model: ModelSpec, *, tp: int, scheme: WeightScheme) -> WeightBreakdown:
+    """Weight bytes one TP rank holds under ``scheme``. MoE experts are all resident."""
+    validate_tp(model, tp)
+    unq = 2.0  # unquantized parts stay in the activation dtype (bf16/fp16)
+    out: list[tuple[Part, int]] = []
+    for g in model.param_groups:
+        per_param = scheme.bytes_per_param(g.part, unquantized_bytes=unq)
+        if g.part in (Part.EMBEDDING, Part.LM_HEAD):
+            rows = cdiv(cdiv(model.vocab_size, tp), VOCAB_PADDING) * VOCAB_PADDING
+            count = rows * model.hidden_size
+        elif g.part is Part.ATTENTION and model.mla is None:
+            # K/V projections are replicated when there are fewer KV heads than ranks.
+            kv = 2 * model.hidden_size * model.num_kv_heads * model.head_dim * model.attention_layers
+            kv_rank = 2 * model.hidden_size * kv_heads_per_rank(model, tp) * model.head_dim * model.attention_layers
+            count = (g.count - kv) // tp + kv_rank
+        elif g.part is Part.EXPERTS and model.moe is not None and scheme.expert_intermediate_pad > 1:
+            inter = cdiv(model.moe.expert_intermediate_size, tp)
+            padded = cdiv(inter, scheme.expert_intermediate_pad) * scheme.expert_intermediate_pad
+            count = cdiv(g.count, tp) * padded // inter
+        elif g.shardable:
+            count = cdiv(g.count, tp)
+        else:
+            count = g.count
+        out.append((g.part, round(count * per_param)))
+    return WeightBreakdown(tp=tp, scheme=scheme, bytes_by_part=tuple(out))

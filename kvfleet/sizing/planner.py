@@ -1,0 +1,615 @@
+"""The planner: enumerate instance x tensor parallelism x KV dtype x weight precision for one
+deployment, reject what does not fit (saying why), size the fleet for the load and rank the rest.
+
+Per candidate:
+ 1. the engine's cache at start-up (``capacity``), with ``max_model_len`` = max input + max output;
+ 2. the sequences of that length the cache holds at once, capped by the concurrency target and by the
+    inter-token-latency target (decode slows as the batch grows);
+ 3. roofline speed (``perf``) -> requests/s per replica -> replicas for the peak load;
+ 4. fleet cost per hour and cost per million output tokens at that load.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+
+from kvfleet.errors import NothingFitsError, SizingError
+from kvfleet.sizing.capacity import Capacity, EngineSettings, capacity
+from kvfleet.sizing.engines import EngineName, engine_profile
+from kvfleet.sizing.hardware import AcceleratorKind, InstanceType, instance, instances, offered_in_region
+from kvfleet.sizing.hosting import Hosting, PriceList
+from kvfleet.sizing.models import ModelSpec
+from kvfleet.sizing.perf import PerfEstimate, estimate, missing_perf_data
+from kvfleet.sizing.precision import KvDtype, Part, WeightScheme, weight_scheme
+from kvfleet.sizing.units import GiB
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    max_input_tokens: int
+    max_output_tokens: int
+    concurrency_per_replica: int | None = None  # target concurrent sequences on one replica
+    peak_requests_per_s: float | None = None
+    avg_input_tokens: int | None = None  # default: max_input_tokens
+    avg_output_tokens: int | None = None  # default: max_output_tokens
+    ttft_target_s: float | None = None
+    itl_target_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_input_tokens", "max_output_tokens"):
+            if getattr(self, name) <= 0:
+                raise SizingError(f"must be positive, got {getattr(self, name)}", field=f"workload.{name}")
+        for name in ("concurrency_per_replica", "avg_input_tokens", "avg_output_tokens"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise SizingError(f"must be positive, got {v}", field=f"workload.{name}")
+        for name in ("peak_requests_per_s", "ttft_target_s", "itl_target_s"):
+            v = getattr(self, name)
+            if v is not None and not (v > 0 and math.isfinite(v)):
+                raise SizingError(f"must be a positive finite number, got {v}", field=f"workload.{name}")
+        for avg, mx in (("avg_input_tokens", "max_input_tokens"), ("avg_output_tokens", "max_output_tokens")):
+            if (getattr(self, avg) or 0) > getattr(self, mx):
+                raise SizingError(f"{getattr(self, avg)} exceeds {mx} ({getattr(self, mx)})", field=f"workload.{avg}")
+
+    @property
+    def max_model_len(self) -> int:
+        return self.max_input_tokens + self.max_output_tokens
+
+    @property
+    def input_tokens(self) -> int:
+        return self.avg_input_tokens or self.max_input_tokens
+
+    @property
+    def output_tokens(self) -> int:
+        return self.avg_output_tokens or self.max_output_tokens
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRequest:
+    model: ModelSpec
+    workload: Workload
+    engine: EngineName = EngineName.VLLM
+    engine_version: str | None = None
+    hosting: Hosting
+    weight_precisions: tuple[str, ...] = ()  # empty: the checkpoint's own precision
+    kv_cache_dtypes: tuple[KvDtype, ...] = (KvDtype.AUTO,)
+    families: tuple[str, ...] = ()  # empty: every family
+    instance_types: tuple[str, ...] = ()  # non-empty: only these (pinned)
+    region: str | None = None
+    max_fleet_usd_per_hour: float | None = None
+    gpu_memory_utilization: float | None = None
+    min_replicas: int = 1
+    max_replicas: int | None = None
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rejection:
+    instance_type: str
+    tensor_parallel_size: int | None
+    kv_cache_dtype: str | None
+    weight_precision: str | None
+    reason: str
+    needed_gib: float | None = None  # per GPU, where memory was the problem
+    available_gib: float | None = None
+
+    def describe(self) -> str:
+        parts = [self.instance_type]
+        if self.tensor_parallel_size:
+            parts.append(f"tp={self.tensor_parallel_size}")
+        if self.weight_precision:
+            parts.append(self.weight_precision)
+        if self.kv_cache_dtype:
+            parts.append(f"kv={self.kv_cache_dtype}")
+        return f"{' '.join(parts)}: {self.reason}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    instance: InstanceType
+    hosting: Hosting
+    tensor_parallel_size: int
+    weight_scheme: WeightScheme
+    online_quantization: str | None  # the engine's --quantization; None: the checkpoint's own precision
+    kv_cache_dtype: KvDtype
+    capacity: Capacity
+    concurrency_per_replica: int  # sequences of max_model_len run at once (emitted max_num_seqs)
+    cache_concurrency: int  # what the cache alone would hold
+    perf: PerfEstimate
+    requests_per_s_per_replica: float
+    output_tokens_per_s_per_replica: float
+    replicas: int
+    engines_per_instance: int
+    instance_count: int
+    usd_per_hour_per_instance: float
+    price_as_of: str
+    price_source: str
+    limited_by: str  # what capped concurrency: "kv-cache", "itl-target", "concurrency-target", "max_num_seqs"
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def fleet_usd_per_hour(self) -> float:
+        return self.instance_count * self.usd_per_hour_per_instance
+
+    @property
+    def served_output_tokens_per_s(self) -> float:
+        return self.replicas * self.output_tokens_per_s_per_replica
+
+    @property
+    def usd_per_million_output_tokens(self) -> float:
+        per_hour = self.served_output_tokens_per_s * 3600
+        return self.fleet_usd_per_hour / per_hour * 1e6 if per_hour else math.inf
+
+    @property
+    def name(self) -> str:
+        it = self.instance
+        return it.sagemaker_name if self.hosting.price_list is PriceList.SAGEMAKER and it.sagemaker_name else it.name
+
+    def label(self) -> str:
+        return f"{self.name} tp={self.tensor_parallel_size} {self.weight_scheme.name} kv={self.kv_cache_dtype.value}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    request: PlanRequest
+    candidates: tuple[Candidate, ...]  # ranked, best first
+    rejections: tuple[Rejection, ...]
+
+    @property
+    def best(self) -> Candidate:
+        return self.candidates[0]
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _tp_degrees(model: ModelSpec, gpus: int) -> list[int]:
+    """Degrees that divide the attention heads and the instance's GPU count (no idle GPUs)."""
+    heads = model.num_attention_heads
+    kv = model.num_kv_heads
+    out = []
+    for tp in range(1, gpus + 1):
+        if heads % tp or gpus % tp:
+            continue
+        if model.mla is None and kv % tp and tp % kv:
+            continue
+        out.append(tp)
+    return out
+
+
+def _schemes(req: PlanRequest) -> list[WeightScheme]:
+    if not req.weight_precisions:
+        return [req.model.native_scheme]
+    out = []
+    for name in req.weight_precisions:
+        s = weight_scheme(name, field="weight_precisions")
+        if req.model.quantization is not None and s.name != req.model.native_scheme.name:
+            continue  # a quantized checkpoint has one precision
+        out.append(s)
+    return out or [req.model.native_scheme]
+
+
+def _hardware_reason(it: InstanceType, req: PlanRequest) -> str | None:
+    acc = it.accelerator
+    if acc.kind is AcceleratorKind.NEURON:
+        return f"{acc.model} is an AWS Neuron device; {req.engine.value} runs on NVIDIA GPUs (use Neuron's vLLM build)"
+    if it.gpu_fraction is not None:
+        return f"a fractional GPU ({it.gpu_fraction:g} of an {acc.model}); kvfleet plans whole GPUs"
+    if it.gpu_memory_bytes is None:
+        return "the catalog has no AWS-reported GPU memory for this type"
+    if req.hosting.endpoint_types_only and not it.sagemaker_endpoint:
+        return "SageMaker real-time endpoints do not accept this instance type"
+    if req.families and it.family not in req.families:
+        return f"family {it.family} is not in the allowed families ({', '.join(req.families)})"
+    if req.region:
+        offered = offered_in_region(it, req.region)
+        if offered is False:
+            return f"not offered in {req.region} according to the catalog's region list"
+    if req.engine is EngineName.VLLM and acc.compute_capability is not None and acc.compute_capability < 7.0:
+        return f"{acc.model} (compute capability {acc.compute_capability}) is older than vLLM supports"
+    return missing_perf_data(acc)
+
+
+def _precision_reason(it: InstanceType, scheme: WeightScheme, kv: KvDtype, req: PlanRequest) -> str | None:
+    acc = it.accelerator
+    cc = acc.compute_capability or 0.0
+    if scheme.name == "fp8" and not acc.fp8_support and (req.engine is EngineName.TRTLLM or cc < 8.0):
+        return f"FP8 weights need FP8 tensor cores ({acc.model} has none)"
+    if scheme.name == "nvfp4" and cc < 10.0:
+        return f"NVFP4 needs a Blackwell GPU ({acc.model} is {acc.architecture})"
+    if kv.is_fp8 and req.engine is EngineName.TRTLLM and not acc.fp8_support:
+        return f"TensorRT-LLM's FP8 KV cache needs FP8 tensor cores ({acc.model} has none)"
+    return None
+
+
+def _price(it: InstanceType, hosting: Hosting) -> tuple[float, str, str, tuple[str, ...]] | None:
+    p = it.price(hosting.price_list.value)
+    if p is not None:
+        return p.usd_per_hour, p.as_of, p.source, ()
+    if hosting.price_list is PriceList.SAGEMAKER and it.ec2_price is not None:
+        e = it.ec2_price
+        note = "no SageMaker price in the catalog: the EC2 on-demand price is used (SageMaker costs more)"
+        return e.usd_per_hour, e.as_of, e.source, (note,)
+    return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Option:
+    """One point of the search: an instance type, a tensor-parallel degree and the two precisions."""
+
+    req: PlanRequest
+    it: InstanceType
+    tp: int
+    scheme: WeightScheme
+    kv: KvDtype
+
+    def reject(self, reason: str, *, needed_gib: float | None = None, available_gib: float | None = None) -> Rejection:
+        return Rejection(
+            instance_type=self.it.name,
+            tensor_parallel_size=self.tp,
+            kv_cache_dtype=self.kv.value,
+            weight_precision=self.scheme.name,
+            reason=reason,
+            needed_gib=needed_gib,
+            available_gib=available_gib,
+        )
+
+    def settings(self, *, max_num_seqs: int | None = None) -> EngineSettings:
+        req = self.req
+        return EngineSettings(
+            engine=req.engine,
+            version=req.engine_version,
+            tensor_parallel_size=self.tp,
+            gpu_memory_utilization=req.gpu_memory_utilization,
+            max_model_len=req.workload.max_model_len,
+            max_num_seqs=max_num_seqs,
+            kv_cache_dtype=self.kv,
+            quantization=self.scheme.name if self.scheme.name != req.model.native_scheme.name else None,
+        )
+
+    def capacity(self, *, max_num_seqs: int | None = None) -> Capacity:
+        assert self.it.usable_gpu_memory_bytes is not None
+        return capacity(
+            self.req.model,
+            gpu_memory_bytes=self.it.usable_gpu_memory_bytes,
+            settings=self.settings(max_num_seqs=max_num_seqs),
+            accelerator_name=self.it.accelerator.name,
+        )
+
+    def perf(self, cap: Capacity, batch: int) -> PerfEstimate:
+        wl = self.req.workload
+        weights = cap.weights
+        return estimate(
+            model=self.req.model,
+            acc=self.it.accelerator,
+            tp=self.tp,
+            nvlink=self.it.nvlink,
+            scheme=self.scheme,
+            weights_bytes_per_gpu=weights.weights_bytes_per_gpu,
+            expert_bytes_per_gpu=sum(b for p, b in weights.bytes_by_part if p is Part.EXPERTS),
+            kv=cap.kv,
+            batch=batch,
+            input_tokens=wl.input_tokens,
+            output_tokens=wl.output_tokens,
+        )
+
+
+def _layout_reason(o: _Option) -> str | None:
+    """Precision and hosting rules that rule an option out before any memory is counted."""
+    reason = _precision_reason(o.it, o.scheme, o.kv, o.req)
+    if reason:
+        return reason
+    if o.req.hosting.one_engine_per_instance and o.tp != o.it.accelerator_count:
+        return (
+            f"this target runs one engine per instance; it would leave "
+            f"{o.it.accelerator_count - o.tp} of {o.it.accelerator_count} GPUs idle"
+        )
+    return None
+
+
+def _startup_capacity(o: _Option) -> Capacity | Rejection:
+    """The cache at start-up with the engine's default max_num_seqs, or why it does not start."""
+    wl = o.req.workload
+    try:
+        cap = o.capacity()
+    except SizingError as err:
+        return o.reject(str(err))
+    if cap.problems:
+        need = cap.weights_bytes_per_gpu + cap.activation_peak_bytes + cap.non_torch_bytes
+        need += cap.kv.bytes_per_sequence(wl.max_model_len)
+        return o.reject(cap.problems[0], needed_gib=need / GiB, available_gib=cap.requested_bytes / GiB)
+    return cap
+
+
+def _batch(o: _Option, cap: Capacity) -> tuple[int, str] | Rejection:
+    """Sequences one replica runs at once, and what capped them: the cache, the target, or max_num_seqs."""
+    wl = o.req.workload
+    cache_conc = cap.concurrent_sequences
+    target = wl.concurrency_per_replica
+    if target is not None and cache_conc < target:
+        per_seq = cap.kv.bytes_per_sequence(wl.max_model_len) / GiB
+        return o.reject(
+            f"the cache holds {cache_conc} sequences of {wl.max_model_len} tokens, target is {target} "
+            f"({per_seq:.2f} GiB each, {cap.kv_cache_bytes_per_gpu / GiB:.2f} GiB of cache per GPU)",
+            needed_gib=(cap.requested_bytes - cap.kv_cache_bytes_per_gpu + target * per_seq * GiB) / GiB,
+            available_gib=cap.requested_bytes / GiB,
+        )
+    batch = min(cache_conc, target) if target is not None else cache_conc
+    limited = "concurrency-target" if target is not None and target <= cache_conc else "kv-cache"
+    if batch == cap.max_num_seqs and target is None:
+        limited = "max_num_seqs"
+    return batch, limited
+
+
+def _meet_latency(o: _Option, cap: Capacity, batch: int, limited: str) -> tuple[int, str, PerfEstimate] | Rejection:
+    """Shrink the batch to the largest that meets the ITL target; reject what misses ITL or TTFT anyway."""
+    wl = o.req.workload
+    perf = o.perf(cap, batch)
+    if wl.itl_target_s is not None and perf.itl_s > wl.itl_target_s:
+        one = o.perf(cap, 1)
+        if one.itl_s > wl.itl_target_s:
+            return o.reject(
+                f"inter-token latency {one.itl_s * 1e3:.1f} ms even for one sequence, "
+                f"target {wl.itl_target_s * 1e3:.1f} ms",
+            )
+        lo, hi = 1, batch  # itl grows with the batch: largest batch meeting the target
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if o.perf(cap, mid).itl_s <= wl.itl_target_s:
+                lo = mid
+            else:
+                hi = mid - 1
+        batch, limited = lo, "itl-target"
+        perf = o.perf(cap, batch)
+    if wl.ttft_target_s is not None and perf.ttft_s > wl.ttft_target_s:
+        return o.reject(
+            f"time to first token {perf.ttft_s * 1e3:.0f} ms for a {wl.input_tokens}-token prompt, "
+            f"target {wl.ttft_target_s * 1e3:.0f} ms",
+        )
+    return batch, limited, perf
+
+
+def _requests_per_s(o: _Option, perf: PerfEstimate, batch: int) -> float:
+    # One request costs its prefill plus its share of decode steps; a replica also cannot run more
+    # than `batch` requests at once (Little's law).
+    wl = o.req.workload
+    per_request_s = perf.prefill_s + wl.output_tokens * perf.decode_step_s / batch
+    latency_s = perf.ttft_s + wl.output_tokens * perf.itl_s
+    return min(1.0 / per_request_s, batch / latency_s)
+
+
+def _replicas(o: _Option, rps: float) -> int | Rejection:
+    req, wl = o.req, o.req.workload
+    replicas = req.min_replicas
+    if wl.peak_requests_per_s is not None:
+        replicas = max(replicas, math.ceil(wl.peak_requests_per_s / rps))
+    if req.max_replicas is not None and replicas > req.max_replicas:
+        return o.reject(
+            f"needs {replicas} replicas for {wl.peak_requests_per_s} requests/s, max_replicas is {req.max_replicas}",
+        )
+    return replicas
+
+
+def _evaluate(req: PlanRequest, it: InstanceType, tp: int, scheme: WeightScheme, kv: KvDtype) -> Candidate | Rejection:
+    o = _Option(req=req, it=it, tp=tp, scheme=scheme, kv=kv)
+    reason = _layout_reason(o)
+    if reason:
+        return o.reject(reason)
+    cap = _startup_capacity(o)
+    if isinstance(cap, Rejection):
+        return cap
+    sized = _batch(o, cap)
+    if isinstance(sized, Rejection):
+        return sized
+    fast = _meet_latency(o, cap, *sized)
+    if isinstance(fast, Rejection):
+        return fast
+    batch, limited, perf = fast
+    rps = _requests_per_s(o, perf, batch)
+    replicas = _replicas(o, rps)
+    if isinstance(replicas, Rejection):
+        return replicas
+    price = _price(it, req.hosting)
+    if price is None:
+        return o.reject("the catalog has no on-demand price for this type; pin it to plan anyway")
+    per_instance = 1 if req.hosting.one_engine_per_instance else it.accelerator_count // tp
+    cand = Candidate(
+        instance=it,
+        hosting=req.hosting,
+        tensor_parallel_size=tp,
+        weight_scheme=scheme,
+        online_quantization=o.settings().quantization,
+        kv_cache_dtype=kv,
+        # The engine settings admit exactly `batch` sequences: the breakdown shown is the one the engine prints.
+        capacity=o.capacity(max_num_seqs=batch),
+        concurrency_per_replica=batch,
+        cache_concurrency=cap.concurrent_sequences,
+        perf=perf,
+        requests_per_s_per_replica=rps,
+        output_tokens_per_s_per_replica=rps * req.workload.output_tokens,
+        replicas=replicas,
+        engines_per_instance=per_instance,
+        instance_count=math.ceil(replicas / per_instance),
+        usd_per_hour_per_instance=price[0],
+        price_as_of=price[1],
+        price_source=price[2],
+        limited_by=limited,
+        notes=price[3],
+    )
+    if req.max_fleet_usd_per_hour is not None and cand.fleet_usd_per_hour > req.max_fleet_usd_per_hour:
+        return o.reject(
+            f"fleet costs ${cand.fleet_usd_per_hour:.2f}/h, above the ${req.max_fleet_usd_per_hour:.2f}/h ceiling",
+        )
+    return cand
+
+
+def _instances(req: PlanRequest) -> Iterable[InstanceType]:
+    if req.instance_types:
+        return [instance(n) for n in req.instance_types]
+    return instances().values()
+
+
+def enumerate_candidates(req: PlanRequest) -> Plan:
+    cands: list[Candidate] = []
+    rejs: list[Rejection] = []
+    schemes = _schemes(req)
+    for it in _instances(req):
+        tps = _tp_degrees(req.model, it.accelerator_count)
+        reason = _hardware_reason(it, req) or (
+            None
+            if tps
+            else f"no tensor-parallel degree divides both {req.model.num_attention_heads} heads and "
+            f"{it.accelerator_count} GPUs"
+        )
+        if reason:
+            rejs.append(
+                Rejection(
+                    instance_type=it.name,
+                    tensor_parallel_size=None,
+                    kv_cache_dtype=None,
+                    weight_precision=None,
+                    reason=reason,
+                )
+            )
+            continue
+        for tp in tps:
+            for scheme in schemes:
+                for kv in req.kv_cache_dtypes:
+                    out = _evaluate(req, it, tp, scheme, kv)
+                    (cands if isinstance(out, Candidate) else rejs).append(out)  # type: ignore[arg-type]
+    cands.sort(key=lambda c: (c.fleet_usd_per_hour, c.usd_per_million_output_tokens, c.instance.name))
+    return Plan(request=req, candidates=tuple(cands), rejections=tuple(rejs))
+
+
+def plan(req: PlanRequest) -> Plan:
+    """Rank the candidates; raise NothingFitsError with the nearest miss and what would fit."""
+    engine_profile(req.engine, req.engine_version)  # an unknown release is the user's error, not a misfit
+    result = enumerate_candidates(req)
+    if result.candidates:
+        return result
+    raise NothingFitsError(nothing_fits_message(req, result))
+
+
+def nothing_fits_message(req: PlanRequest, result: Plan) -> str:
+    mem = [r for r in result.rejections if r.needed_gib is not None and r.available_gib]
+    wl = req.workload
+    head = f"no candidate fits {req.model.model_id} for {wl.max_model_len}-token sequences"
+    if wl.concurrency_per_replica:
+        head += f" x {wl.concurrency_per_replica} per replica"
+    parts = [head]
+    if mem:
+        best = min(mem, key=lambda r: (r.needed_gib or 0) / (r.available_gib or 1))
+        parts.append(
+            f"nearest: {best.instance_type} tp={best.tensor_parallel_size} needs {best.needed_gib:.1f} GiB per GPU, "
+            f"{best.available_gib:.1f} GiB available"
+        )
+        fits = _longest_fitting_context(req, best)
+        if fits:
+            parts.append(fits)
+    elif result.rejections:
+        parts.append(f"e.g. {result.rejections[0].describe()}")
+    fixes = _what_would_fit(req)
+    if fixes:
+        parts.append("would fit with: " + "; ".join(fixes))
+    else:
+        parts.append("nothing in the catalog fits even with fp8 KV cache, fp8 weights and every family")
+    return "; ".join(parts)
+
+
+def _longest_fitting_context(req: PlanRequest, best: Rejection) -> str | None:
+    it = instance(best.instance_type)
+    if it.usable_gpu_memory_bytes is None or best.tensor_parallel_size is None:
+        return None
+    settings = EngineSettings(
+        engine=req.engine,
+        version=req.engine_version,
+        tensor_parallel_size=best.tensor_parallel_size,
+        gpu_memory_utilization=req.gpu_memory_utilization,
+        max_model_len=req.workload.max_model_len,
+        kv_cache_dtype=KvDtype(best.kv_cache_dtype or "auto"),
+        quantization=best.weight_precision if best.weight_precision != req.model.native_scheme.name else None,
+    )
+    try:
+        cap = capacity(
+            req.model,
+            gpu_memory_bytes=it.usable_gpu_memory_bytes,
+            settings=settings,
+            accelerator_name=it.accelerator.name,
+        )
+    except SizingError:
+        return None
+    if cap.kv_cache_bytes_per_gpu <= 0:
+        return None
+    fit_len = cap.max_model_len_that_fits
+    conc = int(cap.max_concurrency)
+    text = f"there the largest max_model_len that fits is {fit_len}"
+    if conc >= 1:
+        text += f" and {conc} sequences of {req.workload.max_model_len} tokens fit"
+    return text
+
+
+def _what_would_fit(req: PlanRequest) -> list[str]:
+    """Re-plan with one relaxation at a time and name each that yields a candidate."""
+    trials: list[tuple[str, PlanRequest]] = []
+    if KvDtype.FP8 not in req.kv_cache_dtypes:
+        trials.append(("fp8 KV cache (kv_cache_dtypes: [fp8])", replace(req, kv_cache_dtypes=(KvDtype.FP8,))))
+    if req.model.quantization is None and "fp8" not in req.weight_precisions:
+        trials.append(("fp8 weights (weight_precisions: [fp8])", replace(req, weight_precisions=("fp8",))))
+    if req.families or req.instance_types:
+        trials.append(
+            (
+                "any instance family (drop families / instance_type)",
+                replace(req, families=(), instance_types=()),
+            )
+        )
+    if req.max_fleet_usd_per_hour is not None:
+        trials.append(("no price ceiling", replace(req, max_fleet_usd_per_hour=None)))
+    if req.hosting.wider is not None:
+        trials.append((req.hosting.wider_label, replace(req, hosting=req.hosting.wider)))
+    wl = req.workload
+    if wl.concurrency_per_replica and wl.concurrency_per_replica > 1:
+        trials.append(
+            (
+                "fewer concurrent sequences per replica (more replicas)",
+                replace(req, workload=replace(wl, concurrency_per_replica=1)),
+            )
+        )
+    out = []
+    for label, trial in trials:
+        found = enumerate_candidates(trial).candidates
+        if found:
+            out.append(f"{label} -> {found[0].label()}")
+    if out:
+        return out
+    # No single change is enough: try them together, then with the context halved until it fits.
+    combined = replace(
+        req,
+        kv_cache_dtypes=(KvDtype.FP8,),
+        weight_precisions=req.weight_precisions if req.model.quantization else ("fp8",),
+        families=(),
+        instance_types=(),
+        max_fleet_usd_per_hour=None,
+        hosting=req.hosting.wider or req.hosting,
+        workload=replace(wl, concurrency_per_replica=1 if wl.concurrency_per_replica else None),
+    )
+    labels = " + ".join(label.split(" (")[0] for label, _ in trials)
+    for _ in range(6):
+        found = enumerate_candidates(combined).candidates
+        if found:
+            ctx = combined.workload.max_model_len
+            suffix = f" + a {ctx}-token context" if ctx < wl.max_model_len else ""
+            return [f"{labels}{suffix} together -> {found[0].label()}"]
+        w = combined.workload
+        if w.max_model_len <= 1024:
+            break
+        combined = replace(
+            combined,
+            workload=replace(
+                w,
+                max_input_tokens=max(1, w.max_input_tokens // 2),
+                max_output_tokens=max(1, w.max_output_tokens // 2),
+            ),
+        )
+    return out

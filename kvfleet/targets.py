@@ -1,0 +1,52 @@
+"""The deployment targets kvfleet knows: name -> hosting shape. The one registry of target names.
+
+Standard library and the pure sizing core only, so the ``kvfleet`` command reads it without loading the
+config schema or CDK. Each name here has a config class in ``kvfleet.config.targets`` and a construct in
+``kvfleet.infra`` (tests check that the three agree).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from kvfleet.sizing.hosting import Hosting, PriceList
+
+
+@dataclass(frozen=True, kw_only=True)
+class Target:
+    name: str
+    summary: str
+    hosting: Hosting
+
+
+# EC2 instances on an Auto Scaling group or a Kubernetes node group: any EC2 GPU type, several engines per
+# instance when the model needs fewer GPUs than the instance has.
+_FLEET = Hosting(price_list=PriceList.EC2)
+
+TARGETS: Mapping[str, Target] = {
+    t.name: t
+    for t in (
+        Target(
+            name="sagemaker",
+            summary="a SageMaker real-time endpoint",
+            hosting=Hosting(
+                price_list=PriceList.SAGEMAKER,
+                endpoint_types_only=True,
+                one_engine_per_instance=True,  # a production variant runs one container per instance
+                max_volume_gib=512,  # ProductionVariant VolumeSizeInGB: 1-512
+                wider=_FLEET,
+                wider_label="platform ec2 or eks (more instance types)",
+            ),
+        ),
+        Target(name="ec2", summary="an EC2 GPU Auto Scaling group behind a load balancer", hosting=_FLEET),
+        Target(name="eks", summary="a GPU node group and Deployment on EKS", hosting=_FLEET),
+    )
+}
+
+
+def target(name: str) -> Target:
+    try:
+        return TARGETS[name]
+    except KeyError:
+        raise ValueError(f"unknown target {name!r}; known: {', '.join(TARGETS)}") from None

@@ -1,1 +1,0 @@
-"""CDK stacks and constructs. ``stacks.config`` parses environment files without importing CDK."""

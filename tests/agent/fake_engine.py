@@ -1,0 +1,140 @@
+"""A stand-in for vLLM's OpenAI server, for fast agent tests: same routes, SSE streaming, Prometheus text.
+
+Run as ``python -m tests.agent.fake_engine --port P``. Tokens come out every
+``--token-delay`` seconds; the request body is echoed back in the response's ``echo`` field so tests can
+see what the agent forwarded (cache_salt included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+from aiohttp import web
+
+HIST_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class FakeEngine:
+    def __init__(self, *, token_delay: float, capacity: int) -> None:
+        self.token_delay = token_delay
+        self.capacity = capacity  # sequences that run at once; the rest wait
+        self.running = 0
+        self.waiting = 0
+        self.generated = 0
+        self.preemptions = 0
+        self.ttft: list[float] = []
+        self.sem = asyncio.Semaphore(capacity)
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.complete)
+        app.router.add_post("/v1/chat/completions", self.complete)
+        return app
+
+    async def health(self, _: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+
+    async def complete(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        n = int(body.get("max_tokens") or 8)
+        arrived = time.monotonic()
+        self.waiting += 1
+        async with self.sem:
+            self.waiting -= 1
+            self.running += 1
+            try:
+                return await self._generate(request, body, n, arrived)
+            finally:
+                self.running -= 1
+
+    async def _generate(
+        self, request: web.Request, body: dict[str, object], n: int, arrived: float
+    ) -> web.StreamResponse:
+        chat = request.path.endswith("/chat/completions")
+        if not body.get("stream"):
+            await asyncio.sleep(self.token_delay * n)
+            self.generated += n
+            self.ttft.append(time.monotonic() - arrived)
+            text = " tok" * n
+            choice = {"index": 0, "finish_reason": "length"}
+            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+            return web.json_response({"id": "cmpl-1", "choices": [choice], "echo": body})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        for i in range(n):
+            await asyncio.sleep(self.token_delay)
+            if i == 0:
+                self.ttft.append(time.monotonic() - arrived)
+            self.generated += 1
+            last = i == n - 1
+            choice: dict[str, object] = {"index": 0, "finish_reason": "length" if last else None}
+            choice.update({"delta": {"content": " tok"}} if chat else {"text": " tok"})
+            chunk = {"id": "cmpl-1", "choices": [choice]}
+            if i == 0:
+                chunk["echo"] = body
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def metrics(self, _: web.Request) -> web.Response:
+        labels = 'engine="0",model_name="fake"'
+        usage = min(1.0, (self.running + self.waiting) / max(1, self.capacity))
+        lines = [
+            "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
+            "# TYPE vllm:kv_cache_usage_perc gauge",
+            f"vllm:kv_cache_usage_perc{{{labels}}} {usage}",
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{{{labels}}} {float(self.running)}",
+            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting{{{labels}}} {float(self.waiting)}",
+            "# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.",
+            "# TYPE vllm:num_preemptions_total counter",
+            f"vllm:num_preemptions_total{{{labels}}} {float(self.preemptions)}",
+            "# HELP vllm:generation_tokens_total Number of generation tokens processed.",
+            "# TYPE vllm:generation_tokens_total counter",
+            f"vllm:generation_tokens_total{{{labels}}} {float(self.generated)}",
+            "# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.",
+            "# TYPE vllm:time_to_first_token_seconds histogram",
+        ]
+        for le in HIST_BUCKETS:
+            count = sum(1 for t in self.ttft if t <= le)
+            lines.append(f'vllm:time_to_first_token_seconds_bucket{{{labels},le="{le}"}} {float(count)}')
+        lines.append(f'vllm:time_to_first_token_seconds_bucket{{{labels},le="+Inf"}} {float(len(self.ttft))}')
+        lines.append(f"vllm:time_to_first_token_seconds_count{{{labels}}} {float(len(self.ttft))}")
+        lines.append(f"vllm:time_to_first_token_seconds_sum{{{labels}}} {sum(self.ttft)}")
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--token-delay", type=float, default=0.01)
+    p.add_argument("--capacity", type=int, default=4)
+    p.add_argument("--startup-delay", type=float, default=0.0)
+    a = p.parse_args()
+
+    async def run() -> None:
+        await asyncio.sleep(a.startup_delay)
+        engine = FakeEngine(token_delay=a.token_delay, capacity=a.capacity)
+        runner = web.AppRunner(engine.app(), access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", a.port).start()
+        await asyncio.Event().wait()
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()

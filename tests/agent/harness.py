@@ -1,0 +1,133 @@
+"""Run the agent in-process in front of an engine subprocess (the fake one, or a real vLLM)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import socket
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import aiohttp
+
+from kvfleet.agent.server import Agent
+from kvfleet.agent.settings import AgentSettings
+
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def fake_engine_command(*, token_delay: float = 0.01, capacity: int = 4, startup_delay: float = 0.0) -> tuple[str, ...]:
+    return (
+        sys.executable,
+        "-m",
+        "tests.agent.fake_engine",
+        "--port",
+        "{port}",
+        "--token-delay",
+        str(token_delay),
+        "--capacity",
+        str(capacity),
+        "--startup-delay",
+        str(startup_delay),
+    )
+
+
+def settings(**overrides: Any) -> AgentSettings:
+    base: dict[str, Any] = {
+        "engine": "vllm",
+        "engine_version": "0.32.0",
+        "model": "fake",
+        "engine_args": {"max-model-len": 1024},
+        "deployment": "test-chat",
+        "replica": "replica-1",
+        "host": "127.0.0.1",
+        "port": free_port(),
+        "engine_port": free_port(),
+        "engine_command": fake_engine_command(),
+        "drain_budget_s": 5.0,
+        "publish_interval_s": 0.2,
+        "restart_backoff_s": (0.2,),
+        "engine_ready_timeout_s": 60.0,
+    }
+    base.update(overrides)
+    return AgentSettings(**base)
+
+
+@dataclass
+class Running:
+    agent: Agent
+    url: str
+    http: aiohttp.ClientSession
+    stdout: io.StringIO
+
+    def emf(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.stdout.getvalue().splitlines() if line.startswith("{")]
+
+
+@contextlib.asynccontextmanager
+async def running(s: AgentSettings, *, ready_timeout: float = 60.0) -> AsyncIterator[Running]:
+    out = io.StringIO()
+    agent = Agent(s, stdout=out)
+    await agent.start()
+    http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120))
+    try:
+        assert await agent.engine.wait_ready(ready_timeout), "engine did not become ready"
+        yield Running(agent=agent, url=f"http://127.0.0.1:{s.port}", http=http, stdout=out)
+    finally:
+        await http.close()
+        if not agent.shutdown_requested.is_set():
+            agent.request_shutdown()
+        await agent.shutdown()
+
+
+def run(coro_fn: Callable[[], Awaitable[T]], timeout: float = 120.0) -> T:
+    async def main() -> T:
+        return await asyncio.wait_for(coro_fn(), timeout)
+
+    return asyncio.run(main())
+
+
+async def stream_completion(
+    http: aiohttp.ClientSession, url: str, *, max_tokens: int = 8, path: str = "/v1/completions", **extra: Any
+) -> dict[str, Any]:
+    """One streaming request: its status, events, and whether it ended with a finish reason and [DONE]."""
+    body = {"model": "fake", "prompt": "hello", "max_tokens": max_tokens, "stream": True, **extra}
+    events: list[Any] = []
+    async with http.post(url + path, json=body) as r:
+        status = r.status
+        headers = dict(r.headers)
+        if r.status != 200:
+            return {"status": status, "headers": headers, "body": await r.text(), "events": []}
+        buf = b""
+        async for chunk in r.content.iter_any():
+            buf += chunk
+        for block in buf.decode().split("\n\n"):
+            if block.startswith("data: "):
+                data = block[len("data: ") :]
+                events.append(data if data == "[DONE]" else json.loads(data))
+    finish = [
+        c.get("finish_reason")
+        for e in events
+        if isinstance(e, dict)
+        for c in e.get("choices", [])
+        if c.get("finish_reason")
+    ]
+    errors = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
+    return {
+        "status": status,
+        "headers": headers,
+        "events": events,
+        "finish": finish,
+        "errors": errors,
+        "done": bool(events) and events[-1] == "[DONE]",
+    }

@@ -1,0 +1,34 @@
+"""Token estimates and reservations behind the 429s."""
+
+from __future__ import annotations
+
+from kvfleet.agent.admission import Admission, request_tokens
+
+
+def test_completion_tokens_are_prompt_plus_limit() -> None:
+    assert request_tokens({"prompt": "abcdefgh", "max_tokens": 10}, max_model_len=None) == 2 + 10
+    assert request_tokens({"prompt": [1, 2, 3], "max_tokens": 10}, max_model_len=None) == 3 + 10
+    assert request_tokens({"prompt": ["abcd", "abcd"], "max_tokens": 5}, max_model_len=None) == 2 + 5
+    assert request_tokens({"prompt": "x", "max_tokens": 10, "n": 3}, max_model_len=None) == 1 + 30
+
+
+def test_chat_counts_messages_and_framing() -> None:
+    body = {"messages": [{"role": "user", "content": "abcdefgh"}, {"role": "user", "content": [{"text": "abcd"}]}]}
+    assert request_tokens({**body, "max_completion_tokens": 7}, max_model_len=None) == (4 + 2) + (4 + 1) + 7
+
+
+def test_no_limit_is_charged_the_rest_of_the_window() -> None:
+    assert request_tokens({"prompt": "abcd"}, max_model_len=1024) == 1024
+    assert request_tokens({"prompt": "abcd", "max_tokens": 5000}, max_model_len=1024) == 1024
+    assert request_tokens({"prompt": "abcd"}, max_model_len=None) == 1 + 256
+
+
+def test_reservations() -> None:
+    a = Admission(budget_tokens=100)
+    assert a.try_reserve(60) and a.try_reserve(40)
+    assert not a.try_reserve(1) and a.shed == 1
+    a.release(60)
+    assert a.try_reserve(50) and a.reserved_tokens == 90
+    idle = Admission(budget_tokens=100)
+    assert idle.try_reserve(500)  # an idle replica takes even an oversized request
+    assert Admission(budget_tokens=None).try_reserve(10**9)

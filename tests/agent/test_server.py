@@ -1,0 +1,253 @@
+"""The agent in front of a fake engine (a real subprocess speaking vLLM's routes): fast, every behaviour."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import aiohttp
+import pytest
+
+from kvfleet.agent.tenancy import cache_salt
+from tests.agent.harness import fake_engine_command, run, running, settings, stream_completion
+
+
+def test_ping_and_streaming_and_plain_completions() -> None:
+    async def go() -> None:
+        async with running(settings()) as r:
+            async with r.http.get(r.url + "/ping") as p:
+                assert p.status == 200
+            s = await stream_completion(r.http, r.url, max_tokens=5)
+            assert s["status"] == 200 and s["done"] and s["finish"] == ["length"]
+            assert s["headers"]["Content-Type"].startswith("text/event-stream")
+            async with r.http.post(r.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}) as c:
+                body = await c.json()
+                assert c.status == 200 and body["choices"][0]["text"] == " tok" * 3
+            async with r.http.get(r.url + "/v1/models") as m:
+                assert (await m.json())["data"][0]["id"] == "fake"
+
+    run(go)
+
+
+def test_sagemaker_invocations_route_by_body_shape() -> None:
+    async def go() -> None:
+        async with running(settings()) as r:
+            chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            async with r.http.post(r.url + "/invocations", json=chat) as c:
+                assert (await c.json())["choices"][0]["message"]["content"] == " tok tok"
+            async with r.http.post(r.url + "/invocations", json={"prompt": "hi", "max_tokens": 2}) as c:
+                assert (await c.json())["choices"][0]["text"] == " tok tok"
+            async with r.http.post(r.url + "/invocations", data=b"not json") as c:
+                assert c.status == 400
+
+    run(go)
+
+
+def test_drain_finishes_in_flight_and_refuses_new_work_with_503() -> None:
+    async def go() -> None:
+        s = settings(engine_command=fake_engine_command(token_delay=0.05, capacity=16), drain_budget_s=20)
+        async with running(s) as r:
+            streams = [asyncio.create_task(stream_completion(r.http, r.url, max_tokens=30)) for _ in range(10)]
+            await asyncio.sleep(0.4)  # all ten are generating
+            assert len(r.agent.flights) == 10
+            r.agent.request_shutdown()
+            shutdown = asyncio.create_task(r.agent.shutdown())
+            # Readiness is down on the very next ping, while all ten are still generating.
+            async with r.http.get(r.url + "/ping") as p:
+                assert p.status == 503
+            assert not any(task.done() for task in streams)
+            new = await stream_completion(r.http, r.url)
+            assert new["status"] == 503 and new["headers"]["Retry-After"] == "2"
+            async with r.http.get(r.url + "/v1/models") as m:
+                assert m.status == 503
+            results = await asyncio.gather(*streams)
+            assert all(x["status"] == 200 and x["done"] and x["finish"] == ["length"] for x in results)
+            assert all(not x["errors"] for x in results)
+            await shutdown
+            assert r.agent.drained is True
+
+    run(go)
+
+
+def test_past_the_budget_streams_end_with_an_error_event_not_a_hang() -> None:
+    async def go() -> None:
+        s = settings(engine_command=fake_engine_command(token_delay=0.2, capacity=8), drain_budget_s=0.5)
+        async with running(s) as r:
+            streams = [asyncio.create_task(stream_completion(r.http, r.url, max_tokens=200)) for _ in range(3)]
+            plain = asyncio.create_task(r.http.post(r.url + "/v1/completions", json={"prompt": "x", "max_tokens": 200}))
+            await asyncio.sleep(0.5)
+            r.agent.request_shutdown()
+            t0 = time.monotonic()
+            await r.agent.drain()
+            results = await asyncio.wait_for(asyncio.gather(*streams), 30)
+            # Cut at the budget: a full generation would take 200 x 0.2 s = 40 s.
+            assert time.monotonic() - t0 < 20
+            for x in results:
+                assert x["status"] == 200 and x["done"]
+                assert x["errors"][0]["type"] == "server_shutdown" and x["errors"][0]["code"] == 503
+                assert not x["finish"]
+            p = await plain
+            assert p.status == 503 and p.headers["Retry-After"] == "2"
+            assert r.agent.drained is False
+
+    run(go)
+
+
+def test_drain_route_is_loopback_only_and_can_wait() -> None:
+    async def go() -> None:
+        async with running(settings()) as r:
+            async with r.http.post(r.url + "/drain?wait=1") as d:
+                assert d.status == 200 and (await d.json()) == {"drained": True, "clean": True}
+            async with r.http.get(r.url + "/ping") as p:
+                assert p.status == 503
+            # The agent stays up, drained, until it is told to stop.
+            assert not r.agent.shutdown_requested.is_set()
+
+    run(go)
+    from kvfleet.agent.server import _is_loopback
+
+    assert _is_loopback("127.0.0.1") and _is_loopback("::1")
+    assert not _is_loopback("10.0.0.5") and not _is_loopback(None) and not _is_loopback("garbage")
+
+
+def test_token_admission_sheds_with_429_and_counts_it() -> None:
+    async def go() -> None:
+        s = settings(
+            engine_command=fake_engine_command(token_delay=0.05, capacity=64),
+            token_budget=300,
+            admission_factor=1.0,
+        )
+        async with running(s) as r:
+            # Each request reserves its prompt (2 tokens) + 100: two fit in 300, the third does not.
+            first = [asyncio.create_task(stream_completion(r.http, r.url, max_tokens=100)) for _ in range(2)]
+            await asyncio.sleep(0.3)
+            third = await stream_completion(r.http, r.url, max_tokens=100)
+            assert third["status"] == 429 and third["headers"]["Retry-After"] == "2"
+            assert json.loads(third["body"])["error"]["type"] == "rate_limit_exceeded"
+            small = await stream_completion(r.http, r.url, max_tokens=50)
+            assert small["status"] == 200
+            done = await asyncio.gather(*first)
+            assert all(d["status"] == 200 for d in done)
+            assert r.agent.admission.reserved_tokens == 0
+            await asyncio.sleep(0.5)
+            shed = sum(rec.get("RequestsShed", 0) for rec in r.emf())
+            assert shed == 1
+            async with r.http.get(r.url + "/metrics") as m:
+                assert "kvfleet_requests_shed_total" in await m.text()
+
+    run(go)
+
+
+def test_tenant_salt_is_derived_server_side_and_client_salt_stripped() -> None:
+    async def go() -> None:
+        s = settings(tenant_header="X-Tenant", tenant_secret=b"s3cret")
+        async with running(s) as r:
+            body = {"prompt": "x", "max_tokens": 1, "cache_salt": "i-pick-tenant-b"}
+            async with r.http.post(r.url + "/v1/completions", json=body, headers={"X-Tenant": "tenant-a"}) as c:
+                echo = (await c.json())["echo"]
+            assert echo["cache_salt"] == cache_salt(b"s3cret", "tenant-a") != "i-pick-tenant-b"
+            async with r.http.post(r.url + "/v1/completions", json=body, headers={"X-Tenant": "tenant-b"}) as c:
+                assert (await c.json())["echo"]["cache_salt"] == cache_salt(b"s3cret", "tenant-b")
+            async with r.http.post(r.url + "/v1/completions", json=body) as c:
+                assert c.status == 400 and "X-Tenant" in (await c.json())["error"]["message"]
+
+    run(go)
+    assert cache_salt(b"k", "a") != cache_salt(b"k", "b") != cache_salt(b"other", "a")
+
+
+def test_engine_dies_agent_reports_unhealthy_restarts_it_and_keeps_serving() -> None:
+    async def go() -> None:
+        async with running(settings(engine_command=fake_engine_command(startup_delay=0.5))) as r:
+            pid = r.agent.engine.pid
+            assert pid is not None
+            os.killpg(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 5
+            saw_unhealthy = False
+            while time.monotonic() < deadline and not saw_unhealthy:
+                async with r.http.get(r.url + "/ping") as p:
+                    saw_unhealthy = p.status == 503
+                await asyncio.sleep(0.05)
+            assert saw_unhealthy
+            async with r.http.post(r.url + "/v1/completions", json={"prompt": "x"}) as c:
+                assert c.status == 503  # not ready yet, and says so
+            assert await r.agent.engine.wait_ready(20)
+            assert r.agent.engine.restarts == 1 and r.agent.engine.pid != pid
+            s = await stream_completion(r.http, r.url, max_tokens=3)
+            assert s["status"] == 200 and s["done"]
+
+    run(go)
+
+
+def test_engine_dying_mid_stream_ends_the_stream_with_an_error_and_counts_a_5xx() -> None:
+    async def go() -> None:
+        async with running(settings(engine_command=fake_engine_command(token_delay=0.1))) as r:
+            task = asyncio.create_task(stream_completion(r.http, r.url, max_tokens=100))
+            await asyncio.sleep(0.5)
+            pid = r.agent.engine.pid
+            assert pid is not None
+            os.killpg(pid, signal.SIGKILL)
+            x = await asyncio.wait_for(task, 10)
+            assert x["done"] and x["errors"][0]["type"] == "engine_error"
+            await asyncio.sleep(0.5)
+            assert sum(rec.get("ServerErrors", 0) for rec in r.emf()) == 1
+
+    run(go)
+
+
+def test_signals_are_published_as_emf_and_prometheus() -> None:
+    async def go() -> None:
+        async with running(settings(engine_command=fake_engine_command(token_delay=0.05, capacity=2))) as r:
+            tasks = [asyncio.create_task(stream_completion(r.http, r.url, max_tokens=20)) for _ in range(6)]
+            await asyncio.sleep(0.8)
+            async with r.http.get(r.url + "/metrics") as m:
+                text = await m.text()
+            await asyncio.gather(*tasks)
+            await asyncio.sleep(0.5)
+            recs = r.emf()
+        assert recs, "no EMF lines on stdout"
+        waiting = max(rec.get("RequestsWaiting", 0) for rec in recs)
+        running_ = max(rec.get("RequestsRunning", 0) for rec in recs)
+        assert waiting >= 1 and running_ == 2
+        assert max(rec.get("KvCacheUtilization", 0) for rec in recs) == 1.0
+        rec = next(rec for rec in recs if "KvCacheUtilization" in rec)
+        assert rec["Deployment"] == "test-chat" and rec["Replica"] == "replica-1"
+        [directive] = rec["_aws"]["CloudWatchMetrics"]
+        assert directive["Namespace"] == "Kvfleet"
+        assert 'kvfleet_kv_cache_utilization{deployment="test-chat"}' in text
+        assert "kvfleet_engine_ready" in text
+
+    run(go)
+
+
+def test_scrape_failure_never_blocks_serving() -> None:
+    async def go() -> None:
+        async with running(settings()) as r:
+            original = r.agent.settings
+            object.__setattr__(r.agent, "settings", type(original)(**{**original.__dict__, "engine_port": 1}))
+            await asyncio.sleep(0.5)  # scrapes now fail (nothing listens on port 1)
+            object.__setattr__(r.agent, "settings", original)
+            s = await stream_completion(r.http, r.url, max_tokens=2)
+            assert s["status"] == 200
+            assert r.emf()  # still publishing (the agent's own counters)
+
+    run(go)
+
+
+@pytest.mark.parametrize("status", [200])
+def test_client_disconnect_releases_the_request(status: int) -> None:
+    async def go() -> None:
+        async with running(settings(engine_command=fake_engine_command(token_delay=0.05))) as r:
+            async with aiohttp.ClientSession() as other:
+                resp = await other.post(
+                    r.url + "/v1/completions", json={"prompt": "x", "max_tokens": 100, "stream": True}
+                )
+                assert resp.status == status
+                await resp.content.readany()
+                resp.close()
+            await asyncio.sleep(0.5)
+            assert not r.agent.flights
+
+    run(go)

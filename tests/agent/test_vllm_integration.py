@@ -1,0 +1,225 @@
+"""The agent in front of a REAL vLLM server (vLLM's CPU build, pinned, in its own virtualenv).
+
+One agent process serves the whole module, in order: a saturated cache shows up in the signals; the
+engine is killed and the agent restarts it; then SIGTERM during ten streaming generations drains them
+all and the agent exits 0. The model is a tiny Llama built locally (random weights; ``ignore_eos`` makes
+every generation run to its limit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.agent.harness import free_port, stream_completion
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = Path(os.environ.get("KVFLEET_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
+DRAIN_BUDGET_S = 120
+CACHE_BYTES = 4 * 1024 * 1024  # 4,096 tokens of the tiny model: 32 concurrent requests saturate it
+
+if not VLLM_PYTHON.exists():
+    if os.environ.get("KVFLEET_REQUIRE_VLLM") == "1":
+        raise RuntimeError(f"the vLLM test virtualenv is missing ({VLLM_PYTHON}); `make test` creates it")
+    pytest.skip("the vLLM CPU virtualenv is created by `make test`", allow_module_level=True)
+
+
+@dataclass
+class AgentProcess:
+    proc: subprocess.Popen[bytes]
+    url: str
+    stdout: Path
+    port: int
+
+    def emf(self) -> list[dict[str, Any]]:
+        out = []
+        for line in self.stdout.read_text(errors="replace").splitlines():
+            if line.startswith('{"_aws"') or (line.startswith("{") and '"_aws"' in line):
+                out.append(json.loads(line))
+        return out
+
+    def engine_pids(self) -> list[int]:
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+        return [int(p) for p in children.read_text().split()] if children.exists() else []
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-llama")
+    subprocess.run([str(VLLM_PYTHON), str(REPO / "tests/agent/make_tiny_llama.py"), str(out)], check=True)
+    return out
+
+
+def wait_ready(url: str, timeout: float) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/ping", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"agent not ready after {timeout:.0f} s")
+
+
+@pytest.fixture(scope="module")
+def agent(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
+    port = free_port()
+    logs = tmp_path_factory.mktemp("agent")
+    stdout = logs / "stdout.log"
+    env = {
+        **os.environ,
+        "KVFLEET_ENGINE": "vllm",
+        "KVFLEET_ENGINE_VERSION": "0.32.0",
+        "KVFLEET_MODEL": str(tiny_model),
+        "KVFLEET_ENGINE_ARGS": json.dumps(
+            {
+                "max-model-len": 1024,
+                "max-num-seqs": 32,
+                "enforce-eager": True,
+                "kv-cache-memory-bytes": CACHE_BYTES,
+                "served-model-name": "tiny",
+            }
+        ),
+        "KVFLEET_ENGINE_PYTHON": str(VLLM_PYTHON),
+        "KVFLEET_HOST": "127.0.0.1",
+        "KVFLEET_PORT": str(port),
+        "KVFLEET_ENGINE_PORT": str(free_port()),
+        "KVFLEET_DEPLOYMENT": "it-tiny",
+        "KVFLEET_REPLICA": "it-1",
+        "KVFLEET_DRAIN_BUDGET_S": str(DRAIN_BUDGET_S),
+        "KVFLEET_PUBLISH_INTERVAL_S": "1",
+        # The saturation test wants the engine's own queue to build, so admission stays out of the way.
+        "KVFLEET_ADMISSION": "0",
+        "VLLM_CPU_OMP_THREADS_BIND": "auto",
+    }
+    with stdout.open("wb") as out, (logs / "stderr.log").open("wb") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "kvfleet.agent"], cwd=REPO, env=env, stdout=out, stderr=err)
+    a = AgentProcess(proc=proc, url=f"http://127.0.0.1:{port}", stdout=stdout, port=port)
+    try:
+        wait_ready(a.url, 240)
+        yield a
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        sys.stderr.write((logs / "stderr.log").read_text(errors="replace")[-4000:])
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 600))
+
+
+def test_saturated_cache_and_queue_show_in_prometheus_and_emf(agent: AgentProcess) -> None:
+    async def go() -> tuple[list[dict[str, Any]], float, float]:
+        peak_cache = peak_waiting = 0.0
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
+            tasks = [
+                asyncio.create_task(stream_completion(http, agent.url, model="tiny", max_tokens=200, ignore_eos=True))
+                for _ in range(32)
+            ]
+            while not all(t.done() for t in tasks):
+                async with http.get(agent.url + "/metrics") as m:
+                    text = await m.text()
+                for line in text.splitlines():
+                    if line.startswith("kvfleet_kv_cache_utilization{"):
+                        peak_cache = max(peak_cache, float(line.split()[-1]))
+                    if line.startswith("kvfleet_requests_waiting{"):
+                        peak_waiting = max(peak_waiting, float(line.split()[-1]))
+                await asyncio.sleep(0.5)
+            results = await asyncio.gather(*tasks)
+        return results, peak_cache, peak_waiting
+
+    results, peak_cache, peak_waiting = run(go())
+    assert all(r["status"] == 200 and r["done"] and r["finish"] == ["length"] for r in results)
+    assert peak_cache >= 0.9, peak_cache
+    assert peak_waiting >= 1, peak_waiting
+    # The last tokens reach the EMF lines at the next publication or two.
+    deadline = time.monotonic() + 15
+    while True:
+        recs = agent.emf()
+        if sum(r.get("OutputTokens", 0) for r in recs) >= 32 * 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert max(r.get("KvCacheUtilization", 0) for r in recs) >= 0.9
+    assert max(r.get("RequestsWaiting", 0) for r in recs) >= 1
+    assert sum(r.get("OutputTokens", 0) for r in recs) >= 32 * 200
+    assert all(r["Deployment"] == "it-tiny" for r in recs)
+
+
+def test_engine_dies_agent_reports_unhealthy_and_restarts_it(agent: AgentProcess) -> None:
+    import urllib.error
+    import urllib.request
+
+    [engine] = agent.engine_pids()
+    os.killpg(engine, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    status = 200
+    while time.monotonic() < deadline and status == 200:
+        try:
+            with urllib.request.urlopen(agent.url + "/ping", timeout=2) as r:
+                status = r.status
+        except urllib.error.HTTPError as err:
+            status = err.code
+        time.sleep(0.1)
+    assert status == 503
+    assert agent.proc.poll() is None  # the agent itself keeps running
+    wait_ready(agent.url, 240)
+    [restarted] = agent.engine_pids()
+    assert restarted != engine
+    with urllib.request.urlopen(agent.url + "/metrics", timeout=5) as r:
+        assert 'kvfleet_engine_restarts_total{deployment="it-tiny"} 1' in r.read().decode()
+
+
+def test_sigterm_drains_ten_streams_then_exits_zero(agent: AgentProcess) -> None:
+    async def go() -> dict[str, Any]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
+            tasks = [
+                asyncio.create_task(stream_completion(http, agent.url, model="tiny", max_tokens=300, ignore_eos=True))
+                for _ in range(10)
+            ]
+            await asyncio.sleep(1.0)  # every stream has started
+            assert not any(t.done() for t in tasks), "generations finished before the drain began"
+            t0 = time.monotonic()
+            agent.proc.send_signal(signal.SIGTERM)
+            # How many generations were still running when readiness first read 503: the drain must take the pod out
+            # of rotation as it starts, not once the streams have ended. (Counted, not timed: the clients, the agent
+            # and vLLM share the cores, so wall-clock bounds flake under load.)
+            ping_503_running = None
+            while ping_503_running is None and time.monotonic() - t0 < 60:
+                async with http.get(agent.url + "/ping") as p:
+                    if p.status == 503:
+                        ping_503_running = sum(not t.done() for t in tasks)
+                await asyncio.sleep(0.05)
+            new = await stream_completion(http, agent.url, model="tiny", max_tokens=5)
+            results = await asyncio.gather(*tasks)
+            code = await asyncio.to_thread(agent.proc.wait, DRAIN_BUDGET_S + 60)
+            return {"ping": ping_503_running, "new": new, "results": results, "code": code, "t": time.monotonic() - t0}
+
+    out = run(go())
+    assert out["ping"] == 10, out["ping"]
+    assert out["new"]["status"] == 503 and out["new"]["headers"].get("Retry-After")
+    for r in out["results"]:
+        assert r["status"] == 200 and r["done"] and r["finish"] == ["length"] and not r["errors"]
+        tokens = sum(1 for e in r["events"] if isinstance(e, dict) and e.get("choices"))
+        assert tokens >= 290  # the whole generation, not a cut stream
+    assert out["code"] == 0
+    assert out["t"] < DRAIN_BUDGET_S

@@ -1,0 +1,350 @@
+"""The EKS stack: cluster, GPU node group, device plugin, KEDA, Prometheus, autoscaler, and the workload."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aws_cdk.assertions import Template
+
+from kvfleet import contract
+from kvfleet.config.targets import EksTarget
+from kvfleet.deployments import resolve_environment
+from kvfleet.infra.app import build_app
+from kvfleet.infra.eks.service import (
+    CLUSTER_AUTOSCALER_CHART,
+    CLUSTER_AUTOSCALER_IMAGE_TAGS,
+    DEVICE_PLUGIN_CHART,
+    GPU_TAINT,
+    KEDA_CHART,
+    KUBECTL_MINOR,
+    PROMETHEUS_CHART,
+)
+from tests.infra.helpers import REPO, environment, make_app, only, props, synth
+
+PLATFORM = (REPO / "environments" / "platform.yaml").read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def template() -> Template:
+    return only(PLATFORM)
+
+
+def manifest(t: Template, kind: str) -> str:
+    for k, r in t.find_resources("Custom::AWSCDK-EKS-KubernetesResource").items():
+        text = json.dumps(r["Properties"]["Manifest"])
+        if f'\\"kind\\":\\"{kind}\\"' in text and "ServiceAccountResource" not in k:
+            return text
+    raise AssertionError(f"no {kind} manifest")
+
+
+def test_private_cluster_with_logging_and_no_auto_mode(template: Template) -> None:
+    [c] = props(template, "AWS::EKS::Cluster")
+    assert c["Version"] == "1.33"
+    vpc = c["ResourcesVpcConfig"]
+    assert vpc["EndpointPrivateAccess"] is True and vpc["EndpointPublicAccess"] is False
+    assert len(c["Logging"]["ClusterLogging"]["EnabledTypes"]) == 5
+    assert c["ComputeConfig"]["Enabled"] is False
+
+
+def test_gpu_node_group_from_the_plan(template: Template) -> None:
+    [ng] = props(template, "AWS::EKS::Nodegroup")
+    [r] = resolve_environment(environment(PLATFORM))
+    assert ng["AmiType"] == "AL2023_x86_64_NVIDIA"
+    assert ng["InstanceTypes"] == [r.candidate.instance.name]
+    assert ng["Taints"] == [{"Effect": "NO_SCHEDULE", "Key": GPU_TAINT["key"], "Value": GPU_TAINT["value"]}]
+    assert ng["Labels"] == {
+        "kvfleet.io/gpu": "true",
+        "kvfleet.io/deployment": "platform-coder",
+        "nvidia.com/gpu.present": "true",
+    }
+    assert ng["DiskSize"] == r.disk_gib
+    per_node = r.candidate.instance.accelerator_count // r.candidate.tensor_parallel_size
+    assert ng["ScalingConfig"]["MaxSize"] == -(-6 // per_node)
+
+
+def test_pinned_helm_charts(template: Template) -> None:
+    charts = {c["Chart"]: c for c in props(template, "Custom::AWSCDK-EKS-HelmChart")}
+    for name, repo, version in (DEVICE_PLUGIN_CHART, KEDA_CHART, PROMETHEUS_CHART, CLUSTER_AUTOSCALER_CHART):
+        assert charts[name]["Version"] == version and charts[name]["Repository"] == repo
+    plugin = json.loads(charts["nvidia-device-plugin"]["Values"])
+    assert plugin["tolerations"][0]["key"] == GPU_TAINT["key"]  # it must run on the tainted GPU nodes
+
+
+def test_the_device_plugin_daemonset_can_land_on_the_gpu_nodes(template: Template) -> None:
+    # The chart keeps its default nodeAffinity (values.yaml of nvidia-device-plugin 0.17.x): a node must carry
+    # one of these labels, which Node Feature Discovery adds and an EKS node group does not. Without one the
+    # DaemonSet never schedules, no GPU is advertised and every serving pod stays Pending.
+    chart_affinity_terms = [
+        ("feature.node.kubernetes.io/pci-10de.present", "true"),
+        ("feature.node.kubernetes.io/cpu-model.vendor_id", "NVIDIA"),
+        ("nvidia.com/gpu.present", "true"),
+    ]
+    [ng] = props(template, "AWS::EKS::Nodegroup")
+    assert any(ng["Labels"].get(key) == value for key, value in chart_affinity_terms)
+    charts = {c["Chart"]: c for c in props(template, "Custom::AWSCDK-EKS-HelmChart")}
+    plugin = json.loads(charts["nvidia-device-plugin"]["Values"])
+    assert "affinity" not in plugin  # the default stays, so the label above is what admits the node
+    assert all(ng["Labels"].get(k) == v for k, v in plugin["nodeSelector"].items())
+
+
+def test_cluster_autoscaler_matches_the_clusters_minor_version(template: Template) -> None:
+    [chart] = [c for c in props(template, "Custom::AWSCDK-EKS-HelmChart") if c["Chart"] == "cluster-autoscaler"]
+    assert '\\"image\\":{\\"tag\\":\\"v1.33.' in json.dumps(chart["Values"])  # platform.yaml runs 1.33
+    # Every Kubernetes version a config may name has an autoscaler of the same minor version.
+    versions = EksTarget.model_fields["kubernetes_version"].annotation.__args__  # type: ignore[union-attr]
+    assert sorted(CLUSTER_AUTOSCALER_IMAGE_TAGS) == sorted(versions)
+    assert all(tag.startswith(f"v{v}.") for v, tag in CLUSTER_AUTOSCALER_IMAGE_TAGS.items())
+
+
+def test_kubectl_is_within_one_minor_of_every_cluster_version() -> None:
+    from stacks import eks_service
+
+    # The layer the construct uses is the version the constant names.
+    assert eks_service.KubectlV34Layer.__module__.startswith(
+        "aws_cdk.lambda_layer_kubectl_v" + KUBECTL_MINOR.replace("1.", "")
+    )
+    versions = EksTarget.model_fields["kubernetes_version"].annotation.__args__  # type: ignore[union-attr]
+    minor = int(KUBECTL_MINOR.split(".")[1])
+    assert all(abs(int(v.split(".")[1]) - minor) <= 1 for v in versions), versions
+
+
+def test_workload_manifests_with_drain_hooks_and_keda(template: Template) -> None:
+    dep = manifest(template, "Deployment")
+    assert "kvfleet.agent" in dep and "drain" in dep and "preStop" in dep
+    assert "terminationGracePeriodSeconds" in dep and '\\"nvidia.com/gpu\\":' in dep
+    assert f'\\"{contract.ENV_PUT_METRIC_DATA}\\",\\"value\\":\\"1\\"' in dep  # CloudWatch dashboard and alarms
+    scaled = manifest(template, "ScaledObject")
+    assert contract.KV_CACHE_UTILIZATION.prometheus_name in scaled
+    assert contract.REQUESTS_WAITING.prometheus_name in scaled
+    assert scaled.count('\\"type\\":\\"prometheus\\"') == 2
+    resources = template.find_resources("Custom::AWSCDK-EKS-KubernetesResource")
+    [(_, so)] = [(k, r) for k, r in resources.items() if "ScaledObject" in k]
+    assert any(d.startswith("EksChartKeda") for d in so["DependsOn"])  # the CRD comes first
+
+
+def test_cluster_autoscaler_may_scale_only_this_clusters_groups(template: Template) -> None:
+    stmts = [s for p in props(template, "AWS::IAM::Policy") for s in p["PolicyDocument"]["Statement"]]
+    [scale] = [s for s in stmts if "autoscaling:SetDesiredCapacity" in s["Action"]]
+    assert "StringEquals" in scale["Condition"]
+
+
+def test_the_pods_read_only_their_token_or_model_and_write_kvfleet_metrics(template: Template) -> None:
+    stmts = [s for p in props(template, "AWS::IAM::Policy") for s in p["PolicyDocument"]["Statement"]]
+    [metrics] = [s for s in stmts if s["Action"] == "cloudwatch:PutMetricData"]
+    assert metrics["Condition"] == {"StringEquals": {"cloudwatch:namespace": contract.NAMESPACE}}
+    assert not [s for s in stmts if s["Action"] == "s3:GetObject"]  # this example downloads from Hugging Face
+
+
+def test_a_wrong_gpu_count_fails_synth(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The consistency checks run at synth: a Deployment asking for more GPUs than a node has is refused.
+    import kvfleet.infra.eks.manifests as k8s
+    from kvfleet.errors import KvfleetError
+
+    real = k8s.deployment
+
+    def too_many_gpus(r: Any, opts: Any) -> Any:
+        d = real(r, opts)
+        res = d["spec"]["template"]["spec"]["containers"][0]["resources"]
+        res["requests"]["nvidia.com/gpu"] = res["limits"]["nvidia.com/gpu"] = 16
+        return d
+
+    monkeypatch.setattr(k8s, "deployment", too_many_gpus)
+    with pytest.raises(KvfleetError, match=r"deployments\.coder\.target: "):
+        only(PLATFORM)
+
+
+def test_cdk_nag_passes(tmp_path: Path) -> None:
+    app = build_app(environment(PLATFORM), app=make_app(outdir=str(tmp_path)), nag=True)
+    app.synth()
+    assert json.loads((tmp_path / "validation-report.json").read_text())["pluginReports"] == []
+
+
+# ---- attaching to an existing cluster (environments/shared-cluster.yaml) -------------------------------------
+
+SHARED = (REPO / "environments" / "shared-cluster.yaml").read_text(encoding="utf-8")
+SHARED_CLUSTER = "platform-prod"
+SHARED_SG = "sg-0123456789abcdef0"
+SHARED_SUBNETS = ["subnet-0a1b2c3d4e5f60718", "subnet-0f1e2d3c4b5a69788"]
+OIDC_LINE = (
+    "        oidc_provider_arn: arn:aws:iam::123456789012:oidc-provider/"
+    "oidc.eks.us-east-1.amazonaws.com/id/EXAMPLED539D4633E53DE1B71EXAMPLE\n"
+)
+ADDONS_OFF = (
+    "      addons:\n"
+    "        keda: false\n"
+    "        prometheus_url: http://prometheus.observability.svc.cluster.local:9090\n"
+    "        cluster_autoscaler: false\n"
+)
+
+
+@pytest.fixture(scope="module")
+def shared() -> Template:
+    return only(SHARED)
+
+
+def kubectl_applied(t: Template) -> dict[str, dict[str, Any]]:
+    """Every resource the kubectl provider applies: manifests, service accounts and Helm charts."""
+    return {
+        **t.find_resources("Custom::AWSCDK-EKS-KubernetesResource"),
+        **t.find_resources("Custom::AWSCDK-EKS-HelmChart"),
+    }
+
+
+def test_attach_creates_no_cluster_and_joins_the_named_one(shared: Template) -> None:
+    assert shared.find_resources("AWS::EKS::Cluster") == {}
+    [ng] = props(shared, "AWS::EKS::Nodegroup")
+    assert ng["ClusterName"] == SHARED_CLUSTER
+    assert sorted(ng["Subnets"]) == sorted(SHARED_SUBNETS)  # the cluster's VPC, from the config
+    assert "Version" not in ng  # follows the cluster's own version
+    assert shared.find_resources("AWS::EC2::VPC") == {}
+
+
+def test_attach_grants_kubectl_cluster_admin_through_an_access_entry(shared: Template) -> None:
+    [(entry_id, entry)] = shared.find_resources("AWS::EKS::AccessEntry").items()
+    p = entry["Properties"]
+    assert p["ClusterName"] == SHARED_CLUSTER
+    [policy] = p["AccessPolicies"]
+    assert json.dumps(policy["PolicyArn"]).endswith(':cluster-access-policy/AmazonEKSClusterAdminPolicy"]]}')
+    assert policy["AccessScope"] == {"Type": "cluster"}
+    # The entry is for the role the kubectl function runs as.
+    [(fn_id, fn)] = [
+        (k, r)
+        for k, r in shared.find_resources("AWS::Lambda::Function").items()
+        if "kubectl resource provider" in r["Properties"].get("Description", "")
+    ]
+    assert p["PrincipalArn"] == fn["Properties"]["Role"]
+    # It runs in the cluster security group inside the cluster's subnets, to reach a private API endpoint.
+    vpc = fn["Properties"]["VpcConfig"]
+    assert vpc["SecurityGroupIds"] == [SHARED_SG] and sorted(vpc["SubnetIds"]) == sorted(SHARED_SUBNETS)
+    # Nothing is applied before that access exists.
+    applied = kubectl_applied(shared)
+    assert applied and all(entry_id in r.get("DependsOn", []) for r in applied.values()), fn_id
+
+
+def test_attach_installs_only_the_addons_the_cluster_lacks(shared: Template) -> None:
+    charts = [c["Chart"] for c in props(shared, "Custom::AWSCDK-EKS-HelmChart")]
+    assert charts == [DEVICE_PLUGIN_CHART[0]]
+    scaled = manifest(shared, "ScaledObject")
+    assert scaled.count("http://prometheus.observability.svc.cluster.local:9090") == 2  # both triggers
+    # No Cluster Autoscaler role either: the cluster's own autoscaler discovers the node group by its tags.
+    stmts = [s for p in props(shared, "AWS::IAM::Policy") for s in p["PolicyDocument"]["Statement"]]
+    assert not [s for s in stmts if "autoscaling:SetDesiredCapacity" in s["Action"]]
+
+
+def test_attach_with_every_addon_installs_them_after_the_access_entry() -> None:
+    t = only(SHARED.replace(ADDONS_OFF, ""))
+    charts = sorted(c["Chart"] for c in props(t, "Custom::AWSCDK-EKS-HelmChart"))
+    assert charts == sorted(c[0] for c in (DEVICE_PLUGIN_CHART, KEDA_CHART, PROMETHEUS_CHART, CLUSTER_AUTOSCALER_CHART))
+    [entry_id] = t.find_resources("AWS::EKS::AccessEntry")
+    assert all(entry_id in r["DependsOn"] for r in kubectl_applied(t).values())
+    autoscaler = next(c for c in props(t, "Custom::AWSCDK-EKS-HelmChart") if c["Chart"] == "cluster-autoscaler")
+    assert '\\"clusterName\\":\\"platform-prod\\"' in json.dumps(autoscaler["Values"])
+
+
+def test_attach_with_an_oidc_provider_gives_the_pods_their_role_through_irsa(shared: Template) -> None:
+    roles = [
+        r["Properties"]["AssumeRolePolicyDocument"]["Statement"][0]
+        for r in shared.find_resources("AWS::IAM::Role").values()
+    ]
+    federated = [s for s in roles if "Federated" in s["Principal"]]
+    assert len(federated) == 1  # the serving account (no Cluster Autoscaler here)
+    assert federated[0]["Principal"]["Federated"].endswith(
+        ":oidc-provider/oidc.eks.us-east-1.amazonaws.com/id/EXAMPLED539D4633E53DE1B71EXAMPLE"
+    )
+    assert shared.find_resources("AWS::EKS::PodIdentityAssociation") == {}
+
+
+def test_attach_without_an_oidc_provider_uses_pod_identity() -> None:
+    t = only(SHARED.replace(OIDC_LINE, "").replace(ADDONS_OFF, ""))
+    associations = props(t, "AWS::EKS::PodIdentityAssociation")
+    assert sorted((a["Namespace"], a["ServiceAccount"]) for a in associations) == [
+        ("assistant", "kvfleet-serving"),
+        ("kube-system", "cluster-autoscaler"),
+    ]
+    assert all(a["ClusterName"] == SHARED_CLUSTER for a in associations)
+    trusts = [
+        r["Properties"]["AssumeRolePolicyDocument"]["Statement"] for r in t.find_resources("AWS::IAM::Role").values()
+    ]
+    pods = [s for stmts in trusts for s in stmts if s.get("Principal", {}).get("Service") == "pods.eks.amazonaws.com"]
+    assert len(pods) == 2 and all(s["Action"] == ["sts:AssumeRole", "sts:TagSession"] for s in pods)
+
+
+def test_attach_cdk_nag_passes(tmp_path: Path) -> None:
+    app = build_app(environment(SHARED), app=make_app(outdir=str(tmp_path)), nag=True)
+    app.synth()
+    assert json.loads((tmp_path / "validation-report.json").read_text())["pluginReports"] == []
+
+
+def test_attach_needs_the_clusters_vpc() -> None:
+    from kvfleet.errors import ConfigError
+
+    no_vpc = SHARED.split("network:\n")[0] + "deployments:" + SHARED.split("deployments:", 1)[1]
+    with pytest.raises(ConfigError) as err:
+        environment(no_vpc)
+    [line] = err.value.lines
+    assert (
+        line.startswith("test.yaml:")
+        and "network.vpc_id: deployment assistant attaches to cluster platform-prod" in line
+    )
+
+
+def test_a_new_cluster_cannot_leave_out_keda() -> None:
+    from kvfleet.errors import ConfigError
+
+    text = PLATFORM.replace(
+        '      kubernetes_version: "1.33"\n', '      kubernetes_version: "1.33"\n      addons:\n        keda: false\n'
+    )
+    with pytest.raises(ConfigError) as err:
+        environment(text)
+    [line] = err.value.lines
+    assert "deployments[0].target.addons.keda: a new cluster has nothing else to provide it" in line
+    keda_line = text.splitlines().index("        keda: false") + 1
+    assert line.startswith(f"test.yaml:{keda_line}:"), line
+
+
+def _two_on_the_shared_cluster(second_addons: str = "") -> str:
+    """shared-cluster.yaml with a second deployment on the same cluster, in its own namespace."""
+    first = SHARED.split("deployments:\n", 1)[1]
+    second = (
+        first.replace("  - name: assistant", "  - name: summarizer")
+        .replace("      namespace: assistant\n", "      namespace: summarizer\n")
+        .replace("      addons:\n", "      addons:\n" + second_addons)
+    )
+    return SHARED + second
+
+
+def test_two_deployments_on_one_cluster_install_each_addon_once() -> None:
+    from kvfleet.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        environment(_two_on_the_shared_cluster())
+    [line] = err.value.lines
+    assert "deployments[1].target.addons.device_plugin: deployment assistant already installs it" in line
+    # Reported at the second deployment's addons (device_plugin is not spelled there), where the fix goes.
+    lines = _two_on_the_shared_cluster().splitlines()
+    second_addons = [n for n, text in enumerate(lines, start=1) if text == "      addons:"][1]
+    assert line.startswith(f"test.yaml:{second_addons}:"), line
+
+
+def test_two_deployments_on_one_cluster_need_their_own_namespaces() -> None:
+    from kvfleet.errors import ConfigError
+
+    text = _two_on_the_shared_cluster().replace("      namespace: summarizer\n", "      namespace: assistant\n")
+    with pytest.raises(ConfigError) as err:
+        environment(text)
+    assert any(
+        "deployments[1].target.namespace: deployment assistant already uses namespace assistant" in line
+        for line in err.value.lines
+    ), err.value.lines
+
+
+def test_a_second_deployment_on_the_cluster_that_installs_nothing_more_gets_its_own_stack() -> None:
+    stacks = synth(_two_on_the_shared_cluster("        device_plugin: false\n"))
+    assert sorted(stacks) == ["kvfleet-shared-cluster-assistant", "kvfleet-shared-cluster-summarizer"]
+    second = stacks["kvfleet-shared-cluster-summarizer"]
+    assert props(second, "Custom::AWSCDK-EKS-HelmChart") == []
+    [ng] = props(second, "AWS::EKS::Nodegroup")
+    assert ng["ClusterName"] == SHARED_CLUSTER

@@ -1,0 +1,593 @@
+"""The ``kvfleet`` command line: output shapes, and one stderr line with exit 2 for every user error.
+
+Commands run in-process through ``kvfleet.cli.main`` (fast); one test runs the real executable to
+prove the exit status and stderr a shell sees.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvfleet.cli import main
+from kvfleet.sizing.hardware import accelerator
+from kvfleet.sizing.units import GiB
+
+REPO = Path(__file__).resolve().parents[1]
+LLAMA_8B = "meta-llama/Llama-3.1-8B"
+
+# The project brief's example architecture: 32 layers x 8 KV heads x head dim 128 x (K + V) x 2 bytes.
+BRIEF_CONFIG: dict[str, Any] = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "torch_dtype": "bfloat16",
+}
+BRIEF_KV_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """Exit status, stdout, stderr of one in-process invocation (argparse errors raise SystemExit)."""
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_error_line(code: int, err: str, *needles: str) -> str:
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1, f"expected one stderr line, got {len(lines)}:\n{err}"
+    line = lines[0]
+    assert line.startswith("kvfleet: error:"), line
+    for needle in needles:
+        assert needle in line, f"{needle!r} not in {line!r}"
+    return line
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> Any:
+    code, out, err = run(capsys, *argv, "--json")
+    assert code == 0, err
+    assert err == ""
+    return json.loads(out)
+
+
+@pytest.fixture
+def config_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "brief-8b"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(BRIEF_CONFIG), encoding="utf-8")
+    return d
+
+
+def write_config(tmp_path: Path, name: str, text: str) -> Path:
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(text, encoding="utf-8")
+    return d
+
+
+# ---- capacity ------------------------------------------------------------------------------------
+
+
+def test_capacity_json_llama_8b_on_h100(capsys: pytest.CaptureFixture[str]) -> None:
+    cap = run_json(capsys, "capacity", "--model", LLAMA_8B, "--gpu", "H100")
+    assert cap["model"] == LLAMA_8B
+    assert cap["kv_bytes_per_token_per_gpu"] == 131072
+    assert cap["gpu_memory_gib"] == 79.22  # what CUDA reports on an H100 80GB
+    assert cap["weight_precision"] == "bf16"
+    assert 14.5 < cap["weights_gib_per_gpu"] < 15.5  # 8.03e9 parameters x 2 bytes
+    assert 0 < cap["activation_peak_gib"] < 10
+    assert 0 < cap["kv_cache_gib_per_gpu"] < cap["gpu_memory_gib"]
+    assert cap["kv_cache_tokens"] > 0
+    assert cap["kv_cache_tokens"] == cap["num_blocks"] * cap["block_size"]
+    # The tokens fit in the bytes the cache was given, to within one block.
+    kv_bytes = cap["kv_cache_gib_per_gpu"] * GiB
+    assert cap["kv_cache_tokens"] * 131072 <= kv_bytes + 0.001 * GiB
+    assert kv_bytes - cap["kv_cache_tokens"] * 131072 < cap["block_size"] * 131072 + 0.001 * GiB
+    assert cap["max_concurrency"] == pytest.approx(cap["kv_cache_tokens"] / cap["max_model_len"], abs=0.01)
+    assert cap["max_model_len"] == 131072  # the model's max_position_embeddings by default
+    assert 1 < cap["max_concurrency"] < 10
+    # Every term of the budget adds up to what vLLM requested (utilization x total).
+    terms = ("weights_gib_per_gpu", "activation_peak_gib", "non_torch_gib", "kv_cache_gib_per_gpu")
+    total = sum(cap[t] for t in terms) + (cap["cuda_graph_gib"] if cap["cuda_graph_counted"] else 0)
+    assert total == pytest.approx(cap["requested_gib"], abs=0.005)
+    # H100: CUDA reports 79.22 GiB of the 80 GiB AWS lists (vllm PR 10511's log); the engine budgets that.
+    assert cap["gpu_memory_gib"] == pytest.approx(79.22, abs=0.001)
+    assert cap["requested_gib"] == pytest.approx(79.22 * cap["gpu_memory_utilization"], abs=0.001)
+    assert cap["problems"] == []
+
+
+def test_capacity_gpu_memory_gib_equals_catalog_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    assert accelerator("H100").memory_bytes == 80 * GiB  # as AWS reports it
+    assert accelerator("H100").usable_memory_bytes == round(79.22 * GiB)  # as CUDA reports it
+    by_name = run_json(capsys, "capacity", "--model", LLAMA_8B, "--gpu", "H100")
+    by_size = run_json(capsys, "capacity", "--model", LLAMA_8B, "--gpu-memory-gib", "79.22")
+    assert by_size == by_name
+    # Without a log figure the AWS figure is used: A10G.
+    a10g = run_json(capsys, "capacity", "--model", LLAMA_8B, "--gpu", "A10G", "--max-model-len", "4096")
+    assert a10g["gpu_memory_gib"] == pytest.approx(22.352, abs=0.001)
+
+
+def test_capacity_table_output(capsys: pytest.CaptureFixture[str]) -> None:
+    cap = run_json(capsys, "capacity", "--model", LLAMA_8B, "--gpu", "H100")
+    code, out, err = run(capsys, "capacity", "--model", LLAMA_8B, "--gpu", "H100")
+    assert code == 0, err
+    assert err == ""
+    assert "KV cache tokens" in out
+    assert "131,072" in out  # KV bytes / token
+    assert f"{cap['kv_cache_tokens']:,}" in out
+    assert f"{cap['num_blocks']:,}" in out
+
+
+@pytest.mark.parametrize("as_file", [False, True], ids=["directory", "config.json"])
+def test_capacity_from_local_config(capsys: pytest.CaptureFixture[str], config_dir: Path, as_file: bool) -> None:
+    ref = config_dir / "config.json" if as_file else config_dir
+    cap = run_json(capsys, "capacity", "--model", str(ref), "--gpu", "H100")
+    assert cap["kv_bytes_per_token_per_gpu"] == BRIEF_KV_BYTES_PER_TOKEN == 131072
+    assert cap["max_model_len"] == 8192  # the config's max_position_embeddings
+    assert cap["weight_precision"] == "bf16"
+    assert cap["kv_cache_tokens"] > 8192
+    assert cap["kv_groups"] == [
+        {"attention": "full", "window_tokens": None, "layers": 32, "bytes_per_token_per_layer": 4096}
+    ]
+
+
+def test_local_config_matches_catalog_llama(capsys: pytest.CaptureFixture[str], config_dir: Path) -> None:
+    local = run_json(capsys, "capacity", "--model", str(config_dir), "--gpu", "H100", "--max-model-len", "8192")
+    catalog = run_json(capsys, "capacity", "--model", LLAMA_8B, "--gpu", "H100", "--max-model-len", "8192")
+    for key in ("kv_bytes_per_token_per_gpu", "weights_gib_per_gpu", "kv_cache_tokens", "num_blocks"):
+        assert local[key] == catalog[key], key
+
+
+def test_capacity_tp2_halves_kv_bytes_per_token(capsys: pytest.CaptureFixture[str]) -> None:
+    cap = run_json(capsys, "capacity", "--model", LLAMA_8B, "--gpu", "H100", "--tp", "2")
+    assert cap["tensor_parallel_size"] == 2
+    assert cap["kv_bytes_per_token_per_gpu"] == 65536
+
+
+def test_capacity_fp8_kv_halves_kv_bytes_per_token(capsys: pytest.CaptureFixture[str]) -> None:
+    cap = run_json(capsys, "capacity", "--model", LLAMA_8B, "--gpu", "H100", "--kv-cache-dtype", "fp8")
+    assert cap["kv_bytes_per_token_per_gpu"] == 65536
+    assert cap["kv_cache_dtype"].startswith("fp8")
+
+
+# ---- capacity: bad input -------------------------------------------------------------------------
+
+
+def test_unknown_model(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "capacity", "--model", "no/such-model", "--gpu", "H100")
+    one_error_line(code, err, "unknown model", "'no/such-model'", "model")
+
+
+def test_unknown_model_suggests_near_names(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "capacity", "--model", "meta-llama/Llama-3.1-8", "--gpu", "H100")
+    one_error_line(code, err, "unknown model", "did you mean", LLAMA_8B)
+
+
+def test_impossible_tensor_parallelism(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "capacity", "--model", LLAMA_8B, "--gpu", "H100", "--tp", "3")
+    line = one_error_line(code, err, "tensor_parallel_size", "3", "32 attention heads")
+    assert "1, 2, 4, 8" in line  # the divisors to choose from
+
+
+@pytest.mark.parametrize("flag", ["--max-model-len", "--max-num-seqs", "--tp", "--block-size"])
+def test_negative_lengths_rejected_by_argparse(capsys: pytest.CaptureFixture[str], flag: str) -> None:
+    code, out, err = run(capsys, "capacity", "--model", LLAMA_8B, "--gpu", "H100", flag, "-5")
+    one_error_line(code, err, f"argument {flag}", "must be positive, got -5")
+    assert out == ""
+
+
+def test_non_numeric_length(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "capacity", "--model", LLAMA_8B, "--gpu", "H100", "--max-model-len", "lots")
+    one_error_line(code, err, "argument --max-model-len", "expected a whole number, got 'lots'")
+
+
+def test_malformed_config_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    d = write_config(tmp_path, "broken", "{not json")
+    code, _, err = run(capsys, "capacity", "--model", str(d), "--gpu", "H100")
+    one_error_line(code, err, "model", "not valid JSON", "line 1", str(d / "config.json"))
+
+
+def test_config_kv_heads_must_divide_heads(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    d = write_config(tmp_path, "kv5", json.dumps({**BRIEF_CONFIG, "num_key_value_heads": 5}))
+    code, _, err = run(capsys, "capacity", "--model", str(d), "--gpu", "H100")
+    one_error_line(code, err, "num_key_value_heads", "5", "32")
+
+
+def test_config_missing_num_hidden_layers(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    cfg = {k: v for k, v in BRIEF_CONFIG.items() if k != "num_hidden_layers"}
+    d = write_config(tmp_path, "nolayers", json.dumps(cfg))
+    code, _, err = run(capsys, "capacity", "--model", str(d), "--gpu", "H100")
+    one_error_line(code, err, "num_hidden_layers", "missing")
+
+
+def test_config_directory_without_config_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, _, err = run(capsys, "capacity", "--model", str(tmp_path), "--gpu", "H100")
+    one_error_line(code, err, "model", "no config.json", str(tmp_path))
+
+
+def test_unknown_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "capacity", "--model", LLAMA_8B, "--gpu", "H900")
+    one_error_line(code, err, "gpu:", "unknown accelerator 'H900'", "H100", "--gpu-memory-gib")
+
+
+def test_gpu_and_gpu_memory_are_exclusive(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "capacity", "--model", LLAMA_8B, "--gpu", "H100", "--gpu-memory-gib", "80")
+    one_error_line(code, err, "--gpu-memory-gib", "not allowed with argument --gpu")
+
+
+def test_unknown_kv_cache_dtype(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "capacity", "--model", LLAMA_8B, "--gpu", "H100", "--kv-cache-dtype", "int3")
+    one_error_line(code, err, "kv_cache_dtype", "'int3'", "fp8")
+
+
+@pytest.mark.parametrize("value", ["1.5", "0", "-0.2", "nan"])
+def test_gpu_memory_utilization_out_of_range(capsys: pytest.CaptureFixture[str], value: str) -> None:
+    code, _, err = run(capsys, "capacity", "--model", LLAMA_8B, "--gpu", "H100", "--gpu-memory-utilization", value)
+    one_error_line(code, err, "argument --gpu-memory-utilization", value)
+
+
+def test_max_model_len_above_max_position_embeddings(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "capacity", "--model", LLAMA_8B, "--gpu", "H100", "--max-model-len", "131073")
+    one_error_line(code, err, "max_model_len", "131073", "max_position_embeddings (131072)", "at most 131072")
+
+
+def test_max_model_len_above_local_config_limit(capsys: pytest.CaptureFixture[str], config_dir: Path) -> None:
+    code, _, err = run(capsys, "capacity", "--model", str(config_dir), "--gpu", "H100", "--max-model-len", "8193")
+    one_error_line(code, err, "max_model_len", "(8192)")
+
+
+def test_model_that_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "capacity", "--model", "meta-llama/Llama-3.1-70B", "--gpu", "A10G", "--json")
+    one_error_line(code, err, "the engine would not start", "no memory left for the KV cache", "GiB")
+    cap = json.loads(out)  # the breakdown still goes to stdout
+    assert cap["kv_cache_gib_per_gpu"] == 0
+    assert cap["kv_cache_tokens"] == 0
+    assert cap["weights_gib_per_gpu"] > cap["requested_gib"]
+    assert len(cap["problems"]) == 1
+
+
+def test_unknown_quantization(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "capacity", "--model", LLAMA_8B, "--gpu", "H100", "--quantization", "int3")
+    one_error_line(code, err, "quantization", "'int3'", "awq")
+
+
+def test_quantized_checkpoint_rejects_other_precision(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "capacity", "--model", "openai/gpt-oss-120b", "--gpu", "H100", "--quantization", "bf16")
+    one_error_line(code, err, "quantization", "already quantized as mxfp4")
+
+
+def test_bad_engine_version(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "capacity", "--model", LLAMA_8B, "--gpu", "H100", "--engine-version", "banana")
+    one_error_line(code, err, "engine_version", "'banana'")
+
+
+def test_infinite_gpu_memory_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "capacity", "--model", LLAMA_8B, "--gpu-memory-gib", "inf")
+    one_error_line(code, err, "--gpu-memory-gib")
+
+
+# ---- plan ----------------------------------------------------------------------------------------
+
+PLAN_8B = (
+    "plan",
+    "--model",
+    LLAMA_8B,
+    "--max-input-tokens",
+    "2048",
+    "--max-output-tokens",
+    "512",
+    "--concurrency",
+    "8",
+)
+
+
+def test_plan_from_flags_json(capsys: pytest.CaptureFixture[str]) -> None:
+    plans = run_json(capsys, *PLAN_8B)
+    assert len(plans) == 1
+    p = plans[0]
+    assert p["deployment"] == "plan"
+    assert p["model"] == LLAMA_8B
+    assert p["platform"] == "sagemaker"
+    cands = p["candidates"]
+    assert len(cands) == 5  # --top default
+    prices = [c["fleet_usd_per_hour"] for c in cands]
+    assert prices == sorted(prices)
+    assert prices[0] > 0
+    for c in cands:
+        assert c["instance_type"].startswith("ml.")
+        assert c["concurrency_per_replica"] == 8
+        assert c["limited_by"] == "concurrency-target"
+        assert c["cache_concurrency"] >= 8
+        args = c["engine_settings"]["args"]
+        assert c["engine_settings"]["engine"] == "vllm"
+        assert args["max-num-seqs"] == c["concurrency_per_replica"]
+        assert args["max-model-len"] == 2560
+        assert args["tensor-parallel-size"] == c["tensor_parallel_size"]
+        assert c["memory"]["max_num_seqs"] == 8
+        assert c["memory"]["kv_bytes_per_token_per_gpu"] == 131072 // c["tensor_parallel_size"]
+        assert c["fleet_usd_per_hour"] == pytest.approx(c["instance_count"] * c["usd_per_hour_per_instance"], abs=1e-3)
+        cli = c["engine_settings"]["cli"]
+        assert cli[cli.index("--max-num-seqs") + 1] == "8"
+    rej = p["rejections"]
+    assert len(rej) > 10
+    assert all(r["reason"] for r in rej)
+    assert all(
+        set(r) == {"instance_type", "tensor_parallel_size", "weight_precision", "kv_cache_dtype", "reason"} for r in rej
+    )
+    reasons = " | ".join(r["reason"] for r in rej)
+    assert "Neuron" in reasons
+    assert "no memory left for the KV cache" in reasons
+    g4dn = next(r for r in rej if r["instance_type"] == "g4dn.xlarge")
+    assert g4dn["tensor_parallel_size"] == 1
+    assert "GiB" in g4dn["reason"]
+
+
+def test_plan_top_and_price_ceiling(capsys: pytest.CaptureFixture[str]) -> None:
+    plans = run_json(capsys, *PLAN_8B, "--top", "2", "--max-usd-per-hour", "1.3")
+    cands = plans[0]["candidates"]
+    assert 1 <= len(cands) <= 2
+    assert all(c["fleet_usd_per_hour"] <= 1.3 for c in cands)
+    assert any("ceiling" in r["reason"] for r in plans[0]["rejections"])
+
+
+def test_plan_pinned_instance_and_ec2(capsys: pytest.CaptureFixture[str]) -> None:
+    plans = run_json(capsys, *PLAN_8B, "--platform", "ec2", "--instance-type", "g5.xlarge")
+    assert plans[0]["platform"] == "ec2"
+    assert [c["instance_type"] for c in plans[0]["candidates"]] == ["g5.xlarge"]
+
+
+def test_plan_table_output(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, *PLAN_8B)
+    assert code == 0, err
+    assert err == ""
+    assert "chosen: ml." in out
+    assert "vllm serve <model> --tensor-parallel-size 1" in out
+    assert "--max-num-seqs 8" in out
+    assert "rejected" in out
+
+
+def test_plan_nothing_fits(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(
+        capsys,
+        "plan",
+        "--model",
+        "meta-llama/Llama-3.1-405B",
+        "--family",
+        "g5",
+        "--max-input-tokens",
+        "100000",
+        "--max-output-tokens",
+        "8000",
+        "--concurrency",
+        "64",
+    )
+    one_error_line(code, err, "no candidate fits", "Llama-3.1-405B", "108000-token", "needs", "GiB", "would fit with")
+    assert out == ""
+
+
+def test_plan_needs_model_or_environment(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "plan", "--max-input-tokens", "10")
+    one_error_line(code, err, "--model", "--max-output-tokens")
+
+
+def test_plan_unknown_family_names_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, *PLAN_8B, "--family", "zz")
+    one_error_line(code, err, "allowed families (zz)", "any instance family")
+
+
+def test_plan_unknown_precision(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, *PLAN_8B, "--precision", "fp3")
+    one_error_line(code, err, "weight_precisions", "'fp3'")
+
+
+def test_plan_infinite_peak_rps_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, *PLAN_8B, "--peak-rps", "inf")
+    one_error_line(code, err, "--peak-rps")
+
+
+@pytest.mark.parametrize(
+    ("env", "deployment", "model"),
+    [
+        ("dev", "chat", LLAMA_8B),
+        ("staging", "assistant", "Qwen/Qwen2.5-32B"),
+        ("prod", "chat-70b", "meta-llama/Llama-3.3-70B-Instruct"),
+        ("platform", "coder", "Qwen/Qwen2.5-7B"),
+    ],
+)
+def test_plan_environment_files(capsys: pytest.CaptureFixture[str], env: str, deployment: str, model: str) -> None:
+    plans = run_json(capsys, "plan", str(REPO / "environments" / f"{env}.yaml"))
+    assert [p["deployment"] for p in plans] == [deployment]
+    assert plans[0]["model"] == model
+    cands = plans[0]["candidates"]
+    assert cands
+    prices = [c["fleet_usd_per_hour"] for c in cands]
+    assert prices == sorted(prices)
+    for c in cands:
+        # SageMaker names its instance types ml.*; the EC2 and EKS examples use EC2 names.
+        assert c["instance_type"].startswith("ml.") == (env in ("dev", "prod"))
+        assert c["replicas"] >= 1
+        assert c["engine_settings"]["args"]["max-num-seqs"] == c["concurrency_per_replica"]
+    if env == "prod":
+        assert all(c["fleet_usd_per_hour"] <= 500 for c in cands)
+        families = {"p4d", "p4de", "p5", "p5e", "p5en", "g6e"}
+        assert all(c["instance_type"].split(".")[1] in families for c in cands)
+        assert all(c["engine_settings"]["args"]["max-model-len"] == 16384 + 2048 for c in cands)
+
+
+def test_plan_missing_environment_file(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "plan", str(REPO / "environments" / "nope.yaml"))
+    # The error lists the environments that do exist, so a typo is one look away from the fix.
+    found = ", ".join(sorted(p.stem for p in (REPO / "environments").glob("*.yaml")))
+    assert "dev" in found
+    one_error_line(code, err, "environment", "no environment file", "nope.yaml", f"found: {found}")
+
+
+def test_plan_invalid_environment_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    text = (REPO / "environments" / "dev.yaml").read_text(encoding="utf-8")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace("      itl_ms: 60\n", "      itl_ms: 60\n      bogus: 1\n"), encoding="utf-8")
+    code, out, err = run(capsys, "plan", str(bad))
+    assert code == 2
+    assert out == ""
+    assert "Traceback" not in err
+    first = err.splitlines()[0]
+    line = text.splitlines().index("      itl_ms: 60") + 2  # the inserted key's line, 1-based
+    assert (
+        first
+        == f"kvfleet: error: {bad}:{line}: deployments[0].workload.bogus: unknown key; remove it or check its spelling"
+    )
+
+
+# ---- catalogs ------------------------------------------------------------------------------------
+
+REQUIRED_MODELS = {
+    "meta-llama/Llama-2-7b-chat-hf",
+    "meta-llama/Meta-Llama-3-8B",
+    "meta-llama/Llama-3.1-8B",
+    "meta-llama/Llama-3.1-70B",
+    "meta-llama/Llama-3.3-70B-Instruct",
+    "meta-llama/Llama-4-Scout-17B-16E-Instruct",
+    "mistralai/Mistral-7B-Instruct-v0.3",
+    "mistralai/Mixtral-8x7B-v0.1",
+    "Qwen/Qwen2-7B-Instruct",
+    "Qwen/Qwen2.5-7B",
+    "Qwen/Qwen3-8B",
+    "Qwen/Qwen3-30B-A3B",
+    "google/gemma-2-9b",
+    "google/gemma-3-12b-it",
+    "microsoft/Phi-3-mini-4k-instruct",
+    "microsoft/phi-4",
+    "deepseek-ai/DeepSeek-V2-Lite",
+    "deepseek-ai/DeepSeek-V3",
+    "deepseek-ai/DeepSeek-R1",
+    "openai/gpt-oss-120b",
+}
+
+
+def test_models_json(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = run_json(capsys, "models")
+    assert len(rows) >= 25
+    by_id = {r["id"]: r for r in rows}
+    assert len(by_id) == len(rows)  # ids are unique
+    assert sorted(REQUIRED_MODELS - by_id.keys()) == []
+    llama = by_id[LLAMA_8B]
+    assert (llama["layers"], llama["kv_heads"], llama["head_dim"]) == (32, 8, 128)
+    assert llama["kv_bytes_per_token"] == 131072
+    assert llama["max_position_embeddings"] == 131072
+    assert llama["params_b"] == pytest.approx(8.03, abs=0.05)
+    for moe in ("Qwen/Qwen3-30B-A3B", "mistralai/Mixtral-8x7B-v0.1", "deepseek-ai/DeepSeek-V3", "openai/gpt-oss-120b"):
+        assert by_id[moe]["active_params_b"] < by_id[moe]["params_b"], moe
+    for moe in ("Qwen/Qwen3-30B-A3B", "deepseek-ai/DeepSeek-V3", "meta-llama/Llama-4-Scout-17B-16E-Instruct"):
+        assert by_id[moe]["active_params_b"] < 0.2 * by_id[moe]["params_b"], moe
+    for dense in ("Qwen/Qwen3-8B", "Qwen/Qwen2.5-7B", "microsoft/phi-4", "google/gemma-2-9b"):
+        assert 0.85 * by_id[dense]["params_b"] <= by_id[dense]["active_params_b"] <= by_id[dense]["params_b"], dense
+    # Untied input embedding (128256 x 4096, a lookup) is not an active parameter.
+    assert llama["params_b"] - llama["active_params_b"] == pytest.approx(128256 * 4096 / 1e9, abs=0.011)
+    assert by_id["openai/gpt-oss-120b"]["precision"] == "mxfp4"
+    assert all(r["kv_bytes_per_token"] > 0 and r["source"] for r in rows)
+
+
+def test_models_table(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "models")
+    assert code == 0, err
+    assert "131,072" in out
+    assert "Llama-3.1-8B" in out
+
+
+def test_instances_json(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = run_json(capsys, "instances")
+    by_name = {r["instance_type"]: r for r in rows}
+    g5 = by_name["g5.xlarge"]
+    assert g5["gpu_memory_gib"] == 22.352
+    assert g5["accelerator"] == "A10G"
+    assert g5["kind"] == "gpu"
+    assert g5["count"] == 1
+    inf2 = [r for n, r in by_name.items() if n.startswith("inf2.")]
+    assert inf2
+    assert all(r["kind"] == "neuron" for r in inf2)
+    assert not any(n.startswith("ml.") for n in by_name)
+
+
+def test_instances_sagemaker_json(capsys: pytest.CaptureFixture[str]) -> None:
+    everything = run_json(capsys, "instances")
+    rows = run_json(capsys, "instances", "--platform", "sagemaker")
+    assert rows
+    assert len(rows) < len(everything)
+    assert all(r["instance_type"].startswith("ml.") for r in rows)
+    assert all(r["sagemaker_endpoint"] is True for r in rows)
+    assert "ml.g5.xlarge" in {r["instance_type"] for r in rows}
+
+
+def test_instances_table(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "instances", "--platform", "ec2")
+    assert code == 0, err
+    assert "g5.xlarge" in out
+    assert "(ec2)" in out
+
+
+# ---- usage ---------------------------------------------------------------------------------------
+
+
+def test_no_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys)
+    one_error_line(code, err, "required", "command")
+    assert out == ""
+
+
+def test_unknown_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "bogus")
+    one_error_line(code, err, "invalid choice: 'bogus'", "capacity", "plan")
+    assert out == ""
+
+
+def test_subcommand_error_points_at_its_help(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "capacity", "--gpu", "H100")
+    one_error_line(code, err, "--model", "(see kvfleet capacity --help)")
+
+
+def test_top_level_error_points_at_kvfleet_help(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "bogus")
+    line = one_error_line(code, err)
+    assert "kvfleet kvfleet" not in line
+
+
+def _kvfleet_command() -> list[str]:
+    script = Path(sys.executable).parent / "kvfleet"
+    if script.is_file():
+        return [str(script)]
+    found = shutil.which("kvfleet")
+    return [found] if found else [sys.executable, "-m", "kvfleet.cli"]
+
+
+def test_executable_exit_status_and_stderr() -> None:
+    proc = subprocess.run(
+        [*_kvfleet_command(), "capacity", "--model", "no/such-model", "--gpu", "H100"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("kvfleet: error: model: unknown model 'no/such-model'")
