@@ -223,9 +223,10 @@ def _print_capacity(cap: Capacity) -> None:
 
 
 def _request_from_flags(a: argparse.Namespace) -> PlanRequest:
+    from kvfleet.deployments import workload
     from kvfleet.sizing.catalog import resolve_model
     from kvfleet.sizing.engines import EngineName
-    from kvfleet.sizing.planner import PlanRequest, Workload
+    from kvfleet.sizing.planner import PlanRequest
     from kvfleet.sizing.precision import KvDtype, kv_dtype
 
     missing = [
@@ -239,15 +240,15 @@ def _request_from_flags(a: argparse.Namespace) -> PlanRequest:
     ]
     if missing:
         raise KvfleetError(f"plan needs an environment file or {', '.join(missing)}")
-    wl = Workload(
+    wl = workload(
         max_input_tokens=a.max_input_tokens,
         max_output_tokens=a.max_output_tokens,
         concurrency_per_replica=a.concurrency,
         peak_requests_per_s=a.peak_rps,
         avg_input_tokens=a.avg_input_tokens,
         avg_output_tokens=a.avg_output_tokens,
-        ttft_target_s=None if a.ttft_ms is None else a.ttft_ms / 1e3,
-        itl_target_s=None if a.itl_ms is None else a.itl_ms / 1e3,
+        ttft_ms=a.ttft_ms,
+        itl_ms=a.itl_ms,
     )
     kvs = tuple(kv_dtype(k) for k in a.kv_cache_dtype) or (KvDtype.AUTO,)
     return PlanRequest(

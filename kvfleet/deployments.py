@@ -27,7 +27,7 @@ from kvfleet.sizing.startup import StartupEstimate, startup_estimate
 from kvfleet.sizing.units import GiB
 
 if TYPE_CHECKING:
-    from kvfleet.config.schema import Deployment, Environment, WorkloadConfig
+    from kvfleet.config.schema import Deployment, Environment
 
 IMAGE_DISK_GIB = 30  # engine image layers on the instance's disk
 _TIMEOUT_SAFETY = 2.0  # timeouts are twice the estimate: too short kills a replica that would have come up
@@ -49,17 +49,28 @@ def engine_args(c: Candidate) -> EngineArgs:
     )
 
 
-def workload(w: WorkloadConfig) -> Workload:
-    """The planner's workload from the file's (milliseconds become seconds)."""
+def workload(
+    *,
+    max_input_tokens: int,
+    max_output_tokens: int,
+    concurrency_per_replica: int | None = None,
+    peak_requests_per_s: float | None = None,
+    avg_input_tokens: int | None = None,
+    avg_output_tokens: int | None = None,
+    ttft_ms: float | None = None,
+    itl_ms: float | None = None,
+) -> Workload:
+    """The planner's workload in the file's terms (``WorkloadConfig`` fields, also the CLI's flags): targets in
+    milliseconds become seconds here and nowhere else."""
     return Workload(
-        max_input_tokens=w.max_input_tokens,
-        max_output_tokens=w.max_output_tokens,
-        concurrency_per_replica=w.concurrency_per_replica,
-        peak_requests_per_s=w.peak_requests_per_s,
-        avg_input_tokens=w.avg_input_tokens,
-        avg_output_tokens=w.avg_output_tokens,
-        ttft_target_s=None if w.ttft_ms is None else w.ttft_ms / 1e3,
-        itl_target_s=None if w.itl_ms is None else w.itl_ms / 1e3,
+        max_input_tokens=max_input_tokens,
+        max_output_tokens=max_output_tokens,
+        concurrency_per_replica=concurrency_per_replica,
+        peak_requests_per_s=peak_requests_per_s,
+        avg_input_tokens=avg_input_tokens,
+        avg_output_tokens=avg_output_tokens,
+        ttft_target_s=None if ttft_ms is None else ttft_ms / 1e3,
+        itl_target_s=None if itl_ms is None else itl_ms / 1e3,
     )
 
 
@@ -82,7 +93,7 @@ def plan_requests(env: Environment) -> tuple[DeploymentRequest, ...]:
             raise KvfleetError(str(err), field=f"deployments.{d.name}.model") from None
         req = PlanRequest(
             model=model,
-            workload=workload(d.workload),
+            workload=workload(**d.workload.model_dump()),
             engine=EngineName(d.engine.name),
             engine_version=d.engine.version,
             hosting=d.target.hosting,

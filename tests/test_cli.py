@@ -315,7 +315,7 @@ def test_plan_from_flags_json(capsys: pytest.CaptureFixture[str]) -> None:
         assert c["concurrency_per_replica"] == 8
         assert c["limited_by"] == "concurrency-target"
         assert c["cache_concurrency"] >= 8
-        args = c["engine_settings"]["args"]
+        args = c["engine_settings"]["settings"]
         assert c["engine_settings"]["engine"] == "vllm"
         assert args["max-num-seqs"] == c["concurrency_per_replica"]
         assert args["max-model-len"] == 2560
@@ -323,7 +323,8 @@ def test_plan_from_flags_json(capsys: pytest.CaptureFixture[str]) -> None:
         assert c["memory"]["max_num_seqs"] == 8
         assert c["memory"]["kv_bytes_per_token_per_gpu"] == 131072 // c["tensor_parallel_size"]
         assert c["fleet_usd_per_hour"] == pytest.approx(c["instance_count"] * c["usd_per_hour_per_instance"], abs=1e-3)
-        cli = c["engine_settings"]["cli"]
+        cli = c["engine_settings"]["command"].split()
+        assert cli[:2] == ["vllm", "serve"]
         assert cli[cli.index("--max-num-seqs") + 1] == "8"
     rej = p["rejections"]
     assert len(rej) > 10
@@ -423,12 +424,12 @@ def test_plan_environment_files(capsys: pytest.CaptureFixture[str], env: str, de
         # SageMaker names its instance types ml.*; the EC2 and EKS examples use EC2 names.
         assert c["instance_type"].startswith("ml.") == (env in ("dev", "prod"))
         assert c["replicas"] >= 1
-        assert c["engine_settings"]["args"]["max-num-seqs"] == c["concurrency_per_replica"]
+        assert c["engine_settings"]["settings"]["max-num-seqs"] == c["concurrency_per_replica"]
     if env == "prod":
         assert all(c["fleet_usd_per_hour"] <= 500 for c in cands)
         families = {"p4d", "p4de", "p5", "p5e", "p5en", "g6e"}
         assert all(c["instance_type"].split(".")[1] in families for c in cands)
-        assert all(c["engine_settings"]["args"]["max-model-len"] == 16384 + 2048 for c in cands)
+        assert all(c["engine_settings"]["settings"]["max-model-len"] == 16384 + 2048 for c in cands)
 
 
 def test_plan_missing_environment_file(capsys: pytest.CaptureFixture[str]) -> None:

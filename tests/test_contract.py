@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -63,20 +64,69 @@ def test_lookup_by_name() -> None:
         contract.signal("GPUUtilization")
 
 
-def test_contract_is_pure_python() -> None:
-    # The agent imports it inside the serving image, where aws_cdk is not installed.
-    tree = ast.parse((REPO / "stacks" / "contract.py").read_text(encoding="utf-8"))
-    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+PACKAGE = REPO / "kvfleet"
+
+
+def _string_literals(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return [
+        (n.lineno, n.value) for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+    ]
+
+
+def test_contract_is_standard_library_only() -> None:
+    # The image copies contract.py and nothing else of the infrastructure.
+    tree = ast.parse((PACKAGE / "contract.py").read_text(encoding="utf-8"))
+    imported = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert imported <= {"__future__", "dataclasses", "enum"}
+    assert {m.split(".")[0] for m in imported} <= set(sys.stdlib_module_names) | {"__future__"}
 
 
-def test_stacks_do_not_spell_metric_names_themselves() -> None:
+def test_infrastructure_does_not_spell_metric_names_itself() -> None:
     # Scaling policies, alarms and dashboards take names from the contract, never from string literals.
-    for path in (REPO / "stacks").glob("*.py"):
-        if path.name == "contract.py":
-            continue
+    for path in (PACKAGE / "infra").rglob("*.py"):
         text = path.read_text(encoding="utf-8")
         for s in contract.SIGNALS:
             assert f'metric_name="{s.name}"' not in text, (path.name, s.name)
         assert f'"{contract.NAMESPACE}"' not in text, path.name
+
+
+CONTRACT_VALUES = {
+    v
+    for k, v in vars(contract).items()
+    if k.startswith("ENV_") or k in ("HEALTH_ROUTE", "DRAIN_ROUTE", "MODEL_DIR", "HF_HOME", "AGENT_COMMAND")
+}
+
+
+def test_contract_values_are_spelled_only_in_the_contract() -> None:
+    """Every variable name, route and path the stacks and the image share is written once, in contract.py."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "contract.py":
+            continue
+        for line, value in _string_literals(path):
+            if value in CONTRACT_VALUES:
+                found.append(f"{path.relative_to(REPO)}:{line}: {value!r}")
+    assert found == []
+
+
+def test_the_literal_check_finds_a_spelled_variable(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text('NAME = "KVFLEET_DEPLOYMENT"\n', encoding="utf-8")
+    assert [v for _, v in _string_literals(bad) if v in CONTRACT_VALUES] == ["KVFLEET_DEPLOYMENT"]
+
+
+def test_env_names_are_unique_and_namespaced() -> None:
+    names = [v for k, v in vars(contract).items() if k.startswith("ENV_")]
+    assert len(names) == len(set(names))
+    assert all(n.startswith("KVFLEET_") for n in names)
+
+
+def test_image_tags_carry_the_engine_release_and_the_contract_version() -> None:
+    tag = contract.image_tag("0.30.0")
+    assert tag == f"0.30.0-kvfleet{contract.CONTRACT_VERSION}"
+    assert contract.parse_image_tag(tag) == ("0.30.0", contract.CONTRACT_VERSION)
+    assert contract.parse_image_tag("0.30.0-kvfleet7-20261201") == ("0.30.0", 7)
+    assert contract.parse_image_tag("1.0.0rc1-kvfleet1") == ("1.0.0rc1", 1)
+    for other in ("0.30.0", "latest", "kvfleet1", "0.30.0-kvfleet", "0.30.0-kvfleetX"):
+        assert contract.parse_image_tag(other) is None, other

@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 
 from kvfleet.deployments import ResolvedDeployment, engine_args, resolve_environment
-from kvfleet.engines import ENGINES
+from kvfleet import contract
+from kvfleet.engines import ENGINES, EngineArgs
 from kvfleet.errors import KvfleetError
 from kvfleet.sizing.catalog import catalog_model
 from kvfleet.sizing.engines import EngineName
@@ -76,8 +77,11 @@ def test_initial_count_is_the_plan_within_the_bounds() -> None:
 def test_kvfleet_image_environment_is_exact_engine_args() -> None:
     r = resolve()
     env = r.container_environment()
-    args = json.loads(env["KVFLEET_ENGINE_ARGS"])
-    assert args == r.engine_settings["args"]
+    args = EngineArgs.from_json(env[contract.ENV_ENGINE_ARGS])
+    assert args == r.engine_args
+    assert (args.max_num_seqs, args.max_model_len) == (r.candidate.concurrency_per_replica, 4096 + 1024)
+    assert args.tensor_parallel_size == r.candidate.tensor_parallel_size
+    assert env[contract.ENV_CONTRACT_VERSION] == str(contract.CONTRACT_VERSION)
     assert env["KVFLEET_PORT"] == "8080"
     assert env["KVFLEET_PUT_METRIC_DATA"] == "0"
     assert "KVFLEET_HF_TOKEN_SECRET_ARN" not in r.container_environment(isolated=True)
@@ -93,7 +97,7 @@ def test_trtllm_dlc_environment_uses_djl_options() -> None:
     )
     r = resolve(text)
     env = r.container_environment()
-    opts = r.engine_settings["llm_api_options"]
+    opts = ENGINES["trtllm"].settings(r.engine_args)
     assert env["OPTION_ROLLING_BATCH"] == "trtllm"
     assert env["OPTION_MAX_ROLLING_BATCH_SIZE"] == str(opts["max_batch_size"]) == "16"
     assert env["OPTION_MAX_INPUT_LEN"] == "4096"

@@ -1,7 +1,8 @@
-"""Entry point: ``python -m kvfleet.agent`` serves; ``python -m kvfleet.agent drain`` drains a running agent.
+"""The ``kvfleet-agent`` command: ``kvfleet-agent [serve]`` serves; ``kvfleet-agent drain`` drains a running agent.
 
-The second form is what a Kubernetes preStop hook runs: it returns when the replica has drained, and
-the pod's SIGTERM then finds nothing left to wait for.
+The second form (``contract.DRAIN_COMMAND``) is what a Kubernetes preStop hook runs: it returns when the
+replica has drained, and the pod's SIGTERM then finds nothing left to wait for. ``python -m kvfleet.agent``
+runs the same ``main``.
 """
 
 from __future__ import annotations
@@ -19,43 +20,47 @@ from kvfleet.agent.settings import AgentSettings, SettingsError, from_env
 
 log = logging.getLogger("kvfleet.agent")
 
+DRAIN = contract.DRAIN_COMMAND[1]
 
-def _hf_token(settings: AgentSettings) -> dict[str, str]:
+
+async def _hf_token(settings: AgentSettings) -> dict[str, str]:
     """The Hugging Face token for gated models, read from Secrets Manager at start-up (never stored)."""
-    if not settings.hf_token_secret_arn:
+    arn = settings.hf_token_secret_arn
+    if not arn:
         return {}
-    try:
-        import boto3
+    from kvfleet.agent import aws
 
-        client = boto3.client("secretsmanager", region_name=settings.region)
-        value = client.get_secret_value(SecretId=settings.hf_token_secret_arn)["SecretString"].strip()
+    try:
+        client = await asyncio.to_thread(aws.client, "secretsmanager", settings.region)
+        answer = await aws.call(
+            lambda: client.get_secret_value(SecretId=arn), what="GetSecretValue", retry=aws.Retry(), log=log
+        )
+        value = str(answer["SecretString"]).strip()
     except Exception as err:  # the engine then fails on the gated download, visibly
-        log.error("could not read the Hugging Face token from %s: %s", settings.hf_token_secret_arn, err)
+        log.error("could not read the Hugging Face token from %s: %s", arn, err)
         return {}
     return {"HF_TOKEN": value, "HUGGING_FACE_HUB_TOKEN": value}
 
 
 async def serve(settings: AgentSettings) -> int:
-    from kvfleet.agent import lifecycle, metrics
+    from kvfleet.agent import aws, lifecycle, metrics
     from kvfleet.agent.engine import EngineSupervisor
     from kvfleet.agent.server import Agent
 
+    try:
+        watcher = lifecycle.watcher_from_env(os.environ)
+    except ValueError as err:
+        print(f"{contract.AGENT_COMMAND}: {err}", file=sys.stderr)
+        return 2
     publisher = None
     if settings.put_metric_data:
-        import boto3
-
         publisher = metrics.CloudWatchPublisher(
-            client=boto3.client("cloudwatch", region_name=settings.region),
+            client=await asyncio.to_thread(aws.client, "cloudwatch", settings.region),
             namespace=settings.namespace,
             deployment=settings.deployment,
             replica=settings.replica,
         )
-    try:
-        watcher = lifecycle.watcher_from_env(os.environ)
-    except ValueError as err:
-        print(f"kvfleet-agent: {err}", file=sys.stderr)
-        return 2
-    extra_env = await asyncio.to_thread(_hf_token, settings)
+    extra_env = await _hf_token(settings)
     agent = Agent(settings, engine=EngineSupervisor(settings, extra_env=extra_env), publisher=publisher)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -70,43 +75,65 @@ async def serve(settings: AgentSettings) -> int:
 
 
 def drain_client(port: int) -> int:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/drain?wait=1", method="POST", data=b"")
+    url = f"http://127.0.0.1:{port}{contract.DRAIN_ROUTE}?wait=1"
+    req = urllib.request.Request(url, method="POST", data=b"")
     try:
         with urllib.request.urlopen(req, timeout=None) as r:
             print(r.read().decode())
         return 0
     except urllib.error.URLError as err:
-        print(f"kvfleet-agent: drain request failed: {err.reason}", file=sys.stderr)
+        print(f"{contract.AGENT_COMMAND}: drain request failed: {err.reason}", file=sys.stderr)
         return 1
+
+
+def _drain_port() -> int:
+    """The port to drain when the environment is not fully valid: the stack's, or the contract's."""
+    raw = os.environ.get(contract.ENV_PORT, "")
+    return int(raw) if raw.isdigit() else contract.SERVING_PORT
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["serve"]:
+    if argv[:1] == [contract.SERVE_ARG]:
         argv = argv[1:]  # SageMaker starts every inference container as `<entrypoint> serve`
-    logging.basicConfig(
-        level=os.environ.get("KVFLEET_LOG_LEVEL", "INFO"),
-        format="%(asctime)s %(levelname)s kvfleet-agent %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    level = os.environ.get(contract.ENV_LOG_LEVEL) or "INFO"
+    try:
+        logging.basicConfig(
+            level=int(level) if level.isdigit() else level.upper(),
+            format=f"%(asctime)s %(levelname)s {contract.AGENT_COMMAND} %(name)s: %(message)s",
+            stream=sys.stderr,
+        )
+    except ValueError:
+        print(f"{contract.AGENT_COMMAND}: {contract.ENV_LOG_LEVEL}: not a log level: {level!r}", file=sys.stderr)
+        return 2
     try:
         settings = from_env()
     except SettingsError as err:
-        if argv[:1] == ["drain"]:
-            return drain_client(int(os.environ.get(contract.ENV_PORT, "8080")))
-        print(f"kvfleet-agent: {err}", file=sys.stderr)
+        if argv[:1] == [DRAIN]:
+            return drain_client(_drain_port())
+        print(f"{contract.AGENT_COMMAND}: {err}", file=sys.stderr)
         return 2
-    if argv[:1] == ["drain"]:
+    if argv[:1] == [DRAIN]:
         return drain_client(settings.port)
     if argv:
-        print(f"kvfleet-agent: unknown command {argv[0]!r}; use `serve` (or nothing) or `drain`", file=sys.stderr)
+        print(
+            f"{contract.AGENT_COMMAND}: unknown command {argv[0]!r}; use {contract.SERVE_ARG} (or nothing) or {DRAIN}",
+            file=sys.stderr,
+        )
         return 2
+    log.info(
+        "contract %d; engine %s %s; serving on %s:%d",
+        contract.CONTRACT_VERSION,
+        settings.engine,
+        settings.engine_version,
+        settings.host,
+        settings.port,
+    )
     try:
         import uvloop  # a faster event loop: the proxy hop is on every token's path
-
-        return uvloop.run(serve(settings))
     except ImportError:
         return asyncio.run(serve(settings))
+    return uvloop.run(serve(settings))
 
 
 if __name__ == "__main__":

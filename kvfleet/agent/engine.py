@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -12,7 +11,6 @@ import tempfile
 import time
 from collections.abc import Mapping
 from enum import StrEnum
-from typing import Any
 
 import aiohttp
 
@@ -29,37 +27,13 @@ class EngineState(StrEnum):
     STOPPED = "stopped"
 
 
-def vllm_flags(args: Mapping[str, Any]) -> list[str]:
-    out: list[str] = []
-    for k, v in args.items():
-        if v is False or v is None:
-            continue
-        out.append(f"--{k}")
-        if v is not True:
-            out.append(str(v))
-    return out
-
-
-def engine_command(s: AgentSettings, *, options_file: str | None = None) -> list[str]:
+def command(s: AgentSettings, *, options_file: str | None = None) -> list[str]:
+    """The engine's command line: the adapter's server command, or ``engine_command`` with {port} and {model}."""
     if s.engine_command is not None:
         return [c.replace("{port}", str(s.engine_port)).replace("{model}", s.model) for c in s.engine_command]
-    if s.engine == "vllm":
-        return [
-            s.engine_python,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            s.model,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(s.engine_port),
-            *vllm_flags(s.engine_args),
-        ]
-    cmd = ["trtllm-serve", s.model, "--host", "127.0.0.1", "--port", str(s.engine_port)]
-    if options_file:
-        cmd += ["--extra_llm_api_options", options_file]
-    return cmd
+    return s.adapter.server_command(
+        s.engine_args, model=s.model, port=s.engine_port, python=s.engine_python, options_file=options_file
+    )
 
 
 class EngineSupervisor:
@@ -67,7 +41,6 @@ class EngineSupervisor:
         self.settings = settings
         self.state = EngineState.STOPPED
         self.restarts = 0
-        self.last_exit: int | None = None
         self._extra_env = dict(extra_env or {})
         self._proc: asyncio.subprocess.Process | None = None
         self._task: asyncio.Task[None] | None = None
@@ -91,10 +64,11 @@ class EngineSupervisor:
         return True
 
     def start(self) -> None:
-        if self.settings.engine == "trtllm":
-            fd, path = tempfile.mkstemp(prefix="llm-api-options-", suffix=".yaml")
-            with os.fdopen(fd, "w") as f:
-                json.dump(dict(self.settings.engine_args), f)  # JSON is YAML
+        text = self.settings.adapter.options_file(self.settings.engine_args)
+        if text is not None:
+            fd, path = tempfile.mkstemp(prefix=f"{self.settings.engine}-options-", suffix=".yaml")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
             self._options_file = path
         self._task = asyncio.create_task(self._run(), name="engine-supervisor")
 
@@ -106,7 +80,6 @@ class EngineSupervisor:
             await self._spawn()
             code = await self._watch()
             self._ready.clear()
-            self.last_exit = code
             if self._stopping:
                 break
             self.state = EngineState.DEAD
@@ -120,7 +93,7 @@ class EngineSupervisor:
         self.state = EngineState.STOPPED
 
     async def _spawn(self) -> None:
-        cmd = engine_command(self.settings, options_file=self._options_file)
+        cmd = command(self.settings, options_file=self._options_file)
         env = {**os.environ, **self._extra_env}
         self.state = EngineState.STARTING
         log.info("starting engine: %s", " ".join(cmd))
@@ -143,7 +116,7 @@ class EngineSupervisor:
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while proc.returncode is None and time.monotonic() < deadline:
                 try:
-                    async with session.get(f"{self.settings.engine_url}/health") as r:
+                    async with session.get(self.settings.engine_url + self.settings.health_path) as r:
                         if r.status == 200:
                             self.state = EngineState.READY
                             self._ready.set()
@@ -162,12 +135,12 @@ class EngineSupervisor:
             while proc.returncode is None:
                 await asyncio.sleep(5)
                 try:
-                    async with session.get(f"{self.settings.engine_url}/health") as r:
+                    async with session.get(self.settings.engine_url + self.settings.health_path) as r:
                         failures = 0 if r.status == 200 else failures + 1
                 except (aiohttp.ClientError, TimeoutError):
                     failures += 1
                 if failures >= 6 and not self._stopping:
-                    log.error("engine /health failed for 30 s; killing it")
+                    log.error("engine %s failed for 30 s; killing it", self.settings.health_path)
                     self.state = EngineState.DEAD
                     self._ready.clear()
                     self._signal(signal.SIGKILL)

@@ -7,10 +7,9 @@ SQS, so the agent needs no extra infrastructure and no network path other than I
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import logging
-import random
+import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -18,15 +17,9 @@ from typing import Any
 import aiohttp
 
 from kvfleet import contract
+from kvfleet.agent import aws
 
 log = logging.getLogger(__name__)
-
-# Environment the stack sets on the agent container.
-# Defined with the rest of the container contract; the EC2 stack writes them.
-ENV_ASG_NAME = contract.ENV_ASG_NAME
-ENV_LIFECYCLE_HOOK = contract.ENV_LIFECYCLE_HOOK
-ENV_LIFECYCLE_HEARTBEAT_S = contract.ENV_LIFECYCLE_HEARTBEAT_S
-ENV_IMDS_URL = "KVFLEET_IMDS_URL"
 
 DEFAULT_HEARTBEAT_S = 60.0
 DEFAULT_IMDS_URL = "http://169.254.169.254"
@@ -38,23 +31,9 @@ TOKEN_TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
 TOKEN_HEADER = "X-aws-ec2-metadata-token"
 MAX_TOKEN_TTL_S = 21600
 
-# Error codes worth retrying: throttling and transient service faults. Anything else (ValidationError: no active
-# lifecycle action, AccessDenied) will not get better by asking again.
-RETRYABLE_ERROR_CODES = frozenset(
-    {
-        "Throttling",
-        "ThrottlingException",
-        "RequestLimitExceeded",
-        "TooManyRequestsException",
-        "ServiceUnavailable",
-        "InternalFailure",
-        "InternalError",
-        "RequestTimeout",
-        "RequestTimeoutException",
-    }
-)
+# Auto Scaling calls: five tries with 4-8 s of backoff in all, well inside one heartbeat period.
+RETRY = aws.Retry(attempts=5, base_s=0.5, cap_s=8.0)
 
-Sleep = Callable[[float], Awaitable[object]]
 Drain = Callable[[], Awaitable[bool]]
 
 
@@ -169,24 +148,8 @@ class Imds:
 
 
 def autoscaling_client(region: str) -> Any:
-    """The production Auto Scaling client: bounded timeouts so one hung call cannot outlast a heartbeat period."""
-    # Imported here (boto3 ships no type information, and agents without a lifecycle hook never pay for the import).
-    boto3 = importlib.import_module("boto3")
-    config = importlib.import_module("botocore.config").Config(
-        connect_timeout=5, read_timeout=10, retries={"mode": "standard", "max_attempts": 3}
-    )
-    return boto3.client("autoscaling", region_name=region, config=config)
-
-
-def _error_code(exc: BaseException) -> str | None:
-    """The AWS error code of a botocore ClientError, None for anything else (connection errors and the like)."""
-    response = getattr(exc, "response", None)
-    if isinstance(response, Mapping):
-        error = response.get("Error")
-        if isinstance(error, Mapping):
-            code = error.get("Code")
-            return str(code) if code else None
-    return None
+    """The production Auto Scaling client (bounded timeouts; ``aws.call`` retries)."""
+    return aws.client("autoscaling", region)
 
 
 class LifecycleWatcher:
@@ -201,15 +164,11 @@ class LifecycleWatcher:
         hook_name: str,
         poll_s: float = 5.0,
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
-        sleep: Sleep = asyncio.sleep,
-        retry_attempts: int = 5,
-        retry_base_s: float = 0.5,
-        retry_cap_s: float = 8.0,
+        sleep: aws.Sleep = asyncio.sleep,
+        retry: aws.Retry = RETRY,
     ) -> None:
         if poll_s <= 0 or heartbeat_s <= 0:
             raise ValueError(f"poll_s and heartbeat_s must be positive, got {poll_s} and {heartbeat_s}")
-        if retry_attempts < 1 or retry_base_s < 0 or retry_cap_s < retry_base_s:
-            raise ValueError("retry_attempts must be >= 1 and 0 <= retry_base_s <= retry_cap_s")
         if not group_name or not hook_name:
             raise ValueError("group_name and hook_name are required")
         self.imds = imds
@@ -219,9 +178,7 @@ class LifecycleWatcher:
         self.heartbeat_s = heartbeat_s
         self._factory = autoscaling_client_factory
         self._sleep = sleep
-        self._retry_attempts = retry_attempts
-        self._retry_base_s = retry_base_s
-        self._retry_cap_s = retry_cap_s
+        self._retry = retry
 
     async def run(self, drain: Drain) -> None:
         """Watch, and on termination drain and complete the lifecycle action; returns after completing.
@@ -326,41 +283,36 @@ class LifecycleWatcher:
             await self._call(client, "record_lifecycle_action_heartbeat", params)
 
     async def _call(self, client: Any, operation: str, params: Mapping[str, str]) -> bool:
-        """One Auto Scaling call in a worker thread, retried with jittered exponential backoff on transient errors."""
-        delay = self._retry_base_s
-        for attempt in range(1, self._retry_attempts + 1):
-            try:
-                await asyncio.to_thread(getattr(client, operation), **params)
-                return True
-            except Exception as exc:
-                code = _error_code(exc)
-                # No code: not a service answer (connection reset, endpoint timeout), so worth another try.
-                retryable = code is None or code in RETRYABLE_ERROR_CODES
-                if not retryable or attempt == self._retry_attempts:
-                    log.error("%s failed after %d attempt(s): %s", operation, attempt, exc)
-                    return False
-                # Jitter spreads the retries of a fleet that scaled in at once.
-                pause = delay / 2 + random.uniform(0, delay / 2)
-                log.warning("%s failed (%s); retry %d in %.2f s", operation, code or type(exc).__name__, attempt, pause)
-                await self._sleep(pause)
-                delay = min(delay * 2, self._retry_cap_s)
-        return False
+        """One Auto Scaling call, retried on transient errors (``aws.call``); False, logged, when it fails."""
+        try:
+            await aws.call(
+                lambda: getattr(client, operation)(**params),
+                what=operation,
+                retry=self._retry,
+                log=log,
+                sleep=self._sleep,
+            )
+        except aws.CallFailed as err:
+            log.error("%s", err)
+            return False
+        return True
 
 
 def watcher_from_env(env: Mapping[str, str]) -> LifecycleWatcher | None:
     """A watcher configured from the stack's environment, or None when no lifecycle hook is configured."""
-    group = env.get(ENV_ASG_NAME, "").strip()
-    hook = env.get(ENV_LIFECYCLE_HOOK, "").strip()
+    group = env.get(contract.ENV_ASG_NAME, "").strip()
+    hook = env.get(contract.ENV_LIFECYCLE_HOOK, "").strip()
     if not group or not hook:
         return None
-    raw = env.get(ENV_LIFECYCLE_HEARTBEAT_S, "").strip()
+    name = contract.ENV_LIFECYCLE_HEARTBEAT_S
+    raw = env.get(name, "").strip()
     try:
         heartbeat_s = float(raw) if raw else DEFAULT_HEARTBEAT_S
     except ValueError:
-        raise ValueError(f"{ENV_LIFECYCLE_HEARTBEAT_S} must be a number of seconds, got {raw!r}") from None
-    if not heartbeat_s > 0:
-        raise ValueError(f"{ENV_LIFECYCLE_HEARTBEAT_S} must be positive, got {raw!r}")
-    imds = Imds(env.get(ENV_IMDS_URL, "").strip() or DEFAULT_IMDS_URL)
+        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
+    if not 0 < heartbeat_s < math.inf:
+        raise ValueError(f"{name} must be a positive number of seconds, got {raw!r}")
+    imds = Imds(env.get(contract.ENV_IMDS_URL, "").strip() or DEFAULT_IMDS_URL)
     return LifecycleWatcher(
         imds=imds,
         autoscaling_client_factory=autoscaling_client,

@@ -9,21 +9,21 @@ out, all from the same ``Sample``:
 * ``CloudWatchPublisher``: PutMetricData, for when EMF log ingestion is not available;
 * ``SignalCollector.prometheus_text``: a Prometheus re-export under the contract's names (Kubernetes).
 
-Engines rename their metrics between releases, so each engine has a table of candidate names per version
-range (``metric_map``); the autoscalers only ever see the contract's names.
+Engines rename their metrics between releases, so each engine adapter has a table of candidate names per
+release (``kvfleet.engines``, ``metric_rows``); the autoscalers only ever see the contract's names.
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
+import functools
 import itertools
 import json
 import logging
 import math
 import random
-import re
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import MappingProxyType
@@ -35,11 +35,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from kvfleet import contract
+from kvfleet.agent import aws
 from kvfleet.contract import Kind, Signal
+from kvfleet.engines import adapter
+from kvfleet.engines.base import SignalNames
+from kvfleet.versions import Version, parse_version
 
 _log = logging.getLogger(__name__)
-
-ENGINES: Final = ("vllm", "trtllm")
 
 # CloudWatch drops an EMF metric, and rejects a PutMetricData datum, with more distinct values than this.
 MAX_DISTRIBUTION_VALUES: Final = 100
@@ -53,65 +55,17 @@ AGENT_SIGNALS: Final[tuple[Signal, ...]] = (contract.REQUESTS_SHED, contract.SER
 _AGENT_SIGNAL_NAMES: Final = frozenset(s.name for s in AGENT_SIGNALS)
 _ENGINE_SIGNAL_NAMES: Final = frozenset(s.name for s in contract.SIGNALS) - _AGENT_SIGNAL_NAMES
 
-Version = tuple[int, int, int]
 Distribution = tuple[tuple[float, ...], tuple[float, ...]]  # (values, counts), CloudWatch's "values and counts"
 
 # --------------------------------------------------------------------------------------------------
-# Name mapping: engine metric names per kvfleet signal, per engine version range.
+# Name mapping: engine metric names per kvfleet signal, from the engine's adapter.
 # --------------------------------------------------------------------------------------------------
-
-# Every row lists the release's own name first and the names of other releases after it, so a wrong or
-# stale version string still finds the metric: the version only decides which name wins when both exist.
-_VLLM_0_0: Final[Mapping[str, tuple[str, ...]]] = {
-    contract.KV_CACHE_UTILIZATION.name: ("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc"),
-    contract.REQUESTS_WAITING.name: ("vllm:num_requests_waiting",),
-    contract.REQUESTS_RUNNING.name: ("vllm:num_requests_running",),
-    contract.TIME_TO_FIRST_TOKEN.name: ("vllm:time_to_first_token_seconds",),
-    contract.INTER_TOKEN_LATENCY.name: ("vllm:time_per_output_token_seconds", "vllm:inter_token_latency_seconds"),
-    contract.OUTPUT_TOKENS.name: ("vllm:generation_tokens_total",),
-    contract.PREEMPTIONS.name: ("vllm:num_preemptions_total", "vllm:num_preemptions"),
-}
-# 0.9 renamed the KV-cache gauge (the old name stayed, deprecated, for a few releases).
-_VLLM_0_9: Final[Mapping[str, tuple[str, ...]]] = {
-    **_VLLM_0_0,
-    contract.KV_CACHE_UTILIZATION.name: ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
-}
-# 0.11 renamed the per-token latency histogram; around it both are exported.
-_VLLM_0_11: Final[Mapping[str, tuple[str, ...]]] = {
-    **_VLLM_0_9,
-    contract.INTER_TOKEN_LATENCY.name: ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
-}
-# trtllm-serve exports no preemption or generated-token counter: those signals stay absent for it.
-_TRTLLM_0_0: Final[Mapping[str, tuple[str, ...]]] = {
-    contract.KV_CACHE_UTILIZATION.name: ("trtllm_kv_cache_utilization",),
-    contract.REQUESTS_WAITING.name: ("trtllm_num_requests_waiting",),
-    contract.REQUESTS_RUNNING.name: ("trtllm_num_requests_running",),
-    contract.TIME_TO_FIRST_TOKEN.name: ("trtllm_time_to_first_token_seconds",),
-    contract.INTER_TOKEN_LATENCY.name: ("trtllm_time_per_output_token_seconds",),
-}
-
-# (since_version, mapping) rows, oldest first: a version uses the last row at or below it.
-VersionRows = tuple[tuple[str, Mapping[str, tuple[str, ...]]], ...]
-VERSION_TABLES: Final[Mapping[str, VersionRows]] = {
-    "vllm": (("0.0.0", _VLLM_0_0), ("0.9.0", _VLLM_0_9), ("0.11.0", _VLLM_0_11)),
-    "trtllm": (("0.0.0", _TRTLLM_0_0),),
-}
 
 # When one engine exposes several series of a gauge (several model_name labels, say): the cache is as full
 # as its fullest part, while request counts add up. Counters and histogram buckets always add up.
 _GAUGE_COMBINE: Final[Mapping[str, Callable[[Iterable[float]], float]]] = {
     contract.KV_CACHE_UTILIZATION.name: max,
 }
-
-_VERSION_RE: Final = re.compile(r"v?(\d+)(?:\.(\d+))?(?:\.(\d+))?([.+\-]?[0-9A-Za-z.+\-]*)")
-
-
-def parse_version(version: str) -> Version:
-    """``"0.30.0"``, ``"v0.11"``, ``"0.11.0rc1"``, ``"0.10.1+cu128"`` -> (major, minor, patch)."""
-    match = _VERSION_RE.fullmatch(version.strip())
-    if match is None:
-        raise ValueError(f"unrecognized engine version {version!r}; expected something like '0.30.0'")
-    return int(match[1]), int(match[2] or 0), int(match[3] or 0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,35 +80,31 @@ class MetricMap:
         return self.candidates.get(signal_name, ())
 
 
-def _build_maps(tables: Mapping[str, VersionRows]) -> dict[str, tuple[MetricMap, ...]]:
-    maps: dict[str, tuple[MetricMap, ...]] = {}
-    for engine, rows in tables.items():
-        built = []
-        for since, mapping in rows:
-            for name, names in mapping.items():
-                if name not in _ENGINE_SIGNAL_NAMES or not names:
-                    raise ValueError(f"{engine} {since}: {name} cannot map to engine metrics {names}")
-            built.append(MetricMap(engine=engine, since=parse_version(since), candidates=MappingProxyType(mapping)))
-        if not built or built[0].since != (0, 0, 0) or any(a.since >= b.since for a, b in itertools.pairwise(built)):
-            raise ValueError(f"{engine}: version rows must start at 0.0.0 and ascend")
-        maps[engine] = tuple(built)
-    return maps
+def check_metric_rows(engine: str, rows: Sequence[tuple[str, SignalNames]]) -> None:
+    """An adapter's ``metric_rows`` as the collector needs them: releases from 0.0.0 up, ascending; only the
+    contract's engine signals (never the agent's own counters), each with at least one name."""
+    since = [parse_version(v) for v, _ in rows]
+    if not since or since[0] != (0, 0, 0) or any(a >= b for a, b in itertools.pairwise(since)):
+        raise ValueError(f"{engine}: metric rows must start at 0.0.0 and ascend")
+    for version, names in rows:
+        for name, candidates in names.items():
+            if name not in _ENGINE_SIGNAL_NAMES or not candidates:
+                raise ValueError(f"{engine} {version}: {name} cannot map to engine metrics {candidates}")
 
 
-_MAPS: Final = _build_maps(VERSION_TABLES)
+@functools.cache
+def _checked(engine: str) -> None:
+    check_metric_rows(engine, adapter(engine).metric_rows)
 
 
 def metric_map(engine: str, version: str) -> MetricMap:
-    """The name table for ``engine`` ("vllm" or "trtllm") at ``version``; ValueError for anything else."""
-    rows = _MAPS.get(engine.strip().lower())
-    if rows is None:
-        raise ValueError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
-    parsed = parse_version(version)
-    chosen = rows[0]
-    for row in rows:
-        if row.since <= parsed:
-            chosen = row
-    return chosen
+    """The name table for ``engine`` (a ``kvfleet.engines`` name) at ``version``; ValueError for anything else."""
+    _checked(engine)
+    try:
+        since, names = adapter(engine).metric_names(version)
+    except ValueError as err:
+        raise ValueError(f"{engine} version: {err}") from None
+    return MetricMap(engine=engine, since=since, candidates=MappingProxyType(dict(names)))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -390,10 +340,6 @@ class SignalCollector:
         self._latest: Sample | None = None
 
     @property
-    def metric_map(self) -> MetricMap:
-        return self._map
-
-    @property
     def latest(self) -> Sample | None:
         """The Sample the last ``update`` returned."""
         return self._latest
@@ -402,10 +348,6 @@ class SignalCollector:
     def totals(self) -> dict[str, float]:
         """Running total of every DELTA signal seen since the agent started (a copy)."""
         return dict(self._totals)
-
-    @property
-    def histogram_totals(self) -> dict[str, HistogramTotals]:
-        return dict(self._histogram_totals)
 
     def record(self, name: str, increase: float = 1.0) -> None:
         """Counts one of the agent's own events (``RequestsShed``, ``ServerErrors``) into the next Sample."""
@@ -599,28 +541,14 @@ def prometheus_text(
 # PutMetricData
 # --------------------------------------------------------------------------------------------------
 
-# Throttling and the service's own failures pass with time; anything else (validation, access) does not.
-_RETRYABLE_CODES: Final = frozenset(
-    {"Throttling", "ThrottlingException", "RequestLimitExceeded", "ServiceUnavailable", "InternalFailure"}
-)
+# PutMetricData: six tries within a few seconds, inside one publish interval.
+PUT_RETRY: Final = aws.Retry(attempts=6, base_s=0.2, cap_s=5.0)
 
 
 class PutMetricDataClient(Protocol):
     """The part of a boto3 CloudWatch client the publisher uses."""
 
     def put_metric_data(self, **kwargs: Any) -> object: ...
-
-
-def _retryable(exc: Exception) -> bool:
-    # botocore's ClientError carries the parsed response; read it by shape to stay independent of botocore.
-    response = getattr(exc, "response", None)
-    if not isinstance(response, dict):
-        return False
-    error = response.get("Error")
-    code = error.get("Code") if isinstance(error, dict) else None
-    metadata = response.get("ResponseMetadata")
-    status = metadata.get("HTTPStatusCode") if isinstance(metadata, dict) else None
-    return code in _RETRYABLE_CODES or (isinstance(status, int) and status >= 500)
 
 
 def _encoded_size(value: object, prefix: str) -> int:
@@ -642,25 +570,19 @@ class CloudWatchPublisher:
         namespace: str,
         deployment: str,
         replica: str,
-        max_retries: int = 5,
-        base_delay_s: float = 0.2,
-        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-        max_delay_s: float = 5.0,
+        retry: aws.Retry = PUT_RETRY,
+        sleep: aws.Sleep = asyncio.sleep,
         max_data_per_call: int = MAX_METRIC_DATA_PER_CALL,
         max_request_bytes: int = MAX_REQUEST_BYTES,
         rng: random.Random | None = None,
     ) -> None:
-        if max_retries < 0 or base_delay_s < 0 or max_delay_s < 0:
-            raise ValueError("max_retries and delays must be >= 0")
         if not 1 <= max_data_per_call <= MAX_METRIC_DATA_PER_CALL or max_request_bytes <= 0:
             raise ValueError(f"max_data_per_call must be 1..{MAX_METRIC_DATA_PER_CALL}, max_request_bytes > 0")
         self._client = client
         self._namespace = namespace
         self._deployment = deployment
         self._replica = replica
-        self._max_retries = max_retries
-        self._base_delay_s = base_delay_s
-        self._max_delay_s = max_delay_s
+        self._retry = retry
         self._sleep = sleep
         self._max_data = max_data_per_call
         self._max_bytes = max_request_bytes
@@ -718,19 +640,16 @@ class CloudWatchPublisher:
             return False
 
     async def _put(self, batch: list[dict[str, Any]]) -> bool:
-        for attempt in range(self._max_retries + 1):
-            try:
-                await asyncio.to_thread(self._client.put_metric_data, Namespace=self._namespace, MetricData=batch)
-                return True
-            except Exception as exc:
-                if not _retryable(exc):
-                    _log.warning("PutMetricData failed, not retrying: %s", exc)
-                    return False
-                if attempt == self._max_retries:
-                    _log.warning("PutMetricData still failing after %d retries: %s", self._max_retries, exc)
-                    return False
-                # Full jitter: replicas throttled together must not retry together.
-                delay = self._rng.uniform(0.0, min(self._max_delay_s, self._base_delay_s * 2**attempt))
-                _log.debug("PutMetricData throttled (%s); retry %d in %.2f s", exc, attempt + 1, delay)
-                await self._sleep(delay)
-        return False
+        try:
+            await aws.call(
+                functools.partial(self._client.put_metric_data, Namespace=self._namespace, MetricData=batch),
+                what="PutMetricData",
+                retry=self._retry,
+                log=_log,
+                sleep=self._sleep,
+                rng=self._rng,
+            )
+        except aws.CallFailed as err:
+            _log.warning("%s", err)  # this interval's signals are lost; the next publication tries again
+            return False
+        return True

@@ -14,8 +14,8 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable
+from dataclasses import dataclass
 from typing import IO, Any
 
 import aiohttp
@@ -39,9 +39,7 @@ class Flight:
     """One request in progress."""
 
     task: asyncio.Task[Any] | None
-    streaming: bool = False
     aborted: bool = False
-    started: float = field(default_factory=time.monotonic)
 
 
 def _json_error(status: int, message: str, kind: str, *, retry_after: int | None = None) -> web.Response:
@@ -93,11 +91,10 @@ class Agent:
     def _make_app(self) -> web.Application:
         # A large client_max_size: prompts of long-context models are megabytes of JSON.
         app = web.Application(client_max_size=64 * 1024**2, handler_args={"keepalive_timeout": 75})
-        app.router.add_get("/ping", self.ping)
-        app.router.add_post("/ping", self.ping)
-        app.router.add_get("/health", self.ping)
-        app.router.add_get("/metrics", self.prometheus)
-        app.router.add_post("/drain", self.drain_route)
+        app.router.add_get(contract.HEALTH_ROUTE, self.ping)
+        app.router.add_post(contract.HEALTH_ROUTE, self.ping)
+        app.router.add_get(contract.METRICS_ROUTE, self.prometheus)
+        app.router.add_post(contract.DRAIN_ROUTE, self.drain_route)
         for route in GENERATION_ROUTES:
             app.router.add_post(route, self.generate)
         app.router.add_route("*", "/v1/{tail:.*}", self.passthrough)
@@ -263,14 +260,14 @@ class Agent:
             )
         try:
             data = json.dumps(body).encode() if changed else raw
-            return await self._forward(request, path, data, method="POST", streaming=bool(body.get("stream")))
+            return await self._forward(request, path, data, method="POST")
         finally:
             self.admission.release(tokens)
 
     # ---- proxying ----------------------------------------------------------------------------------
 
-    def _enter(self, streaming: bool) -> Flight:
-        f = Flight(task=asyncio.current_task(), streaming=streaming)
+    def _enter(self) -> Flight:
+        f = Flight(task=asyncio.current_task())
         self.flights.add(f)
         self._idle.clear()
         return f
@@ -283,11 +280,9 @@ class Agent:
     def _server_error(self) -> None:
         self.collector.record(contract.SERVER_ERRORS.name, 1)
 
-    async def _forward(
-        self, request: web.Request, path: str, data: bytes, *, method: str, streaming: bool = False
-    ) -> web.StreamResponse:
+    async def _forward(self, request: web.Request, path: str, data: bytes, *, method: str) -> web.StreamResponse:
         assert self._session is not None
-        flight = self._enter(streaming)
+        flight = self._enter()
         headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
         if "Accept" in request.headers:
             headers["Accept"] = request.headers["Accept"]
@@ -388,6 +383,3 @@ def _is_loopback(remote: str | None) -> bool:
         return ipaddress.ip_address(remote).is_loopback
     except ValueError:
         return False
-
-
-DrainCallback = Callable[[], Awaitable[bool]]

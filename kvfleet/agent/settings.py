@@ -1,16 +1,20 @@
-"""The agent's settings, read once from the container environment the stacks set (stacks/resolve.py)."""
+"""The agent's settings, read once from the container environment the stacks set (``kvfleet.deployments``).
+
+Every variable is named in ``kvfleet.contract``; a bad value is one ``SettingsError`` line naming it.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from kvfleet import contract
+from kvfleet.engines import ENGINES, EngineAdapter, EngineArgs
 
 
 class SettingsError(ValueError):
@@ -19,18 +23,18 @@ class SettingsError(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class AgentSettings:
-    engine: str  # "vllm" or "trtllm"
+    engine: str  # a kvfleet.engines name
     engine_version: str
     model: str  # a local directory or a Hugging Face id
-    engine_args: Mapping[str, Any]  # vLLM flags without "--", or TensorRT-LLM LLM-API options
+    engine_args: EngineArgs = field(default_factory=EngineArgs)
     deployment: str
     replica: str
     namespace: str = contract.NAMESPACE
     host: str = "0.0.0.0"
-    port: int = 8080
-    engine_port: int = 8081
-    engine_python: str = "python3"  # the interpreter that has vLLM installed
-    engine_command: tuple[str, ...] | None = None  # replaces the built-in engine command line
+    port: int = contract.SERVING_PORT
+    engine_port: int = contract.ENGINE_PORT
+    engine_python: str = "python3"  # the interpreter that has the engine installed
+    engine_command: tuple[str, ...] | None = None  # replaces the adapter's command line ({port}, {model})
     drain_budget_s: float = 300.0
     token_budget: int | None = None  # KV tokens one replica holds (from the plan)
     admission: bool = True
@@ -48,13 +52,20 @@ class AgentSettings:
     restart_backoff_s: tuple[float, ...] = (1.0, 2.0, 5.0, 10.0, 30.0)
 
     @property
+    def adapter(self) -> EngineAdapter:
+        return ENGINES[self.engine]
+
+    @property
     def engine_url(self) -> str:
         return f"http://127.0.0.1:{self.engine_port}"
 
     @property
     def metrics_path(self) -> str:
-        # trtllm-serve's /metrics is JSON iteration stats (and blocks under load); Prometheus text is here.
-        return "/prometheus/metrics" if self.engine == "trtllm" else "/metrics"
+        return self.adapter.metrics_path
+
+    @property
+    def health_path(self) -> str:
+        return self.adapter.health_path
 
     @property
     def tenant_isolation(self) -> bool:
@@ -68,18 +79,26 @@ class AgentSettings:
 
     @property
     def max_model_len(self) -> int | None:
-        v = self.engine_args.get("max-model-len", self.engine_args.get("max_seq_len"))
-        return int(v) if v is not None else None
+        return self.engine_args.max_model_len
 
 
-def _int(env: Mapping[str, str], name: str, default: int | None) -> int | None:
+def _int(env: Mapping[str, str], name: str, default: int, *, maximum: int | None = None) -> int:
     raw = env.get(name)
     if raw is None or raw == "":
         return default
     try:
-        return int(raw)
+        v = int(raw)
     except ValueError:
         raise SettingsError(f"{name}: must be an integer, got {raw!r}") from None
+    if v < 0:
+        raise SettingsError(f"{name}: must not be negative, got {raw!r}")
+    if maximum is not None and v > maximum:
+        raise SettingsError(f"{name}: must be at most {maximum}, got {raw!r}")
+    return v
+
+
+def _optional_int(env: Mapping[str, str], name: str) -> int | None:
+    return _int(env, name, 0) if env.get(name) else None
 
 
 def _float(env: Mapping[str, str], name: str, default: float) -> float:
@@ -90,8 +109,8 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
         v = float(raw)
     except ValueError:
         raise SettingsError(f"{name}: must be a number, got {raw!r}") from None
-    if v < 0:
-        raise SettingsError(f"{name}: must not be negative, got {raw!r}")
+    if not math.isfinite(v) or v < 0:
+        raise SettingsError(f"{name}: must be a finite number, not negative, got {raw!r}")
     return v
 
 
@@ -106,71 +125,103 @@ def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     raise SettingsError(f"{name}: must be 1 or 0, got {raw!r}")
 
 
-def from_env(env: Mapping[str, str] | None = None) -> AgentSettings:
-    env = os.environ if env is None else env
-    engine = env.get(contract.ENV_ENGINE, "vllm")
-    if engine not in ("vllm", "trtllm"):
-        raise SettingsError(f"{contract.ENV_ENGINE}: must be vllm or trtllm, got {engine!r}")
-    model = env.get(contract.ENV_MODEL)
-    if not model:
-        raise SettingsError(f"{contract.ENV_MODEL}: required (a model directory or a Hugging Face id)")
+def check_contract_version(env: Mapping[str, str]) -> None:
+    """The stack and the image must speak the same contract; unset (a local run) passes."""
+    raw = env.get(contract.ENV_CONTRACT_VERSION)
+    if raw is None or raw.strip() == str(contract.CONTRACT_VERSION):
+        return
+    raise SettingsError(
+        f"{contract.ENV_CONTRACT_VERSION}: the stack speaks contract {raw!r}, this image contract "
+        f"{contract.CONTRACT_VERSION}; deploy an image built for contract {raw} (tag *-kvfleet{raw})"
+    )
+
+
+def _engine_args(env: Mapping[str, str], engine: EngineAdapter) -> EngineArgs:
+    name = contract.ENV_ENGINE_ARGS
     try:
-        args = json.loads(env.get(contract.ENV_ENGINE_ARGS, "{}"))
-    except json.JSONDecodeError as err:
-        raise SettingsError(f"{contract.ENV_ENGINE_ARGS}: not JSON ({err.msg})") from None
-    if not isinstance(args, dict):
-        raise SettingsError(f"{contract.ENV_ENGINE_ARGS}: must be a JSON object of engine settings")
-    command = None
-    if env.get("KVFLEET_ENGINE_COMMAND"):
-        try:
-            cmd = json.loads(env["KVFLEET_ENGINE_COMMAND"])
-        except json.JSONDecodeError:
-            cmd = None
-        if not (isinstance(cmd, list) and cmd and all(isinstance(c, str) for c in cmd)):
-            raise SettingsError("KVFLEET_ENGINE_COMMAND: must be a JSON list of strings")
-        command = tuple(cmd)
+        args = EngineArgs.from_json(env.get(name) or "{}")
+        engine.settings(args)  # settings the engine has no knob for fail here, not at the engine's start
+    except ValueError as err:
+        raise SettingsError(f"{name}: {err}") from None
+    return args
+
+
+def _engine_command(env: Mapping[str, str]) -> tuple[str, ...] | None:
+    name = contract.ENV_ENGINE_COMMAND
+    if not env.get(name):
+        return None
+    try:
+        cmd = json.loads(env[name])
+    except (json.JSONDecodeError, RecursionError):
+        cmd = None
+    if not (isinstance(cmd, list) and cmd and all(isinstance(c, str) for c in cmd)):
+        raise SettingsError(f"{name}: must be a JSON list of strings")
+    return tuple(cmd)
+
+
+def _tenant(env: Mapping[str, str]) -> tuple[str | None, bytes | None]:
     secret: bytes | None = None
-    if env.get("KVFLEET_TENANT_SECRET_FILE"):
-        path = Path(env["KVFLEET_TENANT_SECRET_FILE"])
+    if env.get(contract.ENV_TENANT_SECRET_FILE):
+        path = Path(env[contract.ENV_TENANT_SECRET_FILE])
         try:
             secret = path.read_bytes().strip()
         except OSError as err:
-            raise SettingsError(f"KVFLEET_TENANT_SECRET_FILE: cannot read {path}: {err.strerror}") from None
-    elif env.get("KVFLEET_TENANT_SECRET"):
-        secret = env["KVFLEET_TENANT_SECRET"].encode()
-    header = env.get("KVFLEET_TENANT_HEADER") or None
-    if (header is None) != (secret is None):
+            raise SettingsError(f"{contract.ENV_TENANT_SECRET_FILE}: cannot read {path}: {err.strerror}") from None
+    elif env.get(contract.ENV_TENANT_SECRET):
+        secret = env[contract.ENV_TENANT_SECRET].encode()
+    header = env.get(contract.ENV_TENANT_HEADER) or None
+    if (header is None) != (not secret):
         raise SettingsError(
-            "KVFLEET_TENANT_HEADER and KVFLEET_TENANT_SECRET(_FILE): set both to isolate prefix caching per tenant"
+            f"{contract.ENV_TENANT_HEADER} and {contract.ENV_TENANT_SECRET} (or {contract.ENV_TENANT_SECRET_FILE}): "
+            "set both to isolate prefix caching per tenant"
         )
-    port = _int(env, contract.ENV_PORT, 8080)
-    engine_port = _int(env, "KVFLEET_ENGINE_PORT", 8081)
-    assert port is not None and engine_port is not None
+    return header, secret or None
+
+
+def from_env(env: Mapping[str, str] | None = None) -> AgentSettings:
+    env = os.environ if env is None else env
+    check_contract_version(env)
+    engine = env.get(contract.ENV_ENGINE) or "vllm"
+    if engine not in ENGINES:
+        raise SettingsError(f"{contract.ENV_ENGINE}: must be one of {', '.join(ENGINES)}, got {engine!r}")
+    adapter = ENGINES[engine]
+    version = env.get(contract.ENV_ENGINE_VERSION) or "0.0.0"
+    try:
+        adapter.metric_names(version)
+    except ValueError as err:
+        raise SettingsError(f"{contract.ENV_ENGINE_VERSION}: {err}") from None
+    model = env.get(contract.ENV_MODEL)
+    if not model:
+        raise SettingsError(f"{contract.ENV_MODEL}: required (a model directory or a Hugging Face id)")
+    args = _engine_args(env, adapter)
+    header, secret = _tenant(env)
+    port = _int(env, contract.ENV_PORT, contract.SERVING_PORT, maximum=65535)
+    engine_port = _int(env, contract.ENV_ENGINE_PORT, contract.ENGINE_PORT, maximum=65535)
     if port == engine_port:
-        raise SettingsError("KVFLEET_ENGINE_PORT: must differ from KVFLEET_PORT")
+        raise SettingsError(f"{contract.ENV_ENGINE_PORT}: must differ from {contract.ENV_PORT} ({port})")
     return AgentSettings(
         engine=engine,
-        engine_version=env.get(contract.ENV_ENGINE_VERSION, "0.0.0"),
+        engine_version=version,
         model=model,
         engine_args=args,
-        deployment=env.get(contract.ENV_DEPLOYMENT, "local"),
-        replica=env.get("KVFLEET_REPLICA") or socket.gethostname(),
-        namespace=env.get(contract.ENV_NAMESPACE, contract.NAMESPACE),
-        host=env.get("KVFLEET_HOST", "0.0.0.0"),
+        deployment=env.get(contract.ENV_DEPLOYMENT) or "local",
+        replica=env.get(contract.ENV_REPLICA) or socket.gethostname(),
+        namespace=env.get(contract.ENV_NAMESPACE) or contract.NAMESPACE,
+        host=env.get(contract.ENV_HOST) or "0.0.0.0",
         port=port,
         engine_port=engine_port,
-        engine_python=env.get("KVFLEET_ENGINE_PYTHON", "python3"),
-        engine_command=command,
+        engine_python=env.get(contract.ENV_ENGINE_PYTHON) or "python3",
+        engine_command=_engine_command(env),
         drain_budget_s=_float(env, contract.ENV_DRAIN_BUDGET_S, 300.0),
-        token_budget=_int(env, contract.ENV_TOKEN_BUDGET, None),
-        admission=_bool(env, "KVFLEET_ADMISSION", True),
-        admission_factor=_float(env, "KVFLEET_ADMISSION_FACTOR", 2.0),
-        retry_after_s=_int(env, "KVFLEET_RETRY_AFTER_S", 2) or 1,
-        publish_interval_s=_float(env, "KVFLEET_PUBLISH_INTERVAL_S", float(contract.PUBLISH_INTERVAL_S)) or 1.0,
+        token_budget=_optional_int(env, contract.ENV_TOKEN_BUDGET),
+        admission=_bool(env, contract.ENV_ADMISSION, True),
+        admission_factor=_float(env, contract.ENV_ADMISSION_FACTOR, 2.0),
+        retry_after_s=_int(env, contract.ENV_RETRY_AFTER_S, 2) or 1,
+        publish_interval_s=_float(env, contract.ENV_PUBLISH_INTERVAL_S, float(contract.PUBLISH_INTERVAL_S)) or 1.0,
         put_metric_data=_bool(env, contract.ENV_PUT_METRIC_DATA, False),
         region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION"),
         tenant_header=header,
         tenant_secret=secret,
         hf_token_secret_arn=env.get(contract.ENV_HF_TOKEN_SECRET_ARN) or None,
-        engine_ready_timeout_s=_float(env, "KVFLEET_ENGINE_READY_TIMEOUT_S", 3600.0),
+        engine_ready_timeout_s=_float(env, contract.ENV_ENGINE_READY_TIMEOUT_S, 3600.0),
     )

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from kvfleet import contract
+from kvfleet import contract, versions
 from kvfleet.config.base import Frozen
 from kvfleet.config.targets import Ec2Target, EksTarget, SageMakerTarget, Target
 from kvfleet.engines import ENGINES
@@ -35,8 +35,8 @@ class EngineRef(Frozen):
     # The names come from the engine registry (kvfleet.engines.ENGINES): a new engine needs no change here.
     name: str = Field(description="Serving engine.", json_schema_extra={"enum": list(ENGINES)})
     version: str = Field(
-        pattern=r"^\d+\.\d+(\.\d+)?([.\-+][0-9A-Za-z.]+)?$",
         description="Pinned engine release, e.g. 0.11.0. Capacity semantics differ between releases.",
+        examples=["0.11.0"],
     )
 
     @field_validator("name")
@@ -44,6 +44,12 @@ class EngineRef(Frozen):
     def _known_engine(cls, v: str) -> str:
         if v not in ENGINES:
             raise ValueError(f"Input should be {' or '.join(repr(e) for e in ENGINES)}")
+        return v
+
+    @field_validator("version")
+    @classmethod
+    def _release(cls, v: str) -> str:
+        versions.parse_version(v)  # ValueError names what is expected
         return v
 
 
@@ -103,12 +109,18 @@ class ImageConfig(Frozen):
     tag: str | None = Field(
         default=None,
         pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$",
-        description="Image tag for source kvfleet. Default: the engine version.",
+        description=(
+            "Image tag for source kvfleet: <engine version>-kvfleet<contract version>[-<build id>], so the stacks "
+            "know the image speaks their contract. Default: <engine version>-kvfleet<this kvfleet's contract>."
+        ),
     )
     uri: str | None = Field(
         default=None,
-        pattern=r"^\d{12}\.dkr\.ecr\.[a-z0-9-]+\.amazonaws\.com(\.cn)?/[a-z0-9._/-]+(:[A-Za-z0-9_.-]+|@sha256:[0-9a-f]{64})$",
-        description="Full ECR image URI for source uri (SageMaker pulls only from ECR).",
+        pattern=r"^\d{12}\.dkr\.ecr\.[a-z0-9-]+\.amazonaws\.com(\.cn)?/[a-z0-9._/-]+:[A-Za-z0-9_.-]+(@sha256:[0-9a-f]{64})?$",
+        description=(
+            "Full ECR image URI for source uri (SageMaker pulls only from ECR), with its tag (and optionally the "
+            "digest after it): the tag names the contract version the image speaks, as for `tag`."
+        ),
     )
 
     @model_validator(mode="after")
@@ -259,6 +271,8 @@ class Deployment(Frozen):
                     "model.s3_uri: required with target.network_isolation, which leaves the container no network to "
                     "download the model"
                 )
+        if (tag_problem := self._image_tag_problem()) is not None:
+            problems.append(tag_problem)
         if self.image.source == "dlc":
             if self.scaling.min_replicas != self.scaling.max_replicas:
                 problems.append(
@@ -274,6 +288,36 @@ class Deployment(Frozen):
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+
+    def _image_tag_problem(self) -> str | None:
+        """A kvfleet image must speak this kvfleet's contract and run the pinned engine release."""
+        img = self.image
+        if img.source == "kvfleet" and img.tag is not None:
+            field, tag = "image.tag", img.tag
+        elif img.source == "uri" and img.uri is not None:
+            field, tag = "image.uri", img.uri.split("@")[0].rsplit(":", 1)[1]
+        else:
+            return None  # the default tag is made for this contract; AWS's own images have no agent
+        want = contract.image_tag(self.engine.version)
+        parsed = contract.parse_image_tag(tag)
+        if parsed is None:
+            return (
+                f"{field}: tag {tag} does not say which contract the image speaks; build the image from this "
+                f"kvfleet (containers/Dockerfile) and tag it {want}"
+            )
+        engine, version = parsed
+        if version != contract.CONTRACT_VERSION:
+            return (
+                f"{field}: the image speaks contract {version}, this kvfleet speaks {contract.CONTRACT_VERSION}; "
+                f"rebuild it from this kvfleet and tag it {want}"
+            )
+        if engine != self.engine.version:
+            return (
+                f"{field}: the image runs {self.engine.name} {engine}, engine.version is {self.engine.version} (the "
+                f"plan is sized for that release); use an image tagged {want}, or pin engine.version {engine}"
+            )
+        return None
 
 
 class Environment(Frozen):

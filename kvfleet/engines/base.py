@@ -44,14 +44,16 @@ class EngineArgs:
     served_model_name: str | None = None
 
     def __post_init__(self) -> None:
-        for f in ("tensor_parallel_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        for f in (
+            "tensor_parallel_size",
+            "max_model_len",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "kv_cache_memory_bytes",
+        ):
             v = getattr(self, f)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
                 raise ValueError(f"{f}: must be a positive integer, got {v!r}")
-        if self.kv_cache_memory_bytes is not None and (
-            not isinstance(self.kv_cache_memory_bytes, int) or self.kv_cache_memory_bytes <= 0
-        ):
-            raise ValueError(f"kv_cache_memory_bytes: must be a positive integer, got {self.kv_cache_memory_bytes!r}")
         u = self.gpu_memory_utilization
         if u is not None and (isinstance(u, bool) or not isinstance(u, int | float) or not (0 < u <= 1)):
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {u!r}")

@@ -220,18 +220,20 @@ def _blocks_per_request(
     return cdiv(tokens, block_size)
 
 
-def capacity(
-    model: ModelSpec, *, gpu_memory_bytes: int, settings: EngineSettings, accelerator_name: str = ""
-) -> Capacity:
-    """Predict what the engine allocates at start-up. Raises SizingError for settings it rejects.
+@dataclass(frozen=True, kw_only=True)
+class _Knobs:
+    """The settings with every engine default filled in for this model, GPU and release."""
 
-    ``gpu_memory_bytes`` is the total memory of one GPU as the engine sees it; ``accelerator_name``
-    matters only where defaults depend on the device (vLLM gives A100s the small scheduler defaults).
-    """
-    s = settings
-    profile = engine_profile(s.engine, s.version)
-    version = s.version or DEFAULT_VERSIONS[s.engine]
-    tp = s.tensor_parallel_size
+    util: float
+    max_len: int
+    max_seqs: int
+    batched: int
+    block: int
+
+
+def _knobs(
+    model: ModelSpec, s: EngineSettings, profile: EngineProfile, *, gpu_memory_bytes: int, accelerator_name: str
+) -> _Knobs:
     for name, value in (
         ("max_model_len", s.max_model_len),
         ("max_num_seqs", s.max_num_seqs),
@@ -274,20 +276,37 @@ def capacity(
         raise SizingError(f"vLLM accepts block sizes {allowed}; got {block}", field="block_size")
     if profile.engine is EngineName.TRTLLM and block & (block - 1):
         raise SizingError(f"TensorRT-LLM tokens_per_block must be a power of two, got {block}", field="block_size")
+    return _Knobs(util=util, max_len=max_len, max_seqs=max_seqs, batched=batched, block=block)
 
-    scheme = resolve_scheme(model, s.quantization)
-    weights = weight_bytes(model, tp=tp, scheme=scheme)
-    kv = kv_layout(model, tp=tp, kv_dtype=s.kv_cache_dtype)
-    act = activation_peak_bytes(model, tp=tp, max_num_batched_tokens=batched, max_num_seqs=max_seqs)
-    non_torch = non_torch_bytes(tp=tp)
-    graphs = 0 if s.enforce_eager else cuda_graph_bytes(model)
-    graphs_counted = profile.counts_cuda_graphs and not s.enforce_eager
-    notes: list[str] = [profile.note]
+
+@dataclass(frozen=True, kw_only=True)
+class _Budget:
+    requested: int
+    kv_bytes: int
+    problems: tuple[str, ...]
+    notes: tuple[str, ...]
+
+
+def _kv_budget(
+    s: EngineSettings,
+    profile: EngineProfile,
+    k: _Knobs,
+    *,
+    gpu_memory_bytes: int,
+    weights_bytes: int,
+    act: int,
+    non_torch: int,
+    graphs: int,
+    graphs_counted: bool,
+    kv_bytes_per_token: int,
+) -> _Budget:
+    """The bytes the engine gives the KV cache: vLLM's requested share minus what is not cache, or TensorRT-LLM's
+    fraction of what is free after profiling."""
+    notes: list[str] = []
     problems: list[str] = []
-
     if profile.engine is EngineName.VLLM:
-        requested = int(gpu_memory_bytes * util)
-        non_kv = weights.weights_bytes_per_gpu + act + non_torch + (graphs if graphs_counted else 0)
+        requested = int(gpu_memory_bytes * k.util)
+        non_kv = weights_bytes + act + non_torch + (graphs if graphs_counted else 0)
         if s.kv_cache_memory_bytes is not None:
             kv_bytes = s.kv_cache_memory_bytes
             notes.append("kv_cache_memory_bytes set: the cache size is fixed and profiling is skipped")
@@ -303,44 +322,85 @@ def capacity(
             notes.append("CUDA graphs are captured after the cache is sized, from the 1 - utilization headroom")
     else:
         requested = gpu_memory_bytes
-        used = weights.weights_bytes_per_gpu + act + non_torch + graphs + ACTIVATIONS.trtllm_context_bytes
-        kv_bytes = int((gpu_memory_bytes - used) * util)
+        used = weights_bytes + act + non_torch + graphs + ACTIVATIONS.trtllm_context_bytes
+        kv_bytes = int((gpu_memory_bytes - used) * k.util)
         if s.max_tokens is not None:
-            kv_bytes = min(kv_bytes, s.max_tokens * kv.kv_bytes_per_token_per_gpu)
+            kv_bytes = min(kv_bytes, s.max_tokens * kv_bytes_per_token)
+    return _Budget(requested=requested, kv_bytes=kv_bytes, problems=tuple(problems), notes=tuple(notes))
+
+
+def _tokens(pool: _Pool, *, num_blocks: int, concurrency: float, k: _Knobs, profile: EngineProfile) -> int:
+    """The token count the engine reports ("GPU KV cache size: N tokens"), as each release computes it."""
+    if len(pool.groups) > 1 and profile.hybrid_tokens_from_concurrency:
+        return int(concurrency * k.max_len)  # group-aware capacity, as newer releases log it
+    if len(pool.groups) > 1:
+        return num_blocks // len(pool.groups) * k.block  # _report_kv_cache_config of older releases
+    return num_blocks * k.block
+
+
+def capacity(
+    model: ModelSpec, *, gpu_memory_bytes: int, settings: EngineSettings, accelerator_name: str = ""
+) -> Capacity:
+    """Predict what the engine allocates at start-up. Raises SizingError for settings it rejects.
+
+    ``gpu_memory_bytes`` is the total memory of one GPU as the engine sees it; ``accelerator_name``
+    matters only where defaults depend on the device (vLLM gives A100s the small scheduler defaults).
+    """
+    s = settings
+    profile = engine_profile(s.engine, s.version)
+    version = s.version or DEFAULT_VERSIONS[s.engine]
+    tp = s.tensor_parallel_size
+    k = _knobs(model, s, profile, gpu_memory_bytes=gpu_memory_bytes, accelerator_name=accelerator_name)
+
+    scheme = resolve_scheme(model, s.quantization)
+    weights = weight_bytes(model, tp=tp, scheme=scheme)
+    kv = kv_layout(model, tp=tp, kv_dtype=s.kv_cache_dtype)
+    act = activation_peak_bytes(model, tp=tp, max_num_batched_tokens=k.batched, max_num_seqs=k.max_seqs)
+    non_torch = non_torch_bytes(tp=tp)
+    graphs = 0 if s.enforce_eager else cuda_graph_bytes(model)
+    graphs_counted = profile.counts_cuda_graphs and not s.enforce_eager
+    budget = _kv_budget(
+        s,
+        profile,
+        k,
+        gpu_memory_bytes=gpu_memory_bytes,
+        weights_bytes=weights.weights_bytes_per_gpu,
+        act=act,
+        non_torch=non_torch,
+        graphs=graphs,
+        graphs_counted=graphs_counted,
+        kv_bytes_per_token=kv.kv_bytes_per_token_per_gpu,
+    )
+    notes = [profile.note, *budget.notes]
+    problems = list(budget.problems)
+    kv_bytes = budget.kv_bytes
     if kv_bytes <= 0:
         runtime = act + non_torch + (graphs if graphs_counted else 0)
         need = (weights.weights_bytes_per_gpu + runtime) / GiB
         problems.append(
             f"no memory left for the KV cache: weights + activations + runtime need {need:.2f} GiB per GPU, "
-            f"{requested / GiB:.2f} GiB available; {_memory_hint(model, tp, scheme, requested, runtime)}"
+            f"{budget.requested / GiB:.2f} GiB available; "
+            f"{_memory_hint(model, tp, scheme, budget.requested, runtime)}"
         )
         kv_bytes = 0
 
     hybrid = profile.hybrid_kv_cache and profile.engine is EngineName.VLLM
-    pool = _pool(kv, block_size=block, hybrid=hybrid, group_ratio=profile.hybrid_group_ratio)
+    pool = _pool(kv, block_size=k.block, hybrid=hybrid, group_ratio=profile.hybrid_group_ratio)
     if model.is_hybrid and not hybrid:
         notes.append("this engine version gives sliding-window layers the full context (no hybrid allocator)")
     num_blocks = kv_bytes // (pool.page_bytes * pool.group_size)
-    per_group_blocks = [
-        _blocks_per_request(k, w, max_model_len=max_len, block_size=block, max_num_batched_tokens=batched)
-        for k, w in pool.groups
-    ]
-    blocks_per_request = sum(per_group_blocks)
+    blocks_per_request = sum(
+        _blocks_per_request(kind, w, max_model_len=k.max_len, block_size=k.block, max_num_batched_tokens=k.batched)
+        for kind, w in pool.groups
+    )
     concurrency = num_blocks / blocks_per_request if blocks_per_request else 0.0
-    if len(pool.groups) > 1 and profile.hybrid_tokens_from_concurrency:
-        tokens = int(concurrency * max_len)  # group-aware capacity, as newer releases log it
-    elif len(pool.groups) > 1:
-        tokens = num_blocks // len(pool.groups) * block  # _report_kv_cache_config of older releases
-    else:
-        tokens = num_blocks * block
-
     fits_len = _longest_request(
-        pool, num_blocks=num_blocks, block_size=block, max_num_batched_tokens=batched, limit=max_len
+        pool, num_blocks=num_blocks, block_size=k.block, max_num_batched_tokens=k.batched, limit=k.max_len
     )
     if not problems and concurrency < 1:
         problems.append(
-            f"one request of max_model_len {max_len} needs {blocks_per_request} KV blocks but only {num_blocks} fit; "
-            f"the largest max_model_len that fits is {fits_len} (lower max_model_len, use kv_cache_dtype fp8, "
+            f"one request of max_model_len {k.max_len} needs {blocks_per_request} KV blocks but only {num_blocks} "
+            f"fit; the largest max_model_len that fits is {fits_len} (lower max_model_len, use kv_cache_dtype fp8, "
             "or raise gpu_memory_utilization)"
         )
     return Capacity(
@@ -350,8 +410,8 @@ def capacity(
         profile=profile,
         tensor_parallel_size=tp,
         gpu_memory_bytes=gpu_memory_bytes,
-        gpu_memory_utilization=util,
-        requested_bytes=requested,
+        gpu_memory_utilization=k.util,
+        requested_bytes=budget.requested,
         weights=weights,
         activation_peak_bytes=act,
         non_torch_bytes=non_torch,
@@ -359,12 +419,12 @@ def capacity(
         cuda_graph_counted=graphs_counted if profile.engine is EngineName.VLLM else not s.enforce_eager,
         kv_cache_bytes_per_gpu=kv_bytes,
         kv=kv,
-        block_size=block,
+        block_size=k.block,
         num_blocks=num_blocks,
-        kv_cache_tokens=tokens,
-        max_model_len=max_len,
-        max_num_seqs=max_seqs,
-        max_num_batched_tokens=batched,
+        kv_cache_tokens=_tokens(pool, num_blocks=num_blocks, concurrency=concurrency, k=k, profile=profile),
+        max_model_len=k.max_len,
+        max_num_seqs=k.max_seqs,
+        max_num_batched_tokens=k.batched,
         blocks_per_max_len_request=blocks_per_request,
         max_concurrency=concurrency,
         max_model_len_that_fits=fits_len,

@@ -422,8 +422,9 @@ def _evaluate(req: PlanRequest, it: InstanceType, tp: int, scheme: WeightScheme,
         weight_scheme=scheme,
         online_quantization=o.settings().quantization,
         kv_cache_dtype=kv,
-        # The engine settings admit exactly `batch` sequences: the breakdown shown is the one the engine prints.
-        capacity=o.capacity(max_num_seqs=batch),
+        # The engine settings admit exactly `batch` sequences: the breakdown shown is the one the engine prints
+        # (the same as at start-up when the batch is the engine's own max_num_seqs).
+        capacity=cap if batch == cap.max_num_seqs else o.capacity(max_num_seqs=batch),
         concurrency_per_replica=batch,
         cache_concurrency=cap.concurrent_sequences,
         perf=perf,
@@ -522,22 +523,15 @@ def _longest_fitting_context(req: PlanRequest, best: Rejection) -> str | None:
     it = instance(best.instance_type)
     if it.usable_gpu_memory_bytes is None or best.tensor_parallel_size is None:
         return None
-    settings = EngineSettings(
-        engine=req.engine,
-        version=req.engine_version,
-        tensor_parallel_size=best.tensor_parallel_size,
-        gpu_memory_utilization=req.gpu_memory_utilization,
-        max_model_len=req.workload.max_model_len,
-        kv_cache_dtype=KvDtype(best.kv_cache_dtype or "auto"),
-        quantization=best.weight_precision if best.weight_precision != req.model.native_scheme.name else None,
+    o = _Option(
+        req=req,
+        it=it,
+        tp=best.tensor_parallel_size,
+        scheme=weight_scheme(best.weight_precision) if best.weight_precision else req.model.native_scheme,
+        kv=KvDtype(best.kv_cache_dtype or "auto"),
     )
     try:
-        cap = capacity(
-            req.model,
-            gpu_memory_bytes=it.usable_gpu_memory_bytes,
-            settings=settings,
-            accelerator_name=it.accelerator.name,
-        )
+        cap = o.capacity()
     except SizingError:
         return None
     if cap.kv_cache_bytes_per_gpu <= 0:

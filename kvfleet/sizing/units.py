@@ -7,10 +7,6 @@ MiB = 1024**2
 GiB = 1024**3
 
 
-def gib(n_bytes: float) -> float:
-    return n_bytes / GiB
-
-
 def cdiv(a: int, b: int) -> int:
     """Ceiling division for non-negative integers."""
     return -(-a // b)

@@ -419,3 +419,39 @@ def test_scale_in_waits_fifteen_minutes_or_twice_the_drain_budget() -> None:
     assert scaling.scale_in_wait_s == max(900, 2 * scaling.drain_budget_s)
     longer = BASE.replace("      max_replicas: 3\n", "      max_replicas: 3\n      drain_budget_s: 600\n")
     assert parse_environment(longer, source=SOURCE).deployments[0].scaling.scale_in_wait_s == 1200
+
+
+# ---- the image speaks this kvfleet's contract ---------------------------------------------------------
+
+DIGEST = "@sha256:" + "0" * 64
+ECR = "123456789012.dkr.ecr.eu-west-1.amazonaws.com/kvfleet-vllm"
+
+
+@pytest.mark.parametrize(
+    ("image", "message"),
+    [
+        ("{tag: v1}", "tag v1 does not say which contract the image speaks"),
+        ("{tag: 0.11.0-kvfleet999}", "the image speaks contract 999, this kvfleet speaks"),
+        ("{tag: 0.10.0-kvfleet1}", "the image runs vllm 0.10.0, engine.version is 0.11.0"),
+        (f"{{source: uri, uri: {ECR}:latest}}", "tag latest does not say which contract"),
+        (f"{{source: uri, uri: {ECR}{DIGEST}}}", "String should match pattern"),  # a digest alone has no tag
+    ],
+)
+def test_image_tags_must_name_this_contract_and_the_engine_release(image: str, message: str) -> None:
+    [line] = problems(BASE + f"    image: {image}\n")
+    assert message in line
+    assert line.startswith(f"{SOURCE}:{BASE.count(chr(10)) + 1}: deployments[0].image.")
+
+
+@pytest.mark.parametrize(
+    "image",
+    ["{tag: 0.11.0-kvfleet1}", "{tag: 0.11.0-kvfleet1-build42}", f"{{source: uri, uri: {ECR}:0.11.0-kvfleet1{DIGEST}}}"],
+)
+def test_image_tags_for_this_contract_are_accepted(image: str) -> None:
+    env = parse_environment(BASE + f"    image: {image}\n", source=SOURCE)
+    assert env.deployments[0].image.source in ("kvfleet", "uri")
+
+
+def test_engine_names_come_from_the_engine_registry() -> None:
+    [line] = problems(BASE.replace("name: vllm", "name: sglang"))
+    assert "engine.name" in line and "'vllm' or 'trtllm'" in line

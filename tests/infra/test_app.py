@@ -6,8 +6,11 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from typing import get_args
 
 import pytest
+
+from kvfleet.config.loader import environment_path, load_environment
 
 from tests.envs import REPO
 
@@ -72,3 +75,31 @@ def test_unknown_environment_name_lists_the_examples(tmp_path: Path) -> None:
     assert "no environment file at" in result.stderr
     found = ", ".join(sorted(p.stem for p in (REPO / "environments").glob("*.yaml")))
     assert "dev" in found and f"found: {found}" in result.stderr
+
+
+def test_every_target_has_a_config_class_and_a_construct() -> None:
+    # One registry of names (kvfleet.targets); the config union and the construct table must name the same ones.
+    from kvfleet.config.targets import TARGET_CLASSES
+    from kvfleet.infra.stack import TARGET_CONSTRUCTS
+    from kvfleet.targets import TARGETS
+
+    config_names = [get_args(cls.model_fields["platform"].annotation)[0] for cls in TARGET_CLASSES]
+    assert sorted(config_names) == sorted(TARGETS) == sorted(TARGET_CONSTRUCTS)
+
+
+def test_environments_are_found_from_the_working_directory(tmp_path: Path) -> None:
+    # An installed kvfleet synthesizes outside a checkout: environments/ is looked up where cdk runs.
+    (tmp_path / "environments").mkdir()
+    (tmp_path / "environments" / "solo.yaml").write_text(
+        (REPO / "environments" / "dev.yaml").read_text(encoding="utf-8").replace("name: dev", "name: solo"),
+        encoding="utf-8",
+    )
+    assert environment_path("solo") == Path("environments/solo.yaml")
+    assert environment_path("solo", environments_dir=tmp_path / "environments") == tmp_path / "environments/solo.yaml"
+    assert environment_path("x/y.yaml") == Path("x/y.yaml")
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        assert load_environment(environment_path("solo")).name == "solo"
+    finally:
+        os.chdir(cwd)

@@ -4,12 +4,15 @@ Scale-in never cuts a generation: a terminating instance leaves the target group
 delay = drain budget) while its lifecycle hook holds it in Terminating:Wait; the agent in the container
 sees that through IMDS, drains, heartbeats the hook and completes it, and only then does the instance
 terminate.
+
+``Ec2Fleet`` builds it in steps, one method each, in the order CloudFormation needs them: the instances'
+identity, their launch template, the group and its hooks, the load balancer in front, then scaling.
 """
 
 from __future__ import annotations
 
 import math
-import shlex
+from collections.abc import Mapping
 
 from aws_cdk import Aws, Duration, RemovalPolicy
 from aws_cdk import aws_autoscaling as autoscaling
@@ -22,22 +25,25 @@ from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
 from kvfleet import contract
+from kvfleet.config.schema import ScalingConfig
 from kvfleet.config.targets import Ec2Target
-from kvfleet.contract import SERVING_PORT
 from kvfleet.deployments import IMAGE_DISK_GIB, ResolvedDeployment
 from kvfleet.infra.context import ServingContext
+from kvfleet.infra.ec2.user_data import user_data_script
 from kvfleet.infra.iam import grant_model_read, grant_token_read, put_metric_data
 from kvfleet.infra.images import serving_image
 from kvfleet.infra.metrics import PERIOD, PlatformMetrics
 from kvfleet.infra.nag import acknowledge, logical_id
+from kvfleet.infra.network import ServingNetwork
 from kvfleet.infra.scaling import scale_group
 
 LIFECYCLE_HOOK = "kvfleet-drain"  # named: the instances read it at boot, before the hook's id is known
 WARM_HOOK = "kvfleet-warm"  # with a warm pool: held until the image and weights are on the instance
 HEARTBEAT_S = 60  # how often the agent heartbeats the hook while draining
-MODEL_DIR = "/opt/kvfleet/model"  # on local NVMe when the instance has it
 ROOT_DEVICE = "/dev/xvda"  # Amazon Linux 2023 AMIs
 OS_DISK_GIB = 30  # the GPU AMI's own root volume (drivers, CUDA, Docker)
+MAX_HOOK_TIMEOUT_S = 7200  # the longest heartbeat timeout a lifecycle hook accepts
+MAX_OVERRIDES = 10  # instance types a mixed-instances policy accepts
 
 
 def fleet_instance_types(r: ResolvedDeployment) -> list[str]:
@@ -56,45 +62,78 @@ def fleet_instance_types(r: ResolvedDeployment) -> list[str]:
         )
         if same and i.name not in out:
             out.append(i.name)
-    return out[:10]
+    return out[:MAX_OVERRIDES]
+
+
+def weights_on_local_nvme(r: ResolvedDeployment, target: Ec2Target) -> bool:
+    """Whether the weights go to the instance store. It is wiped when an instance stops, so a stopped (or
+    hibernated) warm pool keeps them on EBS instead."""
+    warm_stopped = target.warm_pool.enabled and target.warm_pool.state != "Running"
+    return r.candidate.instance.local_nvme_gb > 0 and not warm_stopped
 
 
 class Ec2Fleet(Construct):
+    """The fleet; ``platform_metrics`` and ``outputs`` make it a ``TargetConstruct``."""
+
     def __init__(self, scope: Construct, id: str, *, context: ServingContext) -> None:
         super().__init__(scope, id)
-        r = context.resolved
-        d = r.deployment
-        target = d.target
+        target = context.resolved.deployment.target
         assert isinstance(target, Ec2Target)
-        network = context.network
-        region = context.region
-        s = d.scaling
-        startup = r.startup
-        warmup = Duration.seconds(math.ceil(startup.ready_s))
+        self._resolved = context.resolved
+        self._target = target
+        self._network: ServingNetwork = context.network
+        self._scaling: ScalingConfig = context.resolved.deployment.scaling
+        # Boot to healthy, from the plan's estimate: health-check grace, instance warm-up.
+        self._warmup = Duration.seconds(math.ceil(context.resolved.startup.ready_s))
 
         self.log_group = logs.LogGroup(
             self, "Logs", retention=logs.RetentionDays.ONE_MONTH, removal_policy=RemovalPolicy.DESTROY
         )
+        self.role = self._instance_role()
+        policy, image = self._instance_policy(context.region)
+        self.instance_security_group: ec2.ISecurityGroup = self._network.security_group
+        self.launch_template = self._launch_template(image)
+        self.instance_types = fleet_instance_types(self._resolved)
+        self.group = self._group()
+        self.lifecycle_hook = self._drain_hook()
+        self._lifecycle_policy()
+        self._acknowledge_instance_policy(policy)
+        self.warm_pool, self.launch_hook = self._warm_pool()
+        self.lb_security_group, port = self._load_balancer_security_group()
+        self.load_balancer = self._load_balancer(context.region)
+        self.target_group = self._target_group(self._listener(port))
+        if self._scaling.max_replicas > self._scaling.min_replicas:
+            scale_group(self, self.group, deployment_id=self._resolved.deployment_id, scaling=self._scaling)
+        self.platform_metrics = self._platform_metrics()
+        self.outputs: Mapping[str, str] = {"LoadBalancerDns": self.load_balancer.load_balancer_dns_name}
 
-        # ---- instance role: least privilege ---------------------------------------------------------
-        self.role = iam.Role(
+    # ---- the instances' identity: least privilege ----------------------------------------------------------
+
+    def _instance_role(self) -> iam.Role:
+        role = iam.Role(
             self,
             "InstanceRole",
             assumed_by=iam.ServicePrincipal("ec2.amazonaws.com"),
-            description=f"kvfleet {r.deployment_id} GPU instances",
+            description=f"kvfleet {self._resolved.deployment_id} GPU instances",
             managed_policies=[iam.ManagedPolicy.from_aws_managed_policy_name("AmazonSSMManagedInstanceCore")],
         )
         acknowledge(
-            self.role,
+            role,
             "AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/AmazonSSMManagedInstanceCore]",
             "Session Manager access instead of SSH: AWS maintains the minimal policy the SSM agent needs.",
         )
+        return role
+
+    def _instance_policy(self, region: str | None) -> tuple[iam.Policy, str]:
+        """What the user data and the container need: pull the image, read the weights (and the token),
+        write logs and metrics, find the instance's group. Returns the policy and the image's URI."""
+        model = self._resolved.deployment.model
         policy = iam.Policy(self, "InstancePolicy", roles=[self.role])
-        image = serving_image(self, r, policy, region)
-        if d.model.s3_uri:
-            grant_model_read(policy, d.model.s3_uri)
-        if d.model.hf_token_secret:
-            grant_token_read(self, policy, d.model.hf_token_secret)
+        image = serving_image(self, self._resolved, policy, region)
+        if model.s3_uri:
+            grant_model_read(policy, model.s3_uri)
+        if model.hf_token_secret:
+            grant_token_read(self, policy, model.hf_token_secret)
         policy.add_statements(
             iam.PolicyStatement(
                 actions=["logs:CreateLogStream", "logs:PutLogEvents", "logs:DescribeLogStreams"],
@@ -103,22 +142,35 @@ class Ec2Fleet(Construct):
             put_metric_data(),
             iam.PolicyStatement(actions=["autoscaling:DescribeAutoScalingInstances"], resources=["*"]),
         )
+        return policy, image
 
-        # ---- launch template ------------------------------------------------------------------------
-        instance = r.candidate.instance
-        # Instance store is wiped when an instance stops: a stopped warm pool keeps the weights on EBS.
-        warm_stopped = target.warm_pool.enabled and target.warm_pool.state != "Running"
-        nvme = instance.local_nvme_gb > 0 and not warm_stopped
+    def _acknowledge_instance_policy(self, policy: iam.Policy) -> None:
+        acknowledge(
+            policy,
+            "AwsSolutions-IAM5[Resource::*]",
+            "cloudwatch:PutMetricData, ecr:GetAuthorizationToken and autoscaling:DescribeAutoScalingInstances have "
+            "no resource-level permissions (PutMetricData is limited to the kvfleet namespace by condition).",
+        )
+        acknowledge(
+            policy,
+            f"AwsSolutions-IAM5[Resource::<{logical_id(self.log_group)}.Arn>]",
+            "This deployment's own log group; its ARN ends in :* to cover the group's streams.",
+        )
+
+    # ---- what an instance boots ----------------------------------------------------------------------------
+
+    def _launch_template(self, image: str) -> ec2.LaunchTemplate:
+        r, target = self._resolved, self._target
+        nvme = weights_on_local_nvme(r, target)
         # The AMI itself, then the image, and the weights too when they do not go to local NVMe.
         root_gib = OS_DISK_GIB + (IMAGE_DISK_GIB if nvme else r.disk_gib)
-        self.instance_security_group = network.security_group
-        self.launch_template = ec2.LaunchTemplate(
+        return ec2.LaunchTemplate(
             self,
             "LaunchTemplate",
             machine_image=ec2.MachineImage.from_ssm_parameter(target.ami_parameter),
-            instance_type=ec2.InstanceType(instance.name),
+            instance_type=ec2.InstanceType(r.candidate.instance.name),
             role=self.role,
-            security_group=network.security_group,
+            security_group=self._network.security_group,
             require_imdsv2=True,
             # The container is one network hop further than the host: IMDSv2 needs a hop limit of 2.
             http_put_response_hop_limit=2,
@@ -131,23 +183,36 @@ class Ec2Fleet(Construct):
                     ),
                 )
             ],
-            user_data=self._user_data(r, target, image, nvme=nvme),
+            user_data=self._user_data(image, nvme=nvme),
         )
 
-        # ---- Auto Scaling group -----------------------------------------------------------------------
-        types = fleet_instance_types(r)
-        self.instance_types = types
-        initial = r.initial_instance_count
-        self.group = autoscaling.AutoScalingGroup(
+    def _user_data(self, image: str, *, nvme: bool) -> ec2.UserData:
+        script = user_data_script(
+            self._resolved,
+            image=image,
+            log_group=self.log_group.log_group_name,
+            local_nvme=nvme,
+            drain_hook=LIFECYCLE_HOOK,
+            heartbeat_s=HEARTBEAT_S,
+            warm_hook=WARM_HOOK if self._target.warm_pool.enabled else None,
+        )
+        return ec2.UserData.custom(script)  # the script carries its own #!/bin/bash
+
+    # ---- the group and its hooks ---------------------------------------------------------------------------
+
+    def _group(self) -> autoscaling.AutoScalingGroup:
+        s, target = self._scaling, self._target
+        group = autoscaling.AutoScalingGroup(
             self,
             "Group",
-            vpc=network.vpc,
-            vpc_subnets=network.subnet_selection,
+            vpc=self._network.vpc,
+            vpc_subnets=self._network.subnet_selection,
             mixed_instances_policy=autoscaling.MixedInstancesPolicy(
                 launch_template=self.launch_template,
                 launch_template_overrides=[
-                    autoscaling.LaunchTemplateOverrides(instance_type=ec2.InstanceType(t)) for t in types
+                    autoscaling.LaunchTemplateOverrides(instance_type=ec2.InstanceType(t)) for t in self.instance_types
                 ],
+                # On-Demand only, in the order above: the plan's type first, alternatives when it has no capacity.
                 instances_distribution=autoscaling.InstancesDistribution(
                     on_demand_allocation_strategy=autoscaling.OnDemandAllocationStrategy.PRIORITIZED,
                     on_demand_percentage_above_base_capacity=100,
@@ -155,42 +220,55 @@ class Ec2Fleet(Construct):
             ),
             min_capacity=s.min_replicas,
             max_capacity=s.max_replicas,
+            # The load balancer's health check decides, after the model has had time to load.
             health_checks=autoscaling.HealthChecks.with_additional_checks(
-                additional_types=[autoscaling.AdditionalHealthCheckType.ELB], grace_period=warmup
+                additional_types=[autoscaling.AdditionalHealthCheckType.ELB], grace_period=self._warmup
             ),
-            default_instance_warmup=warmup,
+            default_instance_warmup=self._warmup,
             capacity_rebalance=target.capacity_rebalance,
             group_metrics=[autoscaling.GroupMetrics.all()],
-            update_policy=autoscaling.UpdatePolicy.rolling_update(
-                max_batch_size=max(1, math.floor(s.max_replicas * (100 - target.min_healthy_percent) / 100)),
-                min_instances_in_service=math.ceil(s.min_replicas * target.min_healthy_percent / 100),
-                pause_time=Duration.seconds(min(3600, math.ceil(startup.ready_s + s.drain_budget_s))),
-            ),
+            update_policy=self._rolling_update(),
         )
         acknowledge(
-            self.group,
+            group,
             "AwsSolutions-EC26",
             "The launch template's root volume is encrypted (gp3, encrypted=True); the rule cannot read launch "
             "templates inside a mixed-instances policy and fails instead of checking.",
         )
-        cfn_group = self.group.node.default_child
+        cfn_group = group.node.default_child
         assert isinstance(cfn_group, autoscaling.CfnAutoScalingGroup)
         # The plan's count; CloudFormation applies it when it changes, autoscaling moves it in between.
-        cfn_group.desired_capacity = str(initial)
+        cfn_group.desired_capacity = str(self._resolved.initial_instance_count)
         acknowledge(
-            self.group,
+            group,
             "AwsSolutions-AS3",
             "Scaling activity is watched through the deployment's dashboard and alarms, not per-event emails.",
         )
+        return group
+
+    def _rolling_update(self) -> autoscaling.UpdatePolicy:
+        """Replace instances in batches that keep ``min_healthy_percent`` in service; each batch gets the time to
+        boot a replacement and to drain the instance it replaces."""
+        s, healthy = self._scaling, self._target.min_healthy_percent
+        return autoscaling.UpdatePolicy.rolling_update(
+            max_batch_size=max(1, math.floor(s.max_replicas * (100 - healthy) / 100)),
+            min_instances_in_service=math.ceil(s.min_replicas * healthy / 100),
+            pause_time=Duration.seconds(min(3600, math.ceil(self._resolved.startup.ready_s + s.drain_budget_s))),
+        )
+
+    def _drain_hook(self) -> autoscaling.LifecycleHook:
         # The hook holds a terminating instance while the agent drains; without heartbeats it still waits
         # the whole drain budget before CONTINUE.
-        self.lifecycle_hook = self.group.add_lifecycle_hook(
+        return self.group.add_lifecycle_hook(
             "Drain",
             lifecycle_hook_name=LIFECYCLE_HOOK,
             lifecycle_transition=autoscaling.LifecycleTransition.INSTANCE_TERMINATING,
-            heartbeat_timeout=Duration.seconds(min(7200, s.drain_budget_s + 2 * HEARTBEAT_S)),
+            heartbeat_timeout=Duration.seconds(min(MAX_HOOK_TIMEOUT_S, self._scaling.drain_budget_s + 2 * HEARTBEAT_S)),
             default_result=autoscaling.DefaultResult.CONTINUE,
         )
+
+    def _lifecycle_policy(self) -> iam.Policy:
+        """The agent (drain hook) and the user data (warm hook) complete and heartbeat this group's hooks only."""
         group_arn = (
             f"arn:{Aws.PARTITION}:autoscaling:{Aws.REGION}:{Aws.ACCOUNT_ID}:autoScalingGroup:*:"
             f"autoScalingGroupName/{self.group.auto_scaling_group_name}"
@@ -212,39 +290,37 @@ class Ec2Fleet(Construct):
             f"autoScalingGroup:*:autoScalingGroupName/<{logical_id(self.group)}>]",
             "Only this group: its ARN's id part is assigned at creation, so it is a wildcard here.",
         )
-        acknowledge(
-            policy,
-            "AwsSolutions-IAM5[Resource::*]",
-            "cloudwatch:PutMetricData, ecr:GetAuthorizationToken and autoscaling:DescribeAutoScalingInstances have "
-            "no resource-level permissions (PutMetricData is limited to the kvfleet namespace by condition).",
-        )
-        acknowledge(
-            policy,
-            f"AwsSolutions-IAM5[Resource::<{logical_id(self.log_group)}.Arn>]",
-            "This deployment's own log group; its ARN ends in :* to cover the group's streams.",
-        )
-        self.warm_pool = None
-        self.launch_hook = None
-        if target.warm_pool.enabled:
-            self.warm_pool = self.group.add_warm_pool(
-                min_size=target.warm_pool.min_size,
-                pool_state=autoscaling.PoolState(target.warm_pool.state.upper()),
-            )
-            # A new instance stays in Pending:Wait until its user data has pulled the image and the weights
-            # and completes this hook; only then does the group stop it into the pool (or put it in service).
-            self.launch_hook = self.group.add_lifecycle_hook(
-                "Warm",
-                lifecycle_hook_name=WARM_HOOK,
-                lifecycle_transition=autoscaling.LifecycleTransition.INSTANCE_LAUNCHING,
-                heartbeat_timeout=Duration.seconds(
-                    min(7200, math.ceil(2 * (startup.image_pull_s + startup.download_s)))
-                ),
-                default_result=autoscaling.DefaultResult.ABANDON,
-            )
+        return lifecycle
 
-        # ---- load balancer ----------------------------------------------------------------------------
-        lb = target.load_balancer
-        self.lb_security_group = ec2.SecurityGroup(
+    def _warm_pool(self) -> tuple[autoscaling.WarmPool | None, autoscaling.LifecycleHook | None]:
+        """With a warm pool: the pool, and the launch hook that keeps a new instance out of it until ready."""
+        pool_config = self._target.warm_pool
+        if not pool_config.enabled:
+            return None, None
+        pool = self.group.add_warm_pool(
+            min_size=pool_config.min_size, pool_state=autoscaling.PoolState(pool_config.state.upper())
+        )
+        # A new instance stays in Pending:Wait until its user data has pulled the image and the weights
+        # and completes this hook; only then does the group stop it into the pool (or put it in service).
+        startup = self._resolved.startup
+        hook = self.group.add_lifecycle_hook(
+            "Warm",
+            lifecycle_hook_name=WARM_HOOK,
+            lifecycle_transition=autoscaling.LifecycleTransition.INSTANCE_LAUNCHING,
+            heartbeat_timeout=Duration.seconds(
+                min(MAX_HOOK_TIMEOUT_S, math.ceil(2 * (startup.image_pull_s + startup.download_s)))
+            ),
+            default_result=autoscaling.DefaultResult.ABANDON,
+        )
+        return pool, hook
+
+    # ---- the load balancer in front ------------------------------------------------------------------------
+
+    def _load_balancer_security_group(self) -> tuple[ec2.SecurityGroup, int]:
+        """Clients reach the listener's port from the configured networks only (default: the VPC's own CIDR).
+        Returns the group and that port."""
+        lb, network = self._target.load_balancer, self._network
+        sg = ec2.SecurityGroup(
             self,
             "LoadBalancerSecurityGroup",
             vpc=network.vpc,
@@ -255,8 +331,12 @@ class Ec2Fleet(Construct):
         clients = list(lb.allowed_cidrs) or ([network.cidr] if network.cidr else [])
         assert clients, "config validation requires load_balancer.allowed_cidrs with an existing VPC"
         for i, cidr in enumerate(clients):
-            self.lb_security_group.add_ingress_rule(ec2.Peer.ipv4(cidr), ec2.Port.tcp(port), f"clients {i + 1}")
-        self.load_balancer = elbv2.ApplicationLoadBalancer(
+            sg.add_ingress_rule(ec2.Peer.ipv4(cidr), ec2.Port.tcp(port), f"clients {i + 1}")
+        return sg, port
+
+    def _load_balancer(self, region: str | None) -> elbv2.ApplicationLoadBalancer:
+        lb, network = self._target.load_balancer, self._network
+        alb = elbv2.ApplicationLoadBalancer(
             self,
             "LoadBalancer",
             vpc=network.vpc,
@@ -268,40 +348,53 @@ class Ec2Fleet(Construct):
             idle_timeout=Duration.seconds(lb.idle_timeout_s),
             drop_invalid_header_fields=True,
         )
-        if region is not None:
-            logs_bucket = s3.Bucket(
-                self,
-                "AccessLogs",
-                encryption=s3.BucketEncryption.S3_MANAGED,
-                block_public_access=s3.BlockPublicAccess.BLOCK_ALL,
-                enforce_ssl=True,
-                removal_policy=RemovalPolicy.RETAIN,
-                lifecycle_rules=[s3.LifecycleRule(expiration=Duration.days(90))],
-            )
+        self._access_logs(alb, region)
+        return alb
+
+    def _access_logs(self, alb: elbv2.ApplicationLoadBalancer, region: str | None) -> None:
+        """Access logs into a bucket of their own; that needs the region's ELB account, so a known region."""
+        if region is None:
             acknowledge(
-                logs_bucket,
-                "AwsSolutions-S1",
-                "This bucket receives the load balancer's access logs; logging its own access would recurse.",
-            )
-            self.load_balancer.log_access_logs(logs_bucket)
-        else:
-            acknowledge(
-                self.load_balancer,
+                alb,
                 "AwsSolutions-ELB2",
                 "The stack's region is unknown at synth and ALB log delivery needs the region's ELB account; "
                 "name the region in the environment file to get access logs.",
             )
-        listener = self.load_balancer.add_listener(
+            return
+        bucket = s3.Bucket(
+            self,
+            "AccessLogs",
+            encryption=s3.BucketEncryption.S3_MANAGED,
+            block_public_access=s3.BlockPublicAccess.BLOCK_ALL,
+            enforce_ssl=True,
+            removal_policy=RemovalPolicy.RETAIN,
+            lifecycle_rules=[s3.LifecycleRule(expiration=Duration.days(90))],
+        )
+        acknowledge(
+            bucket,
+            "AwsSolutions-S1",
+            "This bucket receives the load balancer's access logs; logging its own access would recurse.",
+        )
+        alb.log_access_logs(bucket)
+
+    def _listener(self, port: int) -> elbv2.ApplicationListener:
+        """HTTPS with the configured certificate, else HTTP inside the VPC; closed to all but the security group."""
+        cert = self._target.load_balancer.certificate_arn
+        return self.load_balancer.add_listener(
             "Listener",
             port=port,
-            protocol=elbv2.ApplicationProtocol.HTTPS if lb.certificate_arn else elbv2.ApplicationProtocol.HTTP,
-            certificates=[elbv2.ListenerCertificate.from_arn(lb.certificate_arn)] if lb.certificate_arn else None,
-            ssl_policy=elbv2.SslPolicy.RECOMMENDED_TLS if lb.certificate_arn else None,
+            protocol=elbv2.ApplicationProtocol.HTTPS if cert else elbv2.ApplicationProtocol.HTTP,
+            certificates=[elbv2.ListenerCertificate.from_arn(cert)] if cert else None,
+            ssl_policy=elbv2.SslPolicy.RECOMMENDED_TLS if cert else None,
             open=False,
         )
-        self.target_group = listener.add_targets(
+
+    def _target_group(self, listener: elbv2.ApplicationListener) -> elbv2.ApplicationTargetGroup:
+        """The group's instances on the agent's port, healthy when the agent's health route answers."""
+        s = self._scaling
+        return listener.add_targets(
             "Replicas",
-            port=SERVING_PORT,
+            port=contract.SERVING_PORT,
             protocol=elbv2.ApplicationProtocol.HTTP,
             targets=[self.group],
             health_check=elbv2.HealthCheck(
@@ -315,18 +408,19 @@ class Ec2Fleet(Construct):
             # A deregistered instance keeps its open streams this long: the drain budget.
             deregistration_delay=Duration.seconds(min(3600, s.drain_budget_s)),
             # A replica that just loaded its model gets traffic gradually (cold caches, first compiles).
-            slow_start=Duration.seconds(min(900, max(30, math.ceil(startup.engine_init_s)))),
+            slow_start=Duration.seconds(min(900, max(30, math.ceil(self._resolved.startup.engine_init_s)))),
         )
 
-        # ---- scaling on the signals ---------------------------------------------------------------------
-        if s.max_replicas > s.min_replicas:
-            scale_group(self, self.group, deployment_id=r.deployment_id, scaling=s)
+    # ---- what the fleet reports ----------------------------------------------------------------------------
 
-        self.platform_metrics = PlatformMetrics(
-            errors_4xx=self.target_group.metrics.http_code_target(
+    def _platform_metrics(self) -> PlatformMetrics:
+        """Errors as the load balancer saw them from the targets, and the group's own count of replicas."""
+        metrics = self.target_group.metrics
+        return PlatformMetrics(
+            errors_4xx=metrics.http_code_target(
                 elbv2.HttpCodeTarget.TARGET_4XX_COUNT, period=PERIOD, label="4xx (targets)"
             ),
-            errors_5xx=self.target_group.metrics.http_code_target(
+            errors_5xx=metrics.http_code_target(
                 elbv2.HttpCodeTarget.TARGET_5XX_COUNT, period=PERIOD, label="5xx (targets)"
             ),
             instances=cw.Metric(
@@ -338,80 +432,3 @@ class Ec2Fleet(Construct):
                 label="in service",
             ),
         )
-        self.outputs = {"LoadBalancerDns": self.load_balancer.load_balancer_dns_name}
-
-    def _user_data(self, r: ResolvedDeployment, target: Ec2Target, image: str, *, nvme: bool) -> ec2.UserData:
-        d = r.deployment
-        env = r.container_environment()
-        env[contract.ENV_PUT_METRIC_DATA] = "0"  # the awslogs driver turns the EMF lines into metrics
-        if d.model.s3_uri:
-            env[contract.ENV_MODEL] = contract.MODEL_DIR
-        env_lines = "\n".join(f"{k}={v}" for k, v in sorted(env.items()))
-        mount = (
-            f"-v {MODEL_DIR}:/opt/ml/model:ro" if d.model.s3_uri else f"-v {MODEL_DIR}:/home/kvfleet/.cache/huggingface"
-        )
-        ud = ec2.UserData.for_linux()
-        ud.add_commands(
-            "set -euo pipefail",
-            'imds() { curl -sf -H "X-aws-ec2-metadata-token: $TOKEN" "http://169.254.169.254/latest/$1"; }',
-            'TOKEN=$(curl -sf -X PUT -H "X-aws-ec2-metadata-token-ttl-seconds: 21600" '
-            "http://169.254.169.254/latest/api/token)",
-            "REGION=$(imds meta-data/placement/region)",
-            "INSTANCE_ID=$(imds meta-data/instance-id)",
-            # The group's name from the instance's own tags (metadata tags are on); the API as a fallback.
-            "GROUP=$(imds meta-data/tags/instance/aws:autoscaling:groupName || aws autoscaling "
-            'describe-auto-scaling-instances --region "$REGION" --instance-ids "$INSTANCE_ID" '
-            "--query 'AutoScalingInstances[0].AutoScalingGroupName' --output text)",
-            f"mkdir -p {MODEL_DIR} /etc/kvfleet",
-        )
-        if nvme:
-            ud.add_commands(
-                "# Local NVMe (instance store) holds the weights: faster than EBS, and free.",
-                "DEVS=$(lsblk -dpno NAME,MODEL | awk '/Instance Storage/ {print $1}')",
-                'if [ -n "$DEVS" ]; then',
-                '  if [ "$(echo "$DEVS" | wc -l)" -gt 1 ]; then',
-                '    mdadm --create /dev/md0 --run --level=0 --raid-devices=$(echo "$DEVS" | wc -l) $DEVS',
-                "    DEV=/dev/md0",
-                '  else DEV="$DEVS"; fi',
-                f'  mkfs.xfs -f "$DEV" && mount "$DEV" {MODEL_DIR}',
-                "fi",
-            )
-        ud.add_commands(f"chown 10001:10001 {MODEL_DIR}")
-        if d.model.s3_uri:
-            ud.add_commands(f"aws s3 sync --only-show-errors {shlex.quote(d.model.s3_uri)} {MODEL_DIR}")
-        ud.add_commands(
-            f"cat > /etc/kvfleet/env <<'KVFLEET_ENV'\n{env_lines}\nKVFLEET_ENV",
-            f'echo "{contract.ENV_ASG_NAME}=$GROUP" >> /etc/kvfleet/env',
-            f'echo "{contract.ENV_LIFECYCLE_HOOK}={LIFECYCLE_HOOK}" >> /etc/kvfleet/env',
-            f'echo "{contract.ENV_LIFECYCLE_HEARTBEAT_S}={HEARTBEAT_S}" >> /etc/kvfleet/env',
-            'echo "AWS_REGION=$REGION" >> /etc/kvfleet/env',
-            f"IMAGE={image}",
-            'aws ecr get-login-password --region "$REGION" '
-            '| docker login --username AWS --password-stdin "${IMAGE%%/*}"',
-            'docker pull "$IMAGE"',
-            # A container, started by systemd at every boot: an instance that comes out of a stopped warm
-            # pool starts serving without re-running this script.
-            "docker create --name kvfleet --gpus all "
-            f"--shm-size {target.shm_size_gib}g -p {SERVING_PORT}:{SERVING_PORT} "
-            f"--stop-timeout {d.scaling.drain_budget_s + 30} "
-            f'--log-driver awslogs --log-opt awslogs-region="$REGION" '
-            f"--log-opt awslogs-group={self.log_group.log_group_name} "
-            '--log-opt awslogs-stream="$INSTANCE_ID" '
-            f'--env-file /etc/kvfleet/env {mount} "$IMAGE" serve',
-            "cat > /etc/systemd/system/kvfleet.service <<'KVFLEET_UNIT'\n"
-            "[Unit]\nDescription=kvfleet serving container\nAfter=docker.service\nRequires=docker.service\n"
-            f"[Service]\nExecStart=/usr/bin/docker start -a kvfleet\nExecStop=/usr/bin/docker stop kvfleet\n"
-            f"TimeoutStopSec={d.scaling.drain_budget_s + 60}\nRestart=always\nRestartSec=5\n"
-            "[Install]\nWantedBy=multi-user.target\nKVFLEET_UNIT",
-            "systemctl daemon-reload && systemctl enable kvfleet.service",
-            "STATE=$(imds meta-data/autoscaling/target-lifecycle-state || echo InService)",
-            # Going into the warm pool: ready on disk, not loaded on the GPU.
-            'case "$STATE" in Warmed:*) ;; *) systemctl start kvfleet.service ;; esac',
-        )
-        if target.warm_pool.enabled:
-            ud.add_commands(
-                'aws autoscaling complete-lifecycle-action --region "$REGION" '
-                f'--lifecycle-hook-name {WARM_HOOK} --auto-scaling-group-name "$GROUP" '
-                '--instance-id "$INSTANCE_ID" --lifecycle-action-result CONTINUE',
-            )
-        return ud

@@ -2,8 +2,8 @@
 
 Pure functions from a ResolvedDeployment to plain dicts (no aws_cdk): the EKS stack applies them, the
 tests validate them offline (core kinds against the Kubernetes OpenAPI schemas, the ScaledObject against
-``schemas/keda-scaledobject.schema.json``), and ``check_consistency`` proves that the pieces fit the
-nodes they land on and the agent inside the pod.
+``schemas/keda-scaledobject.schema.json``), and ``checks.check_consistency`` proves that the pieces fit
+the nodes they land on and the agent inside the pod.
 
 Everything that has a reason elsewhere comes from there: GPUs from the plan's tensor-parallel degree,
 the startup window from the model-load estimate, the grace period from the drain budget, the scaling
@@ -12,16 +12,15 @@ queries from the signals contract.
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from kvfleet import contract
 from kvfleet.config.schema import SCALE_IN_MIN_S
-from kvfleet.contract import AGENT_UID, DRAIN_COMMAND, HEALTH_ROUTE, METRICS_ROUTE, SERVING_PORT
+from kvfleet.contract import AGENT_UID, DRAIN_COMMAND, HEALTH_ROUTE, METRICS_ROUTE, SERVE_ARG, SERVING_PORT
 from kvfleet.contract import HF_HOME as HF_CACHE_DIR
 from kvfleet.contract import MODEL_DIR as SAGEMAKER_MODEL_DIR
 from kvfleet.deployments import IMAGE_DISK_GIB, ResolvedDeployment
@@ -41,14 +40,9 @@ STARTUP_SAFETY = 2.0
 STARTUP_PERIOD_S = 10
 # After preStop returns, SIGTERM stops the agent and the engine frees GPU memory: allow this much.
 ENGINE_STOP_S = 60
-MIN_ENGINE_STOP_S = 30  # what check_consistency insists on
 MIN_SCALE_DOWN_STABILIZATION_S = SCALE_IN_MIN_S
 TRIGGER_CACHE = "kv-cache-utilization"
 TRIGGER_QUEUE = "requests-waiting"
-# How each scaling signal is compared (see scaled_object): an average as a Value, a sum per replica.
-_TRIGGER_METRIC_TYPES = {contract.KV_CACHE_UTILIZATION.name: "Value", contract.REQUESTS_WAITING.name: "AverageValue"}
-_ENGINE_TP_KEYS = ("tensor-parallel-size", "tensor_parallel_size")
-_ENV_TP_KEYS = ("OPTION_TENSOR_PARALLEL_DEGREE", "SM_VLLM_TENSOR_PARALLEL_SIZE")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -245,7 +239,7 @@ def deployment(r: ResolvedDeployment, opts: WorkloadOptions) -> Manifest:
         "name": CONTAINER_NAME,
         "image": opts.image,
         "imagePullPolicy": opts.image_pull_policy,
-        "args": ["serve"],
+        "args": [SERVE_ARG],
         "env": _env(r, opts),
         "ports": [{"name": PORT_NAME, "containerPort": SERVING_PORT, "protocol": "TCP"}],
         # Extended resources need limits equal to requests; cpu and memory get no limits: a CPU limit
@@ -478,185 +472,3 @@ def namespace(opts: WorkloadOptions) -> Manifest:
 def manifests(r: ResolvedDeployment, opts: WorkloadOptions) -> list[Manifest]:
     """Every object of the deployment in its namespace, in apply order (the Namespace is applied first, apart)."""
     return [deployment(r, opts), service(r, opts), pod_disruption_budget(r, opts), scaled_object(r, opts)]
-
-
-# ---- consistency -------------------------------------------------------------------------------------
-
-
-def _tolerates(toleration: Mapping[str, Any], taint: Mapping[str, Any]) -> bool:
-    """Kubernetes' matching rule: empty effect matches every effect; Exists ignores the value; an empty
-    key with Exists matches every taint."""
-    effect = toleration.get("effect") or ""
-    if effect and effect != taint.get("effect"):
-        return False
-    operator = toleration.get("operator") or "Equal"
-    key = toleration.get("key") or ""
-    if operator == "Exists":
-        return not key or key == taint.get("key")
-    return key == taint.get("key") and (toleration.get("value") or "") == (taint.get("value") or "")
-
-
-def _one(items: Sequence[Mapping[str, Any]], kind: str) -> Mapping[str, Any] | None:
-    found = [m for m in items if m.get("kind") == kind]
-    return found[0] if len(found) == 1 else None
-
-
-def _int(value: Any) -> int | None:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def check_consistency(
-    manifests: Sequence[Mapping[str, Any]],
-    *,
-    node_taints: Sequence[Mapping[str, Any]],
-    gpus_per_node: int,
-    tensor_parallel_size: int,
-    drain_budget_s: int,
-    gpu_resource: str = "nvidia.com/gpu",
-    startup_estimate_s: float | None = None,
-    node_labels: Mapping[str, str] | None = None,
-) -> list[str]:
-    """Problems that would make the manifests fail on these nodes or with the agent; empty: consistent.
-
-    startup_estimate_s: launch-to-ready estimate to hold the startup probe against (default: the one the
-    Deployment records in its annotation). node_labels: when given, the nodeSelector must match them.
-    """
-    problems: list[str] = []
-    dep = _one(manifests, "Deployment")
-    if dep is None:
-        return ["expected exactly one Deployment"]
-    dep_name = dep.get("metadata", {}).get("name")
-    pod = dep.get("spec", {}).get("template", {}).get("spec", {})
-    pod_labels = dep.get("spec", {}).get("template", {}).get("metadata", {}).get("labels", {})
-    containers = [c for c in pod.get("containers", []) if c.get("name") == CONTAINER_NAME]
-    if len(containers) != 1:
-        return [f"expected one container named {CONTAINER_NAME!r} in the Deployment"]
-    c = containers[0]
-
-    # Taints: every hard taint on the nodes needs a toleration, or no pod schedules (NoSchedule) or
-    # stays (NoExecute). PreferNoSchedule only steers the scheduler.
-    tolerations = pod.get("tolerations") or []
-    for taint in node_taints:
-        if taint.get("effect") == "PreferNoSchedule":
-            continue
-        if not any(_tolerates(t, taint) for t in tolerations):
-            shown = f"{taint.get('key')}={taint.get('value') or ''}:{taint.get('effect')}"
-            problems.append(f"node taint {shown} is not tolerated by the pod")
-    if node_labels is not None:
-        for k, v in (pod.get("nodeSelector") or {}).items():
-            if node_labels.get(k) != v:
-                problems.append(f"nodeSelector {k}={v} does not match the nodes ({k}={node_labels.get(k)})")
-
-    # GPUs: requests == limits == the tensor-parallel degree, within one node.
-    res = c.get("resources", {})
-    req = _int(res.get("requests", {}).get(gpu_resource))
-    lim = _int(res.get("limits", {}).get(gpu_resource))
-    if req != lim:
-        problems.append(f"{gpu_resource} requests ({req}) differ from limits ({lim})")
-    if lim != tensor_parallel_size:
-        problems.append(f"{gpu_resource} limit is {lim}, the tensor-parallel degree is {tensor_parallel_size}")
-    if lim is not None and lim > gpus_per_node:
-        problems.append(f"{gpu_resource} limit is {lim}, a node has {gpus_per_node}: the pod never schedules")
-    env = {e.get("name"): e.get("value") for e in c.get("env", [])}
-    engine_tp = _engine_tp(env)
-    if engine_tp is not None and engine_tp != tensor_parallel_size:
-        problems.append(f"the engine runs tensor parallel {engine_tp}, the plan says {tensor_parallel_size}")
-
-    # Drain: preStop runs the agent's drain, and the grace period outlasts it plus the engine's stop.
-    grace = _int(pod.get("terminationGracePeriodSeconds"))
-    if grace is None or grace < drain_budget_s + MIN_ENGINE_STOP_S:
-        problems.append(
-            f"terminationGracePeriodSeconds {grace} is below the drain budget {drain_budget_s} s + "
-            f"{MIN_ENGINE_STOP_S} s for the engine to stop: the kubelet kills in-flight generations"
-        )
-    command = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command")
-    if command != list(DRAIN_COMMAND):
-        problems.append(f"preStop runs {command}, not the agent's drain {list(DRAIN_COMMAND)}")
-    if env.get(contract.ENV_DRAIN_BUDGET_S) not in (None, str(drain_budget_s)):
-        problems.append(f"the agent's drain budget is {env.get(contract.ENV_DRAIN_BUDGET_S)} s, not {drain_budget_s} s")
-
-    # Startup: the probe waits out the model load with the same safety factor as the other targets.
-    estimate = startup_estimate_s
-    if estimate is None:
-        estimate = _int(dep.get("metadata", {}).get("annotations", {}).get(STARTUP_ESTIMATE_ANNOTATION))
-    probe = c.get("startupProbe") or {}
-    window = (_int(probe.get("periodSeconds")) or 10) * (_int(probe.get("failureThreshold")) or 3)
-    if not probe:
-        problems.append("the serving container has no startupProbe")
-    elif estimate is None:
-        problems.append(f"no startup estimate to check the startup probe against ({STARTUP_ESTIMATE_ANNOTATION})")
-    elif window < STARTUP_SAFETY * estimate:
-        problems.append(
-            f"the startup probe allows {window} s, less than {STARTUP_SAFETY:g} x the {estimate:.0f} s model-load "
-            "estimate: a slow load is killed and starts over"
-        )
-
-    # Selectors: the Service, PDB and spread constraints select exactly these pods.
-    selectors: list[tuple[str, Mapping[str, Any]]] = []
-    svc = _one(manifests, "Service")
-    if svc is not None:
-        selectors.append(("Service", svc.get("spec", {}).get("selector") or {}))
-    pdb = _one(manifests, "PodDisruptionBudget")
-    if pdb is not None:
-        selectors.append(("PodDisruptionBudget", pdb.get("spec", {}).get("selector", {}).get("matchLabels") or {}))
-    for i, tsc in enumerate(pod.get("topologySpreadConstraints") or []):
-        selectors.append((f"topologySpreadConstraints[{i}]", tsc.get("labelSelector", {}).get("matchLabels") or {}))
-    for what, sel in selectors:
-        if not sel or any(pod_labels.get(k) != v for k, v in sel.items()):
-            problems.append(f"the {what} selector {dict(sel)} does not select the Deployment's pods")
-
-    problems += _check_scaled_object(manifests, dep_name=dep_name, deployment_id=env.get(contract.ENV_DEPLOYMENT))
-    return problems
-
-
-def _engine_tp(env: Mapping[str, Any]) -> int | None:
-    for key in _ENV_TP_KEYS:
-        if key in env:
-            return _int(env[key])
-    raw = env.get(contract.ENV_ENGINE_ARGS)
-    if raw:
-        try:
-            args = json.loads(raw)
-        except json.JSONDecodeError:
-            return None
-        if isinstance(args, dict):
-            for key in _ENGINE_TP_KEYS:
-                if key in args:
-                    return _int(args[key])
-    return None
-
-
-def _check_scaled_object(manifests: Sequence[Mapping[str, Any]], *, dep_name: Any, deployment_id: Any) -> list[str]:
-    so = _one(manifests, "ScaledObject")
-    if so is None:
-        return ["expected exactly one ScaledObject"]
-    problems = []
-    spec = so.get("spec", {})
-    ref = spec.get("scaleTargetRef", {})
-    if ref.get("name") != dep_name or ref.get("kind", "Deployment") != "Deployment":
-        problems.append(f"the ScaledObject scales {ref.get('kind', 'Deployment')}/{ref.get('name')}, not {dep_name}")
-    if not deployment_id:
-        return [*problems, f"the serving container sets no {contract.ENV_DEPLOYMENT}"]
-    expected = {s.prometheus_name: _TRIGGER_METRIC_TYPES[s.name] for s in contract.SCALING_SIGNALS}
-    seen: set[str] = set()
-    for t in spec.get("triggers", []):
-        query = str(t.get("metadata", {}).get("query", ""))
-        metrics = [m for m in expected if m in query]
-        if len(metrics) != 1:
-            problems.append(f"trigger {t.get('name')!r} queries {query!r}, not exactly one of the contract's signals")
-            continue
-        metric = metrics[0]
-        seen.add(metric)
-        if f'deployment="{deployment_id}"' not in query:
-            problems.append(f"trigger {t.get('name')!r} does not select deployment={deployment_id!r}: {query!r}")
-        if t.get("metricType", "AverageValue") != expected[metric]:
-            problems.append(
-                f"trigger {t.get('name')!r} on {metric} is {t.get('metricType', 'AverageValue')}, "
-                f"expected {expected[metric]}"
-            )
-    for metric in sorted(set(expected) - seen):
-        problems.append(f"no trigger scales on {metric}")
-    return problems

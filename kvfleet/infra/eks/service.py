@@ -29,6 +29,7 @@ from constructs import Construct
 from kvfleet.config.targets import EksTarget, ExistingCluster
 from kvfleet.errors import KvfleetError
 from kvfleet.infra.context import ServingContext
+from kvfleet.infra.eks import checks
 from kvfleet.infra.eks import manifests as k8s
 from kvfleet.infra.iam import grant_model_read, grant_token_read, put_metric_data
 from kvfleet.infra.images import serving_image
@@ -206,7 +207,7 @@ class EksService(Construct):
             put_metric_data=True,
         )
         self.manifests = k8s.manifests(r, self.options)
-        problems = k8s.check_consistency(
+        problems = checks.check_consistency(
             self.manifests,
             node_taints=[GPU_TAINT],
             gpus_per_node=instance.accelerator_count,

@@ -1,0 +1,113 @@
+"""The EC2 instances' user data: the static bash script ``user-data.sh`` with this deployment's values filled in.
+
+The script holds every command; rendering only substitutes values, so the same script can be read, linted and
+syntax-checked on its own, and the choices a deployment makes (local NVMe, weights from S3, a warm pool) are
+bash conditionals on the variables set here rather than Python deciding which lines exist.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+
+from kvfleet import contract
+from kvfleet.config.targets import Ec2Target
+from kvfleet.deployments import ResolvedDeployment
+
+TEMPLATE = "user-data.sh"
+HOST_MODEL_DIR = "/opt/kvfleet/model"  # the weights on the host: on local NVMe when the instance has it
+
+_PLACEHOLDER = re.compile(r"\{\{([A-Z][A-Z0-9_]*)\}\}")
+
+
+@dataclass(frozen=True)
+class Verbatim:
+    """A value substituted as it is (a heredoc's body), not as one shell word."""
+
+    text: str
+
+
+Value = str | int | Verbatim
+
+
+class TemplateError(ValueError):
+    """A template and its values do not match: a bug in kvfleet, not in a user's configuration."""
+
+
+def render(template: str, values: Mapping[str, Value]) -> str:
+    """``template`` with every ``{{NAME}}`` replaced by ``values[NAME]``: shell-quoted, unless ``Verbatim``.
+
+    Fails on a placeholder without a value, a value without a placeholder and a stray double brace, so a
+    renamed variable cannot leave a placeholder in (or a setting out of) the script an instance runs.
+    """
+    names = set(_PLACEHOLDER.findall(template))
+    if missing := sorted(names - values.keys()):
+        raise TemplateError(f"no value for placeholder(s) {', '.join(missing)}")
+    if unknown := sorted(values.keys() - names):
+        raise TemplateError(f"no placeholder for value(s) {', '.join(unknown)}")
+    for literal in _PLACEHOLDER.split(template)[::2]:  # the text between placeholders
+        if "{{" in literal or "}}" in literal:
+            raise TemplateError(f"malformed placeholder near {literal[literal.find('{{') :][:40]!r}")
+    return _PLACEHOLDER.sub(lambda m: _substitute(values[m[1]]), template)
+
+
+def _substitute(v: Value) -> str:
+    return v.text if isinstance(v, Verbatim) else shlex.quote(str(v))
+
+
+@cache
+def template() -> str:
+    return resources.files("kvfleet.infra.ec2").joinpath(TEMPLATE).read_text(encoding="utf-8")
+
+
+def env_file(env: Mapping[str, str]) -> Verbatim:
+    """The container's env file (``docker --env-file``: one ``NAME=value`` a line, no quoting)."""
+    for k, v in env.items():
+        # A newline would start another variable, or end the heredoc early.
+        if "\n" in k or "\n" in v or "=" in k:
+            raise TemplateError(f"{k!r} cannot go into an env file")
+    return Verbatim("\n".join(f"{k}={v}" for k, v in sorted(env.items())))
+
+
+def user_data_script(
+    r: ResolvedDeployment,
+    *,
+    image: str,
+    log_group: str,
+    local_nvme: bool,
+    drain_hook: str,
+    heartbeat_s: int,
+    warm_hook: str | None,
+) -> str:
+    """The script for ``r``'s instances. ``image`` and ``log_group`` may be CDK tokens (resolved at deploy)."""
+    d = r.deployment
+    target = d.target
+    assert isinstance(target, Ec2Target)
+    env = r.container_environment()
+    # The agent drains for this hook, heartbeating it; the group's name it reads on the instance.
+    env[contract.ENV_LIFECYCLE_HOOK] = drain_hook
+    env[contract.ENV_LIFECYCLE_HEARTBEAT_S] = str(heartbeat_s)
+    return render(
+        template(),
+        {
+            "IMAGE": image,
+            "SERVE_ARG": contract.SERVE_ARG,
+            "LOG_GROUP": log_group,
+            "HOST_MODEL_DIR": HOST_MODEL_DIR,
+            "LOCAL_NVME": int(local_nvme),
+            "MODEL_S3_URI": d.model.s3_uri or "",
+            "CONTAINER_MODEL_DIR": contract.MODEL_DIR,
+            "CONTAINER_HF_HOME": contract.HF_HOME,
+            "AGENT_UID": contract.AGENT_UID,
+            "SERVING_PORT": contract.SERVING_PORT,
+            "SHM_SIZE_GIB": target.shm_size_gib,
+            "DRAIN_BUDGET_S": d.scaling.drain_budget_s,
+            "ENV_ASG_NAME": contract.ENV_ASG_NAME,
+            "WARM_HOOK": warm_hook or "",
+            "CONTAINER_ENV": env_file(env),
+        },
+    )

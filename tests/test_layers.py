@@ -1,0 +1,142 @@
+"""The package's layers and the one direction their imports may point.
+
+Every ``import`` in ``kvfleet/`` (at module level, inside functions and under TYPE_CHECKING alike) is read from
+the source and checked against ``ALLOWED``. Third-party imports are checked where a layer must stay light:
+sizing, engines, the contract and the agent never import CDK, and the image layers only what the image installs.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "kvfleet"
+
+# Layer of a module: its first component under kvfleet (kvfleet.sizing.planner -> sizing).
+ALLOWED: dict[str, set[str]] = {
+    "errors": set(),
+    "versions": set(),
+    "contract": set(),
+    "sizing": {"errors", "versions"},
+    "engines": {"contract", "versions"},
+    "targets": {"sizing"},
+    "config": {"sizing", "engines", "targets", "contract", "errors", "versions"},
+    "deployments": {"config", "sizing", "engines", "targets", "contract", "errors", "versions"},
+    "cli": {"config", "deployments", "sizing", "engines", "targets", "contract", "errors", "versions"},
+    "infra": {"config", "deployments", "sizing", "engines", "targets", "contract", "errors", "versions"},
+    "agent": {"contract", "engines", "versions"},
+}
+# Third-party packages a layer may import (None: any). The agent's are the image's requirements.
+THIRD_PARTY: dict[str, set[str] | None] = {
+    "errors": set(),
+    "versions": set(),
+    "contract": set(),
+    "engines": set(),
+    "sizing": set(),
+    "targets": set(),
+    "config": {"pydantic", "yaml"},
+    "deployments": set(),
+    "cli": {"rich"},
+    "infra": None,
+    "agent": {"aiohttp", "prometheus_client", "uvloop", "boto3", "botocore"},
+}
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def module_name(path: Path, root: Path) -> str:
+    rel = path.relative_to(root.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports(path: Path, module: str) -> list[tuple[int, str]]:
+    """(line, imported module) for every import statement, relative imports resolved."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            # `from kvfleet import contract` imports the module kvfleet.contract.
+            if target == "kvfleet":
+                out += [(node.lineno, f"kvfleet.{a.name}") for a in node.names]
+            else:
+                out.append((node.lineno, target))
+    return out
+
+
+def violations(root: Path) -> list[str]:
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        module = module_name(path, root)
+        layer = layer_of(module)
+        if layer not in ALLOWED:
+            if module != root.name:
+                found.append(f"{path.relative_to(root.parent)}: module outside every layer ({layer})")
+            continue
+        for line, target in imports(path, module):
+            top = target.split(".")[0]
+            where = f"{path.relative_to(root.parent)}:{line}"
+            if top == root.name:
+                other = layer_of(target)
+                if other and other != layer and other not in ALLOWED[layer]:
+                    found.append(f"{where}: {layer} imports {target}")
+            elif top not in sys.stdlib_module_names and top != "__future__":
+                allowed = THIRD_PARTY[layer]
+                if allowed is not None and top not in allowed:
+                    found.append(f"{where}: {layer} imports {target}")
+    return found
+
+
+def test_every_import_points_the_allowed_way() -> None:
+    assert violations(PACKAGE) == []
+
+
+def test_every_module_is_in_a_layer() -> None:
+    layers = {layer_of(module_name(p, PACKAGE)) for p in PACKAGE.rglob("*.py")} - {""}
+    assert layers == set(ALLOWED)
+
+
+@pytest.mark.parametrize(
+    ("layer_file", "source", "expected"),
+    [
+        ("agent/bad.py", "from kvfleet.sizing.planner import plan\n", "agent imports kvfleet.sizing.planner"),
+        ("agent/bad.py", "import yaml\n", "agent imports yaml"),
+        ("agent/bad.py", "def f():\n    from kvfleet import config\n", "agent imports kvfleet.config"),
+        ("sizing/bad.py", "from kvfleet.config.schema import Environment\n", "sizing imports kvfleet.config"),
+        ("sizing/bad.py", "import aws_cdk\n", "sizing imports aws_cdk"),
+        ("sizing/bad.py", "from ..infra import app\n", "sizing imports kvfleet.infra"),
+        ("config/bad.py", "from kvfleet.infra.stack import DeploymentStack\n", "config imports kvfleet.infra"),
+        ("contract.py", "from kvfleet.errors import KvfleetError\n", "contract imports kvfleet.errors"),
+        ("infra/bad.py", "from kvfleet.agent.server import Agent\n", "infra imports kvfleet.agent.server"),
+        (
+            "engines/bad.py",
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import kvfleet.sizing\n",
+            "engines",
+        ),
+    ],
+)
+def test_a_wrong_import_is_found(tmp_path: Path, layer_file: str, source: str, expected: str) -> None:
+    root = tmp_path / "kvfleet"
+    target = root / layer_file
+    target.parent.mkdir(parents=True, exist_ok=True)
+    (root / "__init__.py").write_text("", encoding="utf-8")
+    target.write_text(source, encoding="utf-8")
+    found = violations(root)
+    assert len(found) == 1 and expected in found[0], found
