@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import math
 
+import jsii
 from aws_cdk import Duration
 from aws_cdk import aws_applicationautoscaling as appscaling
 from aws_cdk import aws_autoscaling as autoscaling
 from aws_cdk import aws_cloudwatch as cw
-from aws_cdk import aws_cloudwatch_actions as cw_actions
 from constructs import Construct
 
 from kvfleet.config.schema import ScalingConfig
@@ -43,13 +43,14 @@ def scale_scalable_target(
 
 def scale_group(
     scope: Construct, group: autoscaling.AutoScalingGroup, *, deployment_id: str, scaling: ScalingConfig
-) -> tuple[list[autoscaling.TargetTrackingScalingPolicy], autoscaling.StepScalingAction]:
+) -> tuple[list[autoscaling.TargetTrackingScalingPolicy], autoscaling.CfnScalingPolicy]:
     """EC2 Auto Scaling: target tracking scales out only; one step policy scales in after the wait.
 
     EC2 target tracking has no scale-in cooldown, and its own scale-in alarm fires after 15 minutes whatever
     the drain budget. So its scale-in is off, and one instance is removed when, for the whole wait, the fleet
     with one instance fewer would still hold both signals under their targets:
-    ``max(signal / target) x n / (n - 1) < 1`` with n instances in service.
+    ``max(signal / target) x n / (n - 1) < 1`` with n instances in service; the next one no sooner than one
+    more wait later (the policy's cooldown).
     """
     tracking = [
         group.scale_to_track_metric(
@@ -77,16 +78,17 @@ def scale_group(
         period=PERIOD,
         label="load per target with one instance fewer",
     )
-    wait = Duration.seconds(scaling.scale_in_wait_s)
-    action = autoscaling.StepScalingAction(
+    # Simple scaling, not step scaling: only a simple policy honours a cooldown, and without one an alarm that
+    # stays in ALARM would remove an instance every minute after the first wait.
+    action = autoscaling.CfnScalingPolicy(
         scope,
         "ScaleIn",
-        auto_scaling_group=group,
-        adjustment_type=autoscaling.AdjustmentType.CHANGE_IN_CAPACITY,
-        cooldown=wait,
-        metric_aggregation_type=autoscaling.MetricAggregationType.MAXIMUM,
+        auto_scaling_group_name=group.auto_scaling_group_name,
+        policy_type="SimpleScaling",
+        adjustment_type="ChangeInCapacity",
+        scaling_adjustment=-1,
+        cooldown=str(scaling.scale_in_wait_s),
     )
-    action.add_adjustment(adjustment=-1, upper_bound=0)
     alarm = cw.Alarm(
         scope,
         "ScaleInAlarm",
@@ -101,5 +103,16 @@ def scale_group(
             "still hold KV-cache use and queue depth under their targets"
         ),
     )
-    alarm.add_alarm_action(cw_actions.AutoScalingAction(action))
+    alarm.add_alarm_action(_PolicyAction(action))
     return tracking, action
+
+
+@jsii.implements(cw.IAlarmAction)
+class _PolicyAction:
+    """An alarm action that runs one Auto Scaling policy (CDK's AutoScalingAction takes only step policies)."""
+
+    def __init__(self, policy: autoscaling.CfnScalingPolicy) -> None:
+        self._policy = policy
+
+    def bind(self, scope: Construct, alarm: cw.IAlarm) -> cw.AlarmActionConfig:
+        return cw.AlarmActionConfig(alarm_action_arn=self._policy.ref)

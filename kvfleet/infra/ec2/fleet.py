@@ -29,7 +29,7 @@ from kvfleet.config.schema import ScalingConfig
 from kvfleet.config.targets import Ec2Target
 from kvfleet.deployments import IMAGE_DISK_GIB, ResolvedDeployment
 from kvfleet.infra.context import ServingContext
-from kvfleet.infra.ec2.user_data import user_data_script
+from kvfleet.infra.ec2.user_data import Boot, user_data_script
 from kvfleet.infra.iam import grant_model_read, grant_token_read, put_metric_data
 from kvfleet.infra.images import serving_image
 from kvfleet.infra.metrics import PERIOD, PlatformMetrics
@@ -187,8 +187,7 @@ class Ec2Fleet(Construct):
         )
 
     def _user_data(self, image: str, *, nvme: bool) -> ec2.UserData:
-        script = user_data_script(
-            self._resolved,
+        boot = Boot(
             image=image,
             log_group=self.log_group.log_group_name,
             local_nvme=nvme,
@@ -196,7 +195,8 @@ class Ec2Fleet(Construct):
             heartbeat_s=HEARTBEAT_S,
             warm_hook=WARM_HOOK if self._target.warm_pool.enabled else None,
         )
-        return ec2.UserData.custom(script)  # the script carries its own #!/bin/bash
+        # The whole script, its own #!/bin/bash included: nothing else adds commands to it.
+        return ec2.UserData.custom(user_data_script(self._resolved, boot))
 
     # ---- the group and its hooks ---------------------------------------------------------------------------
 

@@ -30,9 +30,9 @@ DRAIN_BUDGET_S={{DRAIN_BUDGET_S}}
 ENV_ASG_NAME={{ENV_ASG_NAME}}
 # The launch hook a warm pool holds new instances with; empty: no warm pool, nothing to complete.
 WARM_HOOK={{WARM_HOOK}}
-
-ENV_FILE=/etc/kvfleet/env
-UNIT_FILE=/etc/systemd/system/kvfleet.service
+# The container's environment, and the systemd unit that starts the container at every boot.
+ENV_FILE={{ENV_FILE}}
+UNIT_FILE={{UNIT_FILE}}
 
 # ---- the instance ------------------------------------------------------------------------------------------
 imds() { curl -sf -H "X-aws-ec2-metadata-token: $TOKEN" "http://169.254.169.254/latest/$1"; }

@@ -20,6 +20,8 @@ from kvfleet.deployments import ResolvedDeployment
 
 TEMPLATE = "user-data.sh"
 HOST_MODEL_DIR = "/opt/kvfleet/model"  # the weights on the host: on local NVMe when the instance has it
+ENV_FILE = "/etc/kvfleet/env"  # the container's --env-file
+UNIT_FILE = "/etc/systemd/system/kvfleet.service"  # starts the container at every boot (warm pool included)
 
 _PLACEHOLDER = re.compile(r"\{\{([A-Z][A-Z0-9_]*)\}\}")
 
@@ -50,8 +52,8 @@ def render(template: str, values: Mapping[str, Value]) -> str:
     if unknown := sorted(values.keys() - names):
         raise TemplateError(f"no placeholder for value(s) {', '.join(unknown)}")
     for literal in _PLACEHOLDER.split(template)[::2]:  # the text between placeholders
-        if "{{" in literal or "}}" in literal:
-            raise TemplateError(f"malformed placeholder near {literal[literal.find('{{') :][:40]!r}")
+        if stray := re.search(r"\{\{|\}\}", literal):
+            raise TemplateError(f"malformed placeholder near {literal[max(0, stray.start() - 20) :][:40]!r}")
     return _PLACEHOLDER.sub(lambda m: _substitute(values[m[1]]), template)
 
 
@@ -73,41 +75,48 @@ def env_file(env: Mapping[str, str]) -> Verbatim:
     return Verbatim("\n".join(f"{k}={v}" for k, v in sorted(env.items())))
 
 
-def user_data_script(
-    r: ResolvedDeployment,
-    *,
-    image: str,
-    log_group: str,
-    local_nvme: bool,
-    drain_hook: str,
-    heartbeat_s: int,
-    warm_hook: str | None,
-) -> str:
-    """The script for ``r``'s instances. ``image`` and ``log_group`` may be CDK tokens (resolved at deploy)."""
+@dataclass(frozen=True, kw_only=True)
+class Boot:
+    """What the fleet decides for its instances' boot; the rest comes from the deployment and the contract."""
+
+    image: str  # the serving image's URI (may be a CDK token, resolved at deploy)
+    log_group: str  # the container's log group (may be a CDK token)
+    local_nvme: bool  # the weights go to the instance store
+    drain_hook: str  # the termination hook the agent drains for
+    heartbeat_s: int  # how often the agent heartbeats it
+    warm_hook: str | None  # the launch hook to complete once ready on disk; None without a warm pool
+
+
+def user_data_script(r: ResolvedDeployment, boot: Boot) -> str:
+    """The script ``r``'s instances run at first boot."""
+    return render(template(), user_data_values(r, boot))
+
+
+def user_data_values(r: ResolvedDeployment, boot: Boot) -> dict[str, Value]:
+    """The template's values for ``r``: every path, port, uid and variable name from the contract."""
     d = r.deployment
     target = d.target
     assert isinstance(target, Ec2Target)
     env = r.container_environment()
-    # The agent drains for this hook, heartbeating it; the group's name it reads on the instance.
-    env[contract.ENV_LIFECYCLE_HOOK] = drain_hook
-    env[contract.ENV_LIFECYCLE_HEARTBEAT_S] = str(heartbeat_s)
-    return render(
-        template(),
-        {
-            "IMAGE": image,
-            "SERVE_ARG": contract.SERVE_ARG,
-            "LOG_GROUP": log_group,
-            "HOST_MODEL_DIR": HOST_MODEL_DIR,
-            "LOCAL_NVME": int(local_nvme),
-            "MODEL_S3_URI": d.model.s3_uri or "",
-            "CONTAINER_MODEL_DIR": contract.MODEL_DIR,
-            "CONTAINER_HF_HOME": contract.HF_HOME,
-            "AGENT_UID": contract.AGENT_UID,
-            "SERVING_PORT": contract.SERVING_PORT,
-            "SHM_SIZE_GIB": target.shm_size_gib,
-            "DRAIN_BUDGET_S": d.scaling.drain_budget_s,
-            "ENV_ASG_NAME": contract.ENV_ASG_NAME,
-            "WARM_HOOK": warm_hook or "",
-            "CONTAINER_ENV": env_file(env),
-        },
-    )
+    # The agent drains for this hook and heartbeats it; the group's name it is only told on the instance.
+    env[contract.ENV_LIFECYCLE_HOOK] = boot.drain_hook
+    env[contract.ENV_LIFECYCLE_HEARTBEAT_S] = str(boot.heartbeat_s)
+    return {
+        "IMAGE": boot.image,
+        "SERVE_ARG": contract.SERVE_ARG,
+        "LOG_GROUP": boot.log_group,
+        "HOST_MODEL_DIR": HOST_MODEL_DIR,
+        "LOCAL_NVME": int(boot.local_nvme),
+        "MODEL_S3_URI": d.model.s3_uri or "",
+        "CONTAINER_MODEL_DIR": contract.MODEL_DIR,
+        "CONTAINER_HF_HOME": contract.HF_HOME,
+        "AGENT_UID": contract.AGENT_UID,
+        "SERVING_PORT": contract.SERVING_PORT,
+        "SHM_SIZE_GIB": target.shm_size_gib,
+        "DRAIN_BUDGET_S": d.scaling.drain_budget_s,
+        "ENV_ASG_NAME": contract.ENV_ASG_NAME,
+        "WARM_HOOK": boot.warm_hook or "",
+        "ENV_FILE": ENV_FILE,
+        "UNIT_FILE": UNIT_FILE,
+        "CONTAINER_ENV": env_file(env),
+    }

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -10,38 +12,12 @@ import pytest
 from aws_cdk.assertions import Template
 
 from kvfleet import contract
-from kvfleet.deployments import resolve_environment
+from kvfleet.errors import ConfigError
 from kvfleet.infra.app import build_app
-from kvfleet.infra.ec2.fleet import LIFECYCLE_HOOK, OS_DISK_GIB, fleet_instance_types
+from kvfleet.infra.ec2.fleet import LIFECYCLE_HOOK, OS_DISK_GIB, WARM_HOOK, fleet_instance_types
+from kvfleet.infra.ec2.user_data import HOST_MODEL_DIR
+from tests.infra.ec2.envs import EC2_ENV, HF_TOKEN_SECRET, MODEL_S3_URI, from_hugging_face, resolved, without_warm_pool
 from tests.infra.helpers import environment, make_app, only, props
-
-EC2_ENV = """\
-name: test
-region: us-east-1
-deployments:
-  - name: chat
-    model:
-      id: meta-llama/Llama-3.1-8B
-      s3_uri: s3://model-bucket/llama/8b/
-    engine:
-      name: vllm
-      version: "0.30.0"
-    workload:
-      max_input_tokens: 4096
-      max_output_tokens: 1024
-      concurrency_per_replica: 16
-    target:
-      platform: ec2
-      warm_pool:
-        enabled: true
-        min_size: 1
-    scaling:
-      min_replicas: 1
-      max_replicas: 4
-      drain_budget_s: 420
-    sizing:
-      families: [g6e]
-"""
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +47,7 @@ def test_internal_load_balancer_with_a_drain_aware_target_group(template: Templa
     assert attrs["routing.http.drop_invalid_header_fields.enabled"] == "true"
     assert attrs["access_logs.s3.enabled"] == "true"
     [tg] = props(template, "AWS::ElasticLoadBalancingV2::TargetGroup")
-    assert (tg["Port"], tg["Protocol"], tg["HealthCheckPath"]) == (8080, "HTTP", "/ping")
+    assert (tg["Port"], tg["Protocol"], tg["HealthCheckPath"]) == (contract.SERVING_PORT, "HTTP", contract.HEALTH_ROUTE)
     tattrs = {a["Key"]: a["Value"] for a in tg["TargetGroupAttributes"]}
     assert tattrs["deregistration_delay.timeout_seconds"] == "420"  # the drain budget
     assert 30 <= int(tattrs["slow_start.duration_seconds"]) <= 900
@@ -97,7 +73,8 @@ def test_no_security_group_open_to_the_world(template: Template) -> None:
     for rule in ingress:
         assert rule.get("CidrIp") != "0.0.0.0/0" and rule.get("CidrIpv6") != "::/0"
     # The instances take traffic on the agent's port from the load balancer's group only.
-    to_instances = [r for r in props(template, "AWS::EC2::SecurityGroupIngress") if r.get("FromPort") == 8080]
+    ingress_rules = props(template, "AWS::EC2::SecurityGroupIngress")
+    to_instances = [r for r in ingress_rules if r.get("FromPort") == contract.SERVING_PORT]
     assert to_instances and all("SourceSecurityGroupId" in r for r in to_instances)
 
 
@@ -114,7 +91,7 @@ def test_launch_template_imdsv2_encrypted_gp3_and_the_gpu_ami(template: Template
     assert md["InstanceMetadataTags"] == "enabled"
     [bd] = data["BlockDeviceMappings"]
     assert bd["Ebs"]["Encrypted"] is True and bd["Ebs"]["VolumeType"] == "gp3"
-    [r] = resolve_environment(environment(EC2_ENV))
+    r = resolved()
     # A stopped warm pool loses instance store: the weights live on the root volume.
     assert bd["Ebs"]["VolumeSize"] == OS_DISK_GIB + r.disk_gib
     assert data["InstanceType"] == r.candidate.instance.name
@@ -127,42 +104,71 @@ def test_launch_template_imdsv2_encrypted_gp3_and_the_gpu_ami(template: Template
 
 
 def user_data(t: Template) -> str:
+    """The launch template's user data, CloudFormation functions (the image, the log group) as JSON text."""
     ud = launch_data(t)["UserData"]["Fn::Base64"]
     if isinstance(ud, str):
         return ud
     return "".join(p if isinstance(p, str) else json.dumps(p) for p in ud["Fn::Join"][1])
 
 
-def test_user_data_runs_the_agent_with_gpus_shm_logs_and_the_model(template: Template) -> None:
+def setting(ud: str, name: str) -> str:
+    """The value a rendered setting of the user data assigns (as written, quotes included)."""
+    [value] = re.findall(rf"^{name}=(.*)$", ud, flags=re.MULTILINE)
+    return str(value)
+
+
+def test_user_data_is_the_rendered_template(template: Template, tmp_path: Path) -> None:
     ud = user_data(template)
-    assert "docker create --name kvfleet" in ud and "--gpus all" in ud and "--shm-size 16g" in ud
-    assert "systemctl enable kvfleet.service" in ud
+    assert ud.startswith("#!/bin/bash\n") and "{{" not in ud
+    path = tmp_path / "user-data.sh"
+    path.write_text(ud, encoding="utf-8")  # with the deploy-time values still CloudFormation functions
+    done = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+
+
+def test_user_data_runs_the_agent_with_the_model_from_s3_into_the_warm_pool(template: Template) -> None:
+    ud = user_data(template)
+    assert setting(ud, "MODEL_S3_URI") == MODEL_S3_URI
+    assert setting(ud, "HOST_MODEL_DIR") == HOST_MODEL_DIR
+    assert setting(ud, "CONTAINER_MODEL_DIR") == contract.MODEL_DIR
+    assert setting(ud, "SERVE_ARG") == contract.SERVE_ARG
+    assert setting(ud, "SERVING_PORT") == str(contract.SERVING_PORT)
+    assert setting(ud, "AGENT_UID") == str(contract.AGENT_UID)
+    assert setting(ud, "SHM_SIZE_GIB") == "16"
+    assert setting(ud, "DRAIN_BUDGET_S") == "420"
+    # The image's repository and the log group are known at deploy time only.
+    assert "kvfleet-vllm:" in setting(ud, "IMAGE") and '"Ref": "FleetLogs' in setting(ud, "LOG_GROUP")
     # Going into the warm pool: image and weights on disk, engine not started; then the warm-up hook completes.
-    assert 'case "$STATE" in Warmed:*) ;; *) systemctl start kvfleet.service ;; esac' in ud
-    assert "--lifecycle-hook-name kvfleet-warm" in ud and ud.index("docker pull") < ud.index("kvfleet-warm")
-    assert "--log-driver awslogs" in ud and "awslogs-group=" in ud
-    assert "aws s3 sync --only-show-errors s3://model-bucket/llama/8b/ /opt/kvfleet/model" in ud
-    assert "-v /opt/kvfleet/model:/opt/ml/model:ro" in ud
-    assert f"KVFLEET_LIFECYCLE_HOOK={LIFECYCLE_HOOK}" in ud and "KVFLEET_ASG_NAME=$GROUP" in ud
-    assert "tags/instance/aws:autoscaling:groupName" in ud
-    assert f"{contract.ENV_DEPLOYMENT}=test-chat" in ud
-    assert "--stop-timeout 450" in ud  # drain budget + margin
-    assert "Instance Storage" not in ud  # stopped warm pool: no instance store
+    assert setting(ud, "WARM_HOOK") == WARM_HOOK
+    assert setting(ud, "LOCAL_NVME") == "0"  # a stopped warm pool loses instance store
+    assert setting(ud, "ENV_ASG_NAME") == contract.ENV_ASG_NAME
+    assert f"\n{contract.ENV_LIFECYCLE_HOOK}={LIFECYCLE_HOOK}\n" in ud
+    assert f"\n{contract.ENV_DEPLOYMENT}=test-chat\n" in ud
+    assert f"\n{contract.ENV_MODEL}={contract.MODEL_DIR}\n" in ud
 
 
 def test_without_a_stopped_warm_pool_the_weights_go_to_local_nvme() -> None:
-    t = only(EC2_ENV.replace("        enabled: true\n", "        enabled: false\n"))
-    [r] = resolve_environment(environment(EC2_ENV))
-    assert r.candidate.instance.local_nvme_gb > 0
+    t = only(without_warm_pool())
+    assert resolved().candidate.instance.local_nvme_gb > 0
     ud = user_data(t)
-    assert "Instance Storage" in ud and "mkfs.xfs" in ud and "kvfleet-warm" not in ud
+    assert setting(ud, "LOCAL_NVME") == "1" and setting(ud, "WARM_HOOK") == "''"
+    [bd] = launch_data(t)["BlockDeviceMappings"]
+    assert bd["Ebs"]["VolumeSize"] < OS_DISK_GIB + resolved().disk_gib  # the weights are not on EBS
     t.resource_count_is("AWS::AutoScaling::LifecycleHook", 1)
     t.resource_count_is("AWS::AutoScaling::WarmPool", 0)
 
 
+def test_a_hugging_face_model_is_downloaded_by_the_engine() -> None:
+    text = without_warm_pool(from_hugging_face())
+    ud = user_data(only(text))
+    assert setting(ud, "MODEL_S3_URI") == "''"
+    assert f"\n{contract.ENV_MODEL}={resolved(text).model_id}\n" in ud
+    assert f"\n{contract.ENV_HF_TOKEN_SECRET_ARN}={HF_TOKEN_SECRET}\n" in ud
+
+
 def test_group_sizes_health_warmup_and_overrides(template: Template) -> None:
     [g] = props(template, "AWS::AutoScaling::AutoScalingGroup")
-    [r] = resolve_environment(environment(EC2_ENV))
+    r = resolved()
     assert (g["MinSize"], g["MaxSize"]) == ("1", "4")
     assert g["DesiredCapacity"] == str(r.initial_instance_count)
     assert g["HealthCheckType"] == "ELB"
@@ -208,18 +214,47 @@ def test_instance_role_completes_lifecycle_actions_on_this_group_only(template: 
     assert "AmazonSSMManagedInstanceCore" in json.dumps(role["ManagedPolicyArns"])
 
 
-def test_two_target_tracking_policies_on_the_signals(template: Template) -> None:
+def test_target_tracking_scales_out_on_the_signals_and_never_in(template: Template) -> None:
     policies = props(template, "AWS::AutoScaling::ScalingPolicy")
-    assert len(policies) == 2
+    tracking = [p for p in policies if p["PolicyType"] == "TargetTrackingScaling"]
+    assert len(tracking) == 2
     names = set()
-    for p in policies:
-        assert p["PolicyType"] == "TargetTrackingScaling"
-        spec = p["TargetTrackingConfiguration"]["CustomizedMetricSpecification"]
+    for p in tracking:
+        config = p["TargetTrackingConfiguration"]
+        assert config["DisableScaleIn"] is True  # the simple policy below scales in, after the wait
+        spec = config["CustomizedMetricSpecification"]
         assert spec["Namespace"] == contract.NAMESPACE
-        assert spec["Dimensions"] == [{"Name": "Deployment", "Value": "test-chat"}]
+        assert spec["Dimensions"] == [{"Name": contract.DEPLOYMENT_DIMENSION, "Value": "test-chat"}]
         assert spec["Statistic"] == "Average"
         names.add(spec["MetricName"])
-    assert names == {"KvCacheUtilization", "RequestsWaiting"}
+    assert names == {s.name for s in contract.SCALING_SIGNALS}
+
+
+def test_one_policy_scales_in_by_one_after_the_wait_and_then_waits_again(template: Template) -> None:
+    policies = template.find_resources(
+        "AWS::AutoScaling::ScalingPolicy", {"Properties": {"PolicyType": "SimpleScaling"}}
+    )
+    [(policy_id, policy)] = policies.items()
+    simple = policy["Properties"]
+    wait_s = resolved().deployment.scaling.scale_in_wait_s
+    assert (simple["AdjustmentType"], simple["ScalingAdjustment"]) == ("ChangeInCapacity", -1)
+    # Only simple scaling honours a cooldown: without it an alarm still in ALARM removes one instance a minute.
+    assert simple["Cooldown"] == str(wait_s)
+    assert not template.find_resources("AWS::AutoScaling::ScalingPolicy", {"Properties": {"PolicyType": "StepScaling"}})
+    [alarm] = [a for a in props(template, "AWS::CloudWatch::Alarm") if a.get("AlarmActions") == [{"Ref": policy_id}]]
+    assert alarm["EvaluationPeriods"] == wait_s // 60  # one-minute periods, all of the wait
+    assert (alarm["ComparisonOperator"], alarm["Threshold"]) == ("LessThanThreshold", 1)
+    assert alarm["TreatMissingData"] == "notBreaching"  # one instance: no "one fewer", nothing to scale in
+    [expr] = [m for m in alarm["Metrics"] if "Expression" in m]
+    stats = {m["Id"]: m["MetricStat"]["Metric"] for m in alarm["Metrics"] if "MetricStat" in m}
+    assert {m["MetricName"] for m in stats.values()} == {
+        *(s.name for s in contract.SCALING_SIGNALS),
+        "GroupInServiceInstances",
+    }
+    # Every signal and the group's in-service count enter the expression.
+    assert all(re.search(rf"\b{metric_id}\b", expr["Expression"]) for metric_id in stats)
+    [group] = [m for m in stats.values() if m["MetricName"] == "GroupInServiceInstances"]
+    assert group["Dimensions"][0]["Value"]["Ref"].startswith("FleetGroupASG")
 
 
 def test_dashboard_counts_instances_from_the_group(template: Template) -> None:
@@ -236,8 +271,6 @@ def test_existing_vpc_needs_client_cidrs() -> None:
         "  availability_zones: [us-east-1a, us-east-1b]\ndeployments:\n",
         1,
     )
-    from kvfleet.errors import ConfigError
-
     with pytest.raises(ConfigError) as info:
         environment(text)
     assert "allowed_cidrs" in info.value.lines[0]
@@ -251,8 +284,6 @@ def test_existing_vpc_needs_client_cidrs() -> None:
 
 
 def test_world_open_client_cidr_is_refused() -> None:
-    from kvfleet.errors import ConfigError
-
     text = EC2_ENV.replace(
         "      platform: ec2\n", "      platform: ec2\n      load_balancer:\n        allowed_cidrs: [0.0.0.0/0]\n"
     )
