@@ -274,6 +274,11 @@ class Deployment(Frozen):
         if (tag_problem := self._image_tag_problem()) is not None:
             problems.append(tag_problem)
         if self.image.source == "dlc":
+            if isinstance(t, EksTarget):
+                problems.append(
+                    "image.source: dlc runs the engine without the kvfleet agent, and on EKS the pod's drain hook "
+                    "and KEDA's triggers need it; use source kvfleet (or uri with a kvfleet image)"
+                )
             if self.scaling.min_replicas != self.scaling.max_replicas:
                 problems.append(
                     "image.source: dlc runs the engine without the kvfleet agent, so nothing publishes the KV-cache "

@@ -3,6 +3,15 @@
 Each chart is pinned to one version here, with the reason for that version beside it; the Helm values are plain
 data built by the functions below, and ``cluster_autoscaler_statements`` is the autoscaler's IAM policy. The EKS
 construct (``kvfleet.infra.eks.service``) installs what the config asks for.
+
+Choices, and why:
+- Node autoscaling is Cluster Autoscaler on the managed GPU node group. The plan fixes the instance
+  types, and managed node groups already carry the auto-discovery tags it reads; Karpenter would bypass
+  the node group (its own NodePool and EC2NodeClass, an interruption queue) for flexibility this
+  workload does not use.
+- Prometheus runs in the cluster (the community chart's server, scraping the annotated pods). KEDA
+  queries it over the cluster network with no SigV4 credentials, and a scale decision never depends on
+  a remote service; long-term retention can remote-write to Amazon Managed Service for Prometheus.
 """
 
 from __future__ import annotations

@@ -7,27 +7,17 @@ and the agent read them.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
-from functools import cache
 from typing import Any
 
 from kvfleet import contract
 from kvfleet.contract import DRAIN_COMMAND
-from kvfleet.engines import ENGINES, EngineArgs
+from kvfleet.engines import EngineArgs
 from kvfleet.infra.eks.manifests import CONTAINER_NAME, STARTUP_ESTIMATE_ANNOTATION, STARTUP_SAFETY
 
 MIN_ENGINE_STOP_S = 30  # the least time the grace period leaves the engine after the drain
 # How each scaling signal is compared (see manifests.scaled_object): an average as a Value, a sum per replica.
 TRIGGER_METRIC_TYPES = {contract.KV_CACHE_UTILIZATION.name: "Value", contract.REQUESTS_WAITING.name: "AverageValue"}
-# Settings every engine's DLC rendering needs, to find the variable that carries the tensor-parallel degree.
-_DLC_PROBE = EngineArgs(
-    max_model_len=4096,
-    max_num_seqs=8,
-    max_num_batched_tokens=4096,
-    gpu_memory_utilization=0.9,
-    kv_cache_dtype="auto",
-)
 
 
 def check_consistency(
@@ -60,7 +50,9 @@ def check_consistency(
         estimate = _int(dep.get("metadata", {}).get("annotations", {}).get(STARTUP_ESTIMATE_ANNOTATION))
     return [
         *_check_scheduling(pod, node_taints=node_taints, node_labels=node_labels),
-        *_check_gpus(c, gpu_resource=gpu_resource, gpus_per_node=gpus_per_node, tensor_parallel_size=tensor_parallel_size),
+        *_check_gpus(
+            c, gpu_resource=gpu_resource, gpus_per_node=gpus_per_node, tensor_parallel_size=tensor_parallel_size
+        ),
         *_check_engine(env, tensor_parallel_size=tensor_parallel_size),
         *_check_drain(pod, c, env, drain_budget_s=drain_budget_s),
         *_check_startup(c, estimate),
@@ -91,9 +83,7 @@ def _check_scheduling(
     return problems
 
 
-def _check_gpus(
-    c: Mapping[str, Any], *, gpu_resource: str, gpus_per_node: int, tensor_parallel_size: int
-) -> list[str]:
+def _check_gpus(c: Mapping[str, Any], *, gpu_resource: str, gpus_per_node: int, tensor_parallel_size: int) -> list[str]:
     """GPUs: requests == limits == the tensor-parallel degree, within one node."""
     problems = []
     res = c.get("resources", {})
@@ -109,45 +99,27 @@ def _check_gpus(
 
 
 def _check_engine(env: Mapping[str, Any], *, tensor_parallel_size: int) -> list[str]:
-    """The engine inside the pod runs the plan's tensor-parallel degree: the kvfleet image reads it from the
-    EngineArgs JSON, AWS's own images from their engine's variable. A container with neither is not checked."""
+    """The engine inside the pod runs the plan's tensor-parallel degree, read the way the agent reads it.
+
+    Every pod here runs the kvfleet agent (its preStop drain and its signals are what the hooks and KEDA use), so
+    the settings are always the EngineArgs JSON; AWS's own images, which read engine-specific variables and have
+    no agent, cannot serve this Deployment and are refused here.
+    """
     raw = env.get(contract.ENV_ENGINE_ARGS)
-    if raw is not None:
-        try:
-            args = EngineArgs.from_json(raw)
-        except (TypeError, ValueError) as err:
-            return [f"{contract.ENV_ENGINE_ARGS} is not engine settings the agent accepts: {err}"]
-        # Unset: the engine's own default, which is one GPU for every engine kvfleet runs.
-        engine_tp: int | None = args.tensor_parallel_size or 1
-    else:
-        found = [key for key in dlc_tensor_parallel_keys() if key in env]
-        if not found:
-            return []
-        engine_tp = _int(env[found[0]])
-        if engine_tp is None:
-            return [f"{found[0]} is {env[found[0]]!r}, not a tensor-parallel degree"]
+    if raw is None:
+        return [
+            f"the serving container sets no {contract.ENV_ENGINE_ARGS}: the pod needs the kvfleet image, whose "
+            "agent drains it and publishes the signals KEDA scales on"
+        ]
+    try:
+        args = EngineArgs.from_json(raw)
+    except (TypeError, ValueError) as err:
+        return [f"{contract.ENV_ENGINE_ARGS} is not engine settings the agent accepts: {err}"]
+    # Unset: the engine's own default, which is one GPU for every engine kvfleet runs.
+    engine_tp = args.tensor_parallel_size or 1
     if engine_tp != tensor_parallel_size:
         return [f"the engine runs tensor parallel {engine_tp}, the plan says {tensor_parallel_size}"]
     return []
-
-
-@cache
-def dlc_tensor_parallel_keys() -> tuple[str, ...]:
-    """The variables AWS's engine images read the tensor-parallel degree from, one per engine adapter: found in
-    each adapter's own ``dlc_environment`` as the variable that follows ``tensor_parallel_size``."""
-    keys: list[str] = []
-    for engine in ENGINES.values():
-        low, high = (
-            engine.dlc_environment(
-                dataclasses.replace(_DLC_PROBE, tensor_parallel_size=tp),
-                model="model",
-                max_input_tokens=1,
-                max_output_tokens=1,
-            )
-            for tp in (2, 3)
-        )
-        keys += [k for k, v in low.items() if v == "2" and high.get(k) == "3"]
-    return tuple(keys)
 
 
 def _check_drain(

@@ -5,13 +5,9 @@ Choices, and why:
 - On an existing cluster kvfleet owns only what it adds. Its kubectl function gets in through an EKS access
   entry (no aws-auth ConfigMap edits, which CloudFormation cannot merge safely) and runs in the cluster
   security group, so a private-only API endpoint works.
-- Node autoscaling is Cluster Autoscaler on the managed GPU node group. The plan fixes the instance
-  types, and managed node groups already carry the auto-discovery tags it reads; Karpenter would bypass
-  the node group (its own NodePool and EC2NodeClass, an interruption queue) for flexibility this
-  workload does not use.
-- Prometheus runs in the cluster (the community chart's server, scraping the annotated pods). KEDA
-  queries it over the cluster network with no SigV4 credentials, and a scale decision never depends on
-  a remote service; long-term retention can remote-write to Amazon Managed Service for Prometheus.
+- The add-ons (device plugin, KEDA, Prometheus, Cluster Autoscaler) are pinned Helm charts, each chosen in
+  ``kvfleet.infra.eks.addons``; the manifests are plain data from ``kvfleet.infra.eks.manifests``, checked at
+  synth by ``kvfleet.infra.eks.checks``.
 """
 
 from __future__ import annotations
@@ -27,8 +23,10 @@ from aws_cdk.lambda_layer_kubectl_v34 import KubectlV34Layer
 from constructs import Construct
 
 from kvfleet.config.targets import EksTarget, ExistingCluster
+from kvfleet.deployments import ResolvedDeployment
 from kvfleet.errors import KvfleetError
 from kvfleet.infra.context import ServingContext
+from kvfleet.infra.eks import addons as charts
 from kvfleet.infra.eks import checks
 from kvfleet.infra.eks import manifests as k8s
 from kvfleet.infra.iam import grant_model_read, grant_token_read, put_metric_data
@@ -39,198 +37,100 @@ from kvfleet.infra.network import ServingNetwork
 
 # kubectl in the provider's layer: one minor either side of the API server is within kubectl's skew policy.
 KUBECTL_MINOR = "1.34"
-# Helm charts, pinned: (chart, repository, version).
-DEVICE_PLUGIN_CHART = ("nvidia-device-plugin", "https://nvidia.github.io/k8s-device-plugin", "0.17.1")
-# KEDA supports the Kubernetes minor it was released with and the two before it (keda.sh, Operate > Cluster), so
-# 2.17 would already be outside its window on 1.33; 2.19 is the newest minor pinned here. Its ScaledObject API
-# (keda.sh/v1alpha1) only grows between minors, so the manifests still validate against the project's schema,
-# written from 2.17's fields.
-KEDA_CHART = ("keda", "https://kedacore.github.io/charts", "2.19.0")
-# The chart's default nodeAffinity (values.yaml, 0.17.x) admits nodes carrying one of NFD's NVIDIA labels or this one.
-DEVICE_PLUGIN_NODE_LABEL = ("nvidia.com/gpu.present", "true")
-PROMETHEUS_CHART = ("prometheus", "https://prometheus-community.github.io/helm-charts", "27.20.0")
-CLUSTER_AUTOSCALER_CHART = ("cluster-autoscaler", "https://kubernetes.github.io/autoscaler", "9.59.0")
-# Cluster Autoscaler's minor version must match the cluster's (its compatibility policy); the chart's default image
-# follows one release, so the image is chosen by Kubernetes version. Tags from the project's release notes
-# (registry.k8s.io/autoscaling/cluster-autoscaler).
-CLUSTER_AUTOSCALER_IMAGE_TAGS = {"1.33": "v1.33.6", "1.34": "v1.34.5", "1.35": "v1.35.0"}
-PROMETHEUS_URL = "http://prometheus-server.monitoring.svc.cluster.local:80"
 SERVING_ACCOUNT = "kvfleet-serving"
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+GPU_NODE_SELECTOR = {"kvfleet.io/gpu": "true"}  # what the device plugin and the pods select the GPU nodes by
+DEPLOYMENT_NODE_LABEL = "kvfleet.io/deployment"  # value: the deployment id the node group is for
+INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"  # kubelet adds this well-known label to every node
+MODEL_SYNC_IMAGE = "public.ecr.aws/aws-cli/aws-cli:2.27.20"  # copies model.s3_uri before the engine starts
 
 _C = TypeVar("_C", bound=Construct)
 
 
+def gpu_node_labels(r: ResolvedDeployment) -> dict[str, str]:
+    """The labels of the deployment's GPU node group."""
+    return {
+        **GPU_NODE_SELECTOR,
+        DEPLOYMENT_NODE_LABEL: r.deployment_id,
+        # The device plugin chart's DaemonSet (and the GPU Operator's) requires node labels that Node Feature
+        # Discovery would add; this is the one the chart documents for forcing a GPU node without NFD.
+        charts.DEVICE_PLUGIN_NODE_LABEL[0]: charts.DEVICE_PLUGIN_NODE_LABEL[1],
+    }
+
+
 class EksService(Construct):
+    """The steps, in order: the cluster (new or attached), the GPU node group, the pods' identity, the add-ons,
+    the workload. Construct ids are fixed: the CloudFormation logical ids derive from them."""
+
+    cluster: eks.ICluster
+    kubectl_provider: eks.IKubectlProvider
+    kubectl_access: eks.AccessEntry | None
+    nodegroup: eks.Nodegroup
+    device_plugin: eks.HelmChart | None
+    keda: eks.HelmChart | None
+    prometheus: eks.HelmChart | None
+    cluster_autoscaler: eks.HelmChart | None
+    options: k8s.WorkloadOptions
+    manifests: list[k8s.Manifest]
+
     def __init__(self, scope: Construct, id: str, *, context: ServingContext) -> None:
         super().__init__(scope, id)
         r = context.resolved
-        d = r.deployment
-        target = d.target
+        target = r.deployment.target
         assert isinstance(target, EksTarget)
-        network = context.network
-        region = context.region
-        s = d.scaling
-        instance = r.candidate.instance
-        tp = r.candidate.tensor_parallel_size
-        per_node = max(1, instance.accelerator_count // tp)  # replicas one GPU node holds
-
-        self.kubectl_access: eks.AccessEntry | None = None
-        self.cluster: eks.ICluster
-        self.kubectl_provider: eks.IKubectlProvider
-        layer = KubectlV34Layer(self, "KubectlLayer")
-        if target.cluster is None:
-            created = eks.Cluster(
-                self,
-                "Cluster",
-                version=eks.KubernetesVersion.of(target.kubernetes_version),
-                vpc=network.vpc,
-                vpc_subnets=[network.subnet_selection],
-                # Managed node groups, not Auto Mode: the plan picks the GPU instance types.
-                default_capacity=0,
-                default_capacity_type=eks.DefaultCapacityType.NODEGROUP,
-                endpoint_access=eks.EndpointAccess.PRIVATE,
-                cluster_logging=[
-                    eks.ClusterLoggingTypes.API,
-                    eks.ClusterLoggingTypes.AUDIT,
-                    eks.ClusterLoggingTypes.AUTHENTICATOR,
-                    eks.ClusterLoggingTypes.CONTROLLER_MANAGER,
-                    eks.ClusterLoggingTypes.SCHEDULER,
-                ],
-                kubectl_provider_options=eks.KubectlProviderOptions(kubectl_layer=layer),
-            )
-            acknowledge(
-                created,
-                "AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/AmazonEKSClusterPolicy]",
-                "The managed policy EKS requires for the cluster's service role.",
-            )
-            assert created.kubectl_provider is not None
-            # jsii's generated ICluster protocol lists a member its own Cluster class lacks in Python.
-            self.cluster, self.kubectl_provider = cast(eks.ICluster, created), created.kubectl_provider
-            identity = eks.IdentityType.IRSA
-        else:
-            self.cluster, self.kubectl_provider = self._attach(target.cluster, network, layer)
-            identity = eks.IdentityType.IRSA if target.cluster.oidc_provider_arn else eks.IdentityType.POD_IDENTITY
-        labels = {
-            "kvfleet.io/gpu": "true",
-            "kvfleet.io/deployment": r.deployment_id,
-            # The device plugin chart's DaemonSet (and the GPU Operator's) requires node labels that Node Feature
-            # Discovery would add; this is the one the chart documents for forcing a GPU node without NFD.
-            DEVICE_PLUGIN_NODE_LABEL[0]: DEVICE_PLUGIN_NODE_LABEL[1],
-        }
-        self.nodegroup = eks.Nodegroup(
-            self,
-            "Gpu",
-            cluster=self.cluster,
-            subnets=network.subnet_selection,
-            ami_type=eks.NodegroupAmiType.AL2023_X86_64_NVIDIA,
-            instance_types=[ec2.InstanceType(instance.name)],
-            min_size=max(1, math.ceil(s.min_replicas / per_node)),
-            max_size=max(1, math.ceil(s.max_replicas / per_node)),
-            disk_size=r.disk_gib,
-            labels=labels,
-            taints=[eks.TaintSpec(effect=eks.TaintEffect.NO_SCHEDULE, key=GPU_TAINT["key"], value=GPU_TAINT["value"])],
-        )
-
-        # ---- the pods' identity: the model and the token, nothing else --------------------------------
-        serving = self._kubectl(
-            eks.ServiceAccount(
-                self,
-                "Serving",
-                cluster=self.cluster,
-                name=SERVING_ACCOUNT,
-                namespace=target.namespace,
-                identity_type=identity,
-            )
-        )
-        pull = iam.Policy(self, "ImagePull", roles=[self.nodegroup.role])
-        image = serving_image(self, r, pull, region)
-        access = iam.Policy(self, "ServingPolicy", roles=[serving.role])
-        if d.model.s3_uri:
-            grant_model_read(access, d.model.s3_uri)
-        if d.model.hf_token_secret:
-            grant_token_read(self, access, d.model.hf_token_secret)
-        access.add_statements(put_metric_data())
-        acknowledge(
-            access,
-            "AwsSolutions-IAM5[Resource::*]",
-            "cloudwatch:PutMetricData has no resource-level permissions; limited to the kvfleet namespace.",
-        )
-        acknowledge(
-            pull, "AwsSolutions-IAM5[Resource::*]", "ecr:GetAuthorizationToken has no resource-level permissions."
-        )
-
-        # ---- cluster add-ons, pinned ------------------------------------------------------------------
-        addons = target.addons
-        tolerate_gpu = [{"key": GPU_TAINT["key"], "operator": "Exists", "effect": GPU_TAINT["effect"]}]
-        self.device_plugin = (
-            self._chart(
-                "DevicePlugin",
-                DEVICE_PLUGIN_CHART,
-                "kube-system",
-                {"tolerations": tolerate_gpu, "nodeSelector": {"kvfleet.io/gpu": "true"}},
-            )
-            if addons.device_plugin
-            else None
-        )
-        self.keda = self._chart("Keda", KEDA_CHART, "keda", {}) if addons.keda else None
-        self.prometheus = (
-            self._chart(
-                "Prometheus",
-                PROMETHEUS_CHART,
-                "monitoring",
-                {
-                    "alertmanager": {"enabled": False},
-                    "prometheus-pushgateway": {"enabled": False},
-                    "prometheus-node-exporter": {"enabled": False},
-                    "kube-state-metrics": {"enabled": False},
-                    "server": {"global": {"scrape_interval": "15s"}, "retention": "2d"},
-                },
-            )
-            if addons.prometheus_url is None
-            else None
-        )
-        self.cluster_autoscaler = (
-            self._cluster_autoscaler(identity, target.kubernetes_version) if addons.cluster_autoscaler else None
-        )
-
-        # ---- the workload -----------------------------------------------------------------------------
-        self.options = k8s.WorkloadOptions(
-            image=image,
-            prometheus_server_address=addons.prometheus_url or PROMETHEUS_URL,
-            namespace=target.namespace,
-            service_account_name=SERVING_ACCOUNT,
-            taint_key=GPU_TAINT["key"],
-            taint_value=GPU_TAINT["value"],
-            shm_size_gib=target.shm_size_gib,
-            model_sync_image="public.ecr.aws/aws-cli/aws-cli:2.27.20" if d.model.s3_uri else None,
-            put_metric_data=True,
-        )
-        self.manifests = k8s.manifests(r, self.options)
-        problems = checks.check_consistency(
-            self.manifests,
-            node_taints=[GPU_TAINT],
-            gpus_per_node=instance.accelerator_count,
-            tensor_parallel_size=tp,
-            drain_budget_s=s.drain_budget_s,
-            startup_estimate_s=r.startup.ready_s,
-            # kubelet adds the well-known instance-type label to every node.
-            node_labels={**labels, "node.kubernetes.io/instance-type": instance.name},
-        )
-        if problems:
-            raise KvfleetError("; ".join(problems), field=f"deployments.{d.name}.target")
-        ns = self._manifest("Namespace", k8s.namespace(self.options))
-        serving.node.add_dependency(ns)
-        for m in self.manifests:
-            kind = str(m["kind"])
-            applied = self._manifest(kind, m)
-            applied.node.add_dependency(ns)
-            applied.node.add_dependency(serving)
-            if kind == "ScaledObject" and self.keda is not None:
-                applied.node.add_dependency(self.keda)  # the CRD comes with the chart
+        identity = self._cluster(target, context.network)
+        self._nodegroup(r, context.network)
+        serving, image = self._serving_identity(r, target, identity, context.region)
+        self._addons(target, identity)
+        self._workload(r, target, serving, image)
         self._acknowledge_cdk_internals()
         self.platform_metrics = PlatformMetrics()  # replicas counted from their signals
         self.outputs = {"ClusterName": self.cluster.cluster_name}
+
+    # ---- the cluster ---------------------------------------------------------------------------------
+
+    def _cluster(self, target: EksTarget, network: ServingNetwork) -> eks.IdentityType:
+        """A new cluster, or the existing one the config names; returns how the pods get their AWS role."""
+        layer = KubectlV34Layer(self, "KubectlLayer")
+        self.kubectl_access = None
+        if target.cluster is not None:
+            self.cluster, self.kubectl_provider = self._attach(target.cluster, network, layer)
+            # IRSA needs the cluster's OIDC provider; without one, EKS Pod Identity.
+            return eks.IdentityType.IRSA if target.cluster.oidc_provider_arn else eks.IdentityType.POD_IDENTITY
+        self.cluster, self.kubectl_provider = self._new_cluster(target, network, layer)
+        return eks.IdentityType.IRSA
+
+    def _new_cluster(
+        self, target: EksTarget, network: ServingNetwork, layer: KubectlV34Layer
+    ) -> tuple[eks.ICluster, eks.IKubectlProvider]:
+        """A private cluster with every control-plane log, and no capacity of its own."""
+        created = eks.Cluster(
+            self,
+            "Cluster",
+            version=eks.KubernetesVersion.of(target.kubernetes_version),
+            vpc=network.vpc,
+            vpc_subnets=[network.subnet_selection],
+            # Managed node groups, not Auto Mode: the plan picks the GPU instance types.
+            default_capacity=0,
+            default_capacity_type=eks.DefaultCapacityType.NODEGROUP,
+            endpoint_access=eks.EndpointAccess.PRIVATE,
+            cluster_logging=[
+                eks.ClusterLoggingTypes.API,
+                eks.ClusterLoggingTypes.AUDIT,
+                eks.ClusterLoggingTypes.AUTHENTICATOR,
+                eks.ClusterLoggingTypes.CONTROLLER_MANAGER,
+                eks.ClusterLoggingTypes.SCHEDULER,
+            ],
+            kubectl_provider_options=eks.KubectlProviderOptions(kubectl_layer=layer),
+        )
+        acknowledge(
+            created,
+            "AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/AmazonEKSClusterPolicy]",
+            "The managed policy EKS requires for the cluster's service role.",
+        )
+        assert created.kubectl_provider is not None
+        # jsii's generated ICluster protocol lists a member its own Cluster class lacks in Python.
+        return cast(eks.ICluster, created), created.kubectl_provider
 
     def _attach(
         self, existing: ExistingCluster, network: ServingNetwork, layer: KubectlV34Layer
@@ -281,29 +181,85 @@ class EksService(Construct):
         )
         return cluster, provider
 
-    def _kubectl(self, construct: _C) -> _C:
-        """What kubectl applies waits for kubectl's access to the attached cluster (a new one orders it itself)."""
-        if self.kubectl_access is not None:
-            construct.node.add_dependency(self.kubectl_access)
-        return construct
+    # ---- the GPU nodes --------------------------------------------------------------------------------
 
-    def _manifest(self, id: str, manifest: dict[str, Any]) -> eks.KubernetesManifest:
-        return self._kubectl(eks.KubernetesManifest(self, f"Manifest{id}", cluster=self.cluster, manifest=[manifest]))
+    def _nodegroup(self, r: ResolvedDeployment, network: ServingNetwork) -> None:
+        """The plan's instance type, tainted for GPU pods, sized for the replica range."""
+        s = r.deployment.scaling
+        per_node = max(1, r.candidate.instance.accelerator_count // r.candidate.tensor_parallel_size)  # replicas
+        self.nodegroup = eks.Nodegroup(
+            self,
+            "Gpu",
+            cluster=self.cluster,
+            subnets=network.subnet_selection,
+            ami_type=eks.NodegroupAmiType.AL2023_X86_64_NVIDIA,
+            instance_types=[ec2.InstanceType(r.candidate.instance.name)],
+            min_size=max(1, math.ceil(s.min_replicas / per_node)),
+            max_size=max(1, math.ceil(s.max_replicas / per_node)),
+            disk_size=r.disk_gib,
+            labels=gpu_node_labels(r),
+            taints=[eks.TaintSpec(effect=eks.TaintEffect.NO_SCHEDULE, key=GPU_TAINT["key"], value=GPU_TAINT["value"])],
+        )
 
-    def _chart(self, id: str, chart: tuple[str, str, str], namespace: str, values: dict[str, Any]) -> eks.HelmChart:
-        name, repository, version = chart
-        return self._kubectl(
-            eks.HelmChart(
+    # ---- the pods' identity: the image, the model and the token, nothing else ------------------------------
+
+    def _serving_identity(
+        self, r: ResolvedDeployment, target: EksTarget, identity: eks.IdentityType, region: str | None
+    ) -> tuple[eks.ServiceAccount, str]:
+        """The pods' service account and its policy; the nodes pull the image. Returns the account and the image."""
+        d = r.deployment
+        serving = self._kubectl(
+            eks.ServiceAccount(
                 self,
-                f"Chart{id}",
+                "Serving",
                 cluster=self.cluster,
-                chart=name,
-                repository=repository,
-                version=version,
-                namespace=namespace,
-                create_namespace=True,
-                values=values,
+                name=SERVING_ACCOUNT,
+                namespace=target.namespace,
+                identity_type=identity,
             )
+        )
+        pull = iam.Policy(self, "ImagePull", roles=[self.nodegroup.role])
+        image = serving_image(self, r, pull, region)
+        access = iam.Policy(self, "ServingPolicy", roles=[serving.role])
+        if d.model.s3_uri:
+            grant_model_read(access, d.model.s3_uri)
+        if d.model.hf_token_secret:
+            grant_token_read(self, access, d.model.hf_token_secret)
+        access.add_statements(put_metric_data())
+        acknowledge(
+            access,
+            "AwsSolutions-IAM5[Resource::*]",
+            "cloudwatch:PutMetricData has no resource-level permissions; limited to the kvfleet namespace.",
+        )
+        acknowledge(
+            pull, "AwsSolutions-IAM5[Resource::*]", "ecr:GetAuthorizationToken has no resource-level permissions."
+        )
+        return serving, image
+
+    # ---- cluster add-ons, pinned (kvfleet.infra.eks.addons) -------------------------------------------
+
+    def _addons(self, target: EksTarget, identity: eks.IdentityType) -> None:
+        """The add-ons the config asks for: a new cluster gets all of them, an existing one what it lacks."""
+        addons = target.addons
+        self.device_plugin = (
+            self._chart(
+                "DevicePlugin",
+                charts.DEVICE_PLUGIN_CHART,
+                charts.DEVICE_PLUGIN_NAMESPACE,
+                charts.device_plugin_values(gpu_taint=GPU_TAINT, node_selector=GPU_NODE_SELECTOR),
+            )
+            if addons.device_plugin
+            else None
+        )
+        # KEDA's chart defaults: the operator and its metrics API server.
+        self.keda = self._chart("Keda", charts.KEDA_CHART, charts.KEDA_NAMESPACE, {}) if addons.keda else None
+        self.prometheus = (
+            self._chart("Prometheus", charts.PROMETHEUS_CHART, charts.PROMETHEUS_NAMESPACE, charts.prometheus_values())
+            if addons.prometheus_url is None
+            else None
+        )
+        self.cluster_autoscaler = (
+            self._cluster_autoscaler(identity, target.kubernetes_version) if addons.cluster_autoscaler else None
         )
 
     def _cluster_autoscaler(self, identity: eks.IdentityType, kubernetes_version: str) -> eks.HelmChart:
@@ -313,44 +269,17 @@ class EksService(Construct):
                 self,
                 "ClusterAutoscalerAccount",
                 cluster=self.cluster,
-                name="cluster-autoscaler",
-                namespace="kube-system",
+                name=charts.CLUSTER_AUTOSCALER_ACCOUNT,
+                namespace=charts.CLUSTER_AUTOSCALER_NAMESPACE,
                 identity_type=identity,
             )
         )
+        owned = {f"aws:ResourceTag/k8s.io/cluster-autoscaler/{self.cluster.cluster_name}": "owned"}
         autoscaler_policy = iam.Policy(
             self,
             "ClusterAutoscalerPolicy",
             roles=[autoscaler.role],
-            statements=[
-                iam.PolicyStatement(
-                    actions=[
-                        "autoscaling:DescribeAutoScalingGroups",
-                        "autoscaling:DescribeAutoScalingInstances",
-                        "autoscaling:DescribeLaunchConfigurations",
-                        "autoscaling:DescribeScalingActivities",
-                        "autoscaling:DescribeTags",
-                        "ec2:DescribeImages",
-                        "ec2:DescribeInstanceTypes",
-                        "ec2:DescribeLaunchTemplateVersions",
-                        "ec2:GetInstanceTypesFromInstanceRequirements",
-                        "eks:DescribeNodegroup",
-                    ],
-                    resources=["*"],
-                ),
-                iam.PolicyStatement(
-                    actions=["autoscaling:SetDesiredCapacity", "autoscaling:TerminateInstanceInAutoScalingGroup"],
-                    resources=["*"],
-                    # Only the groups of this cluster's node groups.
-                    conditions={
-                        "StringEquals": CfnJson(
-                            self,
-                            "OwnedTag",
-                            value={f"aws:ResourceTag/k8s.io/cluster-autoscaler/{self.cluster.cluster_name}": "owned"},
-                        )
-                    },
-                ),
-            ],
+            statements=charts.cluster_autoscaler_statements(CfnJson(self, "OwnedTag", value=owned)),
         )
         acknowledge(
             autoscaler_policy,
@@ -360,19 +289,84 @@ class EksService(Construct):
         )
         chart = self._chart(
             "ClusterAutoscaler",
-            CLUSTER_AUTOSCALER_CHART,
-            "kube-system",
-            {
-                "image": {"tag": CLUSTER_AUTOSCALER_IMAGE_TAGS[kubernetes_version]},
-                "autoDiscovery": {"clusterName": self.cluster.cluster_name},
-                "awsRegion": Aws.REGION,
-                "rbac": {"serviceAccount": {"create": False, "name": "cluster-autoscaler"}},
-                # Slow scale-in, like the pods: a GPU node takes minutes to come back.
-                "extraArgs": {"scale-down-unneeded-time": "15m", "scale-down-delay-after-add": "15m"},
-            },
+            charts.CLUSTER_AUTOSCALER_CHART,
+            charts.CLUSTER_AUTOSCALER_NAMESPACE,
+            charts.cluster_autoscaler_values(
+                cluster_name=self.cluster.cluster_name, kubernetes_version=kubernetes_version, region=Aws.REGION
+            ),
         )
         chart.node.add_dependency(autoscaler)
         return chart
+
+    # ---- the workload -----------------------------------------------------------------------------------
+
+    def _workload(self, r: ResolvedDeployment, target: EksTarget, serving: eks.ServiceAccount, image: str) -> None:
+        """The manifests (kvfleet.infra.eks.manifests), checked against the nodes, applied in order."""
+        self.options = k8s.WorkloadOptions(
+            image=image,
+            prometheus_server_address=target.addons.prometheus_url or charts.PROMETHEUS_URL,
+            namespace=target.namespace,
+            service_account_name=SERVING_ACCOUNT,
+            node_selector=GPU_NODE_SELECTOR,
+            deployment_node_label=DEPLOYMENT_NODE_LABEL,
+            taint_key=GPU_TAINT["key"],
+            taint_value=GPU_TAINT["value"],
+            shm_size_gib=target.shm_size_gib,
+            model_sync_image=MODEL_SYNC_IMAGE if r.deployment.model.s3_uri else None,
+            put_metric_data=True,
+        )
+        self.manifests = k8s.manifests(r, self.options)
+        self._check_workload(r)
+        ns = self._manifest("Namespace", k8s.namespace(self.options))
+        serving.node.add_dependency(ns)
+        for m in self.manifests:
+            kind = str(m["kind"])
+            applied = self._manifest(kind, m)
+            applied.node.add_dependency(ns)
+            applied.node.add_dependency(serving)
+            if kind == "ScaledObject" and self.keda is not None:
+                applied.node.add_dependency(self.keda)  # the CRD comes with the chart
+
+    def _check_workload(self, r: ResolvedDeployment) -> None:
+        """The manifests fit the node group built above and the agent in the pod, or synth fails."""
+        instance = r.candidate.instance
+        problems = checks.check_consistency(
+            self.manifests,
+            node_taints=[GPU_TAINT],
+            gpus_per_node=instance.accelerator_count,
+            tensor_parallel_size=r.candidate.tensor_parallel_size,
+            drain_budget_s=r.deployment.scaling.drain_budget_s,
+            startup_estimate_s=r.startup.ready_s,
+            node_labels={**gpu_node_labels(r), INSTANCE_TYPE_LABEL: instance.name},
+        )
+        if problems:
+            raise KvfleetError("; ".join(problems), field=f"deployments.{r.deployment.name}.target")
+
+    # ---- helpers ----------------------------------------------------------------------------------------
+
+    def _kubectl(self, construct: _C) -> _C:
+        """What kubectl applies waits for kubectl's access to the attached cluster (a new one orders it itself)."""
+        if self.kubectl_access is not None:
+            construct.node.add_dependency(self.kubectl_access)
+        return construct
+
+    def _manifest(self, id: str, manifest: dict[str, Any]) -> eks.KubernetesManifest:
+        return self._kubectl(eks.KubernetesManifest(self, f"Manifest{id}", cluster=self.cluster, manifest=[manifest]))
+
+    def _chart(self, id: str, chart: charts.ChartPin, namespace: str, values: dict[str, Any]) -> eks.HelmChart:
+        return self._kubectl(
+            eks.HelmChart(
+                self,
+                f"Chart{id}",
+                cluster=self.cluster,
+                chart=chart.chart,
+                repository=chart.repository,
+                version=chart.version,
+                namespace=namespace,
+                create_namespace=True,
+                values=values,
+            )
+        )
 
     def _acknowledge_cdk_internals(self) -> None:
         provider = self.kubectl_provider

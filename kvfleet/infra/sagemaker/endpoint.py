@@ -23,18 +23,43 @@ VARIANT = "AllTraffic"
 
 
 class SageMakerEndpoint(Construct):
+    """The steps, in order: the execution role, the model, the endpoint config, the endpoint with its update
+    policy, the autoscaling. Construct ids are fixed: the CloudFormation logical ids derive from them."""
+
+    role: iam.Role
+    key: kms.Key | None
+    model: sagemaker.CfnModel
+    endpoint_config: sagemaker.CfnEndpointConfig
+    endpoint: sagemaker.CfnEndpoint
+    endpoint_name: str
+    scalable_target: appscaling.ScalableTarget | None
+
     def __init__(self, scope: Construct, id: str, *, context: ServingContext) -> None:
         super().__init__(scope, id)
         r = context.resolved
-        d = r.deployment
-        target = d.target
+        target = r.deployment.target
         assert isinstance(target, SageMakerTarget)
-        vpc_subnets = context.network.subnet_ids
-        security_group = context.network.security_group
-        region = context.region
-        rollback_alarms = list(context.rollback_alarms)
+        # Instances with local NVMe encrypt it in hardware: SageMaker refuses a volume size and a KMS key for them.
         local_storage = r.candidate.instance.local_nvme_gb > 0
 
+        policy, image_uri = self._execution_role(r, context.region)
+        model_data = self._model_access(r, target, policy)
+        self.key = None if local_storage else self._storage_key(r)
+        self._model(r, target, context, image_uri=image_uri, model_data=model_data, policy=policy)
+        self._endpoint_config(r, local_storage=local_storage)
+        self._endpoint(r, target, rollback_alarms=list(context.rollback_alarms))
+        self.platform_metrics = PlatformMetrics(
+            errors_4xx=self._endpoint_metric("Invocation4XXErrors", "4xx (SageMaker)"),
+            errors_5xx=self._endpoint_metric("Invocation5XXErrors", "5xx (SageMaker)"),
+        )
+        self._autoscaling(r)
+        self.outputs = {"EndpointName": self.endpoint_name}
+
+    # ---- the execution role ---------------------------------------------------------------------------
+
+    def _execution_role(self, r: ResolvedDeployment, region: str | None) -> tuple[iam.Policy, str]:
+        """The role SageMaker runs the model as: pull the image, write logs and metrics, attach to the VPC.
+        Returns its policy (the model's grants join it) and the image's URI."""
         self.role = iam.Role(
             self,
             "ExecutionRole",
@@ -86,7 +111,13 @@ class SageMakerEndpoint(Construct):
             "/aws/sagemaker/Endpoints/*:log-stream:*]",
             "One log stream per instance and container, named by SageMaker at launch.",
         )
+        return policy, image_uri
 
+    def _model_access(
+        self, r: ResolvedDeployment, target: SageMakerTarget, policy: iam.Policy
+    ) -> sagemaker.CfnModel.ModelDataSourceProperty | None:
+        """Read access to the weights' S3 prefix (returned as the model's data source) or to the token's secret."""
+        d = r.deployment
         model_data = None
         if d.model.s3_uri:
             model_prefix = grant_model_read(policy, d.model.s3_uri)
@@ -97,18 +128,28 @@ class SageMakerEndpoint(Construct):
             )
         if d.model.hf_token_secret and not target.network_isolation:
             grant_token_read(self, policy, d.model.hf_token_secret)
+        return model_data
 
-        self.key: kms.Key | None = None
-        if not local_storage:
-            # Instances with local NVMe encrypt it in hardware, and SageMaker refuses a KMS key for them.
-            self.key = kms.Key(
-                self, "StorageKey", enable_key_rotation=True, description=f"kvfleet {r.deployment_id} volumes"
-            )
-            # Named actions (grant_encrypt_decrypt would add GenerateDataKey* / ReEncrypt* wildcards).
-            self.key.grant(
-                self.role, "kms:Encrypt", "kms:Decrypt", "kms:GenerateDataKey", "kms:CreateGrant", "kms:DescribeKey"
-            )
+    def _storage_key(self, r: ResolvedDeployment) -> kms.Key:
+        """The key for the instances' EBS volumes, usable by the execution role only."""
+        key = kms.Key(self, "StorageKey", enable_key_rotation=True, description=f"kvfleet {r.deployment_id} volumes")
+        # Named actions (grant_encrypt_decrypt would add GenerateDataKey* / ReEncrypt* wildcards).
+        key.grant(self.role, "kms:Encrypt", "kms:Decrypt", "kms:GenerateDataKey", "kms:CreateGrant", "kms:DescribeKey")
+        return key
 
+    # ---- model, endpoint config, endpoint ---------------------------------------------------------------
+
+    def _model(
+        self,
+        r: ResolvedDeployment,
+        target: SageMakerTarget,
+        context: ServingContext,
+        *,
+        image_uri: str,
+        model_data: sagemaker.CfnModel.ModelDataSourceProperty | None,
+        policy: iam.Policy,
+    ) -> None:
+        """The serving container with the contract's environment, in the VPC."""
         self.model = sagemaker.CfnModel(
             self,
             "Model",
@@ -119,13 +160,16 @@ class SageMakerEndpoint(Construct):
                 model_data_source=model_data,
             ),
             vpc_config=sagemaker.CfnModel.VpcConfigProperty(
-                security_group_ids=[security_group.security_group_id], subnets=vpc_subnets
+                security_group_ids=[context.network.security_group.security_group_id],
+                subnets=context.network.subnet_ids,
             ),
             enable_network_isolation=target.network_isolation,
         )
         # CreateModel checks that the role can pull the image: the policy must exist first.
         self.model.node.add_dependency(policy)
 
+    def _endpoint_config(self, r: ResolvedDeployment, *, local_storage: bool) -> None:
+        """One variant on the plan's instance type, with timeouts from the startup estimate."""
         variant = sagemaker.CfnEndpointConfig.ProductionVariantProperty(
             variant_name=VARIANT,
             model_name=self.model.attr_model_name,
@@ -143,73 +187,34 @@ class SageMakerEndpoint(Construct):
             production_variants=[variant],
             kms_key_id=self.key.key_arn if self.key else None,
         )
-        drain = d.scaling.drain_budget_s
-        rollback = sagemaker.CfnEndpoint.AutoRollbackConfigProperty(
-            alarms=[sagemaker.CfnEndpoint.AlarmProperty(alarm_name=a.alarm_name) for a in rollback_alarms]
-        )
-        if target.update == "rolling":
-            deployment = sagemaker.CfnEndpoint.DeploymentConfigProperty(
-                rolling_update_policy=sagemaker.CfnEndpoint.RollingUpdatePolicyProperty(
-                    maximum_batch_size=sagemaker.CfnEndpoint.CapacitySizeProperty(type="INSTANCE_COUNT", value=1),
-                    # Between batches: the replaced instances drain their generations.
-                    wait_interval_in_seconds=drain,
-                    maximum_execution_timeout_in_seconds=_update_timeout(r, drain, batches=d.scaling.max_replicas),
-                    rollback_maximum_batch_size=sagemaker.CfnEndpoint.CapacitySizeProperty(
-                        type="CAPACITY_PERCENT", value=100
-                    ),
-                ),
-                auto_rollback_configuration=rollback if rollback_alarms else None,
-            )
-        else:
-            routing = (
-                sagemaker.CfnEndpoint.TrafficRoutingConfigProperty(
-                    type="CANARY",
-                    wait_interval_in_seconds=target.canary_wait_s,
-                    canary_size=sagemaker.CfnEndpoint.CapacitySizeProperty(
-                        type="CAPACITY_PERCENT", value=target.canary_percent
-                    ),
-                )
-                if target.canary_percent
-                else sagemaker.CfnEndpoint.TrafficRoutingConfigProperty(
-                    type="ALL_AT_ONCE", wait_interval_in_seconds=min(600, max(60, drain))
-                )
-            )
-            deployment = sagemaker.CfnEndpoint.DeploymentConfigProperty(
-                blue_green_update_policy=sagemaker.CfnEndpoint.BlueGreenUpdatePolicyProperty(
-                    traffic_routing_configuration=routing,
-                    # The old fleet keeps running this long after traffic moves: its generations finish.
-                    termination_wait_in_seconds=drain,
-                    maximum_execution_timeout_in_seconds=_update_timeout(r, drain, batches=2),
-                ),
-                auto_rollback_configuration=rollback if rollback_alarms else None,
-            )
+
+    def _endpoint(self, r: ResolvedDeployment, target: SageMakerTarget, *, rollback_alarms: list[cw.IAlarm]) -> None:
         self.endpoint = sagemaker.CfnEndpoint(
             self,
             "Endpoint",
             endpoint_config_name=self.endpoint_config.attr_endpoint_config_name,
-            deployment_config=deployment,
+            deployment_config=_deployment_config(r, target, rollback_alarms),
         )
         self.endpoint_name = self.endpoint.attr_endpoint_name
 
-        self.platform_metrics = PlatformMetrics(
-            errors_4xx=self._endpoint_metric("Invocation4XXErrors", "4xx (SageMaker)"),
-            errors_5xx=self._endpoint_metric("Invocation5XXErrors", "5xx (SageMaker)"),
-        )
+    # ---- autoscaling on the signals ---------------------------------------------------------------------
 
-        self.scalable_target: appscaling.ScalableTarget | None = None
-        s = d.scaling
-        if s.max_replicas > s.min_replicas:
-            self.scalable_target = appscaling.ScalableTarget(
-                self,
-                "ScalableTarget",
-                service_namespace=appscaling.ServiceNamespace.SAGEMAKER,
-                resource_id=f"endpoint/{self.endpoint_name}/variant/{VARIANT}",
-                scalable_dimension="sagemaker:variant:DesiredInstanceCount",
-                min_capacity=s.min_replicas,
-                max_capacity=s.max_replicas,
-            )
-            scale_scalable_target(self.scalable_target, deployment_id=r.deployment_id, scaling=s)
-        self.outputs = {"EndpointName": self.endpoint_name}
+    def _autoscaling(self, r: ResolvedDeployment) -> None:
+        """The variant's instance count tracks the KV-cache and queue signals (none for a fixed size)."""
+        self.scalable_target = None
+        s = r.deployment.scaling
+        if s.max_replicas <= s.min_replicas:
+            return
+        self.scalable_target = appscaling.ScalableTarget(
+            self,
+            "ScalableTarget",
+            service_namespace=appscaling.ServiceNamespace.SAGEMAKER,
+            resource_id=f"endpoint/{self.endpoint_name}/variant/{VARIANT}",
+            scalable_dimension="sagemaker:variant:DesiredInstanceCount",
+            min_capacity=s.min_replicas,
+            max_capacity=s.max_replicas,
+        )
+        scale_scalable_target(self.scalable_target, deployment_id=r.deployment_id, scaling=s)
 
     def _endpoint_metric(self, name: str, label: str) -> cw.Metric:
         return cw.Metric(
@@ -220,6 +225,60 @@ class SageMakerEndpoint(Construct):
             period=PERIOD,
             label=label,
         )
+
+
+def _deployment_config(
+    r: ResolvedDeployment, target: SageMakerTarget, rollback_alarms: list[cw.IAlarm]
+) -> sagemaker.CfnEndpoint.DeploymentConfigProperty:
+    """How an update replaces the fleet: one instance at a time (rolling) or a new fleet (blue/green, optionally
+    through a canary); either way the replaced instances get the drain budget, and the alarms roll it back."""
+    rollback = (
+        sagemaker.CfnEndpoint.AutoRollbackConfigProperty(
+            alarms=[sagemaker.CfnEndpoint.AlarmProperty(alarm_name=a.alarm_name) for a in rollback_alarms]
+        )
+        if rollback_alarms
+        else None
+    )
+    drain = r.deployment.scaling.drain_budget_s
+    if target.update == "rolling":
+        return sagemaker.CfnEndpoint.DeploymentConfigProperty(
+            rolling_update_policy=sagemaker.CfnEndpoint.RollingUpdatePolicyProperty(
+                maximum_batch_size=sagemaker.CfnEndpoint.CapacitySizeProperty(type="INSTANCE_COUNT", value=1),
+                # Between batches: the replaced instances drain their generations.
+                wait_interval_in_seconds=drain,
+                maximum_execution_timeout_in_seconds=_update_timeout(
+                    r, drain, batches=r.deployment.scaling.max_replicas
+                ),
+                rollback_maximum_batch_size=sagemaker.CfnEndpoint.CapacitySizeProperty(
+                    type="CAPACITY_PERCENT", value=100
+                ),
+            ),
+            auto_rollback_configuration=rollback,
+        )
+    return sagemaker.CfnEndpoint.DeploymentConfigProperty(
+        blue_green_update_policy=sagemaker.CfnEndpoint.BlueGreenUpdatePolicyProperty(
+            traffic_routing_configuration=_traffic_routing(target, drain),
+            # The old fleet keeps running this long after traffic moves: its generations finish.
+            termination_wait_in_seconds=drain,
+            maximum_execution_timeout_in_seconds=_update_timeout(r, drain, batches=2),
+        ),
+        auto_rollback_configuration=rollback,
+    )
+
+
+def _traffic_routing(target: SageMakerTarget, drain_s: int) -> sagemaker.CfnEndpoint.TrafficRoutingConfigProperty:
+    """A blue/green update's traffic shift: a canary share first, or all at once."""
+    if target.canary_percent:
+        return sagemaker.CfnEndpoint.TrafficRoutingConfigProperty(
+            type="CANARY",
+            wait_interval_in_seconds=target.canary_wait_s,
+            canary_size=sagemaker.CfnEndpoint.CapacitySizeProperty(
+                type="CAPACITY_PERCENT", value=target.canary_percent
+            ),
+        )
+    return sagemaker.CfnEndpoint.TrafficRoutingConfigProperty(
+        type="ALL_AT_ONCE", wait_interval_in_seconds=min(600, max(60, drain_s))
+    )
 
 
 def _update_timeout(r: ResolvedDeployment, drain_s: int, *, batches: int) -> int:

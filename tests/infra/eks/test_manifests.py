@@ -13,6 +13,8 @@ import pytest
 from kvfleet import contract
 from kvfleet.contract import MODEL_DIR as SAGEMAKER_MODEL_DIR
 from kvfleet.deployments import ResolvedDeployment, resolve_environment
+from kvfleet.engines import EngineArgs
+from kvfleet.infra.eks import checks
 from kvfleet.infra.eks import manifests as k8s
 from kvfleet.infra.eks.manifests import WorkloadOptions
 from tests.envs import SAGEMAKER_ENV, environment
@@ -82,7 +84,7 @@ def problems(r: ResolvedDeployment, ms: list[dict[str, Any]], **overrides: Any) 
         "tensor_parallel_size": r.candidate.tensor_parallel_size,
         "drain_budget_s": r.deployment.scaling.drain_budget_s,
     }
-    return k8s.check_consistency(ms, **(kw | overrides))
+    return checks.check_consistency(ms, **(kw | overrides))
 
 
 def triggers(ms: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -302,6 +304,32 @@ def test_the_other_checks_fail_when_broken(small: ResolvedDeployment) -> None:
     assert any(p.startswith("the Service selector") for p in broken(service_selects_nothing))
 
 
+def _set_env(ms: list[dict[str, Any]], name: str, value: str | None) -> None:
+    env = [e for e in container(ms)["env"] if e["name"] != name]
+    container(ms)["env"] = env if value is None else [*env, {"name": name, "value": value}]
+
+
+def test_the_engine_degree_is_read_from_the_engine_args(big: ResolvedDeployment) -> None:
+    tp8 = big.engine_args
+    ms = k8s.manifests(big, OPTS)
+    _set_env(ms, contract.ENV_ENGINE_ARGS, dataclasses.replace(tp8, tensor_parallel_size=4).to_json())
+    assert problems(big, ms) == ["the engine runs tensor parallel 4, the plan says 8"]
+    # Unset, the engine runs its default of one GPU.
+    _set_env(ms, contract.ENV_ENGINE_ARGS, dataclasses.replace(tp8, tensor_parallel_size=None).to_json())
+    assert problems(big, ms) == ["the engine runs tensor parallel 1, the plan says 8"]
+    # Settings the agent would refuse, or none at all (an image without the agent), fail too.
+    _set_env(ms, contract.ENV_ENGINE_ARGS, '{"tensor-parallel-size": 8}')
+    [p] = problems(big, ms)
+    assert p.startswith(f"{contract.ENV_ENGINE_ARGS} is not engine settings") and "'tensor-parallel-size'" in p
+    _set_env(ms, contract.ENV_ENGINE_ARGS, None)
+    [p] = problems(big, ms)
+    assert p.startswith(f"the serving container sets no {contract.ENV_ENGINE_ARGS}")
+    # vLLM's flag spelling in some other variable is not what the agent reads: it changes nothing.
+    ms = k8s.manifests(big, OPTS)
+    _set_env(ms, "SM_VLLM_TENSOR_PARALLEL_SIZE", "4")
+    assert problems(big, ms) == []
+
+
 def test_node_labels_are_checked_when_given(small: ResolvedDeployment) -> None:
     ms = k8s.manifests(small, OPTS)
     labels = dict(pod_spec(ms)["nodeSelector"])
@@ -356,7 +384,7 @@ def test_liveness_survives_a_drain(small: ResolvedDeployment) -> None:
 
 def test_prestop_drains_within_the_grace_period(small: ResolvedDeployment) -> None:
     ms = k8s.manifests(small, OPTS)
-    assert container(ms)["lifecycle"]["preStop"] == {"exec": {"command": ["python3", "-m", "kvfleet.agent", "drain"]}}
+    assert container(ms)["lifecycle"]["preStop"] == {"exec": {"command": ["kvfleet-agent", "drain"]}}
     grace = pod_spec(ms)["terminationGracePeriodSeconds"]
     assert grace == small.deployment.scaling.drain_budget_s + 60 == 480
 
@@ -407,6 +435,10 @@ def test_container_environment_is_the_resolved_one_sorted(small: ResolvedDeploym
     assert names == sorted(names)
     env = {e["name"]: e["value"] for e in c["env"]}
     assert env == small.container_environment() | {"AWS_REGION": "us-east-1"}
+    # The engine settings travel as the plan decided them, engine-neutral.
+    args = EngineArgs.from_json(env[contract.ENV_ENGINE_ARGS])
+    assert args == small.engine_args
+    assert (args.tensor_parallel_size, args.max_num_seqs) == (1, 16)
     assert c["args"] == ["serve"]
     assert c["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
 
@@ -501,13 +533,23 @@ def test_manifests_are_plain_json_data(small: ResolvedDeployment) -> None:
 
 
 def test_gpus_follow_the_tensor_parallel_degree_not_the_node_size(big: ResolvedDeployment) -> None:
-    # Two TP-2 engines' worth of an 8-GPU node: each pod asks for its 2 GPUs and a quarter of the node.
-    r = dataclasses.replace(big, candidate=dataclasses.replace(big.candidate, tensor_parallel_size=2))
+    # Two TP-2 engines' worth of an 8-GPU node: each pod asks for its 2 GPUs and a quarter of the node. The typed
+    # engine settings are decided once, with the candidate: a plan of TP 2 carries TP 2 in both.
+    r = dataclasses.replace(
+        big,
+        candidate=dataclasses.replace(big.candidate, tensor_parallel_size=2),
+        engine_args=dataclasses.replace(big.engine_args, tensor_parallel_size=2),
+    )
     ms = k8s.manifests(r, OPTS)
     res = container(ms)["resources"]
     assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == "2"
     assert res["requests"]["cpu"] == "18"  # 96 vCPUs x 2/8 x 0.75
     assert problems(r, ms, gpus_per_node=8) == []
+    # Changing only the candidate leaves the engine at TP 8 on 2 GPUs: the check sees it.
+    stale = dataclasses.replace(r, engine_args=big.engine_args)
+    assert problems(stale, k8s.manifests(stale, OPTS), gpus_per_node=8) == [
+        "the engine runs tensor parallel 8, the plan says 2"
+    ]
 
 
 def test_host_path_model_cache(small: ResolvedDeployment) -> None:

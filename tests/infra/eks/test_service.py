@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -12,16 +13,16 @@ from aws_cdk.assertions import Template
 from kvfleet import contract
 from kvfleet.config.targets import EksTarget
 from kvfleet.deployments import resolve_environment
+from kvfleet.engines import EngineArgs
 from kvfleet.infra.app import build_app
-from kvfleet.infra.eks.service import (
+from kvfleet.infra.eks.addons import (
     CLUSTER_AUTOSCALER_CHART,
     CLUSTER_AUTOSCALER_IMAGE_TAGS,
     DEVICE_PLUGIN_CHART,
-    GPU_TAINT,
     KEDA_CHART,
-    KUBECTL_MINOR,
     PROMETHEUS_CHART,
 )
+from kvfleet.infra.eks.service import GPU_TAINT, KUBECTL_MINOR
 from tests.infra.helpers import REPO, environment, make_app, only, props, synth
 
 PLATFORM = (REPO / "environments" / "platform.yaml").read_text(encoding="utf-8")
@@ -38,6 +39,24 @@ def manifest(t: Template, kind: str) -> str:
         if f'\\"kind\\":\\"{kind}\\"' in text and "ServiceAccountResource" not in k:
             return text
     raise AssertionError(f"no {kind} manifest")
+
+
+def applied_manifest(t: Template, kind: str) -> dict[str, Any]:
+    """The one object of ``kind`` the kubectl provider applies, parsed; CloudFormation references (the image's
+    account and URL suffix) read as "<token>"."""
+    [(_, r)] = [
+        (k, r)
+        for k, r in t.find_resources("Custom::AWSCDK-EKS-KubernetesResource").items()
+        if k.startswith(f"EksManifest{kind}")
+    ]
+    text = r["Properties"]["Manifest"]
+    if isinstance(text, dict):
+        [sep, parts] = text["Fn::Join"]
+        text = sep.join(p if isinstance(p, str) else "<token>" for p in parts)
+    [obj] = json.loads(text)
+    assert obj["kind"] == kind
+    out: dict[str, Any] = obj
+    return out
 
 
 def test_private_cluster_with_logging_and_no_auto_mode(template: Template) -> None:
@@ -100,7 +119,7 @@ def test_cluster_autoscaler_matches_the_clusters_minor_version(template: Templat
 
 
 def test_kubectl_is_within_one_minor_of_every_cluster_version() -> None:
-    from stacks import eks_service
+    from kvfleet.infra.eks import service as eks_service
 
     # The layer the construct uses is the version the constant names.
     assert eks_service.KubectlV34Layer.__module__.startswith(
@@ -112,10 +131,19 @@ def test_kubectl_is_within_one_minor_of_every_cluster_version() -> None:
 
 
 def test_workload_manifests_with_drain_hooks_and_keda(template: Template) -> None:
-    dep = manifest(template, "Deployment")
-    assert "kvfleet.agent" in dep and "drain" in dep and "preStop" in dep
-    assert "terminationGracePeriodSeconds" in dep and '\\"nvidia.com/gpu\\":' in dep
-    assert f'\\"{contract.ENV_PUT_METRIC_DATA}\\",\\"value\\":\\"1\\"' in dep  # CloudWatch dashboard and alarms
+    [r] = resolve_environment(environment(PLATFORM))
+    pod = applied_manifest(template, "Deployment")["spec"]["template"]["spec"]
+    [c] = pod["containers"]
+    assert c["lifecycle"]["preStop"] == {"exec": {"command": ["kvfleet-agent", "drain"]}}
+    # The hook runs the agent's console script, the one the package (and so the image) installs.
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]["scripts"]
+    assert scripts["kvfleet-agent"] == "kvfleet.agent.__main__:main"
+    assert pod["terminationGracePeriodSeconds"] == r.deployment.scaling.drain_budget_s + 60
+    assert c["resources"]["limits"] == {"nvidia.com/gpu": str(r.candidate.tensor_parallel_size)}
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env[contract.ENV_PUT_METRIC_DATA] == "1"  # CloudWatch dashboard and alarms
+    assert EngineArgs.from_json(env[contract.ENV_ENGINE_ARGS]) == r.engine_args
+    assert c["image"] == "<token>.dkr.ecr.us-east-1.<token>/kvfleet-vllm:" + contract.image_tag("0.30.0")
     scaled = manifest(template, "ScaledObject")
     assert contract.KV_CACHE_UTILIZATION.prometheus_name in scaled
     assert contract.REQUESTS_WAITING.prometheus_name in scaled
@@ -154,6 +182,18 @@ def test_a_wrong_gpu_count_fails_synth(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(k8s, "deployment", too_many_gpus)
     with pytest.raises(KvfleetError, match=r"deployments\.coder\.target: "):
         only(PLATFORM)
+
+
+def test_an_aws_image_without_the_agent_is_refused() -> None:
+    # AWS's own vLLM image reads SM_VLLM_* variables and has no agent to drain the pod or publish what KEDA scales
+    # on: the file is refused when it is loaded, at the image's line, instead of at synth.
+    from kvfleet.errors import ConfigError
+
+    dlc = PLATFORM.replace("max_replicas: 6", "max_replicas: 1") + "    image:\n      source: dlc\n"
+    with pytest.raises(ConfigError) as info:
+        environment(dlc)
+    [line] = info.value.lines
+    assert "deployments[0].image.source: dlc runs the engine without the kvfleet agent, and on EKS" in line
 
 
 def test_cdk_nag_passes(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from cdk_nag import AwsSolutionsChecks
 from kvfleet import contract
 from kvfleet.config.targets import SageMakerTarget
 from kvfleet.deployments import ResolvedDeployment, resolve_environment
+from kvfleet.engines import EngineArgs
 from kvfleet.infra.app import build_app
 from kvfleet.infra.stack import DeploymentStack
 from tests.infra.helpers import SAGEMAKER_ENV, environment, make_app, only, props, synth
@@ -84,16 +85,18 @@ def test_container_environment_carries_the_engine_settings(template: Template) -
     [model] = props(template, "AWS::SageMaker::Model")
     env = model["PrimaryContainer"]["Environment"]
     [r] = resolve_environment(environment())
-    args = json.loads(env["KVFLEET_ENGINE_ARGS"])
-    assert args["max-num-seqs"] == r.candidate.concurrency_per_replica == 16
-    assert args["max-model-len"] == 4096 + 1024
-    assert args["tensor-parallel-size"] == 1
-    assert args["gpu-memory-utilization"] == r.candidate.capacity.gpu_memory_utilization
+    args = EngineArgs.from_json(env[contract.ENV_ENGINE_ARGS])
+    assert args == r.engine_args
+    assert args.max_num_seqs == r.candidate.concurrency_per_replica == 16
+    assert args.max_model_len == 4096 + 1024
+    assert args.tensor_parallel_size == 1
+    assert args.gpu_memory_utilization == r.candidate.capacity.gpu_memory_utilization
+    assert args.enable_prefix_caching is True
     assert env[contract.ENV_DEPLOYMENT] == "test-chat"
     assert env[contract.ENV_NAMESPACE] == contract.NAMESPACE
     assert env[contract.ENV_DRAIN_BUDGET_S] == "420"
     assert env[contract.ENV_TOKEN_BUDGET] == str(r.candidate.capacity.kv_cache_tokens)
-    assert env["KVFLEET_MODEL"] == "meta-llama/Llama-3.1-8B"
+    assert env[contract.ENV_MODEL] == "meta-llama/Llama-3.1-8B"
     assert env[contract.ENV_HF_TOKEN_SECRET_ARN] == "kvfleet/hf-token"
     assert all(isinstance(v, str) for v in env.values())
 
@@ -238,7 +241,7 @@ def test_s3_model_is_read_from_its_prefix_uncompressed(isolated: Template) -> No
     [model] = props(isolated, "AWS::SageMaker::Model")
     src = model["PrimaryContainer"]["ModelDataSource"]["S3DataSource"]
     assert src == {"S3Uri": "s3://model-bucket/llama/8b/", "S3DataType": "S3Prefix", "CompressionType": "None"}
-    assert model["PrimaryContainer"]["Environment"]["KVFLEET_MODEL"] == "/opt/ml/model"
+    assert model["PrimaryContainer"]["Environment"][contract.ENV_MODEL] == contract.MODEL_DIR == "/opt/ml/model"
     stmts = execution_policy(isolated)
     [get] = [s for s in stmts if s["Action"] == "s3:GetObject"]
     assert json.dumps(get["Resource"]).endswith(':s3:::model-bucket/llama/8b/*"]]}')
