@@ -102,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--avg-output-tokens", type=_positive_int)
     pl.add_argument("--ttft-ms", type=_positive_float, help="time-to-first-token target")
     pl.add_argument("--itl-ms", type=_positive_float, help="inter-token latency target")
+    pl.add_argument("--buffered", action="store_true", help="clients wait for whole answers (no streaming)")
     pl.add_argument("--precision", action="append", default=[], help="allowed weight precision (repeatable)")
     pl.add_argument("--kv-cache-dtype", action="append", default=[], help="allowed KV dtype (repeatable)")
     pl.add_argument("--family", action="append", default=[], help="allowed instance family (repeatable)")
@@ -249,6 +250,7 @@ def _request_from_flags(a: argparse.Namespace) -> PlanRequest:
         avg_output_tokens=a.avg_output_tokens,
         ttft_ms=a.ttft_ms,
         itl_ms=a.itl_ms,
+        streaming=not a.buffered,
     )
     kvs = tuple(kv_dtype(k) for k in a.kv_cache_dtype) or (KvDtype.AUTO,)
     return PlanRequest(

@@ -30,7 +30,10 @@ if TYPE_CHECKING:
     from kvfleet.config.schema import Deployment, Environment
 
 IMAGE_DISK_GIB = 30  # engine image layers on the instance's disk
-_TIMEOUT_SAFETY = 2.0  # timeouts are twice the estimate: too short kills a replica that would have come up
+# Every wait for a replica to come up (SageMaker's health-check timeouts, EC2's health-check grace and warm-up,
+# Kubernetes' startup probe) is this many times the start-up estimate: a wait that is too short kills a replica
+# that was about to come up, and it then starts the whole load over; one too long only delays a rollback.
+LOAD_PADDING = 2.0
 
 
 def engine_args(c: Candidate) -> EngineArgs:
@@ -59,6 +62,7 @@ def workload(
     avg_output_tokens: int | None = None,
     ttft_ms: float | None = None,
     itl_ms: float | None = None,
+    streaming: bool = True,
 ) -> Workload:
     """The planner's workload in the file's terms (``WorkloadConfig`` fields, also the CLI's flags): targets in
     milliseconds become seconds here and nowhere else."""
@@ -71,6 +75,7 @@ def workload(
         avg_output_tokens=avg_output_tokens,
         ttft_target_s=None if ttft_ms is None else ttft_ms / 1e3,
         itl_target_s=None if itl_ms is None else itl_ms / 1e3,
+        streaming=streaming,
     )
 
 
@@ -167,13 +172,19 @@ class ResolvedDeployment:
 
     @property
     def download_timeout_s(self) -> int:
-        return _clamp(_TIMEOUT_SAFETY * (self.startup.download_s + self.startup.image_pull_s))
+        return _clamp(LOAD_PADDING * (self.startup.download_s + self.startup.image_pull_s))
 
     @property
     def startup_timeout_s(self) -> int:
         # An engine that downloads from Hugging Face itself does so inside the health-check window.
         s = self.startup.container_start_s + (0 if self.deployment.model.s3_uri else self.startup.download_s)
-        return _clamp(_TIMEOUT_SAFETY * s)
+        return _clamp(LOAD_PADDING * s)
+
+    @property
+    def ready_window_s(self) -> int:
+        """How long any target waits for a launched replica to serve: the padded launch-to-ready estimate (image
+        pull, download, load, engine start), in whole minutes."""
+        return int(math.ceil(LOAD_PADDING * self.startup.ready_s / 60) * 60)
 
     def container_environment(self, *, isolated: bool = False) -> dict[str, str]:
         """Environment of the serving container. AWS's own engine images take their engine's variables."""

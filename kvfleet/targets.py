@@ -20,9 +20,13 @@ class Target:
     hosting: Hosting
 
 
-# EC2 instances on an Auto Scaling group or a Kubernetes node group: any EC2 GPU type, several engines per
-# instance when the model needs fewer GPUs than the instance has.
+# EC2 instances in a Kubernetes node group: any EC2 GPU type, several engines (pods) per instance when the model
+# needs fewer GPUs than the instance has.
 _FLEET = Hosting(price_list=PriceList.EC2)
+# An Auto Scaling group behind a load balancer: one engine per instance, so that the group's capacity, its
+# scaling policies' steps and each instance's drain hook all count replicas; packing engines would need a
+# port and a target group per engine (a forward action takes at most 5) and one drain across them.
+_EC2 = Hosting(price_list=PriceList.EC2, one_engine_per_instance=True)
 
 TARGETS: Mapping[str, Target] = {
     t.name: t
@@ -35,11 +39,14 @@ TARGETS: Mapping[str, Target] = {
                 endpoint_types_only=True,
                 one_engine_per_instance=True,  # a production variant runs one container per instance
                 max_volume_gib=512,  # ProductionVariant VolumeSizeInGB: 1-512
+                # InvokeEndpoint (API reference): "A customer's model containers must respond to requests within 60
+                # seconds." Streamed answers (InvokeEndpointWithResponseStream) are not bound by it.
+                buffered_response_limit_s=60,
                 wider=_FLEET,
                 wider_label="platform ec2 or eks (more instance types)",
             ),
         ),
-        Target(name="ec2", summary="an EC2 GPU Auto Scaling group behind a load balancer", hosting=_FLEET),
+        Target(name="ec2", summary="an EC2 GPU Auto Scaling group behind a load balancer", hosting=_EC2),
         Target(name="eks", summary="a GPU node group and Deployment on EKS", hosting=_FLEET),
     )
 }

@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from kvfleet.deployments import ResolvedDeployment, engine_args, resolve_environment
 from kvfleet import contract
+from kvfleet.deployments import ResolvedDeployment, engine_args, plan_requests, resolve_environment
 from kvfleet.engines import ENGINES, EngineArgs
 from kvfleet.errors import KvfleetError
 from kvfleet.sizing.catalog import catalog_model
@@ -168,3 +168,14 @@ def test_quantization_flag_only_for_on_the_fly_quantization() -> None:
     ).best
     assert ckpt.weight_scheme.name == "fp8" and ckpt.online_quantization is None
     assert "quantization" not in vllm(ckpt)
+
+
+def test_buffered_workloads_reach_the_planner() -> None:
+    env = environment(
+        SAGEMAKER_ENV.replace(
+            "      concurrency_per_replica: 16\n", "      concurrency_per_replica: 16\n      streaming: false\n"
+        )
+    )
+    [dr] = plan_requests(env)
+    assert dr.request.workload.streaming is False
+    assert plan_requests(environment())[0].request.workload.streaming is True

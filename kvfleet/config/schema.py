@@ -64,6 +64,14 @@ class WorkloadConfig(Frozen):
     avg_output_tokens: int | None = Field(default=None, gt=0, description="Typical output length (default: max).")
     ttft_ms: float | None = Field(default=None, gt=0, description="Time-to-first-token target.")
     itl_ms: float | None = Field(default=None, gt=0, description="Inter-token latency target.")
+    streaming: bool = Field(
+        default=True,
+        description=(
+            "Clients read answers as a stream (SageMaker InvokeEndpointWithResponseStream, OpenAI stream: true). "
+            "false: each answer arrives whole, so on SageMaker the longest one must finish within InvokeEndpoint's "
+            "60 s; the plan refuses instance types whose predicted answer takes longer."
+        ),
+    )
 
     @model_validator(mode="after")
     def _averages_within_max(self) -> WorkloadConfig:
@@ -94,7 +102,7 @@ class ImageConfig(Frozen):
     source: Literal["kvfleet", "uri", "dlc"] = Field(
         default="kvfleet",
         description=(
-            "kvfleet: the serving image built from containers/<engine> (engine + kvfleet agent, which publishes "
+            "kvfleet: the serving image built from containers/Dockerfile (engine + kvfleet agent, which publishes "
             "the scaling signals and drains), pushed to ECR repository `repository` with tag `tag` in the "
             "deploying account. uri: that image at an explicit `uri`. dlc: the AWS Deep Learning Container for "
             "the pinned engine version, unchanged (no agent: no KV-cache or queue signals, so the replica count "
@@ -294,7 +302,6 @@ class Deployment(Frozen):
             raise ValueError("\n".join(problems))
         return self
 
-
     def _image_tag_problem(self) -> str | None:
         """A kvfleet image must speak this kvfleet's contract and run the pinned engine release."""
         img = self.image
@@ -325,6 +332,40 @@ class Deployment(Frozen):
         return None
 
 
+class NotificationsConfig(Frozen):
+    """Who hears about the alarms. Every alarm of every deployment notifies one SNS topic per environment."""
+
+    topic_arn: str | None = Field(
+        default=None,
+        pattern=r"^arn:aws[a-z-]*:sns:[a-z]{2}(-gov)?-[a-z]+-\d:\d{12}:[A-Za-z0-9_-]{1,256}$",
+        description=(
+            "Notify this existing topic instead of creating one (kvfleet-<environment>-alerts). It must accept "
+            "CloudWatch alarms: if it is encrypted, with a customer managed KMS key whose policy lets "
+            "cloudwatch.amazonaws.com use it."
+        ),
+    )
+    emails: tuple[str, ...] = Field(
+        default=(), description="Addresses subscribed to the topic (each confirms the subscription by email)."
+    )
+
+    @field_validator("emails")
+    @classmethod
+    def _emails(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [e for e in v if not re.fullmatch(r"[^@\s]+@[^@\s]+\.[^@\s]+", e)]
+        if bad:
+            raise ValueError(f"not an email address: {', '.join(bad)}")
+        return v
+
+    @model_validator(mode="after")
+    def _emails_need_our_topic(self) -> NotificationsConfig:
+        if self.topic_arn is not None and self.emails:
+            raise ValueError(
+                "emails: kvfleet subscribes addresses to the topic it creates; subscribe them to your own topic, "
+                "or drop topic_arn"
+            )
+        return self
+
+
 class Environment(Frozen):
     name: str = Field(pattern=r"^[a-z][a-z0-9-]{0,20}$", description="Environment name, e.g. dev.")
     account: str | None = Field(default=None, pattern=r"^\d{12}$", description="AWS account id (12 digits).")
@@ -334,6 +375,9 @@ class Environment(Frozen):
         description="Where the replicas run: a new VPC per deployment, or an existing one.",
     )
     deployments: tuple[Deployment, ...] = Field(min_length=1, description="What to serve in this environment.")
+    notifications: NotificationsConfig = Field(
+        default_factory=NotificationsConfig, description="Where the deployments' alarms are sent."
+    )
 
     @model_validator(mode="after")
     def _network_fits_targets(self) -> Environment:

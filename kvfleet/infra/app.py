@@ -16,6 +16,7 @@ from kvfleet.config.loader import environment_path, load_environment
 from kvfleet.config.schema import Environment
 from kvfleet.deployments import resolve_environment
 from kvfleet.errors import ConfigError, KvfleetError
+from kvfleet.infra.alerts import AlertsStack, alerts_stack_name
 from kvfleet.infra.stack import DeploymentStack
 
 DEFAULT_ENV = "dev"
@@ -26,8 +27,14 @@ def build_app(env: Environment, *, app: cdk.App | None = None, nag: bool = True)
     if nag:
         # Findings fail synth; each accepted one is acknowledged beside its cause, with a reason.
         cdk.Validations.of(app).add_plugins(AwsSolutionsChecks(app, verbose=True))
-    for r in resolve_environment(env):
-        DeploymentStack(app, r.stack_name, resolved=r)
+    resolved = resolve_environment(env)
+    alerts = (
+        None
+        if env.notifications.topic_arn is not None
+        else AlertsStack(app, alerts_stack_name(env.name), environment=env)
+    )
+    for r in resolved:
+        DeploymentStack(app, r.stack_name, resolved=r, alerts=alerts)
     return app
 
 

@@ -11,9 +11,11 @@ from dataclasses import dataclass
 
 import aws_cdk as cdk
 from aws_cdk import CfnOutput, Stack, Tags
+from aws_cdk import aws_sns as sns
 from constructs import Construct
 
 from kvfleet.deployments import ResolvedDeployment
+from kvfleet.infra.alerts import AlertsStack, notify
 from kvfleet.infra.context import ServingContext, TargetConstruct
 from kvfleet.infra.ec2.fleet import Ec2Fleet
 from kvfleet.infra.eks.service import EksService
@@ -37,7 +39,9 @@ TARGET_CONSTRUCTS: Mapping[str, TargetSpec] = {
 
 
 class DeploymentStack(Stack):
-    def __init__(self, scope: Construct, id: str, *, resolved: ResolvedDeployment) -> None:
+    def __init__(
+        self, scope: Construct, id: str, *, resolved: ResolvedDeployment, alerts: AlertsStack | None = None
+    ) -> None:
         r = resolved
         env_cfg = r.environment
         explicit = env_cfg.account is not None and env_cfg.region is not None
@@ -83,4 +87,11 @@ class DeploymentStack(Stack):
         for name, value in self.target.outputs.items():
             CfnOutput(self, name, value=value)
         dashboard = self.monitoring.add_dashboard(self.target.platform_metrics)
+        topic_arn = env_cfg.notifications.topic_arn
+        if topic_arn is not None:
+            topic: sns.ITopic = sns.Topic.from_topic_arn(self, "AlarmTopic", topic_arn)
+        else:
+            assert alerts is not None, "the environment's alerts stack creates the topic"
+            topic = alerts.topic
+        notify(self.monitoring.alarms, topic)
         CfnOutput(self, "Dashboard", value=dashboard.dashboard_name)

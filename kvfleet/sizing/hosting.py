@@ -26,6 +26,8 @@ class Hosting:
     # The largest attached volume for image and weights, where the host limits it (GiB); instance store
     # replaces the volume on instance types that have it.
     max_volume_gib: int | None = None
+    # Seconds a buffered (non-streamed) request may take before the host gives up on it; None: no such limit.
+    buffered_response_limit_s: float | None = None
     # A shape with more instance types that the nothing-fits message may suggest, and how to ask for it.
     wider: Hosting | None = None
     wider_label: str = ""

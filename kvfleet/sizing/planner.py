@@ -36,6 +36,7 @@ class Workload:
     avg_output_tokens: int | None = None  # default: max_output_tokens
     ttft_target_s: float | None = None
     itl_target_s: float | None = None
+    streaming: bool = True  # clients read answers as a stream; False: each answer arrives whole
 
     def __post_init__(self) -> None:
         for name in ("max_input_tokens", "max_output_tokens"):
@@ -371,6 +372,28 @@ def _meet_latency(o: _Option, cap: Capacity, batch: int, limited: str) -> tuple[
     return batch, limited, perf
 
 
+def _answer_time(o: _Option, perf: PerfEstimate) -> tuple[str, ...] | Rejection:
+    """Where the host bounds a buffered request, the longest answer must fit in it (or be streamed)."""
+    limit = o.req.hosting.buffered_response_limit_s
+    if limit is None:
+        return ()
+    wl = o.req.workload
+    longest_s = perf.ttft_s + wl.max_output_tokens * perf.itl_s
+    if longest_s <= limit:
+        return ()
+    what = (
+        f"the longest answer ({wl.max_output_tokens} tokens at {perf.itl_s * 1e3:.0f} ms each) takes about "
+        f"{longest_s:.0f} s"
+    )
+    if wl.streaming:
+        return (f"{what}: stream it (InvokeEndpointWithResponseStream); a buffered call times out at {limit:g} s",)
+    fits = max(1, int((limit - perf.ttft_s) / perf.itl_s))
+    return o.reject(
+        f"{what}, and a buffered invocation on this target times out at {limit:g} s; stream the answers "
+        f"(workload.streaming: true), or lower max_output_tokens to {fits}",
+    )
+
+
 def _requests_per_s(o: _Option, perf: PerfEstimate, batch: int) -> float:
     # One request costs its prefill plus its share of decode steps; a replica also cannot run more
     # than `batch` requests at once (Little's law).
@@ -407,6 +430,9 @@ def _evaluate(req: PlanRequest, it: InstanceType, tp: int, scheme: WeightScheme,
     if isinstance(fast, Rejection):
         return fast
     batch, limited, perf = fast
+    answer = _answer_time(o, perf)
+    if isinstance(answer, Rejection):
+        return answer
     rps = _requests_per_s(o, perf, batch)
     replicas = _replicas(o, rps)
     if isinstance(replicas, Rejection):
@@ -437,7 +463,7 @@ def _evaluate(req: PlanRequest, it: InstanceType, tp: int, scheme: WeightScheme,
         price_as_of=price[1],
         price_source=price[2],
         limited_by=limited,
-        notes=price[3],
+        notes=price[3] + answer,
     )
     if req.max_fleet_usd_per_hour is not None and cand.fleet_usd_per_hour > req.max_fleet_usd_per_hour:
         return o.reject(
@@ -560,6 +586,13 @@ def _what_would_fit(req: PlanRequest) -> list[str]:
         )
     if req.max_fleet_usd_per_hour is not None:
         trials.append(("no price ceiling", replace(req, max_fleet_usd_per_hour=None)))
+    if not req.workload.streaming and req.hosting.buffered_response_limit_s is not None:
+        trials.append(
+            (
+                "streamed answers (workload.streaming: true)",
+                replace(req, workload=replace(req.workload, streaming=True)),
+            )
+        )
     if req.hosting.wider is not None:
         trials.append((req.hosting.wider_label, replace(req, hosting=req.hosting.wider)))
     wl = req.workload

@@ -13,7 +13,7 @@ from aws_cdk.assertions import Template
 from kvfleet.infra.app import build_app
 from tests.envs import FEATURE_FLAGS, REPO, SAGEMAKER_ENV, environment
 
-__all__ = ["REPO", "SAGEMAKER_ENV", "environment", "make_app", "only", "props", "synth"]
+__all__ = ["REPO", "SAGEMAKER_ENV", "environment", "make_app", "only", "props", "synth", "synth_all"]
 
 
 def make_app(*, outdir: str | None = None) -> cdk.App:
@@ -21,13 +21,20 @@ def make_app(*, outdir: str | None = None) -> cdk.App:
     return cdk.App(context=FEATURE_FLAGS, outdir=outdir, builtin_cloud_formation_validation=False)
 
 
-def synth(text: str = SAGEMAKER_ENV, *, nag: bool = False) -> dict[str, Template]:
+def synth_all(text: str = SAGEMAKER_ENV, *, nag: bool = False) -> dict[str, Template]:
+    """Every stack of the environment: one per deployment, and the alerts stack when kvfleet creates the topic."""
     app = build_app(environment(text), app=make_app(), nag=nag)
     stacks = [c for c in app.node.children if isinstance(c, cdk.Stack)]
     return {s.stack_name: Template.from_stack(s) for s in stacks}
 
 
+def synth(text: str = SAGEMAKER_ENV, *, nag: bool = False) -> dict[str, Template]:
+    """The deployment stacks."""
+    return {name: t for name, t in synth_all(text, nag=nag).items() if not name.endswith("-alerts")}
+
+
 def only(text: str = SAGEMAKER_ENV, *, nag: bool = False) -> Template:
+    """The template of the environment's one deployment (besides its alerts stack)."""
     [t] = synth(text, nag=nag).values()
     return t
 

@@ -11,7 +11,6 @@ from typing import get_args
 import pytest
 
 from kvfleet.config.loader import environment_path, load_environment
-
 from tests.envs import REPO
 
 CDK = REPO / "node_modules" / ".bin" / "cdk"
@@ -37,9 +36,14 @@ def test_default_environment_synthesizes_without_warnings(tmp_path: Path) -> Non
     out = tmp_path / "cdk.out"
     result = cdk_synth("dev", out)
     assert result.returncode == 0, result.stderr
-    assert result.stderr == ""  # no Node banner, no deprecation or feature-flag warnings
+    # No Node banner, no deprecation or feature-flag warnings: with more than one stack the CLI only names them.
+    assert result.stderr.splitlines() == [
+        f"Successfully synthesized to {out}",
+        "Supply a stack id (kvfleet-dev-alerts, kvfleet-dev-chat) to display its template.",
+    ]
     assert result.stdout == ""
     assert (out / "kvfleet-dev-chat.template.json").is_file()
+    assert (out / "kvfleet-dev-alerts.template.json").is_file()
     # cdk-nag ran as a validation plugin and found nothing unacknowledged.
     assert json.loads((out / "validation-report.json").read_text())["pluginReports"] == []
 

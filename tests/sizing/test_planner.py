@@ -130,3 +130,33 @@ def test_nothing_fits_suggests_fp8_kv_when_that_is_enough() -> None:
 def test_region_list_rejects_where_known() -> None:
     p = enumerate_candidates(_req(region="eu-west-3", instance_types=("p5.48xlarge",)))
     assert not p.candidates and "not offered in eu-west-3" in p.rejections[0].reason
+
+
+# ---- answers a buffered SageMaker invocation cannot wait for -------------------------------------------------
+
+LONG = Workload(max_input_tokens=2048, max_output_tokens=4096, concurrency_per_replica=16)
+
+
+def test_buffered_answers_longer_than_the_invocation_timeout_are_refused() -> None:
+    # InvokeEndpoint gives a container 60 s; 4096 tokens at any ITL above ~15 ms take longer.
+    sm = TARGETS["sagemaker"].hosting
+    assert sm.buffered_response_limit_s == 60
+    req = _req(hosting=sm, workload=replace(LONG, streaming=False), instance_types=("ml.g6e.xlarge",))
+    p = enumerate_candidates(req)
+    assert not p.candidates
+    [r] = p.rejections
+    assert "a buffered invocation on this target times out at 60 s" in r.reason
+    assert "workload.streaming: true" in r.reason and "lower max_output_tokens to" in r.reason
+    fits = int(r.reason.rsplit(" ", 1)[1])
+    shorter = enumerate_candidates(replace(req, workload=replace(req.workload, max_output_tokens=fits)))
+    assert shorter.candidates  # the suggested length does fit
+    with pytest.raises(NothingFitsError, match=r"streamed answers \(workload.streaming: true\) ->"):
+        plan(req)
+
+
+def test_streamed_long_answers_plan_with_a_note() -> None:
+    req = _req(hosting=TARGETS["sagemaker"].hosting, workload=LONG, instance_types=("ml.g6e.xlarge",))
+    best = plan(req).best
+    assert any("stream it (InvokeEndpointWithResponseStream)" in n for n in best.notes)
+    # Targets without that limit plan the buffered workload as it is.
+    assert plan(_req(workload=replace(LONG, streaming=False), instance_types=("g6e.xlarge",))).candidates

@@ -23,7 +23,7 @@ from kvfleet.config.schema import SCALE_IN_MIN_S
 from kvfleet.contract import AGENT_UID, DRAIN_COMMAND, HEALTH_ROUTE, METRICS_ROUTE, SERVE_ARG, SERVING_PORT
 from kvfleet.contract import HF_HOME as HF_CACHE_DIR
 from kvfleet.contract import MODEL_DIR as SAGEMAKER_MODEL_DIR
-from kvfleet.deployments import IMAGE_DISK_GIB, ResolvedDeployment
+from kvfleet.deployments import IMAGE_DISK_GIB, LOAD_PADDING, ResolvedDeployment
 
 Manifest = dict[str, Any]
 
@@ -36,7 +36,7 @@ SERVICE_PORT = 80
 STARTUP_ESTIMATE_ANNOTATION = "kvfleet.io/startup-estimate-s"
 # The startup probe allows twice the estimate, as the SageMaker and EC2 timeouts do: a probe that gives
 # up too early kills a replica that was about to come up, and it then starts the whole load over.
-STARTUP_SAFETY = 2.0
+STARTUP_SAFETY = LOAD_PADDING
 STARTUP_PERIOD_S = 10
 # After preStop returns, SIGTERM stops the agent and the engine frees GPU memory: allow this much.
 ENGINE_STOP_S = 60
@@ -133,7 +133,7 @@ def _metadata(r: ResolvedDeployment, opts: WorkloadOptions, **extra: Any) -> dic
 def startup_window_s(r: ResolvedDeployment) -> int:
     """Seconds the startup probe allows: twice launch-to-ready (image pull, download, load, engine init),
     rounded up to a minute."""
-    return int(math.ceil(STARTUP_SAFETY * r.startup.ready_s / 60) * 60)
+    return r.ready_window_s
 
 
 def termination_grace_s(r: ResolvedDeployment) -> int:
@@ -159,7 +159,7 @@ def _cpu_memory(r: ResolvedDeployment, opts: WorkloadOptions) -> tuple[str, str]
     return cpu, memory
 
 
-def _model_cache_gib(r: ResolvedDeployment) -> int:
+def model_cache_gib(r: ResolvedDeployment) -> int:
     return max(1, r.disk_gib - IMAGE_DISK_GIB)  # the weights with room for a retried download
 
 
@@ -197,7 +197,7 @@ def _http_probe(path: str, *, period: int, failures: int, timeout: int) -> dict[
 def _model_volume(r: ResolvedDeployment, opts: WorkloadOptions) -> dict[str, Any]:
     if opts.model_cache_host_path:
         return {"name": "model-cache", "hostPath": {"path": opts.model_cache_host_path, "type": "Directory"}}
-    return {"name": "model-cache", "emptyDir": {"sizeLimit": f"{_model_cache_gib(r)}Gi"}}
+    return {"name": "model-cache", "emptyDir": {"sizeLimit": f"{model_cache_gib(r)}Gi"}}
 
 
 def _model_sync(r: ResolvedDeployment, opts: WorkloadOptions) -> dict[str, Any] | None:
@@ -227,7 +227,7 @@ def deployment(r: ResolvedDeployment, opts: WorkloadOptions) -> Manifest:
     cpu, memory = _cpu_memory(r, opts)
     requests: dict[str, str] = {"cpu": cpu, "memory": memory, opts.gpu_resource: str(gpus)}
     if not opts.model_cache_host_path:
-        requests["ephemeral-storage"] = f"{_model_cache_gib(r)}Gi"  # schedules onto a node with room for the weights
+        requests["ephemeral-storage"] = f"{model_cache_gib(r)}Gi"  # schedules onto a node with room for the weights
     sync = _model_sync(r, opts)
     model_mount = (
         {"name": "model-cache", "mountPath": SAGEMAKER_MODEL_DIR, "readOnly": True}
@@ -252,7 +252,7 @@ def deployment(r: ResolvedDeployment, opts: WorkloadOptions) -> Manifest:
         # Readiness takes the pod out of the Service within ~10 s of /ping turning 503 (draining, engine
         # restarting) and back in when it recovers.
         "readinessProbe": _http_probe(HEALTH_ROUTE, period=5, failures=2, timeout=3),
-        # Liveness is a TCP check, not /health: /health answers 503 while the replica drains and while the
+        # Liveness is a TCP check, not the health route: it answers 503 while the replica drains and while the
         # agent restarts a crashed engine, both states the agent handles itself; an HTTP liveness probe
         # would kill the pod mid-drain or mid-reload. The socket check restarts only a pod whose agent no
         # longer listens.
@@ -312,8 +312,10 @@ def deployment(r: ResolvedDeployment, opts: WorkloadOptions) -> Manifest:
         "kind": "Deployment",
         "metadata": _metadata(r, opts, annotations={STARTUP_ESTIMATE_ANNOTATION: str(math.ceil(r.startup.ready_s))}),
         "spec": {
-            # The plan's count for the first rollout; from then on the ScaledObject's HPA owns the scale.
-            "replicas": r.initial_instance_count,
+            # No replicas: the ScaledObject's HPA owns the scale. Kubernetes' "Migrating Deployments and
+            # StatefulSets to horizontal autoscaling" (Horizontal Pod Autoscaling): with spec.replicas in the
+            # manifest, every apply (the kubectl provider's update is `kubectl apply`) scales back to that value.
+            # The first rollout starts at the default 1 and KEDA raises it to minReplicaCount.
             "revisionHistoryLimit": 3,
             # A rollout waits for new pods to load the model (and maybe for a node): the default 600 s
             # would report a healthy slow rollout as failed.
