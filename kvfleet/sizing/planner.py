@@ -225,6 +225,20 @@ def _precision_reason(it: InstanceType, scheme: WeightScheme, kv: KvDtype, req: 
     return None
 
 
+def _precision_notes(it: InstanceType, kv: KvDtype, req: PlanRequest) -> tuple[str, ...]:
+    """Precisions that run, but not on the fast path. vLLM's FlashAttention backend takes an FP8 KV cache only
+    with FlashAttention 3, i.e. on Hopper (sm90); elsewhere it logs "Cannot use FlashAttention backend for FP8 KV
+    cache" and selects another backend (vllm-project/vllm PR 24577, shown on an sm89 L40S)."""
+    cc = it.accelerator.compute_capability
+    if req.engine is EngineName.VLLM and kv.is_fp8 and cc is not None and cc != 9.0:
+        return (
+            f"vLLM runs an FP8 KV cache on {it.accelerator.model} (compute capability {cc:g}) without its "
+            "FlashAttention backend (FlashInfer or Triton instead): benchmark decode speed before relying on the "
+            "predicted ITL",
+        )
+    return ()
+
+
 def _price(it: InstanceType, hosting: Hosting) -> tuple[float, str, str, tuple[str, ...]] | None:
     p = it.price(hosting.price_list.value)
     if p is not None:
@@ -463,7 +477,7 @@ def _evaluate(req: PlanRequest, it: InstanceType, tp: int, scheme: WeightScheme,
         price_as_of=price[1],
         price_source=price[2],
         limited_by=limited,
-        notes=price[3] + answer,
+        notes=price[3] + answer + _precision_notes(it, kv, req),
     )
     if req.max_fleet_usd_per_hour is not None and cand.fleet_usd_per_hour > req.max_fleet_usd_per_hour:
         return o.reject(

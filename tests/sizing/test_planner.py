@@ -160,3 +160,12 @@ def test_streamed_long_answers_plan_with_a_note() -> None:
     assert any("stream it (InvokeEndpointWithResponseStream)" in n for n in best.notes)
     # Targets without that limit plan the buffered workload as it is.
     assert plan(_req(workload=replace(LONG, streaming=False), instance_types=("g6e.xlarge",))).candidates
+
+
+def test_fp8_kv_cache_off_hopper_is_noted_not_refused() -> None:
+    a100 = plan(_req(kv_cache_dtypes=(KvDtype.FP8,), instance_types=("p4d.24xlarge",))).best
+    assert any("without its FlashAttention backend" in n for n in a100.notes)
+    h100 = plan(_req(kv_cache_dtypes=(KvDtype.FP8,), instance_types=("p5.48xlarge",))).best
+    assert not any("FlashAttention" in n for n in h100.notes)
+    bf16 = plan(_req(instance_types=("p4d.24xlarge",))).best
+    assert not any("FlashAttention" in n for n in bf16.notes)
