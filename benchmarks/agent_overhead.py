@@ -28,6 +28,8 @@ import aiohttp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from kvfleet import contract  # noqa: E402
+from kvfleet.engines import EngineArgs  # noqa: E402
 from tests.agent.harness import fake_engine_command, free_port  # noqa: E402
 
 VLLM_PYTHON = Path(os.environ.get("KVFLEET_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
@@ -70,35 +72,36 @@ def start_agent(engine: str, workdir: Path) -> tuple[subprocess.Popen[bytes], in
     port, engine_port = free_port(), free_port()
     env = {
         **os.environ,
-        "KVFLEET_HOST": "127.0.0.1",
-        "KVFLEET_PORT": str(port),
-        "KVFLEET_ENGINE_PORT": str(engine_port),
-        "KVFLEET_DEPLOYMENT": "bench",
-        "KVFLEET_PUBLISH_INTERVAL_S": "10",
-        "KVFLEET_ADMISSION": "0",
+        contract.ENV_HOST: "127.0.0.1",
+        contract.ENV_PORT: str(port),
+        contract.ENV_ENGINE_PORT: str(engine_port),
+        contract.ENV_DEPLOYMENT: "bench",
+        contract.ENV_PUBLISH_INTERVAL_S: "10",
+        contract.ENV_ADMISSION: "0",
     }
     if engine == "fake":
-        env["KVFLEET_MODEL"] = "fake"
-        env["KVFLEET_ENGINE_COMMAND"] = json.dumps(list(fake_engine_command(token_delay=0.01, capacity=64)))
+        env[contract.ENV_MODEL] = "fake"
+        env[contract.ENV_ENGINE_COMMAND] = json.dumps(list(fake_engine_command(token_delay=0.01, capacity=64)))
         model = "fake"
     else:
         model_dir = workdir / "tiny"
         subprocess.run([str(VLLM_PYTHON), str(REPO / "tests/agent/make_tiny_llama.py"), str(model_dir)], check=True)
-        env["KVFLEET_MODEL"] = str(model_dir)
-        env["KVFLEET_ENGINE_PYTHON"] = str(VLLM_PYTHON)
-        env["KVFLEET_ENGINE_ARGS"] = json.dumps(
-            {
-                "max-model-len": 1024,
-                "max-num-seqs": 64,
-                "enforce-eager": True,
-                "served-model-name": "tiny",
-                "kv-cache-memory-bytes": 64 * 1024 * 1024,
-            }
-        )
+        env[contract.ENV_MODEL] = str(model_dir)
+        env[contract.ENV_ENGINE_PYTHON] = str(VLLM_PYTHON)
+        env[contract.ENV_ENGINE_ARGS] = EngineArgs(
+            max_model_len=1024,
+            max_num_seqs=64,
+            enforce_eager=True,
+            served_model_name="tiny",
+            kv_cache_memory_bytes=64 * 1024 * 1024,
+        ).to_json()
         model = "tiny"
     log = (workdir / "agent.log").open("wb")
+    # The console script the image runs; KVFLEET_BENCH_AGENT_CMD replaces it (another build of the agent, say).
+    default = str(Path(sys.executable).parent / contract.AGENT_COMMAND)
+    agent = os.environ.get("KVFLEET_BENCH_AGENT_CMD", "").split() or [default]
     proc = subprocess.Popen(
-        [sys.executable, *(os.environ.get("KVFLEET_BENCH_AGENT_CMD", "-m kvfleet.agent").split())],
+        agent,
         cwd=REPO,
         env=env,
         stdout=log,

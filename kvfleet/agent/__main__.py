@@ -96,16 +96,16 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == [contract.SERVE_ARG]:
         argv = argv[1:]  # SageMaker starts every inference container as `<entrypoint> serve`
-    level = os.environ.get(contract.ENV_LOG_LEVEL) or "INFO"
-    try:
-        logging.basicConfig(
-            level=int(level) if level.isdigit() else level.upper(),
-            format=f"%(asctime)s %(levelname)s {contract.AGENT_COMMAND} %(name)s: %(message)s",
-            stream=sys.stderr,
-        )
-    except ValueError:
-        print(f"{contract.AGENT_COMMAND}: {contract.ENV_LOG_LEVEL}: not a log level: {level!r}", file=sys.stderr)
+    raw_level = os.environ.get(contract.ENV_LOG_LEVEL) or "INFO"
+    level = int(raw_level) if raw_level.isdigit() else logging.getLevelNamesMapping().get(raw_level.upper())
+    if level is None:
+        print(f"{contract.AGENT_COMMAND}: {contract.ENV_LOG_LEVEL}: not a log level: {raw_level!r}", file=sys.stderr)
         return 2
+    logging.basicConfig(
+        level=level,
+        format=f"%(asctime)s %(levelname)s {contract.AGENT_COMMAND} %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     try:
         settings = from_env()
     except SettingsError as err:

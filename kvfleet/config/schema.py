@@ -412,6 +412,14 @@ class Environment(Frozen):
                     raise ValueError(
                         f"{where}.addons.{addon}: deployment {other} already installs it on cluster {cluster}; {fix}"
                     )
+        if self.network.vpc_id is None and self.network.nat_gateways == 0:
+            for d in self.deployments:
+                if isinstance(d.target, EksTarget):
+                    raise ValueError(
+                        f"network.nat_gateways: deployment {d.name} runs on EKS, whose nodes and pods need the "
+                        "internet (the public Helm repositories, and STS and EKS, which the new VPC has no endpoints "
+                        "for); set 1 or more"
+                    )
         if self.network.vpc_id is not None:
             for d in self.deployments:
                 if isinstance(d.target, Ec2Target) and not d.target.load_balancer.allowed_cidrs:

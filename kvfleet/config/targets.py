@@ -6,6 +6,7 @@ A class's ``platform`` literal is its name in ``kvfleet.targets.TARGETS`` (a tes
 
 from __future__ import annotations
 
+from datetime import date
 from typing import Annotated, Literal, get_args
 
 from pydantic import Field, field_validator, model_validator
@@ -45,6 +46,14 @@ class SageMakerTarget(_TargetConfig):
     )
     canary_wait_s: int = Field(
         default=600, ge=0, le=3600, description="Seconds the canary runs (alarms watched) before the rest moves."
+    )
+    inference_ami_version: str | None = Field(
+        default=None,
+        pattern=r"^al2(023)?-ami-sagemaker-inference-gpu-[0-9]+(-[0-9]+)*$",
+        description=(
+            "SageMaker inference AMI (ProductionVariant InferenceAmiVersion), which fixes the instances' NVIDIA "
+            "driver. Default: the one with the newest driver that runs the image's CUDA (checked at synth)."
+        ),
     )
 
     @model_validator(mode="after")
@@ -91,10 +100,24 @@ class WarmPoolConfig(Frozen):
     enabled: bool = Field(
         default=False, description="Keep pre-initialized instances so scale-out skips boot and image pull."
     )
-    min_size: int = Field(default=0, ge=0, description="Instances kept in the warm pool at least.")
+    min_size: int = Field(
+        default=1,
+        ge=0,
+        description=(
+            "Instances kept in the warm pool: the pool holds exactly this many (its MinSize and "
+            "MaxGroupPreparedCapacity), not the group's max_replicas minus its desired capacity."
+        ),
+    )
     state: Literal["Stopped", "Running", "Hibernated"] = Field(
         default="Stopped", description="Stopped: pay only for volumes; Running: fastest, pay for the instances."
     )
+
+    @model_validator(mode="after")
+    def _size(self) -> WarmPoolConfig:
+        # MaxGroupPreparedCapacity = MinSize = 0 would keep no instance warm at all.
+        if self.enabled and self.min_size < 1:
+            raise ValueError("min_size must be at least 1 with a warm pool (enabled: true)")
+        return self
 
 
 class Ec2Target(_TargetConfig):
@@ -110,7 +133,13 @@ class Ec2Target(_TargetConfig):
         ),
     )
     min_healthy_percent: int = Field(
-        default=90, ge=0, le=100, description="Share of the fleet kept in service while instances are replaced."
+        default=90,
+        ge=0,
+        le=100,
+        description=(
+            "Share of the fleet kept in service while an update replaces instances (an instance refresh, which "
+            "replaces the warm pool's instances too)."
+        ),
     )
     capacity_rebalance: bool = Field(
         default=True, description="Replace instances at elevated risk of interruption before they are reclaimed."
@@ -118,6 +147,23 @@ class Ec2Target(_TargetConfig):
     shm_size_gib: int = Field(
         default=16, ge=1, le=512, description="Shared memory for the engine (tensor parallelism)."
     )
+
+
+# The Amazon EKS Kubernetes release calendar: version -> (EKS release, end of standard support, end of extended
+# support). Source: docs.aws.amazon.com/eks/latest/userguide/kubernetes-versions.html#kubernetes-release-calendar
+# (standard support for 14 months from the EKS release, then 12 months of extended support at extra cost per
+# cluster hour), checked on EKS_CALENDAR_CHECKED. A version joins EksVersion when kvfleet's kubectl layer (one
+# minor either side) and a Cluster Autoscaler image of that minor cover it.
+EKS_CALENDAR_CHECKED = date(2026, 12, 1)
+EKS_VERSION_CALENDAR: dict[str, tuple[date, date, date]] = {
+    "1.33": (date(2025, 5, 29), date(2026, 7, 29), date(2027, 7, 29)),
+    "1.34": (date(2025, 10, 2), date(2026, 12, 2), date(2027, 12, 2)),
+    "1.35": (date(2026, 1, 27), date(2027, 3, 27), date(2028, 3, 27)),
+}
+EksVersion = Literal["1.33", "1.34", "1.35"]
+# A new cluster starts with at least this much standard support left, so its first upgrade is planned, not forced
+# into extended-support pricing within weeks.
+NEW_CLUSTER_MIN_STANDARD_SUPPORT_DAYS = 90
 
 
 class ExistingCluster(Frozen):
@@ -130,6 +176,10 @@ class ExistingCluster(Frozen):
     authenticationMode=API_AND_CONFIG_MAP` switches a ConfigMap-only cluster without disruption). It runs in the
     cluster security group inside network.private_subnet_ids, so those subnets need a route to the EKS and STS
     APIs (NAT or VPC endpoints); the Helm charts it installs come from their public repositories.
+
+    The cluster must have schedulable nodes without taints (Linux, x86_64) besides the GPU group kvfleet adds:
+    the add-ons it installs there (KEDA, Prometheus, Cluster Autoscaler) tolerate no taint, and the GPU nodes are
+    tainted nvidia.com/gpu=present:NoSchedule. Its EKS version may be in extended support.
     """
 
     name: str = Field(
@@ -183,10 +233,11 @@ class EksTarget(_TargetConfig):
         default=None, description="Attach to this existing cluster instead of creating one (needs network.vpc_id)."
     )
     addons: EksAddons = Field(default_factory=EksAddons)
-    kubernetes_version: Literal["1.33", "1.34", "1.35"] = Field(
-        default="1.33",
+    kubernetes_version: EksVersion = Field(
+        default="1.35",
         description=(
-            "Kubernetes version of a new cluster, or of the existing one (pinned: manifests are validated for it)."
+            "Kubernetes version of a new cluster, or of the existing one (pinned: manifests are validated for it). "
+            f"A new cluster needs {NEW_CLUSTER_MIN_STANDARD_SUPPORT_DAYS} days of EKS standard support left."
         ),
     )
     namespace: str = Field(
@@ -195,6 +246,19 @@ class EksTarget(_TargetConfig):
     shm_size_gib: int = Field(
         default=16, ge=1, le=512, description="Shared memory for the engine (tensor parallelism)."
     )
+
+    @model_validator(mode="after")
+    def _new_cluster_version(self) -> EksTarget:
+        if self.cluster is None:
+            end = EKS_VERSION_CALENDAR[self.kubernetes_version][1]
+            left = (end - EKS_CALENDAR_CHECKED).days
+            if left < NEW_CLUSTER_MIN_STANDARD_SUPPORT_DAYS:
+                newest = max(EKS_VERSION_CALENDAR, key=lambda v: EKS_VERSION_CALENDAR[v][1])
+                raise ValueError(
+                    f"kubernetes_version: EKS standard support for {self.kubernetes_version} ends {end} ("
+                    f"{max(left, 0)} days after {EKS_CALENDAR_CHECKED}); create a new cluster on {newest}"
+                )
+        return self
 
     @model_validator(mode="after")
     def _new_cluster_addons(self) -> EksTarget:

@@ -63,20 +63,21 @@ class TensorRtLlm(EngineAdapter):
     def dlc_environment(
         self, args: EngineArgs, *, model: str, max_input_tokens: int, max_output_tokens: int
     ) -> dict[str, str]:
-        # DJL LMI's TensorRT-LLM options (option.<name>, given as OPTION_<NAME>).
+        # DJL LMI's TensorRT-LLM options (option.<name>, given as OPTION_<NAME>); unset settings stay DJL's default.
         opts = self.settings(args)
         kv = opts["kv_cache_config"]
-        env = {
-            "HF_MODEL_ID": model,
-            "OPTION_ROLLING_BATCH": "trtllm",
-            "OPTION_TENSOR_PARALLEL_DEGREE": str(opts["tensor_parallel_size"]),
-            "OPTION_MAX_ROLLING_BATCH_SIZE": str(opts["max_batch_size"]),
-            "OPTION_MAX_NUM_TOKENS": str(opts["max_num_tokens"]),
-            "OPTION_MAX_INPUT_LEN": str(max_input_tokens),
-            "OPTION_MAX_OUTPUT_LEN": str(max_output_tokens),
-            "OPTION_KV_CACHE_FREE_GPU_MEM_FRACTION": str(kv["free_gpu_memory_fraction"]),
-            "OPTION_ENABLE_KV_CACHE_REUSE": str(bool(kv["enable_block_reuse"])).lower(),
-        }
+        env = {"HF_MODEL_ID": model, "OPTION_ROLLING_BATCH": "trtllm"}
+        for name, value in (
+            ("OPTION_TENSOR_PARALLEL_DEGREE", opts.get("tensor_parallel_size")),
+            ("OPTION_MAX_ROLLING_BATCH_SIZE", opts.get("max_batch_size")),
+            ("OPTION_MAX_NUM_TOKENS", opts.get("max_num_tokens")),
+            ("OPTION_MAX_INPUT_LEN", max_input_tokens),
+            ("OPTION_MAX_OUTPUT_LEN", max_output_tokens),
+            ("OPTION_KV_CACHE_FREE_GPU_MEM_FRACTION", kv.get("free_gpu_memory_fraction")),
+        ):
+            if value is not None:
+                env[name] = str(value)
+        env["OPTION_ENABLE_KV_CACHE_REUSE"] = str(bool(kv["enable_block_reuse"])).lower()
         if args.quantization:
             env["OPTION_QUANTIZE"] = args.quantization
         return env

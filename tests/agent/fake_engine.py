@@ -65,9 +65,9 @@ class FakeEngine:
             self.generated += n
             self.ttft.append(time.monotonic() - arrived)
             text = " tok" * n
-            choice = {"index": 0, "finish_reason": "length"}
-            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
-            return web.json_response({"id": "cmpl-1", "choices": [choice], "echo": body})
+            whole: dict[str, object] = {"index": 0, "finish_reason": "length"}
+            whole.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+            return web.json_response({"id": "cmpl-1", "choices": [whole], "echo": body})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await resp.prepare(request)
         for i in range(n):
@@ -78,7 +78,7 @@ class FakeEngine:
             last = i == n - 1
             choice: dict[str, object] = {"index": 0, "finish_reason": "length" if last else None}
             choice.update({"delta": {"content": " tok"}} if chat else {"text": " tok"})
-            chunk = {"id": "cmpl-1", "choices": [choice]}
+            chunk: dict[str, object] = {"id": "cmpl-1", "choices": [choice]}
             if i == 0:
                 chunk["echo"] = body
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())

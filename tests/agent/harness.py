@@ -16,6 +16,7 @@ import aiohttp
 
 from kvfleet.agent.server import Agent
 from kvfleet.agent.settings import AgentSettings
+from kvfleet.engines import EngineArgs
 
 T = TypeVar("T")
 
@@ -47,7 +48,7 @@ def settings(**overrides: Any) -> AgentSettings:
         "engine": "vllm",
         "engine_version": "0.32.0",
         "model": "fake",
-        "engine_args": {"max-model-len": 1024},
+        "engine_args": EngineArgs(max_model_len=1024),
         "deployment": "test-chat",
         "replica": "replica-1",
         "host": "127.0.0.1",

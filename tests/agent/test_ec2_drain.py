@@ -32,6 +32,7 @@ from botocore.stub import Stubber  # type: ignore[import-untyped]
 
 from kvfleet.agent import lifecycle
 from kvfleet.agent.lifecycle import Imds, LifecycleWatcher
+from kvfleet.engines import EngineArgs
 from tests.agent.fake_imds import COMPLETE, GROUP, HEARTBEAT, HOOK, REGION, FakeImds
 from tests.agent.harness import Running, running, settings, stream_completion
 
@@ -51,13 +52,13 @@ MAX_TOKENS = 1000
 POLL_S = 0.2
 HEARTBEAT_S = 0.5
 DRAIN_BUDGET_S = 120
-ENGINE_ARGS = {
-    "max-model-len": 1024,
-    "max-num-seqs": 32,
-    "enforce-eager": True,
-    "kv-cache-memory-bytes": 16 * 1024 * 1024,
-    "served-model-name": "tiny",
-}
+ENGINE_ARGS = EngineArgs(
+    max_model_len=1024,
+    max_num_seqs=32,
+    enforce_eager=True,
+    kv_cache_memory_bytes=16 * 1024 * 1024,
+    served_model_name="tiny",
+)
 
 
 @dataclass

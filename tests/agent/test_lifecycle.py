@@ -10,21 +10,14 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-import boto3  # type: ignore[import-untyped]
+import boto3
 import pytest
 from botocore.stub import Stubber  # type: ignore[import-untyped]
 
+from kvfleet import contract
 from kvfleet.agent import lifecycle
-from kvfleet.agent.lifecycle import (
-    ENV_ASG_NAME,
-    ENV_IMDS_URL,
-    ENV_LIFECYCLE_HEARTBEAT_S,
-    ENV_LIFECYCLE_HOOK,
-    Imds,
-    ImdsUnavailable,
-    LifecycleWatcher,
-    watcher_from_env,
-)
+from kvfleet.agent.aws import Retry
+from kvfleet.agent.lifecycle import Imds, ImdsUnavailable, LifecycleWatcher, watcher_from_env
 from tests.agent.fake_imds import COMPLETE, GROUP, HEARTBEAT, HOOK, INSTANCE_ID, REGION, FakeImds
 
 T = TypeVar("T")
@@ -32,6 +25,10 @@ T = TypeVar("T")
 HB_OP = "RecordLifecycleActionHeartbeat"
 COMPLETE_OP = "CompleteLifecycleAction"
 HEARTBEAT_S = 0.05
+ENV_ASG_NAME = contract.ENV_ASG_NAME
+ENV_LIFECYCLE_HOOK = contract.ENV_LIFECYCLE_HOOK
+ENV_LIFECYCLE_HEARTBEAT_S = contract.ENV_LIFECYCLE_HEARTBEAT_S
+ENV_IMDS_URL = contract.ENV_IMDS_URL
 
 
 def run(coro: Coroutine[Any, Any, T], timeout: float = 3.0) -> T:
@@ -93,7 +90,7 @@ class Aws:
 
 
 def watcher(fake: FakeImds, aws: Aws, **kwargs: Any) -> LifecycleWatcher:
-    options: dict[str, Any] = {"poll_s": 0.01, "heartbeat_s": HEARTBEAT_S, "retry_base_s": 0.01, **kwargs}
+    options: dict[str, Any] = {"poll_s": 0.01, "heartbeat_s": HEARTBEAT_S, "retry": Retry(base_s=0.01), **kwargs}
     return LifecycleWatcher(
         imds=Imds(fake.url, timeout_s=0.5),
         autoscaling_client_factory=aws.factory,
@@ -311,7 +308,9 @@ def test_heartbeat_that_exhausts_its_retries_does_not_stop_the_drain(caplog: pyt
         async with FakeImds().serve() as fake:
             fake.state = "Terminated"
             with aws.stubber:
-                await watcher(fake, aws, retry_attempts=2).run(drain_until(lambda: aws.ok_heartbeats() >= 1, drains))
+                await watcher(fake, aws, retry=Retry(attempts=2, base_s=0.01)).run(
+                    drain_until(lambda: aws.ok_heartbeats() >= 1, drains)
+                )
 
     run(scenario())
     aws.stubber.assert_no_pending_responses()
@@ -338,7 +337,7 @@ def test_complete_is_retried_with_backoff_after_throttling() -> None:
     async def scenario() -> None:
         async with FakeImds().serve() as fake:
             fake.state = "Terminated"
-            w = watcher(fake, aws, heartbeat_s=10.0, retry_base_s=0.02, sleep=recording_sleep)
+            w = watcher(fake, aws, heartbeat_s=10.0, retry=Retry(base_s=0.02), sleep=recording_sleep)
             with aws.stubber:
                 await w.run(drain)
 

@@ -14,13 +14,15 @@ from urllib.parse import urlencode
 
 import boto3
 import pytest
-from botocore.serialize import create_serializer
-from botocore.stub import ANY, Stubber
+from botocore.serialize import create_serializer  # type: ignore[import-untyped]
+from botocore.stub import ANY, Stubber  # type: ignore[import-untyped]
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvfleet import contract
 from kvfleet.agent import metrics
+from kvfleet.agent.aws import Retry
 from kvfleet.agent.metrics import CloudWatchPublisher, Sample, SignalCollector, emf_line, emf_record, metric_map
+from kvfleet.engines import ENGINES
 
 KV = contract.KV_CACHE_UTILIZATION.name
 WAITING = contract.REQUESTS_WAITING.name
@@ -317,39 +319,39 @@ def test_trtllm_has_no_preemption_or_token_counter_and_no_engine_maps_agent_coun
     trt = metric_map("trtllm", "1.0.0")
     assert trt.names(PREEMPTIONS) == () and trt.names(TOKENS) == ()
     assert trt.names(KV) == ("trtllm_kv_cache_utilization",)
-    for engine, rows in metrics.VERSION_TABLES.items():
-        for since, _ in rows:
-            table = metric_map(engine, since)
+    for name, engine in ENGINES.items():
+        metrics.check_metric_rows(name, engine.metric_rows)
+        for since, _ in engine.metric_rows:
+            table = metric_map(name, since)
             assert table.names(SHED) == () and table.names(ERRORS) == ()
 
 
+def test_the_table_is_the_adapters() -> None:
+    for name, engine in ENGINES.items():
+        for since, names in engine.metric_rows:
+            assert dict(metric_map(name, since).candidates) == dict(names)
+
+
 @pytest.mark.parametrize(
-    "tables",
+    "rows",
     [
-        {"vllm": (("0.0.0", {SHED: ("vllm:num_requests_swapped",)}),)},  # an agent counter
-        {"vllm": (("0.0.0", {"Throughput": ("vllm:generation_tokens_total",)}),)},  # not in the contract
-        {"vllm": (("0.0.0", {KV: ()}),)},  # no candidate
-        {"vllm": (("0.9.0", {KV: ("vllm:kv_cache_usage_perc",)}),)},  # no row for old versions
-        {"vllm": (("0.0.0", {}), ("0.9.0", {}), ("0.9.0", {}))},  # rows out of order
+        (("0.0.0", {SHED: ("vllm:num_requests_swapped",)}),),  # an agent counter
+        (("0.0.0", {"Throughput": ("vllm:generation_tokens_total",)}),),  # not in the contract
+        (("0.0.0", {KV: ()}),),  # no candidate
+        (("0.9.0", {KV: ("vllm:kv_cache_usage_perc",)}),),  # no row for old versions
+        (("0.0.0", {}), ("0.9.0", {}), ("0.9.0", {})),  # rows out of order
+        (),  # no rows at all
     ],
 )
-def test_bad_version_tables_are_refused(tables: Any) -> None:
+def test_bad_metric_rows_are_refused(rows: Any) -> None:
     with pytest.raises(ValueError):
-        metrics._build_maps(tables)
-
-
-@pytest.mark.parametrize(
-    ("text", "parsed"),
-    [("0.30.0", (0, 30, 0)), ("v0.11", (0, 11, 0)), ("0.10.1+cu128", (0, 10, 1)), ("1.2.0rc3", (1, 2, 0))],
-)
-def test_parse_version(text: str, parsed: tuple[int, int, int]) -> None:
-    assert metrics.parse_version(text) == parsed
+        metrics.check_metric_rows("vllm", rows)
 
 
 def test_unknown_engine_or_version_is_a_configuration_error() -> None:
     with pytest.raises(ValueError, match="unknown engine"):
         metric_map("sglang", "0.4.0")
-    with pytest.raises(ValueError, match="version"):
+    with pytest.raises(ValueError, match="vllm version: expected a release"):
         metric_map("vllm", "latest")
 
 
@@ -765,7 +767,8 @@ def test_throttled_twice_then_accepted() -> None:
         assert asyncio.run(_publisher(client, sleep, rng=random.Random(3)).publish(SMALL)) is True
         stub.assert_no_pending_responses()
     assert len(sleep.delays) == 2
-    assert 0 <= sleep.delays[0] <= 0.2 and 0 <= sleep.delays[1] <= 0.4  # full jitter under 0.2 * 2**attempt
+    # Half the doubled step, plus jitter up to as much again: 0.1-0.2 s, then 0.2-0.4 s.
+    assert 0.1 <= sleep.delays[0] <= 0.2 and 0.2 <= sleep.delays[1] <= 0.4
 
 
 @pytest.mark.parametrize(
@@ -791,14 +794,14 @@ def test_other_transient_errors_are_retried(code: str, status: int) -> None:
 def test_throttled_forever_gives_up_without_raising(caplog: pytest.LogCaptureFixture) -> None:
     client = _client()
     sleep = _Sleeps()
-    publisher = _publisher(client, sleep, max_retries=5, base_delay_s=0.2, max_delay_s=1.0, rng=_Ceiling())
+    publisher = _publisher(client, sleep, retry=Retry(attempts=6, base_s=0.2, cap_s=1.0), rng=_Ceiling())
     with Stubber(client) as stub, caplog.at_level(logging.WARNING, logger=metrics.__name__):
         for _ in range(6):
             stub.add_client_error("put_metric_data", service_error_code="Throttling", http_status_code=400)
         assert asyncio.run(publisher.publish(SMALL)) is False
         stub.assert_no_pending_responses()
     assert sleep.delays == pytest.approx([0.2, 0.4, 0.8, 1.0, 1.0])  # doubling, capped; 5 retries, 6 calls
-    assert "after 5 retries" in caplog.text
+    assert "PutMetricData failed after 6 attempt(s)" in caplog.text
 
 
 def test_a_non_retryable_error_fails_at_once(caplog: pytest.LogCaptureFixture) -> None:
@@ -811,7 +814,7 @@ def test_a_non_retryable_error_fails_at_once(caplog: pytest.LogCaptureFixture) -
         with pytest.raises(AssertionError):
             stub.assert_no_pending_responses()  # the response a retry would have taken is still there
     assert sleep.delays == []
-    assert "not retrying" in caplog.text
+    assert "PutMetricData failed (not retryable): " in caplog.text
 
 
 def test_any_failure_is_logged_never_raised(caplog: pytest.LogCaptureFixture) -> None:

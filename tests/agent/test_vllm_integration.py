@@ -23,9 +23,12 @@ from typing import Any
 import aiohttp
 import pytest
 
+from kvfleet import contract
+from kvfleet.engines import EngineArgs
 from tests.agent.harness import free_port, stream_completion
 
 REPO = Path(__file__).resolve().parents[2]
+AGENT = Path(sys.executable).parent / contract.AGENT_COMMAND
 VLLM_PYTHON = Path(os.environ.get("KVFLEET_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
 DRAIN_BUDGET_S = 120
 CACHE_BYTES = 4 * 1024 * 1024  # 4,096 tokens of the tiny model: 32 concurrent requests saturate it
@@ -41,6 +44,7 @@ class AgentProcess:
     proc: subprocess.Popen[bytes]
     url: str
     stdout: Path
+    stderr: Path
     port: int
 
     def emf(self) -> list[dict[str, Any]]:
@@ -84,33 +88,33 @@ def agent(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     stdout = logs / "stdout.log"
     env = {
         **os.environ,
-        "KVFLEET_ENGINE": "vllm",
-        "KVFLEET_ENGINE_VERSION": "0.32.0",
-        "KVFLEET_MODEL": str(tiny_model),
-        "KVFLEET_ENGINE_ARGS": json.dumps(
-            {
-                "max-model-len": 1024,
-                "max-num-seqs": 32,
-                "enforce-eager": True,
-                "kv-cache-memory-bytes": CACHE_BYTES,
-                "served-model-name": "tiny",
-            }
-        ),
-        "KVFLEET_ENGINE_PYTHON": str(VLLM_PYTHON),
-        "KVFLEET_HOST": "127.0.0.1",
-        "KVFLEET_PORT": str(port),
-        "KVFLEET_ENGINE_PORT": str(free_port()),
-        "KVFLEET_DEPLOYMENT": "it-tiny",
-        "KVFLEET_REPLICA": "it-1",
-        "KVFLEET_DRAIN_BUDGET_S": str(DRAIN_BUDGET_S),
-        "KVFLEET_PUBLISH_INTERVAL_S": "1",
+        contract.ENV_CONTRACT_VERSION: str(contract.CONTRACT_VERSION),
+        contract.ENV_ENGINE: "vllm",
+        contract.ENV_ENGINE_VERSION: "0.32.0",
+        contract.ENV_MODEL: str(tiny_model),
+        contract.ENV_ENGINE_ARGS: EngineArgs(
+            max_model_len=1024,
+            max_num_seqs=32,
+            enforce_eager=True,
+            kv_cache_memory_bytes=CACHE_BYTES,
+            served_model_name="tiny",
+        ).to_json(),
+        contract.ENV_ENGINE_PYTHON: str(VLLM_PYTHON),
+        contract.ENV_HOST: "127.0.0.1",
+        contract.ENV_PORT: str(port),
+        contract.ENV_ENGINE_PORT: str(free_port()),
+        contract.ENV_DEPLOYMENT: "it-tiny",
+        contract.ENV_REPLICA: "it-1",
+        contract.ENV_DRAIN_BUDGET_S: str(DRAIN_BUDGET_S),
+        contract.ENV_PUBLISH_INTERVAL_S: "1",
         # The saturation test wants the engine's own queue to build, so admission stays out of the way.
-        "KVFLEET_ADMISSION": "0",
+        contract.ENV_ADMISSION: "0",
         "VLLM_CPU_OMP_THREADS_BIND": "auto",
     }
+    # The console script the image's ENTRYPOINT runs, not a module path.
     with stdout.open("wb") as out, (logs / "stderr.log").open("wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "kvfleet.agent"], cwd=REPO, env=env, stdout=out, stderr=err)
-    a = AgentProcess(proc=proc, url=f"http://127.0.0.1:{port}", stdout=stdout, port=port)
+        proc = subprocess.Popen([str(AGENT)], cwd=REPO, env=env, stdout=out, stderr=err)
+    a = AgentProcess(proc=proc, url=f"http://127.0.0.1:{port}", stdout=stdout, stderr=logs / "stderr.log", port=port)
     try:
         wait_ready(a.url, 240)
         yield a
@@ -126,6 +130,13 @@ def agent(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 def run(coro: Any) -> Any:
     return asyncio.run(asyncio.wait_for(coro, 600))
+
+
+def test_the_agent_started_under_the_contract_with_the_adapters_command(agent: AgentProcess) -> None:
+    log = agent.stderr.read_text(errors="replace")
+    assert f"contract {contract.CONTRACT_VERSION}; engine vllm 0.32.0" in log
+    # EngineArgs rendered by the vLLM adapter: snake_case settings became vLLM's flags.
+    assert "--kv-cache-memory-bytes 4194304" in log and "--served-model-name tiny" in log and "--enforce-eager" in log
 
 
 def test_saturated_cache_and_queue_show_in_prometheus_and_emf(agent: AgentProcess) -> None:

@@ -1,44 +1,51 @@
-"""Static checks of the serving images: lint, run-time hardening, build context and the agent's import closure.
+"""Static checks of the serving image: lint, run-time hardening, the stack <-> image contract, the build
+context, and the image's own commands run against a copy of what it copies.
 
-No Docker engine is needed: the Dockerfiles are parsed as text, hadolint lints them, and the import check
-compares what the agent imports with what the image copies and installs.
+No Docker engine is needed: the Dockerfile is parsed as text and hadolint lints it. The layer set the image
+copies is compared with the agent's layers (which modules those may import is tests/test_layers.py's job),
+and the Dockerfile's RUN lines that install the ``kvfleet-agent`` command and check the build are run here,
+with a python that sees only the copied files and the installed requirements.
 """
 
 from __future__ import annotations
 
-import ast
 import fnmatch
 import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tomllib
 from dataclasses import dataclass, field
+from importlib.metadata import version as installed_version
 from pathlib import Path, PurePosixPath
 
+import aiohttp
 import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
+from kvfleet import contract
+from kvfleet.engines import ENGINES
+
 REPO = Path(__file__).resolve().parents[2]
-DOCKERFILES = {engine: REPO / "containers" / engine / "Dockerfile" for engine in ("vllm", "trtllm")}
-REQUIREMENTS = REPO / "containers" / "agent" / "requirements.txt"
+DOCKERFILE = REPO / "containers" / "Dockerfile"
+REQUIREMENTS_SOURCE = "containers/agent-requirements.txt"
+REQUIREMENTS = REPO / REQUIREMENTS_SOURCE
 HADOLINT = Path(sys.executable).parent / "hadolint"
 HADOLINT_CONFIG = REPO / ".hadolint.yaml"
 
-# What the agent needs at run time; aiohttp and prometheus-client must equal pyproject's pins.
-AGENT_DISTRIBUTIONS = {"aiohttp", "prometheus-client", "boto3"}
-SAME_AS_PYPROJECT = {"aiohttp", "prometheus-client"}
-# Import names of a distribution when they differ from its normalized name; boto3 brings botocore.
-IMPORT_NAMES = {"prometheus-client": {"prometheus_client"}, "boto3": {"boto3", "botocore"}}
-# The images run Python 3.12, the tests may run 3.11: these left the stdlib in 3.12.
-REMOVED_IN_312 = {"asynchat", "asyncore", "distutils", "imp", "smtpd"}
+# The agent's layers: what the image copies of the kvfleet package, no more and no less.
+AGENT_LAYERS = ("kvfleet/__init__.py", "kvfleet/contract.py", "kvfleet/versions.py", "kvfleet/engines", "kvfleet/agent")
+# The agent's run-time distributions: the image installs exactly these.
+AGENT_DISTRIBUTIONS = {"aiohttp", "prometheus-client", "uvloop", "boto3"}
 INSTALLERS = re.compile(r"\b(pip3?|apt-get|apt|apk|yum|dnf|microdnf|conda|mamba|uv)\b.*\binstall\b")
 ROOT_USERS = {"root", "0"}
+COMMAND_PATH = f"/usr/local/bin/{contract.AGENT_COMMAND}"
 
 BAD_DOCKERFILE = """\
 FROM ubuntu:latest
@@ -218,6 +225,39 @@ def context_files(source: str, root: Path, patterns: list[tuple[bool, str]]) -> 
     return [r for r in rels if not is_excluded(r, patterns)]
 
 
+def stage_args(stage: Stage) -> dict[str, str | None]:
+    """The stage's ARGs: name -> default (None: none, the build must pass it)."""
+    out: dict[str, str | None] = {}
+    for ins in stage.instructions:
+        if ins.keyword == "ARG":
+            key, eq, default = ins.args.partition("=")
+            out[key.strip()] = default.strip().strip('"') if eq else None
+    return out
+
+
+def labels(stage: Stage) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for ins in stage.instructions:
+        if ins.keyword == "LABEL":
+            for word in shlex.split(ins.args):
+                key, _, value = word.partition("=")
+                out[key] = value
+    return out
+
+
+def runs(stage: Stage) -> list[tuple[int, Instruction]]:
+    """(index among the stage's instructions, instruction) of every RUN."""
+    return [(i, ins) for i, ins in enumerate(stage.instructions) if ins.keyword == "RUN"]
+
+
+def exec_form(ins: Instruction) -> list[str] | None:
+    try:
+        argv = json.loads(ins.args)
+    except json.JSONDecodeError:
+        return None
+    return argv if isinstance(argv, list) and all(isinstance(a, str) for a in argv) else None
+
+
 # --- checks: each returns its problems, so each can be shown to fail --------------------------------
 
 
@@ -225,7 +265,7 @@ def check_user(df: Dockerfile) -> list[str]:
     user, at = final_user(df.final)
     if user is None:
         return ["the final stage has no USER: the image would run as root"]
-    problems = [] if user not in ROOT_USERS else [f"the final USER is {user}"]
+    problems = [] if user == str(contract.AGENT_UID) else [f"the final USER is {user}, not {contract.AGENT_UID}"]
     for ins in df.final.instructions[at + 1 :]:
         if ins.keyword == "RUN" and INSTALLERS.search(ins.args):
             problems.append(f"line {ins.line}: installs after USER (needs root, or runs as the wrong user)")
@@ -236,15 +276,28 @@ def check_entrypoint(df: Dockerfile) -> list[str]:
     entrypoints = [i for i in df.final.instructions if i.keyword == "ENTRYPOINT"]
     if not entrypoints:
         return ["no ENTRYPOINT"]
-    args = entrypoints[-1].args
-    try:
-        argv = json.loads(args)
-    except json.JSONDecodeError:
+    argv = exec_form(entrypoints[-1])
+    if argv is None:
         # Shell form wraps the agent in /bin/sh -c, which does not forward SIGTERM.
-        return [f"ENTRYPOINT is shell form: {args}"]
-    if not (isinstance(argv, list) and argv[:3] == ["python3", "-m", "kvfleet.agent"]):
-        return [f"ENTRYPOINT does not run the agent: {argv}"]
-    return []
+        return [f"ENTRYPOINT is not exec form: {entrypoints[-1].args}"]
+    # The command, never a module path: the pods' preStop hook runs the same command (contract.DRAIN_COMMAND).
+    return [] if argv == [contract.AGENT_COMMAND] else [f"ENTRYPOINT is {argv}, not [{contract.AGENT_COMMAND!r}]"]
+
+
+def check_agent_command(df: Dockerfile) -> list[str]:
+    """A RUN as root (before USER) writes the command on PATH, executable and not writable by the agent user."""
+    _, user_at = final_user(df.final)
+    for at, ins in runs(df.final):
+        if re.search(rf">\s*{re.escape(COMMAND_PATH)}(\s|$)", ins.args):
+            problems = []
+            if user_at != -1 and at > user_at:
+                problems.append(f"line {ins.line}: {COMMAND_PATH} is written after USER (owned by the agent user)")
+            if not re.search(rf"chmod 0?755 {re.escape(COMMAND_PATH)}\b", ins.args):
+                problems.append(f"line {ins.line}: {COMMAND_PATH} is not chmod 0755")
+            if "exec " not in ins.args:
+                problems.append(f"line {ins.line}: {COMMAND_PATH} does not exec the agent (it would not be PID 1)")
+            return problems
+    return [f"no RUN writes {COMMAND_PATH}"]
 
 
 def check_base_pinned(df: Dockerfile) -> list[str]:
@@ -266,7 +319,19 @@ def check_base_pinned(df: Dockerfile) -> list[str]:
 
 def check_expose(df: Dockerfile) -> list[str]:
     ports = {p.split("/")[0] for i in df.final.instructions if i.keyword == "EXPOSE" for p in i.args.split()}
-    return [] if "8080" in ports else [f"EXPOSE 8080 missing (exposes {sorted(ports)})"]
+    port = str(contract.SERVING_PORT)
+    return [] if port in ports else [f"EXPOSE {port} missing (exposes {sorted(ports)})"]
+
+
+def check_healthcheck(df: Dockerfile) -> list[str]:
+    checks = [i for i in df.final.instructions if i.keyword == "HEALTHCHECK"]
+    if not checks:
+        return ["no HEALTHCHECK"]
+    url = f"http://127.0.0.1:{contract.SERVING_PORT}{contract.HEALTH_ROUTE}"
+    cmd = checks[-1].args.partition(" CMD ")[2]
+    if not cmd.startswith("["):
+        return [f"HEALTHCHECK CMD is not exec form: {cmd}"]
+    return [] if any(f"'{url}'" in a for a in json.loads(cmd)) else [f"HEALTHCHECK does not probe {url}"]
 
 
 def check_env(df: Dockerfile) -> list[str]:
@@ -274,15 +339,67 @@ def check_env(df: Dockerfile) -> list[str]:
     problems = (
         [] if env.get("PYTHONUNBUFFERED") == "1" else ["PYTHONUNBUFFERED=1 missing: EMF lines would sit in a buffer"]
     )
-    # Model downloads go to HF_HOME; it must be in the agent user's home, which a RUN hands to that user.
+    # Model downloads go to HF_HOME, in the agent user's home (the contract's), which a RUN hands to that user.
     home, hf_home = env.get("HOME", ""), env.get("HF_HOME", "")
-    if not home or not hf_home.startswith(home + "/"):
-        problems.append(f"HF_HOME ({hf_home or 'unset'}) is not under HOME ({home or 'unset'})")
+    if home != contract.AGENT_HOME or hf_home != contract.HF_HOME:
+        problems.append(f"HOME={home or 'unset'}, HF_HOME={hf_home or 'unset'}: not the contract's")
     user, _ = final_user(df.final)
-    runs = [i.args for i in df.final.instructions if i.keyword == "RUN"]
-    if home and user and not any(re.search(rf"chown -R {re.escape(user)}\S* {re.escape(home)}\b", r) for r in runs):
+    commands = [ins.args for _, ins in runs(df.final)]
+    if home and user and not any(re.search(rf"chown -R {re.escape(user)}\S* {re.escape(home)}\b", r) for r in commands):
         problems.append(f"no RUN gives {home} to user {user}: the caches would not be writable")
     return problems
+
+
+def check_labels(df: Dockerfile) -> list[str]:
+    """The contract-version label is the build's CONTRACT_VERSION, which has no default (it must be given)."""
+    problems = []
+    value = labels(df.final).get(contract.CONTRACT_LABEL)
+    if value != "${CONTRACT_VERSION}":
+        problems.append(f"LABEL {contract.CONTRACT_LABEL} is {value!r}, not the build's ${{CONTRACT_VERSION}}")
+    args = stage_args(df.final)
+    if "CONTRACT_VERSION" not in args or args["CONTRACT_VERSION"] is not None:
+        problems.append("ARG CONTRACT_VERSION must be declared in the stage without a default")
+    if "ENGINE" not in args:
+        problems.append("ARG ENGINE is not declared in the stage")
+    return problems
+
+
+def check_build_check(df: Dockerfile) -> list[str]:
+    """A RUN as the agent user imports the agent and compares CONTRACT_VERSION with the copied contract."""
+    _, user_at = final_user(df.final)
+    for at, ins in runs(df.final):
+        if at > user_at >= 0 and "import" in ins.args and "kvfleet.agent" in ins.args:
+            return [] if "${CONTRACT_VERSION}" in ins.args else [f"line {ins.line}: CONTRACT_VERSION is not checked"]
+    return ["no RUN after USER imports the agent: a broken image would build"]
+
+
+def check_agent_install(df: Dockerfile) -> list[str]:
+    """The requirements reach the image and pip installs them without keeping a cache in the layer."""
+    dests = [
+        f"{c.dest}{Path(REQUIREMENTS_SOURCE).name}" if c.dest.endswith("/") else c.dest
+        for c in copies(df.final)
+        if REQUIREMENTS_SOURCE in c.sources and c.from_stage is None
+    ]
+    if not dests:
+        return [f"{REQUIREMENTS_SOURCE} is not copied into the image"]
+    for _, ins in runs(df.final):
+        if re.search(rf"pip install .*-r {re.escape(dests[0])}", ins.args):
+            return [] if "--no-cache-dir" in ins.args else [f"line {ins.line}: pip install without --no-cache-dir"]
+    return [f"no RUN pip-installs -r {dests[0]}"]
+
+
+STATIC_CHECKS = {
+    "user": check_user,
+    "entrypoint": check_entrypoint,
+    "agent_command": check_agent_command,
+    "base_pinned": check_base_pinned,
+    "expose": check_expose,
+    "healthcheck": check_healthcheck,
+    "env": check_env,
+    "labels": check_labels,
+    "build_check": check_build_check,
+    "agent_install": check_agent_install,
+}
 
 
 def check_copies(df: Dockerfile, root: Path, patterns: list[tuple[bool, str]]) -> list[str]:
@@ -306,40 +423,12 @@ def check_copies(df: Dockerfile, root: Path, patterns: list[tuple[bool, str]]) -
     return problems
 
 
-def check_agent_install(df: Dockerfile) -> list[str]:
-    """requirements.txt reaches the image and pip installs it without keeping a cache in the layer."""
-    source = "containers/agent/requirements.txt"
-    dests = [
-        f"{c.dest}requirements.txt" if c.dest.endswith("/") else c.dest
-        for c in copies(df.final)
-        if source in c.sources and c.from_stage is None
-    ]
-    if not dests:
-        return [f"{source} is not copied into the image"]
-    for ins in df.final.instructions:
-        if ins.keyword == "RUN" and re.search(rf"pip install .*-r {re.escape(dests[0])}", ins.args):
-            return [] if "--no-cache-dir" in ins.args else [f"line {ins.line}: pip install without --no-cache-dir"]
-    return [f"no RUN pip-installs -r {dests[0]}"]
+# --- the layer set ----------------------------------------------------------------------------------
 
 
-STATIC_CHECKS = {
-    "user": check_user,
-    "entrypoint": check_entrypoint,
-    "base_pinned": check_base_pinned,
-    "expose": check_expose,
-    "env": check_env,
-    "agent_install": check_agent_install,
-}
-
-
-# --- import closure ---------------------------------------------------------------------------------
-
-
-def provided_modules(df: Dockerfile, root: Path, patterns: list[tuple[bool, str]]) -> dict[str, Path]:
-    """Module name -> repository file, for every .py the image copies onto its PYTHONPATH."""
-    # The base image's own PYTHONPATH is unknown here: only the entries this file adds count.
-    pythonpath = [PurePosixPath(p) for p in expand(env_vars(df.final).get("PYTHONPATH", ""), {}).split(":") if p]
-    out: dict[str, Path] = {}
+def image_files(df: Dockerfile, root: Path, patterns: list[tuple[bool, str]]) -> dict[str, PurePosixPath]:
+    """Repository file -> where the image puts it, for every file the final stage copies from the context."""
+    out: dict[str, PurePosixPath] = {}
     for copy in copies(df.final):
         if copy.from_stage is not None:
             continue
@@ -348,17 +437,49 @@ def provided_modules(df: Dockerfile, root: Path, patterns: list[tuple[bool, str]
             src = PurePosixPath(source)
             for rel in context_files(source, root, patterns):
                 if (root / source).is_dir():
-                    dest = PurePosixPath(copy.dest) / PurePosixPath(rel).relative_to(src)
+                    out[rel] = PurePosixPath(copy.dest) / PurePosixPath(rel).relative_to(src)
                 else:
-                    dest = PurePosixPath(copy.dest) / src.name if into_dir else PurePosixPath(copy.dest)
-                if dest.suffix != ".py":
-                    continue
-                for entry in pythonpath:
-                    if dest.is_relative_to(entry):
-                        parts = dest.relative_to(entry).with_suffix("").parts
-                        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-                        out[name] = root / rel
+                    out[rel] = PurePosixPath(copy.dest) / src.name if into_dir else PurePosixPath(copy.dest)
     return out
+
+
+def image_pythonpath(df: Dockerfile) -> list[PurePosixPath]:
+    # The base image's own PYTHONPATH is unknown here: only the entries this file adds count.
+    return [PurePosixPath(p) for p in expand(env_vars(df.final).get("PYTHONPATH", ""), {}).split(":") if p]
+
+
+def module_of(dest: PurePosixPath, pythonpath: list[PurePosixPath]) -> str | None:
+    for entry in pythonpath:
+        if dest.suffix == ".py" and dest.is_relative_to(entry):
+            parts = dest.relative_to(entry).with_suffix("").parts
+            return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    return None
+
+
+def layer_files(root: Path, patterns: list[tuple[bool, str]]) -> set[str]:
+    return {rel for layer in AGENT_LAYERS for rel in context_files(layer, root, patterns)}
+
+
+def check_layers(df: Dockerfile, root: Path, patterns: list[tuple[bool, str]]) -> list[str]:
+    """The image copies the agent's layers and the requirements, nothing else, each file as its module."""
+    # Named one by one: the copy must not depend on .dockerignore to leave the rest of kvfleet out.
+    sources = {s.rstrip("/") for c in copies(df.final) if c.from_stage is None for s in c.sources}
+    problems = [f"COPY {s}: not an agent layer" for s in sorted(sources - {*AGENT_LAYERS, REQUIREMENTS_SOURCE})]
+    placed = image_files(df, root, patterns)
+    expected = layer_files(root, patterns) | {REQUIREMENTS_SOURCE}
+    problems += [f"the image lacks {rel}" for rel in sorted(expected - set(placed))]
+    problems += [f"the image copies {rel}, which is not an agent layer" for rel in sorted(set(placed) - expected)]
+    pythonpath = image_pythonpath(df)
+    for rel, dest in sorted(placed.items()):
+        if rel.endswith(".py") and rel in expected:
+            want = rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+            got = module_of(dest, pythonpath)
+            if got != want:
+                problems.append(f"{rel} lands at {dest}: module {got}, not {want}")
+    return problems
+
+
+# --- requirements -----------------------------------------------------------------------------------
 
 
 def requirement_pins(text: str) -> dict[str, str]:
@@ -370,90 +491,78 @@ def requirement_pins(text: str) -> dict[str, str]:
             continue
         m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([0-9][0-9A-Za-z.+!-]*)", line)
         if m is None:
-            raise ValueError(f"requirements.txt: {line!r} is not pinned as name==version")
+            raise ValueError(f"requirements: {line!r} is not pinned as name==version")
         pins[canonicalize_name(m[1])] = m[2]
     return pins
 
 
-def third_party_imports(distributions: set[str]) -> set[str]:
-    return {imp for d in distributions for imp in IMPORT_NAMES.get(d, {d.replace("-", "_")})}
-
-
-def _dynamic_import(node: ast.AST) -> str | None:
-    """The module of ``importlib.import_module("x")`` or ``__import__("x")`` with a literal, absolute name."""
-    if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)):
-        return None
-    func = ast.unparse(node.func)
-    name = node.args[0].value
-    if func in {"importlib.import_module", "import_module", "__import__"} and isinstance(name, str):
-        return None if name.startswith(".") else name
-    return None
-
-
-def _runtime_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom | ast.Call]:
-    """Imports that run: not under ``if TYPE_CHECKING:``, not guarded by ``except ImportError``."""
-    out: list[ast.Import | ast.ImportFrom | ast.Call] = []
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for branch in node.orelse:
-                visit(branch)
-            return
-        if isinstance(node, ast.Try):
-            caught = {ast.unparse(h.type) for h in node.handlers if h.type is not None}
-            if any("ImportError" in c or "ModuleNotFoundError" in c for c in caught):
-                return  # an optional dependency: the module works without it
-        if isinstance(node, ast.Import | ast.ImportFrom) or (
-            isinstance(node, ast.Call) and _dynamic_import(node) is not None
-        ):
-            out.append(node)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(tree)
-    return out
-
-
-def unresolved_imports(modules: dict[str, Path], third_party: set[str], root: Path) -> list[str]:
-    """Imports in ``modules`` that the image cannot satisfy: not stdlib, not installed, not copied."""
-    stdlib = set(sys.stdlib_module_names) - REMOVED_IN_312
-
-    first_party = {m.split(".", 1)[0] for m in modules}
-
-    def resolves(name: str) -> bool:
-        top = name.split(".", 1)[0]
-        if name in modules:
-            return True
-        # A copied package's missing submodule (kvfleet.config.schema) is missing, whatever else is installed.
-        return top not in first_party and (top in stdlib or top in third_party)
-
+def check_pins(pins: dict[str, str], dependencies: list[str]) -> list[str]:
+    """Every pin is a pyproject dependency: equal to its exact pin, inside its range otherwise."""
+    declared: dict[str, SpecifierSet] = {canonicalize_name(r.name): r.specifier for r in map(Requirement, dependencies)}
     problems = []
-    for module, path in sorted(modules.items()):
-        is_package = path.name == "__init__.py"
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        for node in _runtime_imports(tree):
-            where = f"{path.relative_to(root).as_posix()}:{node.lineno}"
-            if isinstance(node, ast.Call):
-                targets = [str(_dynamic_import(node))]  # lazy imports still need the package in the image
-            elif isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            else:
-                if node.level:
-                    package = module.split(".") if is_package else module.split(".")[:-1]
-                    anchor = package[: len(package) - node.level + 1]
-                    base = ".".join([*anchor, node.module] if node.module else anchor)
-                else:
-                    base = node.module or ""
-                # "from pkg import name": a submodule if the repository has one, else an attribute of pkg.
-                targets = [base]
-                for alias in node.names:
-                    sub = root.joinpath(*f"{base}.{alias.name}".split("."))
-                    if sub.with_suffix(".py").is_file() or (sub / "__init__.py").is_file():
-                        targets.append(f"{base}.{alias.name}")
-            for target in targets:
-                if not resolves(target):
-                    problems.append(f"{where}: imports {target}")
+    for name, pinned in sorted(pins.items()):
+        spec = declared.get(name)
+        if spec is None:
+            problems.append(f"{name}=={pinned}: not a pyproject dependency")
+        elif any(s.operator == "==" for s in spec) and str(spec) != f"=={pinned}":
+            problems.append(f"{name}: image {pinned}, pyproject {spec}")
+        elif Version(pinned) not in spec:
+            problems.append(f"{name}=={pinned}: outside pyproject's {spec}")
     return problems
+
+
+def pyproject_dependencies() -> list[str]:
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]["dependencies"]
+    return [str(d) for d in deps]
+
+
+# --- the image's commands, without Docker -----------------------------------------------------------
+
+
+@dataclass
+class Image:
+    """The files the Dockerfile copies, laid out under ``root`` as the image has them, with its commands."""
+
+    root: Path
+    bin: Path
+    env: dict[str, str]
+
+    def path(self, image_path: str | PurePosixPath) -> Path:
+        return self.root / str(image_path).lstrip("/")
+
+    def sh(self, script: str, **env: str) -> subprocess.CompletedProcess[str]:
+        # Image paths in the script point into the copy; cwd is the copy's home, never the repository.
+        script = script.replace("/usr/local/bin/", f"{self.bin}/")
+        return subprocess.run(
+            ["/bin/sh", "-c", script],
+            cwd=self.path(contract.AGENT_HOME),
+            env={**self.env, **env},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+
+def lay_out(df: Dockerfile, tmp: Path) -> Image:
+    root = tmp / "image"
+    for rel, dest in image_files(df, REPO, repo_patterns()).items():
+        target = root / str(dest).lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(REPO / rel, target)
+    bin_dir = root / "usr" / "local" / "bin"
+    bin_dir.mkdir(parents=True)
+    (root / contract.AGENT_HOME.lstrip("/")).mkdir(parents=True)
+    # The image's python3: this interpreter without site processing (so not the repository's editable
+    # install), seeing the installed requirements and what the Dockerfile copied.
+    python3 = bin_dir / "python3"
+    python3.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -S "$@"\n', encoding="utf-8")
+    python3.chmod(0o755)
+    site_packages = str(Path(aiohttp.__file__).resolve().parents[1])
+    pythonpath = expand(env_vars(df.final)["PYTHONPATH"], {"PYTHONPATH": site_packages})
+    pythonpath = ":".join(str(root / p.lstrip("/")) if p.startswith("/opt/") else p for p in pythonpath.split(":"))
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHONPATH": pythonpath, "HOME": str(root / "home")}
+    return Image(root=root, bin=bin_dir, env=env)
 
 
 # --- tests ------------------------------------------------------------------------------------------
@@ -476,18 +585,19 @@ def hadolint(dockerfile: Path, cwd: Path) -> tuple[int, list[dict[str, object]]]
     return proc.returncode, json.loads(proc.stdout or "[]")
 
 
-@pytest.fixture(params=sorted(DOCKERFILES), name="engine")
-def _engine(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
 @pytest.fixture(name="dockerfile")
-def _dockerfile(engine: str) -> Dockerfile:
-    return parse_dockerfile(DOCKERFILES[engine].read_text(encoding="utf-8"))
+def _dockerfile() -> Dockerfile:
+    return parse_dockerfile(DOCKERFILE.read_text(encoding="utf-8"))
 
 
-def test_hadolint_reports_nothing(engine: str, tmp_path: Path) -> None:
-    rc, findings = hadolint(DOCKERFILES[engine], tmp_path)
+def test_one_dockerfile_serves_every_engine() -> None:
+    assert sorted(p.relative_to(REPO).as_posix() for p in (REPO / "containers").rglob("Dockerfile*")) == [
+        "containers/Dockerfile"
+    ]
+
+
+def test_hadolint_reports_nothing(tmp_path: Path) -> None:
+    rc, findings = hadolint(DOCKERFILE, tmp_path)
     # Every severity, style included: stricter than hadolint's own warning threshold.
     assert findings == [], "\n".join(f"{f['line']}: {f['code']} {f['message']}" for f in findings)
     assert rc == 0
@@ -510,13 +620,18 @@ def test_static_check_passes(check: str, dockerfile: Dockerfile) -> None:
 def test_static_check_fails_on_a_bad_dockerfile(check: str) -> None:
     bad = parse_dockerfile(
         "FROM ubuntu:latest\n"
+        "ARG CONTRACT_VERSION=1\n"
+        'LABEL io.kvfleet.contract-version="1"\n'
         "ENV PYTHONUNBUFFERED=0 HOME=/root\n"
-        "COPY containers/agent/requirements.txt /tmp/\n"
+        "COPY containers/agent-requirements.txt /tmp/\n"
         "USER root\n"
+        "RUN printf '#!/bin/sh\\npython3 -m kvfleet.agent\\n' > /usr/local/bin/kvfleet-agent\n"
         "RUN pip install \\\n"
-        "    -r /tmp/requirements.txt\n"
+        "    -r /tmp/agent-requirements.txt\n"
+        "RUN python3 -c 'import kvfleet.agent'\n"
         "EXPOSE 8000\n"
-        "ENTRYPOINT python3 -m kvfleet.agent\n"
+        "HEALTHCHECK CMD curl -f http://127.0.0.1:8080/health\n"
+        'ENTRYPOINT ["python3", "-m", "kvfleet.agent"]\n'
     )
     assert STATIC_CHECKS[check](bad) != []
 
@@ -526,22 +641,68 @@ def test_final_user_is_the_stage_user_not_an_earlier_one() -> None:
     assert check_user(df) == ["the final stage has no USER: the image would run as root"]
 
 
-def test_the_two_images_differ_only_in_base_and_wording() -> None:
-    # The agent contract (user, caches, entrypoint, port) is the same whichever engine runs under it.
-    vllm, trtllm = (parse_dockerfile(DOCKERFILES[e].read_text(encoding="utf-8")).final for e in ("vllm", "trtllm"))
-    same = {"USER", "ENV", "RUN", "COPY", "EXPOSE", "ENTRYPOINT", "WORKDIR", "HEALTHCHECK"}
-    assert [(i.keyword, i.args) for i in vllm.instructions if i.keyword in same] == [
-        (i.keyword, i.args) for i in trtllm.instructions if i.keyword in same
+def test_the_default_base_images_are_the_adapters() -> None:
+    text = DOCKERFILE.read_text(encoding="utf-8")
+    df = parse_dockerfile(text)
+    engine = df.global_args["ENGINE"]
+    assert df.final.base == df.global_args["BASE_IMAGE"] == ENGINES[engine].default_base_image
+    # The comment block lists each engine's default base (what --build-arg BASE_IMAGE takes for it).
+    block = text[text.index("# Default base image per engine") :].splitlines()[1:]
+    documented = {m[1]: m[2] for line in block if (m := re.fullmatch(r"#\s+(\w+): (\S+)", line))}
+    assert documented == {name: a.default_base_image for name, a in ENGINES.items()}
+    for base in documented.values():
+        assert check_base_pinned(parse_dockerfile(f"FROM {base}\n")) == []
+
+
+def test_base_image_check_fails_on_an_undocumented_base() -> None:
+    assert check_base_pinned(parse_dockerfile("ARG BASE_IMAGE\nFROM ${BASE_IMAGE}\n")) == [
+        "FROM: a build argument without a default"
     ]
 
 
 def test_vllm_base_is_the_sdk_dlc_for_us_east_1() -> None:
     from sagemaker.core import image_uris
 
-    base = parse_dockerfile(DOCKERFILES["vllm"].read_text(encoding="utf-8")).final.base
+    base = ENGINES["vllm"].default_base_image
     version = base.rsplit(":", 1)[1].split("-")[0]
     uri = image_uris.retrieve(framework="vllm", region="us-east-1", version=version, instance_type="ml.g6e.xlarge")
     assert base == uri
+
+
+def test_the_image_copies_exactly_the_agent_layers(dockerfile: Dockerfile) -> None:
+    assert check_layers(dockerfile, REPO, repo_patterns()) == []
+    modules = {
+        module_of(d, image_pythonpath(dockerfile)) for d in image_files(dockerfile, REPO, repo_patterns()).values()
+    }
+    assert {"kvfleet", "kvfleet.contract", "kvfleet.versions", "kvfleet.engines", "kvfleet.agent.__main__"} <= modules
+
+
+def test_layer_check_fails_on_too_much_too_little_and_the_wrong_place(tmp_path: Path) -> None:
+    for rel in ("kvfleet/__init__.py", "kvfleet/contract.py", "kvfleet/versions.py", "kvfleet/errors.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("", encoding="utf-8")
+    for package in ("engines", "agent", "sizing"):
+        (tmp_path / "kvfleet" / package).mkdir()
+        (tmp_path / "kvfleet" / package / "__init__.py").write_text("", encoding="utf-8")
+    (tmp_path / "containers").mkdir()
+    (tmp_path / REQUIREMENTS_SOURCE).write_text("", encoding="utf-8")
+    df = parse_dockerfile(
+        "FROM a:1.0\n"
+        f"COPY {REQUIREMENTS_SOURCE} /opt/\n"
+        "COPY kvfleet/__init__.py kvfleet/contract.py kvfleet/errors.py /opt/k/kvfleet/\n"
+        "COPY kvfleet/engines/ /opt/k/kvfleet/engines/\n"
+        "COPY kvfleet/agent/ /opt/k/agent/\n"
+        "COPY kvfleet/sizing/ /opt/k/kvfleet/sizing/\n"
+        "ENV PYTHONPATH=/opt/k\n"
+    )
+    assert check_layers(df, tmp_path, []) == [
+        "COPY kvfleet/errors.py: not an agent layer",
+        "COPY kvfleet/sizing: not an agent layer",
+        "the image lacks kvfleet/versions.py",
+        "the image copies kvfleet/errors.py, which is not an agent layer",
+        "the image copies kvfleet/sizing/__init__.py, which is not an agent layer",
+        "kvfleet/agent/__init__.py lands at /opt/k/agent/__init__.py: module agent, not kvfleet.agent",
+    ]
 
 
 def test_copy_sources_exist_and_reach_the_context(dockerfile: Dockerfile) -> None:
@@ -566,12 +727,20 @@ def test_copy_check_fails_on_missing_and_ignored_sources(tmp_path: Path) -> None
 @pytest.mark.parametrize(
     "path",
     [
-        *(".git/HEAD", ".venv/bin/python", ".venv-gpu/x", "node_modules/x", "cdk.out/m.json", "tests/x.py"),
-        *("benchmarks/x.py", "sizing/data/gpus.json", "pyproject.toml", "containers/agent/__pycache__/a.pyc", ".env"),
+        *(".git/HEAD", ".venv/bin/python", ".venv-vllm/x", "node_modules/x", "cdk.out/m.json", "tests/x.py"),
+        *("benchmarks/x.py", "sizing/x.json", "pyproject.toml", ".env", "README.md"),
+        *("kvfleet/cli.py", "kvfleet/sizing/planner.py", "kvfleet/infra/app.py", "kvfleet/config/schema.py"),
+        *("kvfleet/agent/__pycache__/server.cpython-312.pyc", "containers/Dockerfile"),
     ],
 )
 def test_dockerignore_keeps_the_rest_out(path: str) -> None:
     assert is_excluded(path, repo_patterns())
+
+
+def test_dockerignore_lets_the_layers_in() -> None:
+    patterns = repo_patterns()
+    for rel in [REQUIREMENTS_SOURCE, *AGENT_LAYERS]:
+        assert context_files(rel, REPO, patterns), rel
 
 
 def test_dockerignore_matcher_last_match_wins() -> None:
@@ -581,9 +750,9 @@ def test_dockerignore_matcher_last_match_wins() -> None:
     assert is_excluded("other/a.py", patterns)
 
 
-def test_requirements_pin_every_line_and_list_the_agent_dependencies() -> None:
+def test_requirements_pin_exactly_the_agent_dependencies() -> None:
     pins = requirement_pins(REQUIREMENTS.read_text(encoding="utf-8"))
-    assert set(pins) >= AGENT_DISTRIBUTIONS
+    assert set(pins) == AGENT_DISTRIBUTIONS
 
 
 def test_requirement_pins_reject_ranges() -> None:
@@ -593,65 +762,153 @@ def test_requirement_pins_reject_ranges() -> None:
 
 def test_requirements_match_pyproject() -> None:
     pins = requirement_pins(REQUIREMENTS.read_text(encoding="utf-8"))
-    deps = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]["dependencies"]
-    declared: dict[str, SpecifierSet] = {canonicalize_name(r.name): r.specifier for r in map(Requirement, deps)}
-    for name in SAME_AS_PYPROJECT:
-        assert str(declared[name]) == f"=={pins[name]}", f"{name}: image {pins[name]}, pyproject {declared[name]}"
-    for name, version in pins.items():
-        if name in declared:
-            assert Version(version) in declared[name], f"{name}=={version} outside pyproject's {declared[name]}"
+    assert check_pins(pins, pyproject_dependencies()) == []
+    # The tests ran what the image installs.
+    assert {name: installed_version(name) for name in pins} == pins
 
 
-def test_agent_import_closure_is_in_the_image(dockerfile: Dockerfile) -> None:
-    modules = provided_modules(dockerfile, REPO, repo_patterns())
-    # The image's copy must cover every agent module that exists now, whatever else is added later.
-    agent = {p for p in (REPO / "containers" / "agent").rglob("*.py") if "__pycache__" not in p.parts}
-    assert agent <= set(modules.values())
-    assert {"kvfleet.contract", "kvfleet.agent"} <= set(modules)
-    third_party = third_party_imports(set(requirement_pins(REQUIREMENTS.read_text(encoding="utf-8"))))
-    assert unresolved_imports(modules, third_party, REPO) == []
+def test_pin_check_fails_on_drift() -> None:
+    deps = ["aiohttp==3.14.5", "boto3>=1.34,<2"]
+    assert check_pins({"aiohttp": "3.14.4", "boto3": "2.0.0", "requests": "2.32.0"}, deps) == [
+        "aiohttp: image 3.14.4, pyproject ==3.14.5",
+        "boto3==2.0.0: outside pyproject's <2,>=1.34",
+        "requests==2.32.0: not a pyproject dependency",
+    ]
 
 
-def test_import_closure_check_fails_on_what_the_image_lacks(tmp_path: Path) -> None:
-    pkg = tmp_path / "containers" / "agent"
-    pkg.mkdir(parents=True)
-    (tmp_path / "containers" / "__init__.py").write_text("", encoding="utf-8")
-    (pkg / "__init__.py").write_text("", encoding="utf-8")
-    (tmp_path / "stacks").mkdir()
-    for name in ("__init__", "signals", "config"):
-        (tmp_path / "stacks" / f"{name}.py").write_text("", encoding="utf-8")
-    (pkg / "bad.py").write_text(
-        "from __future__ import annotations\n"
-        "import json\n"
-        "import aiohttp\n"
-        "from kvfleet import contract\n"
-        "from . import helpers\n"
-        "import kvfleet.sizing.planner\n"
-        "from stacks import config\n"
-        "import yaml\n"
-        "import importlib\n"
-        "planner = importlib.import_module('kvfleet.sizing.planner')\n"
-        "from typing import TYPE_CHECKING\n"
-        "if TYPE_CHECKING:\n"
-        "    import pandas\n"
-        "try:\n"
-        "    import uvloop\n"
-        "except ImportError:\n"
-        "    uvloop = None\n",
+@pytest.fixture(name="image")
+def _image(dockerfile: Dockerfile, tmp_path: Path) -> Image:
+    image = lay_out(dockerfile, tmp_path)
+    _, user_at = final_user(dockerfile.final)
+    installs = [ins for at, ins in runs(dockerfile.final) if at < user_at and COMMAND_PATH in ins.args]
+    assert installs, f"no RUN installs {COMMAND_PATH}"
+    for ins in installs:
+        done = image.sh(ins.args)
+        assert done.returncode == 0, done.stderr
+    return image
+
+
+def build_check(df: Dockerfile) -> str:
+    _, user_at = final_user(df.final)
+    [check] = [ins.args for at, ins in runs(df.final) if at > user_at and "kvfleet.agent" in ins.args]
+    return check
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_the_build_check_passes_on_the_copied_layers(engine: str, dockerfile: Dockerfile, image: Image) -> None:
+    done = image.sh(build_check(dockerfile), ENGINE=engine, CONTRACT_VERSION=str(contract.CONTRACT_VERSION))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(image.bin / contract.AGENT_COMMAND)  # command -v
+
+
+@pytest.mark.parametrize(
+    ("build_args", "message"),
+    [
+        ({"ENGINE": "vllm", "CONTRACT_VERSION": ""}, "CONTRACT_VERSION=''"),
+        ({"ENGINE": "vllm", "CONTRACT_VERSION": str(contract.CONTRACT_VERSION + 1)}, "contract.py is"),
+        ({"ENGINE": "sglang", "CONTRACT_VERSION": str(contract.CONTRACT_VERSION)}, "unknown engine 'sglang'"),
+    ],
+)
+def test_the_build_check_fails_the_build(
+    build_args: dict[str, str], message: str, dockerfile: Dockerfile, image: Image
+) -> None:
+    done = image.sh(build_check(dockerfile), **build_args)
+    assert done.returncode != 0 and message in done.stderr
+
+
+def test_the_build_check_fails_on_a_layer_missing(dockerfile: Dockerfile, image: Image) -> None:
+    image.path("/opt/kvfleet/kvfleet/versions.py").unlink()
+    done = image.sh(build_check(dockerfile), ENGINE="vllm", CONTRACT_VERSION=str(contract.CONTRACT_VERSION))
+    assert done.returncode != 0 and "kvfleet.versions" in done.stderr
+
+
+def test_the_entrypoint_is_the_agent(dockerfile: Dockerfile, image: Image) -> None:
+    [entrypoint] = [exec_form(i) for i in dockerfile.final.instructions if i.keyword == "ENTRYPOINT"]
+    assert entrypoint is not None
+    argv = " ".join(shlex.quote(a) for a in [*entrypoint, contract.SERVE_ARG])
+    # A stack speaking another contract: refused at once, one line, exit 2 (SageMaker shows it as the failure).
+    done = image.sh(argv, **{contract.ENV_CONTRACT_VERSION: "999", contract.ENV_MODEL: "m"})
+    assert done.returncode == 2
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"{contract.AGENT_COMMAND}: {contract.ENV_CONTRACT_VERSION}: ") and "999" in line
+    done = image.sh(argv)
+    assert done.returncode == 2 and f"{contract.ENV_MODEL}: required" in done.stderr
+    # `kvfleet-agent drain` (the preStop hook) with nothing listening: fails, does not hang or serve.
+    drain = " ".join(contract.DRAIN_COMMAND)
+    done = image.sh(drain, **{contract.ENV_PORT: "9", contract.ENV_MODEL: "m", contract.ENV_ENGINE_PORT: "10"})
+    assert done.returncode == 1 and "drain request failed" in done.stderr
+
+
+# --- CUDA forward compatibility in the entrypoint ---------------------------------------------------
+
+COMPAT_DIR = "/usr/local/cuda/compat"
+DRIVER_FILE = "/proc/driver/nvidia/version"
+# /proc/driver/nvidia/version as the proprietary and the open kernel modules write it.
+PROPRIETARY = (
+    "NVRM version: NVIDIA UNIX x86_64 Kernel Module  {v}  Sun May 12 00:00:00 UTC 2024\nGCC version:  gcc 11\n"
+)
+OPEN = "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  {v}  Release Build  (dvs-builder@U16)\n"
+
+
+def compat_library_path(
+    command: Path, tmp: Path, *, compat: str | None, driver: str | None, template: str = PROPRIETARY
+) -> str:
+    """LD_LIBRARY_PATH the installed command hands the agent, with a fake compat package and host driver."""
+    compat_dir, driver_file = tmp / "compat", tmp / "driver-version"
+    shutil.rmtree(compat_dir, ignore_errors=True)
+    driver_file.unlink(missing_ok=True)
+    if compat is not None:
+        compat_dir.mkdir()
+        (compat_dir / f"libcuda.so.{compat}").write_text("", encoding="utf-8")
+        (compat_dir / "libcuda.so.1").symlink_to(f"libcuda.so.{compat}")
+    if driver is not None:
+        driver_file.write_text(template.format(v=driver), encoding="utf-8")
+    text = command.read_text(encoding="utf-8")
+    script = text.replace(COMPAT_DIR, str(compat_dir)).replace(DRIVER_FILE, str(driver_file))
+    script = script.replace("exec python3 -m kvfleet.agent", 'printf "%s" "$LD_LIBRARY_PATH" #')
+    done = subprocess.run(
+        ["/bin/sh", "-c", script, "kvfleet-agent", "serve"],
+        env={"PATH": "/usr/bin:/bin", "LD_LIBRARY_PATH": "/base/lib"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.replace(str(compat_dir), COMPAT_DIR)
+
+
+def check_cuda_compat(command: Path, tmp: Path) -> list[str]:
+    """The command turns the compat libraries on for an older host driver and only then (SageMaker's guide)."""
+    cases = [
+        ("host 535 < compat 580", dict(compat="580.65.06", driver="535.183.01"), True),
+        ("open kernel module 550 < compat 580", dict(compat="580.65.06", driver="550.163.01", template=OPEN), True),
+        ("host 580.95 > compat 580.65", dict(compat="580.65.06", driver="580.95.05"), False),
+        ("host == compat", dict(compat="580.65.06", driver="580.65.06"), False),
+        ("no compat package", dict(compat=None, driver="535.183.01"), False),
+        ("no driver (CPU)", dict(compat="580.65.06", driver=None), False),
+    ]
+    problems = []
+    for name, kwargs, on in cases:
+        got = compat_library_path(command, tmp, **kwargs)  # type: ignore[arg-type]
+        want = f"{COMPAT_DIR}:/base/lib" if on else "/base/lib"
+        if got != want:
+            problems.append(f"{name}: LD_LIBRARY_PATH={got!r}, want {want!r}")
+    return problems
+
+
+def test_the_agent_command_sets_up_cuda_compat_for_an_older_driver(image: Image, tmp_path: Path) -> None:
+    assert check_cuda_compat(image.bin / contract.AGENT_COMMAND, tmp_path) == []
+
+
+def test_the_cuda_compat_check_fails_on_a_command_without_it(tmp_path: Path) -> None:
+    bare = tmp_path / "bare-agent"
+    bare.write_text('#!/bin/sh\nexec python3 -m kvfleet.agent "$@"\n', encoding="utf-8")
+    problems = check_cuda_compat(bare, tmp_path)
+    assert [p.split(":")[0] for p in problems] == ["host 535 < compat 580", "open kernel module 550 < compat 580"]
+    always = tmp_path / "always-agent"
+    always.write_text(
+        f'#!/bin/sh\nexport LD_LIBRARY_PATH="{COMPAT_DIR}:$LD_LIBRARY_PATH"\nexec python3 -m kvfleet.agent "$@"\n',
         encoding="utf-8",
     )
-    (pkg / "helpers.py").write_text("", encoding="utf-8")
-    df = parse_dockerfile(
-        "FROM a:1.0\n"
-        "COPY stacks/__init__.py stacks/contract.py /opt/k/stacks/\n"
-        "COPY containers/__init__.py /opt/k/containers/\n"
-        "COPY containers/agent/ /opt/k/containers/agent/\n"
-        "ENV PYTHONPATH=/opt/k\n"
-    )
-    modules = provided_modules(df, tmp_path, [])
-    assert unresolved_imports(modules, third_party_imports({"aiohttp"}), tmp_path) == [
-        "containers/agent/bad.py:6: imports kvfleet.sizing.planner",
-        "containers/agent/bad.py:7: imports kvfleet.config.schema",
-        "containers/agent/bad.py:8: imports yaml",
-        "containers/agent/bad.py:10: imports kvfleet.sizing.planner",
-    ]
+    assert len(check_cuda_compat(always, tmp_path)) == 4

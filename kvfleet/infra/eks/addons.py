@@ -22,27 +22,157 @@ from typing import Any, NamedTuple
 from aws_cdk import CfnJson
 from aws_cdk import aws_iam as iam
 
+from kvfleet.infra.eks.scheduling import OS_LABEL, Placement, affinity_terms
+
 
 class ChartPin(NamedTuple):
     chart: str
     repository: str
     version: str
+    # The Helm release name, set explicitly: aws-cdk-lib's HelmChart otherwise names it after the construct's
+    # unique id, and the charts derive their object names (Services KEDA queries) from the release name.
+    release: str
 
 
-DEVICE_PLUGIN_CHART = ChartPin("nvidia-device-plugin", "https://nvidia.github.io/k8s-device-plugin", "0.17.1")
+DEVICE_PLUGIN_CHART = ChartPin(
+    "nvidia-device-plugin", "https://nvidia.github.io/k8s-device-plugin", "0.17.1", "nvidia-device-plugin"
+)
 # The chart's default nodeAffinity (values.yaml, 0.17.x) admits nodes carrying one of NFD's NVIDIA labels or this one.
 DEVICE_PLUGIN_NODE_LABEL = ("nvidia.com/gpu.present", "true")
 # KEDA supports the Kubernetes minor it was released with and the two before it (keda.sh, Operate > Cluster), so
 # 2.17 would already be outside its window on 1.33; 2.19 is the newest minor pinned here. Its ScaledObject API
 # (keda.sh/v1alpha1) only grows between minors, so the manifests still validate against the project's schema,
 # written from 2.17's fields.
-KEDA_CHART = ChartPin("keda", "https://kedacore.github.io/charts", "2.19.0")
-PROMETHEUS_CHART = ChartPin("prometheus", "https://prometheus-community.github.io/helm-charts", "27.20.0")
-CLUSTER_AUTOSCALER_CHART = ChartPin("cluster-autoscaler", "https://kubernetes.github.io/autoscaler", "9.59.0")
+KEDA_CHART = ChartPin("keda", "https://kedacore.github.io/charts", "2.19.0", "keda")
+PROMETHEUS_CHART = ChartPin("prometheus", "https://prometheus-community.github.io/helm-charts", "27.20.0", "prometheus")
+CLUSTER_AUTOSCALER_CHART = ChartPin(
+    "cluster-autoscaler", "https://kubernetes.github.io/autoscaler", "9.59.0", "cluster-autoscaler"
+)
 # Cluster Autoscaler's minor version must match the cluster's (its compatibility policy); the chart's default image
-# follows one release, so the image is chosen by Kubernetes version. Tags from the project's release notes
-# (registry.k8s.io/autoscaling/cluster-autoscaler).
-CLUSTER_AUTOSCALER_IMAGE_TAGS = {"1.33": "v1.33.6", "1.34": "v1.34.5", "1.35": "v1.35.0"}
+# follows one release (appVersion 1.35.0 in 9.59.0), so the image is chosen by Kubernetes version: the newest patch
+# of each minor, from the git tags of kubernetes/autoscaler (cluster-autoscaler-1.33.6, -1.34.5, -1.35.2, all
+# 2026-07-22; checked 2026-12-01), published as registry.k8s.io/autoscaling/cluster-autoscaler:v<tag>.
+CLUSTER_AUTOSCALER_IMAGE_TAGS = {"1.33": "v1.33.6", "1.34": "v1.34.5", "1.35": "v1.35.2"}
+
+
+class ChartWorkload(NamedTuple):
+    """One Deployment or DaemonSet a chart renders, and where its scheduling constraints come from."""
+
+    name: str
+    source: str  # the chart's template and values.yaml keys, at the pinned version
+    values_path: tuple[str, ...]  # where its tolerations / nodeSelector / affinity sit in the values
+    defaults: Mapping[str, Any]  # the chart's values.yaml defaults of those keys
+    fixed_node_selector: Mapping[str, str] = {}  # what the template writes whatever the values
+
+
+# The pods each chart runs, with the scheduling defaults of the pinned versions. None tolerates a taint kvfleet
+# puts on its GPU nodes but the device plugin, so they need an untainted node group (service.py adds one).
+CHART_WORKLOADS: dict[str, tuple[ChartWorkload, ...]] = {
+    DEVICE_PLUGIN_CHART.chart: (
+        ChartWorkload(
+            "nvidia-device-plugin DaemonSet",
+            "NVIDIA/k8s-device-plugin v0.17.1 deployments/helm/nvidia-device-plugin/values.yaml: tolerations, "
+            "nodeSelector, affinity",
+            (),
+            {
+                "tolerations": [
+                    {"key": "CriticalAddonsOnly", "operator": "Exists"},
+                    {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+                ],
+                "nodeSelector": {},
+                "affinity": {
+                    "nodeAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": {
+                            "nodeSelectorTerms": [
+                                {"matchExpressions": [{"key": k, "operator": "In", "values": [v]}]}
+                                for k, v in (
+                                    ("feature.node.kubernetes.io/pci-10de.present", "true"),
+                                    ("feature.node.kubernetes.io/cpu-model.vendor_id", "NVIDIA"),
+                                    ("nvidia.com/gpu.present", "true"),
+                                )
+                            ]
+                        }
+                    }
+                },
+            },
+        ),
+    ),
+    KEDA_CHART.chart: tuple(
+        ChartWorkload(
+            name,
+            f"kedacore/charts v2.19.0 keda/templates/{template} (nodeSelector kubernetes.io/os: linux), "
+            "keda/values.yaml: tolerations [], nodeSelector {}",
+            (),
+            {"tolerations": [], "nodeSelector": {}},
+            {OS_LABEL: "linux"},
+        )
+        for name, template in (
+            ("keda-operator", "manager/deployment.yaml"),
+            ("keda-operator-metrics-apiserver", "metrics-server/deployment.yaml"),
+            ("keda-admission-webhooks", "webhooks/deployment.yaml"),
+        )
+    ),
+    PROMETHEUS_CHART.chart: (
+        ChartWorkload(
+            "prometheus-server",
+            "prometheus-community/helm-charts prometheus-27.20.0 charts/prometheus/values.yaml: server.tolerations "
+            "[], server.nodeSelector {}, server.affinity {} (templates/deploy.yaml)",
+            ("server",),
+            {"tolerations": [], "nodeSelector": {}, "affinity": {}},
+        ),
+    ),
+    CLUSTER_AUTOSCALER_CHART.chart: (
+        ChartWorkload(
+            "cluster-autoscaler",
+            "kubernetes/autoscaler cluster-autoscaler-chart-9.59.0 charts/cluster-autoscaler/values.yaml: "
+            "tolerations [], nodeSelector {}, affinity {}",
+            (),
+            {"tolerations": [], "nodeSelector": {}, "affinity": {}},
+        ),
+    ),
+}
+
+# EKS creates CoreDNS (two replicas, kube-system) on a new cluster, as it does every self-managed default add-on
+# (CreateCluster bootstrapSelfManagedAddons, default true). Its Deployment tolerates only CriticalAddonsOnly and
+# the control-plane taint and requires a Linux amd64/arm64 node (the EKS CoreDNS manifest, the defaults of the
+# coredns add-on's configuration schema: `aws eks describe-addon-configuration --addon-name coredns`).
+COREDNS_PLACEMENT = Placement(
+    workload="CoreDNS",
+    source="EKS default add-on coredns (kube-system/coredns Deployment)",
+    tolerations=(
+        {"key": "CriticalAddonsOnly", "operator": "Exists"},
+        {"key": "node-role.kubernetes.io/control-plane", "effect": "NoSchedule"},
+    ),
+    affinity=((("kubernetes.io/os", "In", ("linux",)), ("kubernetes.io/arch", "In", ("amd64", "arm64"))),),
+)
+
+
+def chart_placements(chart: ChartPin, values: Mapping[str, Any]) -> list[Placement]:
+    """The chart's workloads with the values given: Helm merges maps key by key into the defaults and replaces
+    lists (tolerations) whole."""
+    out = []
+    for w in CHART_WORKLOADS[chart.chart]:
+        given: Any = values
+        for key in w.values_path:
+            given = (given or {}).get(key) or {}
+        merged = _coalesce(dict(w.defaults), {k: given[k] for k in w.defaults if k in (given or {})})
+        out.append(
+            Placement(
+                workload=f"{w.name} (chart {chart.chart} {chart.version})",
+                source=w.source,
+                tolerations=tuple(merged.get("tolerations") or ()),
+                node_selector={**w.fixed_node_selector, **(merged.get("nodeSelector") or {})},
+                affinity=affinity_terms(merged.get("affinity")),
+            )
+        )
+    return out
+
+
+def _coalesce(default: Any, given: Any) -> Any:
+    if isinstance(default, Mapping) and isinstance(given, Mapping):
+        return {k: _coalesce(default.get(k), given[k]) if k in given else default[k] for k in {*default, *given}}
+    return default if given is None else given
+
 
 # Namespaces the charts go into.
 DEVICE_PLUGIN_NAMESPACE = "kube-system"
@@ -50,8 +180,35 @@ KEDA_NAMESPACE = "keda"
 PROMETHEUS_NAMESPACE = "monitoring"
 CLUSTER_AUTOSCALER_NAMESPACE = "kube-system"
 CLUSTER_AUTOSCALER_ACCOUNT = "cluster-autoscaler"
-# The Prometheus chart's server Service, as KEDA reaches it over the cluster network.
-PROMETHEUS_URL = f"http://prometheus-server.{PROMETHEUS_NAMESPACE}.svc.cluster.local:80"
+
+
+def prometheus_server_fullname(release: str, values: Mapping[str, Any]) -> str:
+    """The name the prometheus chart gives the server's Service (and Deployment): ``prometheus.server.fullname``
+    in charts/prometheus/templates/_helpers.tpl of prometheus-community/helm-charts at prometheus-27.20.0,
+    used by templates/service.yaml. ``.Chart.Name`` is "prometheus"; sprig's ``contains A B`` is "B contains A";
+    ``trunc 63 | trimSuffix "-"`` cuts to 63 characters, then drops one trailing dash."""
+    server = values.get("server") or {}
+    override = server.get("fullnameOverride")
+    if override:
+        return _trunc63(str(override))
+    name = values.get("nameOverride") or PROMETHEUS_CHART.chart
+    server_name = server.get("name", "server")  # values.yaml: server.name
+    if name in release:
+        return _trunc63(f"{release}-{server_name}")
+    return _trunc63(f"{release}-{name}-{server_name}")
+
+
+def _trunc63(s: str) -> str:
+    s = s[:63]
+    return s[:-1] if s.endswith("-") else s
+
+
+def prometheus_url(*, release: str, namespace: str, values: Mapping[str, Any]) -> str:
+    """The server Service as KEDA reaches it over the cluster network (values.yaml: server.service.servicePort 80;
+    the chart puts objects in the release namespace unless forceNamespace is set)."""
+    port = ((values.get("server") or {}).get("service") or {}).get("servicePort", 80)
+    ns = values.get("forceNamespace") or namespace
+    return f"http://{prometheus_server_fullname(release, values)}.{ns}.svc.cluster.local:{port}"
 
 
 def device_plugin_values(*, gpu_taint: Mapping[str, str], node_selector: Mapping[str, str]) -> dict[str, Any]:
@@ -62,6 +219,16 @@ def device_plugin_values(*, gpu_taint: Mapping[str, str], node_selector: Mapping
     }
 
 
+# The server's TSDB on an emptyDir, not the chart's default PersistentVolumeClaim (server.persistentVolume.enabled:
+# true in values.yaml at 27.20.0): a new EKS cluster has no EBS CSI driver and no StorageClass, so the claim would
+# stay Pending and the server with it. KEDA reads only the last minutes of two signals; what a restart loses
+# (at most the retention) does not matter to a scale decision, and longer history is CloudWatch's (the agent
+# publishes the same signals there). retentionSize keeps the TSDB under the emptyDir's sizeLimit, so the kubelet
+# never evicts the server for exceeding it.
+PROMETHEUS_EMPTYDIR_GIB = 4
+PROMETHEUS_RETENTION_SIZE = "3GB"
+
+
 def prometheus_values() -> dict[str, Any]:
     """The server alone, scraping the annotated pods (the chart's kubernetes-pods job); short retention."""
     return {
@@ -69,8 +236,19 @@ def prometheus_values() -> dict[str, Any]:
         "prometheus-pushgateway": {"enabled": False},
         "prometheus-node-exporter": {"enabled": False},
         "kube-state-metrics": {"enabled": False},
-        "server": {"global": {"scrape_interval": "15s"}, "retention": "2d"},
+        "server": {
+            "global": {"scrape_interval": "15s"},
+            "retention": "2d",
+            "retentionSize": PROMETHEUS_RETENTION_SIZE,
+            "persistentVolume": {"enabled": False},
+            "emptyDir": {"sizeLimit": f"{PROMETHEUS_EMPTYDIR_GIB}Gi"},
+        },
     }
+
+
+PROMETHEUS_URL = prometheus_url(
+    release=PROMETHEUS_CHART.release, namespace=PROMETHEUS_NAMESPACE, values=prometheus_values()
+)
 
 
 def cluster_autoscaler_values(*, cluster_name: str, kubernetes_version: str, region: str) -> dict[str, Any]:

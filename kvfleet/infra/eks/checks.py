@@ -58,7 +58,10 @@ def check_consistency(
         *_check_startup(c, estimate),
         *_check_selectors(manifests, dep),
         *_check_scaled_object(
-            manifests, dep_name=dep.get("metadata", {}).get("name"), deployment_id=env.get(contract.ENV_DEPLOYMENT)
+            manifests,
+            dep_name=dep.get("metadata", {}).get("name"),
+            deployment_id=env.get(contract.ENV_DEPLOYMENT),
+            dep_replicas=dep.get("spec", {}).get("replicas"),
         ),
     ]
 
@@ -73,7 +76,7 @@ def _check_scheduling(
     for taint in node_taints:
         if taint.get("effect") == "PreferNoSchedule":
             continue
-        if not any(_tolerates(t, taint) for t in tolerations):
+        if not any(tolerates(t, taint) for t in tolerations):
             shown = f"{taint.get('key')}={taint.get('value') or ''}:{taint.get('effect')}"
             problems.append(f"node taint {shown} is not tolerated by the pod")
     if node_labels is not None:
@@ -177,7 +180,9 @@ def _check_selectors(manifests: Sequence[Mapping[str, Any]], dep: Mapping[str, A
     ]
 
 
-def _check_scaled_object(manifests: Sequence[Mapping[str, Any]], *, dep_name: Any, deployment_id: Any) -> list[str]:
+def _check_scaled_object(
+    manifests: Sequence[Mapping[str, Any]], *, dep_name: Any, deployment_id: Any, dep_replicas: Any = None
+) -> list[str]:
     """One ScaledObject scales the Deployment, with one trigger per scaling signal of this deployment."""
     so = _one(manifests, "ScaledObject")
     if so is None:
@@ -187,6 +192,12 @@ def _check_scaled_object(manifests: Sequence[Mapping[str, Any]], *, dep_name: An
     ref = spec.get("scaleTargetRef", {})
     if ref.get("name") != dep_name or ref.get("kind", "Deployment") != "Deployment":
         problems.append(f"the ScaledObject scales {ref.get('kind', 'Deployment')}/{ref.get('name')}, not {dep_name}")
+    if dep_replicas is not None:
+        # Kubernetes docs, Horizontal Pod Autoscaling, "Migrating Deployments and StatefulSets to horizontal
+        # autoscaling": remove spec.replicas, or each apply resets what the autoscaler chose.
+        problems.append(
+            f"the Deployment sets spec.replicas {dep_replicas}: every stack update would reset the autoscaled count"
+        )
     if not deployment_id:
         return [*problems, f"the serving container sets no {contract.ENV_DEPLOYMENT}"]
     expected = {s.prometheus_name: TRIGGER_METRIC_TYPES[s.name] for s in contract.SCALING_SIGNALS}
@@ -211,7 +222,7 @@ def _check_scaled_object(manifests: Sequence[Mapping[str, Any]], *, dep_name: An
     return problems
 
 
-def _tolerates(toleration: Mapping[str, Any], taint: Mapping[str, Any]) -> bool:
+def tolerates(toleration: Mapping[str, Any], taint: Mapping[str, Any]) -> bool:
     """Kubernetes' matching rule: empty effect matches every effect; Exists ignores the value; an empty
     key with Exists matches every taint."""
     effect = toleration.get("effect") or ""

@@ -315,7 +315,9 @@ def deployment(r: ResolvedDeployment, opts: WorkloadOptions) -> Manifest:
             # No replicas: the ScaledObject's HPA owns the scale. Kubernetes' "Migrating Deployments and
             # StatefulSets to horizontal autoscaling" (Horizontal Pod Autoscaling): with spec.replicas in the
             # manifest, every apply (the kubectl provider's update is `kubectl apply`) scales back to that value.
-            # The first rollout starts at the default 1 and KEDA raises it to minReplicaCount.
+            # The first rollout starts at the default 1 and KEDA raises it to minReplicaCount. A stack deployed
+            # with replicas drops to 1 once on the update that removes it (the same page: run `kubectl apply
+            # edit-last-applied` on the Deployment first to avoid that).
             "revisionHistoryLimit": 3,
             # A rollout waits for new pods to load the model (and maybe for a node): the default 600 s
             # would report a healthy slow rollout as failed.

@@ -8,14 +8,20 @@ Choices, and why:
 - The add-ons (device plugin, KEDA, Prometheus, Cluster Autoscaler) are pinned Helm charts, each chosen in
   ``kvfleet.infra.eks.addons``; the manifests are plain data from ``kvfleet.infra.eks.manifests``, checked at
   synth by ``kvfleet.infra.eks.checks``.
+- A new cluster gets two node groups: the GPU one (tainted, so only GPU pods land there) and a small untainted
+  one for CoreDNS and the add-ons, none of which tolerates that taint. Synth checks that every workload has a
+  node group it schedules on (``kvfleet.infra.eks.scheduling``) and that the VPC endpoints admit the nodes
+  (``kvfleet.infra.eks.access``); node disks are sized in ``kvfleet.infra.eks.nodes``.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
-from aws_cdk import Aws, CfnJson
+from aws_cdk import Aws, CfnJson, Stack
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_eks_v2 as eks
 from aws_cdk import aws_iam as iam
@@ -26,8 +32,8 @@ from kvfleet.config.targets import EksTarget, ExistingCluster
 from kvfleet.deployments import ResolvedDeployment
 from kvfleet.errors import KvfleetError
 from kvfleet.infra.context import ServingContext
+from kvfleet.infra.eks import access, checks, nodes, scheduling
 from kvfleet.infra.eks import addons as charts
-from kvfleet.infra.eks import checks
 from kvfleet.infra.eks import manifests as k8s
 from kvfleet.infra.iam import grant_model_read, grant_token_read, put_metric_data
 from kvfleet.infra.images import serving_image
@@ -66,6 +72,7 @@ class EksService(Construct):
     kubectl_provider: eks.IKubectlProvider
     kubectl_access: eks.AccessEntry | None
     nodegroup: eks.Nodegroup
+    system_nodegroup: eks.Nodegroup | None
     device_plugin: eks.HelmChart | None
     keda: eks.HelmChart | None
     prometheus: eks.HelmChart | None
@@ -80,9 +87,12 @@ class EksService(Construct):
         assert isinstance(target, EksTarget)
         identity = self._cluster(target, context.network)
         self._nodegroup(r, context.network)
+        self._system_nodegroup(target, context.network)
         serving, image = self._serving_identity(r, target, identity, context.region)
         self._addons(target, identity)
         self._workload(r, target, serving, image)
+        self._check_placements(r, target)
+        self._check_endpoint_access()
         self._acknowledge_cdk_internals()
         self.platform_metrics = PlatformMetrics()  # replicas counted from their signals
         self.outputs = {"ClusterName": self.cluster.cluster_name}
@@ -129,6 +139,14 @@ class EksService(Construct):
             "The managed policy EKS requires for the cluster's service role.",
         )
         assert created.kubectl_provider is not None
+        endpoints_sg = getattr(network, "endpoint_security_group", None)  # a new VPC's interface endpoints
+        if endpoints_sg is not None:
+            # Managed node groups without a launch template carry only the cluster security group EKS creates
+            # (EKS user guide, "View Amazon EKS security group requirements for clusters"); the nodes pull
+            # images and the pods call CloudWatch and Secrets Manager through these endpoints.
+            endpoints_sg.add_ingress_rule(
+                created.cluster_security_group, ec2.Port.tcp(access.HTTPS), "HTTPS from the EKS nodes"
+            )
         # jsii's generated ICluster protocol lists a member its own Cluster class lacks in Python.
         return cast(eks.ICluster, created), created.kubectl_provider
 
@@ -196,10 +214,117 @@ class EksService(Construct):
             instance_types=[ec2.InstanceType(r.candidate.instance.name)],
             min_size=max(1, math.ceil(s.min_replicas / per_node)),
             max_size=max(1, math.ceil(s.max_replicas / per_node)),
-            disk_size=r.disk_gib,
+            disk_size=nodes.gpu_node_disk_gib(model_cache_gib=k8s.model_cache_gib(r), pods_per_node=per_node),
             labels=gpu_node_labels(r),
             taints=[eks.TaintSpec(effect=eks.TaintEffect.NO_SCHEDULE, key=GPU_TAINT["key"], value=GPU_TAINT["value"])],
         )
+
+    def _system_nodegroup(self, target: EksTarget, network: ServingNetwork) -> None:
+        """A new cluster's untainted nodes for CoreDNS and the add-ons, none of which tolerates the GPU taint. An
+        existing cluster brings its own (ExistingCluster says so)."""
+        self.system_nodegroup = None
+        if target.cluster is not None:
+            return
+        self.system_nodegroup = eks.Nodegroup(
+            self,
+            "System",
+            cluster=self.cluster,
+            subnets=network.subnet_selection,
+            ami_type=eks.NodegroupAmiType.AL2023_X86_64_STANDARD,
+            instance_types=[ec2.InstanceType(nodes.SYSTEM_INSTANCE_TYPE)],
+            min_size=nodes.SYSTEM_NODES,
+            max_size=nodes.SYSTEM_NODES,
+            desired_size=nodes.SYSTEM_NODES,
+            labels=dict([nodes.SYSTEM_NODE_LABEL]),
+        )
+
+    def node_pools(self, r: ResolvedDeployment, target: EksTarget) -> list[scheduling.NodePool]:
+        """The nodes as the scheduler sees them: labels (the node group's and the kubelet's) and taints."""
+        gpu = scheduling.NodePool(
+            name=f"GPU node group ({r.candidate.instance.name})",
+            labels={**scheduling.kubelet_labels(r.candidate.instance.name), **gpu_node_labels(r)},
+            taints=(GPU_TAINT,),
+        )
+        if target.cluster is not None:
+            # Documented in ExistingCluster: the cluster has untainted Linux x86_64 nodes of its own.
+            general = scheduling.NodePool(
+                name=f"cluster {target.cluster.name}'s own nodes",
+                labels={scheduling.OS_LABEL: "linux", scheduling.ARCH_LABEL: "amd64"},
+            )
+        else:
+            general = scheduling.NodePool(
+                name=f"system node group ({nodes.SYSTEM_INSTANCE_TYPE})",
+                labels={**scheduling.kubelet_labels(nodes.SYSTEM_INSTANCE_TYPE), **dict([nodes.SYSTEM_NODE_LABEL])},
+            )
+        return [gpu, general]
+
+    def placements(self, target: EksTarget) -> list[scheduling.Placement]:
+        """Every workload the stack installs, with the scheduling constraints it will run with."""
+        out = [] if target.cluster is not None else [charts.COREDNS_PLACEMENT]  # EKS adds it to a new cluster
+        for chart in (self.device_plugin, self.keda, self.prometheus, self.cluster_autoscaler):
+            if chart is not None:
+                pin = next(p for p in _PINS if p.chart == chart.chart)
+                out += charts.chart_placements(pin, self._chart_values[pin.chart])
+        [dep] = [m for m in self.manifests if m["kind"] == "Deployment"]
+        pod = dep["spec"]["template"]["spec"]
+        out.append(scheduling.pod_placement("the serving pods", "kvfleet.infra.eks.manifests.deployment", pod))
+        return out
+
+    def _check_placements(self, r: ResolvedDeployment, target: EksTarget) -> None:
+        """Every workload has a node group it can schedule on, or synth fails."""
+        problems = scheduling.check_placements(self.placements(target), self.node_pools(r, target))
+        if problems:
+            raise KvfleetError("; ".join(problems), field=f"deployments.{r.deployment.name}.target")
+
+    def _check_endpoint_access(self) -> None:
+        """Every node group's security group is admitted on 443 by the endpoints its nodes and pods call, or synth
+        fails (kvfleet.infra.eks.access)."""
+        stack = Stack.of(self)
+
+        def ref(value: Any) -> str:  # a CloudFormation value, comparable: the same group reads the same
+            return json.dumps(stack.resolve(value), sort_keys=True)
+
+        endpoints: list[access.Endpoint] = []
+        rules: list[access.IngressRule] = []
+        for c in stack.node.find_all():
+            if isinstance(c, ec2.CfnVPCEndpoint) and c.vpc_endpoint_type == "Interface":
+                endpoints.append(
+                    access.Endpoint(
+                        name=c.node.path,
+                        service=_endpoint_service(stack.resolve(c.service_name)),
+                        security_groups=tuple(ref(g) for g in stack.resolve(c.security_group_ids) or ()),
+                    )
+                )
+            elif isinstance(c, ec2.CfnSecurityGroupIngress):
+                source = c.source_security_group_id
+                rules.append(
+                    access.IngressRule(
+                        group=ref(c.group_id),
+                        source_group=None if source is None else ref(source),
+                        protocol=str(c.ip_protocol),
+                        from_port=_int(stack.resolve(c.from_port)),
+                        to_port=_int(stack.resolve(c.to_port)),
+                    )
+                )
+            elif isinstance(c, ec2.CfnSecurityGroup):
+                for inline in stack.resolve(c.security_group_ingress) or ():  # CDK's inline rules
+                    rules.append(_inline_rule(ref(c.attr_group_id), inline, ref))
+        callers = []
+        for group in (self.nodegroup, self.system_nodegroup):
+            if group is None:
+                continue
+            cfn = group.node.default_child
+            assert isinstance(cfn, eks.CfnNodegroup) and cfn.launch_template is None  # so: the cluster group only
+            callers.append(
+                access.Caller(
+                    name=f"the nodes of {group.node.path}",
+                    security_groups=(ref(self.cluster.cluster_security_group_id),),
+                    services=access.NODE_SERVICES,
+                )
+            )
+        problems = access.check_endpoint_access(callers, endpoints, rules)
+        if problems:
+            raise KvfleetError("; ".join(problems), field="network")
 
     # ---- the pods' identity: the image, the model and the token, nothing else ------------------------------
 
@@ -241,6 +366,7 @@ class EksService(Construct):
     def _addons(self, target: EksTarget, identity: eks.IdentityType) -> None:
         """The add-ons the config asks for: a new cluster gets all of them, an existing one what it lacks."""
         addons = target.addons
+        self._chart_values: dict[str, dict[str, Any]] = {}
         self.device_plugin = (
             self._chart(
                 "DevicePlugin",
@@ -354,6 +480,7 @@ class EksService(Construct):
         return self._kubectl(eks.KubernetesManifest(self, f"Manifest{id}", cluster=self.cluster, manifest=[manifest]))
 
     def _chart(self, id: str, chart: charts.ChartPin, namespace: str, values: dict[str, Any]) -> eks.HelmChart:
+        self._chart_values[chart.chart] = values
         return self._kubectl(
             eks.HelmChart(
                 self,
@@ -362,6 +489,7 @@ class EksService(Construct):
                 chart=chart.chart,
                 repository=chart.repository,
                 version=chart.version,
+                release=chart.release,
                 namespace=namespace,
                 create_namespace=True,
                 values=values,
@@ -396,9 +524,38 @@ class EksService(Construct):
             f"AwsSolutions-IAM5[Resource::<{logical_id(handler)}.Arn>:*]",
             why + "its framework invokes the handler's versions.",
         )
-        for policy in ("AmazonEKSWorkerNodePolicy", "AmazonEKS_CNI_Policy", "AmazonEC2ContainerRegistryReadOnly"):
-            acknowledge(
-                self.nodegroup,
-                f"AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/{policy}]",
-                "The managed policies EKS requires for worker nodes (kubelet, VPC CNI, image pulls).",
-            )
+        for group in (self.nodegroup, self.system_nodegroup):
+            for policy in ("AmazonEKSWorkerNodePolicy", "AmazonEKS_CNI_Policy", "AmazonEC2ContainerRegistryReadOnly"):
+                if group is not None:
+                    acknowledge(
+                        group,
+                        f"AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/{policy}]",
+                        "The managed policies EKS requires for worker nodes (kubelet, VPC CNI, image pulls).",
+                    )
+
+
+_PINS = (charts.DEVICE_PLUGIN_CHART, charts.KEDA_CHART, charts.PROMETHEUS_CHART, charts.CLUSTER_AUTOSCALER_CHART)
+
+
+def _endpoint_service(name: Any) -> str:
+    """The service of an endpoint's ServiceName, com.amazonaws.<region>.<service>, as CDK writes it (a join on
+    the region reference, or a plain string)."""
+    if isinstance(name, dict) and "Fn::Join" in name:
+        parts = name["Fn::Join"][1]
+        return str(parts[-1]).lstrip(".")
+    return str(name).split(".", 3)[-1]
+
+
+def _inline_rule(group: str, inline: dict[str, Any], ref: Callable[[Any], str]) -> access.IngressRule:
+    source = inline.get("SourceSecurityGroupId", inline.get("sourceSecurityGroupId"))
+    return access.IngressRule(
+        group=group,
+        source_group=None if source is None else ref(source),
+        protocol=str(inline.get("IpProtocol", inline.get("ipProtocol"))),
+        from_port=_int(inline.get("FromPort", inline.get("fromPort"))),
+        to_port=_int(inline.get("ToPort", inline.get("toPort"))),
+    )
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) else None

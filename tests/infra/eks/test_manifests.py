@@ -426,7 +426,22 @@ def test_pod_is_scraped_and_mounts_shm_and_the_model_cache(small: ResolvedDeploy
     mounts = {m["mountPath"]: m["name"] for m in spec["containers"][0]["volumeMounts"]}
     assert mounts == {"/dev/shm": "dshm", "/home/kvfleet/.cache/huggingface": "model-cache"}
     assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
-    assert dep["spec"]["replicas"] == small.initial_instance_count
+    assert "replicas" not in dep["spec"]  # the HPA's (see test_the_autoscaler_owns_the_replica_count)
+
+
+def test_the_autoscaler_owns_the_replica_count(small: ResolvedDeployment) -> None:
+    # Kubernetes docs (Horizontal Pod Autoscaling, "Migrating Deployments and StatefulSets to horizontal
+    # autoscaling"): with an HPA, spec.replicas is left out of the manifest, or every apply of it (the kubectl
+    # provider applies each stack update with `kubectl apply`) scales the Deployment back to that value.
+    ms = k8s.manifests(small, OPTS)
+    assert "replicas" not in by_kind(ms, "Deployment")["spec"]
+    assert problems(small, ms) == []
+    # The broken variant: the manifest the stack used to apply.
+    by_kind(ms, "Deployment")["spec"]["replicas"] = small.initial_instance_count
+    assert problems(small, ms) == [
+        f"the Deployment sets spec.replicas {small.initial_instance_count}: every stack update would reset the "
+        "autoscaled count"
+    ]
 
 
 def test_container_environment_is_the_resolved_one_sorted(small: ResolvedDeployment) -> None:

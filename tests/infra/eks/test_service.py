@@ -61,15 +61,20 @@ def applied_manifest(t: Template, kind: str) -> dict[str, Any]:
 
 def test_private_cluster_with_logging_and_no_auto_mode(template: Template) -> None:
     [c] = props(template, "AWS::EKS::Cluster")
-    assert c["Version"] == "1.33"
+    assert c["Version"] == "1.35"
     vpc = c["ResourcesVpcConfig"]
     assert vpc["EndpointPrivateAccess"] is True and vpc["EndpointPublicAccess"] is False
     assert len(c["Logging"]["ClusterLogging"]["EnabledTypes"]) == 5
     assert c["ComputeConfig"]["Enabled"] is False
 
 
+def gpu_nodegroup(t: Template) -> dict[str, Any]:
+    [ng] = [n for n in props(t, "AWS::EKS::Nodegroup") if n["AmiType"] == "AL2023_x86_64_NVIDIA"]
+    return ng
+
+
 def test_gpu_node_group_from_the_plan(template: Template) -> None:
-    [ng] = props(template, "AWS::EKS::Nodegroup")
+    ng = gpu_nodegroup(template)
     [r] = resolve_environment(environment(PLATFORM))
     assert ng["AmiType"] == "AL2023_x86_64_NVIDIA"
     assert ng["InstanceTypes"] == [r.candidate.instance.name]
@@ -79,15 +84,15 @@ def test_gpu_node_group_from_the_plan(template: Template) -> None:
         "kvfleet.io/deployment": "platform-coder",
         "nvidia.com/gpu.present": "true",
     }
-    assert ng["DiskSize"] == r.disk_gib
     per_node = r.candidate.instance.accelerator_count // r.candidate.tensor_parallel_size
     assert ng["ScalingConfig"]["MaxSize"] == -(-6 // per_node)
 
 
 def test_pinned_helm_charts(template: Template) -> None:
     charts = {c["Chart"]: c for c in props(template, "Custom::AWSCDK-EKS-HelmChart")}
-    for name, repo, version in (DEVICE_PLUGIN_CHART, KEDA_CHART, PROMETHEUS_CHART, CLUSTER_AUTOSCALER_CHART):
+    for name, repo, version, release in (DEVICE_PLUGIN_CHART, KEDA_CHART, PROMETHEUS_CHART, CLUSTER_AUTOSCALER_CHART):
         assert charts[name]["Version"] == version and charts[name]["Repository"] == repo
+        assert charts[name]["Release"] == release
     plugin = json.loads(charts["nvidia-device-plugin"]["Values"])
     assert plugin["tolerations"][0]["key"] == GPU_TAINT["key"]  # it must run on the tainted GPU nodes
 
@@ -101,7 +106,7 @@ def test_the_device_plugin_daemonset_can_land_on_the_gpu_nodes(template: Templat
         ("feature.node.kubernetes.io/cpu-model.vendor_id", "NVIDIA"),
         ("nvidia.com/gpu.present", "true"),
     ]
-    [ng] = props(template, "AWS::EKS::Nodegroup")
+    ng = gpu_nodegroup(template)
     assert any(ng["Labels"].get(key) == value for key, value in chart_affinity_terms)
     charts = {c["Chart"]: c for c in props(template, "Custom::AWSCDK-EKS-HelmChart")}
     plugin = json.loads(charts["nvidia-device-plugin"]["Values"])
@@ -111,7 +116,7 @@ def test_the_device_plugin_daemonset_can_land_on_the_gpu_nodes(template: Templat
 
 def test_cluster_autoscaler_matches_the_clusters_minor_version(template: Template) -> None:
     [chart] = [c for c in props(template, "Custom::AWSCDK-EKS-HelmChart") if c["Chart"] == "cluster-autoscaler"]
-    assert '\\"image\\":{\\"tag\\":\\"v1.33.' in json.dumps(chart["Values"])  # platform.yaml runs 1.33
+    assert '\\"image\\":{\\"tag\\":\\"v1.35.' in json.dumps(chart["Values"])  # platform.yaml runs 1.35
     # Every Kubernetes version a config may name has an autoscaler of the same minor version.
     versions = EksTarget.model_fields["kubernetes_version"].annotation.__args__  # type: ignore[union-attr]
     assert sorted(CLUSTER_AUTOSCALER_IMAGE_TAGS) == sorted(versions)
@@ -335,7 +340,7 @@ def test_a_new_cluster_cannot_leave_out_keda() -> None:
     from kvfleet.errors import ConfigError
 
     text = PLATFORM.replace(
-        '      kubernetes_version: "1.33"\n', '      kubernetes_version: "1.33"\n      addons:\n        keda: false\n'
+        '      kubernetes_version: "1.35"\n', '      kubernetes_version: "1.35"\n      addons:\n        keda: false\n'
     )
     with pytest.raises(ConfigError) as err:
         environment(text)
