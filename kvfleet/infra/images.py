@@ -21,6 +21,7 @@ from constructs import Construct
 from kvfleet import contract, versions
 from kvfleet.deployments import ResolvedDeployment
 from kvfleet.errors import KvfleetError
+from kvfleet.infra.cuda import CudaVersion, image_cuda
 from kvfleet.infra.iam import ECR_PULL_ACTIONS
 
 _URI = re.compile(r"^(?P<account>\d{12})\.dkr\.ecr\.(?P<region>[a-z0-9-]+)\.amazonaws\.com(\.cn)?/(?P<repo>[^:@]+)")
@@ -49,6 +50,11 @@ class DlcImage:
     version: str  # the DLC release
     engine_version: str
     by_region: tuple[tuple[str, EcrImage], ...]
+
+    @property
+    def cuda(self) -> CudaVersion | None:
+        """The CUDA the release is built for, from its tag (cu130 -> (13, 0))."""
+        return image_cuda(self.by_region[0][1].uri) if self.by_region else None
 
     def in_region(self, region: str) -> EcrImage:
         for r, img in self.by_region:
@@ -86,8 +92,9 @@ def dlc_image(*, engine: str, engine_version: str, instance_type: str) -> DlcIma
         want = versions.normalize(engine_version)
         if want not in releases:
             raise KvfleetError(
-                f"no AWS vLLM container for vLLM {engine_version}; published: {', '.join(sorted(releases, key=versions.sort_key))}"
-                " (pin engine.version to one of them, or build containers/vllm and use image.source kvfleet)",
+                f"no AWS vLLM container for vLLM {engine_version}; published: "
+                f"{', '.join(sorted(releases, key=versions.sort_key))} (pin engine.version to one of them, or build "
+                "containers/Dockerfile and use image.source kvfleet)",
                 field="engine.version",
             )
         dlc_version = want
@@ -105,7 +112,7 @@ def dlc_image(*, engine: str, engine_version: str, instance_type: str) -> DlcIma
             raise KvfleetError(
                 f"no AWS DJL container bundles TensorRT-LLM {engine_version}; bundled: "
                 f"{', '.join(sorted(bundled, key=versions.sort_key))} (pin engine.version to one of them, or build "
-                "containers/trtllm and use image.source kvfleet)",
+                "containers/Dockerfile with --build-arg ENGINE=trtllm and use image.source kvfleet)",
                 field="engine.version",
             )
         dlc_version = bundled[want]
@@ -122,6 +129,28 @@ def dlc_image(*, engine: str, engine_version: str, instance_type: str) -> DlcIma
         uri = f"{registries[region]}.dkr.ecr.{region}.amazonaws.com{tail}"
         rows.append((region, parse_ecr_uri(uri)))
     return DlcImage(framework=framework, version=dlc_version, engine_version=engine_version, by_region=tuple(rows))
+
+
+def serving_image_cuda(r: ResolvedDeployment) -> CudaVersion | None:
+    """The CUDA the deployment's image needs: a DLC's from its tag; a kvfleet image's (source kvfleet, or a uri,
+    whose tag the loader holds to the kvfleet format) from a cuXYZ in its tag's build id, else from its base, the
+    DLC of the same engine release (containers/Dockerfile's BASE_IMAGE). None when unknown: a kvfleet
+    TensorRT-LLM image (NVIDIA's base tag does not name its CUDA)."""
+    img = r.deployment.image
+    if img.source == "uri":
+        assert img.uri is not None
+        if (named := image_cuda(img.uri.split("@")[0])) is not None:
+            return named
+    if img.source != "dlc" and r.engine != "vllm":
+        return None
+    sm_type = r.instance_type if r.instance_type.startswith("ml.") else f"ml.{r.instance_type}"
+    try:
+        dlc = dlc_image(engine=r.engine, engine_version=r.deployment.engine.version, instance_type=sm_type)
+    except KvfleetError:
+        if img.source == "dlc":
+            raise
+        return None  # a kvfleet image of a release AWS publishes no DLC for: built on another base
+    return dlc.cuda
 
 
 def serving_image(scope: Construct, r: ResolvedDeployment, policy: iam.Policy, region: str | None) -> str:

@@ -73,7 +73,8 @@ def test_bad_notification_settings_point_at_their_line(block: str, message: str)
         environment(with_notifications(block))
     [line] = info.value.lines
     text = with_notifications(block)
-    field = message.split(":")[0].split(".")[-1] if message.startswith("notifications.") else "emails"
+    named = message.startswith("notifications.")
+    field = message.split(":", maxsplit=1)[0].rsplit(".", maxsplit=1)[-1] if named else "emails"
     lineno = next(n for n, row in enumerate(text.splitlines(), 1) if row.strip().startswith(f"{field}:"))
     assert message in line and line.startswith(f"test.yaml:{lineno}: notifications.")
 

@@ -61,3 +61,39 @@ def test_parse_ecr_uri() -> None:
     assert (e.account, e.region, e.repository) == ("123456789012", "eu-west-1", "team/kvfleet-vllm")
     with pytest.raises(KvfleetError, match="not an ECR image URI"):
         parse_ecr_uri("docker.io/vllm/vllm-openai:latest")
+
+
+def test_dlc_cuda_comes_from_its_tag(vllm: object) -> None:
+    from kvfleet.infra.images import DlcImage
+
+    assert isinstance(vllm, DlcImage)
+    assert vllm.cuda == (13, 0)  # vllm:0.30.0-gpu-py312-cu130-ubuntu24.04-sagemaker
+    djl = dlc_image(engine="trtllm", engine_version="0.21.0", instance_type="ml.p5.48xlarge")
+    assert djl.cuda == (12, 8)  # djl-inference:0.33.0-tensorrtllm0.21.0-cu128
+
+
+URI = "    image:\n      source: uri\n      uri: 123456789012.dkr.ecr.us-east-1.amazonaws.com/kvfleet-vllm:{tag}\n"
+
+
+@pytest.mark.parametrize(
+    ("image", "want"),
+    [
+        ("    image:\n      source: dlc\n", (13, 0)),
+        ("", (13, 0)),  # the kvfleet image inherits its base DLC's CUDA
+        (URI.format(tag="0.30.0-kvfleet1-cu128"), (12, 8)),  # a build on another base says so in its build id
+        (URI.format(tag="0.30.0-kvfleet1"), (13, 0)),
+    ],
+    ids=["dlc", "kvfleet", "uri-cu128", "uri-kvfleet"],
+)
+def test_serving_image_cuda(image: str, want: tuple[int, int] | None) -> None:
+    from kvfleet import contract
+    from kvfleet.deployments import resolve_environment
+    from kvfleet.infra.images import serving_image_cuda
+    from tests.envs import SAGEMAKER_ENV, environment
+
+    text = SAGEMAKER_ENV.replace("      hf_token_secret: kvfleet/hf-token\n", "").replace(
+        "max_replicas: 4", "max_replicas: 1"
+    )
+    text += image.replace("kvfleet1", f"kvfleet{contract.CONTRACT_VERSION}")
+    [r] = resolve_environment(environment(text))
+    assert serving_image_cuda(r) == want

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from aws_cdk import Aws
+from aws_cdk import Aws, Token
 from aws_cdk import aws_applicationautoscaling as appscaling
 from aws_cdk import aws_cloudwatch as cw
 from aws_cdk import aws_iam as iam
@@ -13,13 +13,31 @@ from constructs import Construct
 from kvfleet.config.targets import SageMakerTarget
 from kvfleet.deployments import ResolvedDeployment
 from kvfleet.infra.context import ServingContext
+from kvfleet.infra.cuda import HostChoice, host_for_image
 from kvfleet.infra.iam import grant_model_read, grant_token_read, put_metric_data
-from kvfleet.infra.images import serving_image
+from kvfleet.infra.images import serving_image, serving_image_cuda
 from kvfleet.infra.metrics import PERIOD, PlatformMetrics
 from kvfleet.infra.nag import acknowledge
 from kvfleet.infra.scaling import scale_scalable_target
+from kvfleet.sizing.hardware import AcceleratorKind
 
 VARIANT = "AllTraffic"
+
+# The agent builds its AWS clients from AWS_REGION / AWS_DEFAULT_REGION. SageMaker hosting documents no region
+# variable in the container's environment (its documented ones are SAGEMAKER_*), so the model sets it itself.
+REGION_VARIABLE = "AWS_REGION"
+
+# What an update keeps from the running endpoint (UpdateEndpoint RetainAllVariantProperties): the instance
+# count, which Application Auto Scaling owns once the variant scales; the weight and data capture come from the
+# plan (ExcludeRetainedVariantProperties). A fixed-size variant retains nothing: the plan's count wins.
+# Source: SageMaker API Reference, UpdateEndpoint and VariantProperty; botocore shape VariantPropertyType.
+RETAINED_WHEN_SCALING = ("DesiredInstanceCount",)
+VARIANT_PROPERTIES = ("DesiredInstanceCount", "DesiredWeight", "DataCaptureConfig")
+
+# SageMaker developer guide, "Update endpoints that use auto scaling"
+# (https://docs.aws.amazon.com/sagemaker/latest/dg/endpoint-scaling-update.html): an update that changes the
+# instance type of a variant registered with Application Auto Scaling fails; the variant must be deregistered
+# first. The README's SageMaker section gives the two-deploy change (scaling range closed, then reopened).
 
 
 class SageMakerEndpoint(Construct):
@@ -32,6 +50,7 @@ class SageMakerEndpoint(Construct):
     endpoint_config: sagemaker.CfnEndpointConfig
     endpoint: sagemaker.CfnEndpoint
     endpoint_name: str
+    host: HostChoice | None
     scalable_target: appscaling.ScalableTarget | None
 
     def __init__(self, scope: Construct, id: str, *, context: ServingContext) -> None:
@@ -46,7 +65,22 @@ class SageMakerEndpoint(Construct):
         model_data = self._model_access(r, target, policy)
         self.key = None if local_storage else self._storage_key(r)
         self._model(r, target, context, image_uri=image_uri, model_data=model_data, policy=policy)
-        self._endpoint_config(r, local_storage=local_storage)
+        gpu = _gpu(r)
+        # The NVIDIA driver comes with the host AMI: the one that runs the image's CUDA (None: not a GPU).
+        self.host = (
+            host_for_image(
+                platform="sagemaker",
+                image=image_uri
+                if not Token.is_unresolved(image_uri)
+                else f"({r.deployment.image.source} image of {r.engine} {r.deployment.engine.version})",
+                cuda=serving_image_cuda(r),
+                pinned=target.inference_ami_version,
+                gpu=gpu,
+            )
+            if gpu
+            else None
+        )
+        self._endpoint_config(r, local_storage=local_storage, host=self.host)
         self._endpoint(r, target, rollback_alarms=list(context.rollback_alarms))
         self.platform_metrics = PlatformMetrics(
             errors_4xx=self._endpoint_metric("Invocation4XXErrors", "4xx (SageMaker)"),
@@ -156,7 +190,10 @@ class SageMakerEndpoint(Construct):
             execution_role_arn=self.role.role_arn,
             primary_container=sagemaker.CfnModel.ContainerDefinitionProperty(
                 image=image_uri,
-                environment=r.container_environment(isolated=target.network_isolation),
+                environment={
+                    **r.container_environment(isolated=target.network_isolation),
+                    REGION_VARIABLE: Aws.REGION,
+                },
                 model_data_source=model_data,
             ),
             vpc_config=sagemaker.CfnModel.VpcConfigProperty(
@@ -168,14 +205,16 @@ class SageMakerEndpoint(Construct):
         # CreateModel checks that the role can pull the image: the policy must exist first.
         self.model.node.add_dependency(policy)
 
-    def _endpoint_config(self, r: ResolvedDeployment, *, local_storage: bool) -> None:
-        """One variant on the plan's instance type, with timeouts from the startup estimate."""
+    def _endpoint_config(self, r: ResolvedDeployment, *, local_storage: bool, host: HostChoice | None) -> None:
+        """One variant on the plan's instance type, on the inference AMI whose NVIDIA driver runs the image's
+        CUDA (SageMaker's default hosts run driver 470 or 535), with timeouts from the startup estimate."""
         variant = sagemaker.CfnEndpointConfig.ProductionVariantProperty(
             variant_name=VARIANT,
             model_name=self.model.attr_model_name,
             instance_type=r.instance_type,
             initial_instance_count=r.initial_instance_count,
             initial_variant_weight=1.0,
+            inference_ami_version=host.host.setting if host else None,
             # SageMaker accepts a volume size only for instance types without local storage.
             volume_size_in_gb=None if local_storage else r.disk_gib,
             model_data_download_timeout_in_seconds=r.download_timeout_s,
@@ -189,11 +228,21 @@ class SageMakerEndpoint(Construct):
         )
 
     def _endpoint(self, r: ResolvedDeployment, target: SageMakerTarget, *, rollback_alarms: list[cw.IAlarm]) -> None:
+        scales = _scales(r)
+        retained = RETAINED_WHEN_SCALING if scales else ()
         self.endpoint = sagemaker.CfnEndpoint(
             self,
             "Endpoint",
             endpoint_config_name=self.endpoint_config.attr_endpoint_config_name,
             deployment_config=_deployment_config(r, target, rollback_alarms),
+            retain_all_variant_properties=bool(retained),
+            exclude_retained_variant_properties=[
+                sagemaker.CfnEndpoint.VariantPropertyProperty(variant_property_type=p)
+                for p in VARIANT_PROPERTIES
+                if p not in retained
+            ]
+            if retained
+            else None,
         )
         self.endpoint_name = self.endpoint.attr_endpoint_name
 
@@ -203,7 +252,7 @@ class SageMakerEndpoint(Construct):
         """The variant's instance count tracks the KV-cache and queue signals (none for a fixed size)."""
         self.scalable_target = None
         s = r.deployment.scaling
-        if s.max_replicas <= s.min_replicas:
+        if not _scales(r):
             return
         self.scalable_target = appscaling.ScalableTarget(
             self,
@@ -225,6 +274,20 @@ class SageMakerEndpoint(Construct):
             period=PERIOD,
             label=label,
         )
+
+
+def _gpu(r: ResolvedDeployment) -> tuple[str, float] | None:
+    """The NVIDIA GPU (name, compute capability) the variant runs on; None for other accelerators, which take
+    no GPU inference AMI."""
+    acc = r.candidate.instance.accelerator
+    if acc.kind != AcceleratorKind.GPU or acc.compute_capability is None:
+        return None
+    return acc.model, acc.compute_capability
+
+
+def _scales(r: ResolvedDeployment) -> bool:
+    s = r.deployment.scaling
+    return s.max_replicas > s.min_replicas
 
 
 def _deployment_config(

@@ -18,7 +18,7 @@ from kvfleet.deployments import ResolvedDeployment, resolve_environment
 from kvfleet.engines import EngineArgs
 from kvfleet.infra.app import build_app
 from kvfleet.infra.stack import DeploymentStack
-from tests.infra.helpers import SAGEMAKER_ENV, environment, make_app, only, props, synth
+from tests.infra.helpers import REPO, SAGEMAKER_ENV, environment, make_app, only, props, synth
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,8 @@ def test_container_environment_carries_the_engine_settings(template: Template) -
     assert env[contract.ENV_TOKEN_BUDGET] == str(r.candidate.capacity.kv_cache_tokens)
     assert env[contract.ENV_MODEL] == "meta-llama/Llama-3.1-8B"
     assert env[contract.ENV_HF_TOKEN_SECRET_ARN] == "kvfleet/hf-token"
-    assert all(isinstance(v, str) for v in env.values())
+    # Every value a string, but the region: the stack's own (a Ref, resolved at deploy time).
+    assert all(isinstance(v, str) for k, v in env.items() if k != "AWS_REGION")
 
 
 def test_image_is_the_kvfleet_repository_at_the_engine_version(template: Template) -> None:
@@ -124,12 +125,20 @@ def test_local_nvme_instance_gets_no_volume_and_no_kms_key(template: Template) -
     template.resource_count_is("AWS::KMS::Key", 0)
 
 
+def alerts_for(app: cdk.App, r: ResolvedDeployment) -> Any:
+    """The environment's alerts stack, which a deployment stack notifies (as build_app makes it)."""
+    from kvfleet.infra.alerts import AlertsStack
+
+    return AlertsStack(app, "Alerts", environment=r.environment)
+
+
 def ebs_only_template() -> tuple[Template, ResolvedDeployment]:
     # Every GPU type SageMaker offers in the catalog has local NVMe; the EBS path is for those that do not.
     [r] = resolve_environment(environment())
     instance = dataclasses.replace(r.candidate.instance, local_nvme_gb=0)
     r = dataclasses.replace(r, candidate=dataclasses.replace(r.candidate, instance=instance))
-    return Template.from_stack(DeploymentStack(make_app(), "EbsOnly", resolved=r)), r
+    app = make_app()
+    return Template.from_stack(DeploymentStack(app, "EbsOnly", resolved=r, alerts=alerts_for(app, r))), r
 
 
 def test_ebs_only_instance_gets_an_encrypted_volume_sized_for_the_weights() -> None:
@@ -467,7 +476,7 @@ def test_cdk_nag_passes_with_a_kms_encrypted_volume(tmp_path: Path) -> None:
     r = dataclasses.replace(r, candidate=dataclasses.replace(r.candidate, instance=instance))
     app = make_app(outdir=str(tmp_path))
     cdk.Validations.of(app).add_plugins(AwsSolutionsChecks(app, verbose=True))
-    DeploymentStack(app, "EbsOnly", resolved=r)
+    DeploymentStack(app, "EbsOnly", resolved=r, alerts=alerts_for(app, r))
     app.synth()
 
 
@@ -480,3 +489,113 @@ def test_cdk_nag_catches_an_unacknowledged_wildcard(tmp_path: Path, monkeypatch:
     with pytest.raises(RuntimeError, match="ValidationFailed"):
         app.synth()
     assert "AwsSolutions-IAM5" in (tmp_path / "validation-report.json").read_text()
+
+
+# ---- the host's NVIDIA driver runs the image's CUDA -----------------------------------------------------
+
+
+def variant_of(t: Template) -> dict[str, Any]:
+    [config] = props(t, "AWS::SageMaker::EndpointConfig")
+    [variant] = config["ProductionVariants"]
+    return dict(variant)
+
+
+@pytest.mark.parametrize("text", [SAGEMAKER_ENV, DLC], ids=["kvfleet", "dlc"])
+def test_variant_names_the_ami_whose_driver_runs_the_images_cuda(text: str) -> None:
+    # The vLLM 0.30 DLC (and the kvfleet image built on it) is cu130; SageMaker's default hosts run driver
+    # 470 or 535. The 580 AMI (CUDA 13.0) runs it natively.
+    assert variant_of(only(text))["InferenceAmiVersion"] == "al2023-ami-sagemaker-inference-gpu-4-1"
+
+
+def test_a_pinned_ami_is_used() -> None:
+    text = SAGEMAKER_ENV.replace(
+        "      platform: sagemaker\n",
+        "      platform: sagemaker\n      inference_ami_version: al2023-ami-sagemaker-inference-gpu-4-1\n",
+    )
+    assert variant_of(only(text))["InferenceAmiVersion"] == "al2023-ami-sagemaker-inference-gpu-4-1"
+
+
+def test_a_pinned_ami_too_old_for_the_image_fails_synth() -> None:
+    from kvfleet.errors import KvfleetError
+
+    text = SAGEMAKER_ENV.replace(
+        "      platform: sagemaker\n",
+        "      platform: sagemaker\n      inference_ami_version: al2-ami-sagemaker-inference-gpu-3-1\n",
+    )
+    with pytest.raises(KvfleetError, match=r"^target\.inference_ami_version: .*needs CUDA 13\.0"):
+        only(text)
+
+
+def test_no_ami_for_the_image_fails_synth(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A host table without a CUDA 13 AMI (as the API listed it before the 580 AMI): synth refuses cu130.
+    import copy
+
+    from kvfleet.errors import KvfleetError
+    from kvfleet.infra import cuda
+
+    data = copy.deepcopy(cuda._data())
+    data["sagemaker"]["inference_ami_versions"] = data["sagemaker"]["inference_ami_versions"][:-1]
+    monkeypatch.setattr(cuda, "_data", lambda: data)
+    cuda.hosts.cache_clear()
+    try:
+        with pytest.raises(KvfleetError, match=r"^engine\.version: the image .*needs CUDA 13\.0"):
+            only()
+    finally:
+        cuda.hosts.cache_clear()
+
+
+@pytest.mark.parametrize("name", ["dev", "prod"])
+def test_the_example_environments_synthesize_on_an_ami_that_runs_them(name: str) -> None:
+    from kvfleet.config.loader import load_environment
+
+    env = load_environment(REPO / "environments" / f"{name}.yaml")
+    app = build_app(env, app=make_app())
+    templates = [Template.from_stack(c) for c in app.node.children if isinstance(c, cdk.Stack)]
+    serving = [t for t in templates if t.find_resources("AWS::SageMaker::EndpointConfig")]
+    assert serving
+    for t in serving:
+        assert variant_of(t)["InferenceAmiVersion"] == "al2023-ami-sagemaker-inference-gpu-4-1"
+
+
+# ---- the region, for the agent's AWS clients ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", [SAGEMAKER_ENV, S3_ISOLATED, DLC], ids=["hf", "s3-isolated", "dlc"])
+def test_container_environment_names_the_region(text: str) -> None:
+    [model] = props(only(text), "AWS::SageMaker::Model")
+    assert model["PrimaryContainer"]["Environment"]["AWS_REGION"] == {"Ref": "AWS::Region"}
+
+
+# ---- updates keep the scaled instance count, and an instance-type change is spelled out ------------------
+
+
+def test_update_keeps_the_scaled_instance_count_and_takes_the_rest_from_the_plan(template: Template) -> None:
+    [endpoint] = props(template, "AWS::SageMaker::Endpoint")
+    assert endpoint["RetainAllVariantProperties"] is True
+    excluded = {p["VariantPropertyType"] for p in endpoint["ExcludeRetainedVariantProperties"]}
+    # The values UpdateEndpoint accepts (botocore's VariantPropertyType), all but the instance count.
+    assert excluded == {"DesiredWeight", "DataCaptureConfig"}
+
+
+def test_fixed_size_update_takes_the_plans_count() -> None:
+    [endpoint] = props(only(SAGEMAKER_ENV.replace("max_replicas: 4", "max_replicas: 1")), "AWS::SageMaker::Endpoint")
+    assert endpoint["RetainAllVariantProperties"] is False
+    assert "ExcludeRetainedVariantProperties" not in endpoint
+
+
+def test_variant_property_names_are_the_apis() -> None:
+    import gzip
+
+    import botocore
+
+    from kvfleet.infra.sagemaker import endpoint as endpoint_module
+
+    path = Path(botocore.__file__).parent / "data" / "sagemaker" / "2017-07-24" / "service-2.json.gz"
+    model = json.loads(gzip.decompress(path.read_bytes()))
+    assert set(endpoint_module.VARIANT_PROPERTIES) == set(model["shapes"]["VariantPropertyType"]["enum"])
+
+
+def test_the_instance_type_change_of_a_scaled_variant_is_documented() -> None:
+    # SageMaker fails an update that changes the instance type of a variant registered with Application Auto Scaling.
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert "endpoint-scaling-update.html" in readme and "max_replicas` equal to" in readme
