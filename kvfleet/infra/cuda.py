@@ -25,7 +25,9 @@ from functools import cache
 from importlib import resources
 from typing import Any, Literal
 
+from kvfleet.deployments import ResolvedDeployment
 from kvfleet.errors import KvfleetError
+from kvfleet.sizing.hardware import AcceleratorKind
 
 CudaVersion = tuple[int, int]
 Platform = Literal["sagemaker", "ec2", "eks"]
@@ -188,3 +190,11 @@ def host_for_image(
         f"the image {image} needs CUDA {format_cuda(need)}, and no {platform} host runs it ({listed}); {fix}",
         field=field if pinned is not None else "engine.version",
     )
+
+
+def nvidia_gpu(r: ResolvedDeployment) -> tuple[str, float] | None:
+    """The NVIDIA GPU (name, compute capability) the plan runs on; None for other accelerators (no CUDA host)."""
+    acc = r.candidate.instance.accelerator
+    if acc.kind != AcceleratorKind.GPU or acc.compute_capability is None:
+        return None
+    return acc.model, acc.compute_capability

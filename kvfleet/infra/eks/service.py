@@ -32,11 +32,12 @@ from kvfleet.config.targets import EksTarget, ExistingCluster
 from kvfleet.deployments import ResolvedDeployment
 from kvfleet.errors import KvfleetError
 from kvfleet.infra.context import ServingContext
+from kvfleet.infra.cuda import host_for_image, nvidia_gpu
 from kvfleet.infra.eks import access, checks, nodes, scheduling
 from kvfleet.infra.eks import addons as charts
 from kvfleet.infra.eks import manifests as k8s
 from kvfleet.infra.iam import grant_model_read, grant_token_read, put_metric_data
-from kvfleet.infra.images import serving_image
+from kvfleet.infra.images import serving_image, serving_image_cuda
 from kvfleet.infra.metrics import PlatformMetrics
 from kvfleet.infra.nag import acknowledge, condition_id, logical_id
 from kvfleet.infra.network import ServingNetwork
@@ -203,6 +204,18 @@ class EksService(Construct):
 
     def _nodegroup(self, r: ResolvedDeployment, network: ServingNetwork) -> None:
         """The plan's instance type, tainted for GPU pods, sized for the replica range."""
+        # The AL2023 NVIDIA AMI's driver must run the image's CUDA (kvfleet/infra/data/cuda.json).
+        gpu = nvidia_gpu(r)
+        self.host = (
+            host_for_image(
+                platform="eks",
+                image=f"{r.deployment.image.source} image of {r.engine} {r.deployment.engine.version}",
+                cuda=serving_image_cuda(r),
+                gpu=gpu,
+            )
+            if gpu
+            else None
+        )
         s = r.deployment.scaling
         per_node = max(1, r.candidate.instance.accelerator_count // r.candidate.tensor_parallel_size)  # replicas
         self.nodegroup = eks.Nodegroup(

@@ -13,13 +13,12 @@ from constructs import Construct
 from kvfleet.config.targets import SageMakerTarget
 from kvfleet.deployments import ResolvedDeployment
 from kvfleet.infra.context import ServingContext
-from kvfleet.infra.cuda import HostChoice, host_for_image
+from kvfleet.infra.cuda import HostChoice, host_for_image, nvidia_gpu
 from kvfleet.infra.iam import grant_model_read, grant_token_read, put_metric_data
 from kvfleet.infra.images import serving_image, serving_image_cuda
 from kvfleet.infra.metrics import PERIOD, PlatformMetrics
 from kvfleet.infra.nag import acknowledge
 from kvfleet.infra.scaling import scale_scalable_target
-from kvfleet.sizing.hardware import AcceleratorKind
 
 VARIANT = "AllTraffic"
 
@@ -65,7 +64,7 @@ class SageMakerEndpoint(Construct):
         model_data = self._model_access(r, target, policy)
         self.key = None if local_storage else self._storage_key(r)
         self._model(r, target, context, image_uri=image_uri, model_data=model_data, policy=policy)
-        gpu = _gpu(r)
+        gpu = nvidia_gpu(r)
         # The NVIDIA driver comes with the host AMI: the one that runs the image's CUDA (None: not a GPU).
         self.host = (
             host_for_image(
@@ -274,15 +273,6 @@ class SageMakerEndpoint(Construct):
             period=PERIOD,
             label=label,
         )
-
-
-def _gpu(r: ResolvedDeployment) -> tuple[str, float] | None:
-    """The NVIDIA GPU (name, compute capability) the variant runs on; None for other accelerators, which take
-    no GPU inference AMI."""
-    acc = r.candidate.instance.accelerator
-    if acc.kind != AcceleratorKind.GPU or acc.compute_capability is None:
-        return None
-    return acc.model, acc.compute_capability
 
 
 def _scales(r: ResolvedDeployment) -> bool:

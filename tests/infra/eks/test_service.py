@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tomllib
 from pathlib import Path
@@ -393,3 +394,18 @@ def test_a_second_deployment_on_the_cluster_that_installs_nothing_more_gets_its_
     assert props(second, "Custom::AWSCDK-EKS-HelmChart") == []
     [ng] = props(second, "AWS::EKS::Nodegroup")
     assert ng["ClusterName"] == SHARED_CLUSTER
+
+
+def test_the_gpu_nodes_driver_runs_the_images_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The AL2023 NVIDIA AMI's driver (580) runs the vLLM DLC's CUDA 13; an older driver fails synth with the fix.
+    from kvfleet.errors import KvfleetError
+    from kvfleet.infra import cuda
+
+    synthesized = synth(PLATFORM)
+    assert synthesized
+    [eks_host] = cuda.hosts("eks")
+    assert eks_host.cuda >= (13, 0)
+    old = dataclasses.replace(eks_host, driver_branch=550, cuda=(12, 4))
+    monkeypatch.setattr(cuda, "hosts", lambda platform: (old,) if platform == "eks" else ())
+    with pytest.raises(KvfleetError, match=r"CUDA 13\.0"):
+        only(PLATFORM)
