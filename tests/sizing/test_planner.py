@@ -55,13 +55,16 @@ def test_replicas_follow_the_peak_load() -> None:
     assert high.fleet_usd_per_hour == pytest.approx(high.instance_count * high.usd_per_hour_per_instance)
 
 
-def test_multi_gpu_instances_pack_engines_on_ec2_not_sagemaker() -> None:
-    ec2 = [
+def test_multi_gpu_instances_pack_engines_on_eks_not_sagemaker_or_ec2() -> None:
+    eks = [
         c
-        for c in enumerate_candidates(_req(instance_types=("g6e.12xlarge",))).candidates
+        for c in enumerate_candidates(_req(hosting=TARGETS["eks"].hosting, instance_types=("g6e.12xlarge",))).candidates
         if c.tensor_parallel_size == 1
     ]
-    assert ec2 and ec2[0].engines_per_instance == 4
+    assert eks and eks[0].engines_per_instance == 4
+    # An EC2 fleet runs one serving container per instance, with all its GPUs.
+    ec2 = enumerate_candidates(_req(hosting=TARGETS["ec2"].hosting, instance_types=("g6e.12xlarge",)))
+    assert ec2.candidates and all(c.engines_per_instance == 1 for c in ec2.candidates)
     sm = enumerate_candidates(_req(hosting=TARGETS["sagemaker"].hosting, instance_types=("ml.g6e.12xlarge",)))
     assert all(c.tensor_parallel_size == 4 for c in sm.candidates)
     assert any("one engine per instance" in r.reason for r in sm.rejections)

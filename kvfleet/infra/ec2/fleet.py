@@ -5,6 +5,9 @@ delay = drain budget) while its lifecycle hook holds it in Terminating:Wait; the
 sees that through IMDS, drains, heartbeats the hook and completes it, and only then does the instance
 terminate.
 
+With a warm pool, a launch hook holds each instance in every transition into and out of the pool; the user data
+installs a step that runs at every boot and completes it (``lifecycle.TRANSITIONS`` lists who completes which).
+
 ``Ec2Fleet`` builds it in steps, one method each, in the order CloudFormation needs them: the instances'
 identity, their launch template, the group and its hooks, the load balancer in front, then scaling.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from aws_cdk import Aws, Duration, RemovalPolicy
 from aws_cdk import aws_autoscaling as autoscaling
@@ -29,13 +33,16 @@ from kvfleet.config.schema import ScalingConfig
 from kvfleet.config.targets import Ec2Target
 from kvfleet.deployments import IMAGE_DISK_GIB, ResolvedDeployment
 from kvfleet.infra.context import ServingContext
+from kvfleet.infra.cuda import host_for_image, hosts, nvidia_gpu
 from kvfleet.infra.ec2.user_data import Boot, user_data_script
 from kvfleet.infra.iam import grant_model_read, grant_token_read, put_metric_data
-from kvfleet.infra.images import serving_image
+from kvfleet.infra.images import serving_image, serving_image_cuda
 from kvfleet.infra.metrics import PERIOD, PlatformMetrics
 from kvfleet.infra.nag import acknowledge, logical_id
 from kvfleet.infra.network import ServingNetwork
 from kvfleet.infra.scaling import scale_group
+from kvfleet.sizing.startup import DOWNLOAD_BYTES_PER_S
+from kvfleet.sizing.units import GiB, MiB
 
 LIFECYCLE_HOOK = "kvfleet-drain"  # named: the instances read it at boot, before the hook's id is known
 WARM_HOOK = "kvfleet-warm"  # with a warm pool: held until the image and weights are on the instance
@@ -44,6 +51,78 @@ ROOT_DEVICE = "/dev/xvda"  # Amazon Linux 2023 AMIs
 OS_DISK_GIB = 30  # the GPU AMI's own root volume (drivers, CUDA, Docker)
 MAX_HOOK_TIMEOUT_S = 7200  # the longest heartbeat timeout a lifecycle hook accepts
 MAX_OVERRIDES = 10  # instance types a mixed-instances policy accepts
+ROOT_WRITE_BUDGET_S = 300  # the root volume writes the image and the weights on it in at most this long
+
+
+@dataclass(frozen=True, kw_only=True)
+class Gp3Limits:
+    """What a gp3 volume may be provisioned with."""
+
+    baseline_mib_s: int
+    max_mib_s: int
+    baseline_iops: int
+    max_iops: int
+    max_mib_s_per_iops: float
+    max_iops_per_gib: int
+    source: str
+
+
+# Amazon EBS User Guide, "General Purpose SSD volumes" (gp3): 3,000 IOPS and 125 MiB/s included, up to 16,000 IOPS
+# and 1,000 MiB/s (the launch template's Ebs ranges), at most 500 IOPS per GiB and 0.25 MiB/s per provisioned IOPS.
+GP3 = Gp3Limits(
+    baseline_mib_s=125,
+    max_mib_s=1000,
+    baseline_iops=3000,
+    max_iops=16000,
+    max_mib_s_per_iops=0.25,
+    max_iops_per_gib=500,
+    source="https://docs.aws.amazon.com/ebs/latest/userguide/general-purpose.html#gp3-ebs-volume-type",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RootVolume:
+    size_gib: int
+    throughput_mib_s: int
+    iops: int
+
+
+def root_volume(r: ResolvedDeployment, *, nvme: bool) -> RootVolume:
+    """The root volume: the AMI, the image, and the weights when they do not go to local NVMe; provisioned to write
+    what lands on it in ``ROOT_WRITE_BUDGET_S`` and never slower than the download the start-up estimate assumes
+    (gp3's baseline 125 MiB/s would make a 140 GB checkpoint take 18 minutes)."""
+    written_gib = IMAGE_DISK_GIB if nvme else r.disk_gib
+    size = OS_DISK_GIB + written_gib
+    need = max(written_gib * GiB / ROOT_WRITE_BUDGET_S, DOWNLOAD_BYTES_PER_S) / MiB
+    throughput = min(GP3.max_mib_s, max(GP3.baseline_mib_s, math.ceil(need)))
+    iops = math.ceil(throughput / GP3.max_mib_s_per_iops)
+    iops = min(GP3.max_iops, size * GP3.max_iops_per_gib, max(GP3.baseline_iops, iops))
+    # The IOPS the size allows may cap the throughput the ratio allows.
+    throughput = min(throughput, math.floor(iops * GP3.max_mib_s_per_iops))
+    return RootVolume(size_gib=size, throughput_mib_s=throughput, iops=iops)
+
+
+# Which instances a CloudFormation update policy replaces in a group with a warm pool. AWS::AutoScaling::WarmPool:
+# "if UpdatePolicy is set to AutoScalingRollingUpdate, CloudFormation replaces InService instances only"; an instance
+# refresh (the AutoScalingInstanceRefresh policy) replaces the warm pool's too (InstanceRefreshProgressDetails:
+# live pool and warm pool progress).
+UPDATE_POLICY_REPLACES: Mapping[str, frozenset[str]] = {
+    "AutoScalingRollingUpdate": frozenset({"InService"}),
+    "AutoScalingInstanceRefresh": frozenset({"InService", "Warmed"}),
+}
+UPDATE_POLICY_SOURCES = (
+    "https://docs.aws.amazon.com/AWSCloudFormation/latest/TemplateReference/aws-resource-autoscaling-warmpool.html",
+    "https://docs.aws.amazon.com/autoscaling/ec2/APIReference/API_InstanceRefreshProgressDetails.html",
+)
+UPDATE_POLICY = "AutoScalingInstanceRefresh"
+
+
+def refresh_healthy_percentages(min_healthy: int) -> tuple[int, int]:
+    """Instance refresh's (MinHealthyPercentage, MaxHealthyPercentage): the minimum 0-100, the maximum 100-200 and at
+    most 100 above the minimum (InstanceMaintenancePolicy). Replacements launch before the instances they replace,
+    up to as many as the minimum lets go at once (at least 10%, so a 100% minimum still makes progress)."""
+    high = min(min_healthy + 100, 100 + max(10, 100 - min_healthy))
+    return min_healthy, min(200, high)
 
 
 def fleet_instance_types(r: ResolvedDeployment) -> list[str]:
@@ -83,8 +162,8 @@ class Ec2Fleet(Construct):
         self._target = target
         self._network: ServingNetwork = context.network
         self._scaling: ScalingConfig = context.resolved.deployment.scaling
-        # Boot to healthy, from the plan's estimate: health-check grace, instance warm-up.
-        self._warmup = Duration.seconds(math.ceil(context.resolved.startup.ready_s))
+        # Boot to healthy: health-check grace and instance warm-up get the one padded start-up wait of every target.
+        self._warmup = Duration.seconds(context.resolved.ready_window_s)
 
         self.log_group = logs.LogGroup(
             self, "Logs", retention=logs.RetentionDays.ONE_MONTH, removal_policy=RemovalPolicy.DESTROY
@@ -159,11 +238,27 @@ class Ec2Fleet(Construct):
 
     # ---- what an instance boots ----------------------------------------------------------------------------
 
+    def _check_driver(self) -> None:
+        """The AMI's NVIDIA driver must run the image's CUDA. Only AMIs whose driver is known (the default DLAMI
+        parameter, kvfleet/infra/data/cuda.json) can be checked; another parameter is the user's to vouch for."""
+        r, target = self._resolved, self._target
+        gpu = nvidia_gpu(r)
+        known = {h.setting for h in hosts("ec2")}
+        if gpu is None or target.ami_parameter not in known:
+            return
+        host_for_image(
+            platform="ec2",
+            image=f"{r.deployment.image.source} image of {r.engine} {r.deployment.engine.version}",
+            cuda=serving_image_cuda(r),
+            pinned=target.ami_parameter,
+            gpu=gpu,
+        )
+
     def _launch_template(self, image: str) -> ec2.LaunchTemplate:
         r, target = self._resolved, self._target
+        self._check_driver()
         nvme = weights_on_local_nvme(r, target)
-        # The AMI itself, then the image, and the weights too when they do not go to local NVMe.
-        root_gib = OS_DISK_GIB + (IMAGE_DISK_GIB if nvme else r.disk_gib)
+        root = root_volume(r, nvme=nvme)
         return ec2.LaunchTemplate(
             self,
             "LaunchTemplate",
@@ -179,7 +274,12 @@ class Ec2Fleet(Construct):
                 ec2.BlockDevice(
                     device_name=ROOT_DEVICE,
                     volume=ec2.BlockDeviceVolume.ebs(
-                        root_gib, volume_type=ec2.EbsDeviceVolumeType.GP3, encrypted=True, delete_on_termination=True
+                        root.size_gib,
+                        volume_type=ec2.EbsDeviceVolumeType.GP3,
+                        throughput=root.throughput_mib_s,
+                        iops=root.iops,
+                        encrypted=True,
+                        delete_on_termination=True,
                     ),
                 )
             ],
@@ -227,7 +327,7 @@ class Ec2Fleet(Construct):
             default_instance_warmup=self._warmup,
             capacity_rebalance=target.capacity_rebalance,
             group_metrics=[autoscaling.GroupMetrics.all()],
-            update_policy=self._rolling_update(),
+            update_policy=self._update_policy(),
         )
         acknowledge(
             group,
@@ -246,14 +346,18 @@ class Ec2Fleet(Construct):
         )
         return group
 
-    def _rolling_update(self) -> autoscaling.UpdatePolicy:
-        """Replace instances in batches that keep ``min_healthy_percent`` in service; each batch gets the time to
-        boot a replacement and to drain the instance it replaces."""
-        s, healthy = self._scaling, self._target.min_healthy_percent
-        return autoscaling.UpdatePolicy.rolling_update(
-            max_batch_size=max(1, math.floor(s.max_replicas * (100 - healthy) / 100)),
-            min_instances_in_service=math.ceil(s.min_replicas * healthy / 100),
-            pause_time=Duration.seconds(min(3600, math.ceil(self._resolved.startup.ready_s + s.drain_budget_s))),
+    def _update_policy(self) -> autoscaling.UpdatePolicy:
+        """A launch template change replaces every instance, the warm pool's included (see UPDATE_POLICY_REPLACES),
+        keeping ``min_healthy_percent`` in service; each replacement gets the padded start-up wait before the next,
+        and the instances it replaces drain through the termination hook."""
+        assert UPDATE_POLICY == "AutoScalingInstanceRefresh"
+        low, high = refresh_healthy_percentages(self._target.min_healthy_percent)
+        return autoscaling.UpdatePolicy.instance_refresh(
+            strategy=autoscaling.InstanceRefreshStrategy.ROLLING,
+            min_healthy_percentage=low,
+            max_healthy_percentage=high,
+            instance_warmup=Duration.seconds(self._resolved.ready_window_s),
+            skip_matching=True,  # an unchanged deployment replaces nothing
         )
 
     def _drain_hook(self) -> autoscaling.LifecycleHook:
@@ -297,19 +401,22 @@ class Ec2Fleet(Construct):
         pool_config = self._target.warm_pool
         if not pool_config.enabled:
             return None, None
+        # Without MaxGroupPreparedCapacity the pool holds max_replicas - desired instances, whatever MinSize says;
+        # with both equal it holds exactly that many (PutWarmPool, MaxGroupPreparedCapacity).
         pool = self.group.add_warm_pool(
-            min_size=pool_config.min_size, pool_state=autoscaling.PoolState(pool_config.state.upper())
+            min_size=pool_config.min_size,
+            max_group_prepared_capacity=pool_config.min_size,
+            pool_state=autoscaling.PoolState(pool_config.state.upper()),
         )
-        # A new instance stays in Pending:Wait until its user data has pulled the image and the weights
-        # and completes this hook; only then does the group stop it into the pool (or put it in service).
-        startup = self._resolved.startup
+        # A new instance waits (Warmed:Pending:Wait into the pool, Pending:Wait out of it or straight into service)
+        # until the user data's lifecycle step completes this hook (lifecycle.TRANSITIONS): after the image and the
+        # weights are on disk going into the pool, once the container starts going into service. A longer first
+        # boot heartbeats it.
         hook = self.group.add_lifecycle_hook(
             "Warm",
             lifecycle_hook_name=WARM_HOOK,
             lifecycle_transition=autoscaling.LifecycleTransition.INSTANCE_LAUNCHING,
-            heartbeat_timeout=Duration.seconds(
-                min(MAX_HOOK_TIMEOUT_S, math.ceil(2 * (startup.image_pull_s + startup.download_s)))
-            ),
+            heartbeat_timeout=Duration.seconds(min(MAX_HOOK_TIMEOUT_S, self._resolved.ready_window_s)),
             default_result=autoscaling.DefaultResult.ABANDON,
         )
         return pool, hook

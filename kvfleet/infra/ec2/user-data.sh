@@ -1,6 +1,8 @@
 #!/bin/bash
-# User data of a kvfleet EC2 GPU instance: put the weights and the serving image on disk, create the serving
-# container and its systemd unit, then start it (or, going into a warm pool, leave it stopped).
+# User data of a kvfleet EC2 GPU instance. At first boot (cloud-init runs user data then only): put the weights and
+# the serving image on disk, create the serving container, and install this script with a systemd unit that runs
+# its `lifecycle` step at every boot. That step completes the launch hook in each transition the group pauses the
+# instance in (into the warm pool, out of it, straight into service) and starts the container only in service.
 #
 # A template: kvfleet/infra/ec2/user_data.py fills in the double-brace placeholders of the settings below (each
 # one shell word, quoted) and the env file's body, and nothing else. What differs between fleets is in those
@@ -28,67 +30,115 @@ SHM_SIZE_GIB={{SHM_SIZE_GIB}}
 DRAIN_BUDGET_S={{DRAIN_BUDGET_S}}
 # The variable the agent reads its group's name from (for the drain hook).
 ENV_ASG_NAME={{ENV_ASG_NAME}}
-# The launch hook a warm pool holds new instances with; empty: no warm pool, nothing to complete.
+# The launch hook a warm pool holds new instances with; empty: no warm pool, nothing to complete. And the
+# termination hook: the agent drains for it in service, this script completes it for a running pool's instance.
 WARM_HOOK={{WARM_HOOK}}
-# The container's environment, and the systemd unit that starts the container at every boot.
+DRAIN_HOOK={{DRAIN_HOOK}}
+# How often a held hook is heartbeaten.
+HEARTBEAT_S={{HEARTBEAT_S}}
+# Going into the warm pool with weights from Hugging Face, the engine starts once to download them: this long
+# for its health route to answer. And how often the lifecycle step polls the instance metadata.
+HEALTH_ROUTE={{HEALTH_ROUTE}}
+WARM_READY_S={{WARM_READY_S}}
+POLL_S={{POLL_S}}
+# The container's environment and its systemd unit (started by the lifecycle step, in service only).
 ENV_FILE={{ENV_FILE}}
 UNIT_FILE={{UNIT_FILE}}
+# Where this script installs itself, and the unit that runs its lifecycle step at every boot.
+BOOT_SCRIPT={{BOOT_SCRIPT}}
+LIFECYCLE_UNIT_FILE={{LIFECYCLE_UNIT_FILE}}
 
 # ---- the instance ------------------------------------------------------------------------------------------
+imds_token() { curl -sf -X PUT -H "X-aws-ec2-metadata-token-ttl-seconds: 21600" http://169.254.169.254/latest/api/token; }
 imds() { curl -sf -H "X-aws-ec2-metadata-token: $TOKEN" "http://169.254.169.254/latest/$1"; }
-TOKEN=$(curl -sf -X PUT -H "X-aws-ec2-metadata-token-ttl-seconds: 21600" http://169.254.169.254/latest/api/token)
+TOKEN=$(imds_token)
 REGION=$(imds meta-data/placement/region)
 INSTANCE_ID=$(imds meta-data/instance-id)
 # The group's name from the instance's own tags (metadata tags are on); the API as a fallback.
 GROUP=$(imds meta-data/tags/instance/aws:autoscaling:groupName \
   || aws autoscaling describe-auto-scaling-instances --region "$REGION" --instance-ids "$INSTANCE_ID" \
     --query 'AutoScalingInstances[0].AutoScalingGroupName' --output text)
-mkdir -p "$HOST_MODEL_DIR" "$(dirname "$ENV_FILE")"
 
-# ---- the weights -------------------------------------------------------------------------------------------
-if [ "$LOCAL_NVME" = 1 ]; then
-  # Local NVMe (instance store) holds the weights: faster than EBS, and free.
-  DEVS=$(lsblk -dpno NAME,MODEL | awk '/Instance Storage/ {print $1}')
-  if [ -n "$DEVS" ]; then
-    mapfile -t DEV_LIST <<<"$DEVS"
+# Where the group is taking the instance (InService, Warmed:Stopped|Running|Hibernated, Terminated); outside a
+# group there is no such metadata: in service.
+target_state() { imds meta-data/autoscaling/target-lifecycle-state || echo InService; }
+
+# Complete hook $1 for the wait the instance is in (target state $2). A reboot in service has no action pending:
+# the call fails, and that is not an error of this boot.
+complete_hook() {
+  [ -n "$1" ] || return 0
+  aws autoscaling complete-lifecycle-action --region "$REGION" --lifecycle-hook-name "$1" \
+    --auto-scaling-group-name "$GROUP" --instance-id "$INSTANCE_ID" --lifecycle-action-result CONTINUE \
+    || echo "kvfleet: no $1 action pending (target state $2)" >&2
+}
+
+# ---- the instance store ------------------------------------------------------------------------------------
+# Mounts the instance store (RAID0 over its disks) at HOST_MODEL_DIR. The AMI may have assembled and mounted it
+# already (the DLAMI release notes list nvme_location /opt/dlami/nvme for the Base OSS NVIDIA Driver GPU AMIs),
+# and an array or filesystem survives a reboot: those are reused; a device that is mounted, in an array or holds a
+# filesystem is never formatted.
+local_storage() {
+  [ "$LOCAL_NVME" = 1 ] || return 0
+  if mountpoint -q "$HOST_MODEL_DIR"; then return 0; fi
+  local devs existing dev
+  devs=$(lsblk -dpno NAME,MODEL | awk '/Instance Storage/ {print $1}')
+  [ -n "$devs" ] || return 0
+  mapfile -t DEV_LIST <<<"$devs"
+  # A mountpoint of the disks or of an array over them (lsblk lists an array under each of its members).
+  existing=$(lsblk -nro MOUNTPOINT "${DEV_LIST[@]}" | grep -m1 . || true)
+  if [ -n "$existing" ]; then
+    mkdir -p "$existing/kvfleet"
+    mount --bind "$existing/kvfleet" "$HOST_MODEL_DIR"
+    return 0
+  fi
+  dev=$(lsblk -nrpo NAME,TYPE "${DEV_LIST[@]}" | awk '$2 ~ /^raid/ {print $1; exit}' || true)
+  if [ -z "$dev" ]; then
     if [ "${#DEV_LIST[@]}" -gt 1 ]; then
       mdadm --create /dev/md0 --run --level=0 --raid-devices="${#DEV_LIST[@]}" "${DEV_LIST[@]}"
-      DEV=/dev/md0
+      dev=/dev/md0
     else
-      DEV=$DEVS
+      dev=${DEV_LIST[0]}
     fi
-    mkfs.xfs -f "$DEV" && mount "$DEV" "$HOST_MODEL_DIR"
   fi
-fi
-chown "$AGENT_UID:$AGENT_UID" "$HOST_MODEL_DIR"
-if [ -n "$MODEL_S3_URI" ]; then
-  # The weights are copied before the container starts, and it reads them where SageMaker would put them.
-  aws s3 sync --only-show-errors "$MODEL_S3_URI" "$HOST_MODEL_DIR"
-  MOUNT="$HOST_MODEL_DIR:$CONTAINER_MODEL_DIR:ro"
-else
-  # The engine downloads at start-up into a cache on the host: a restarted container does not download again.
-  MOUNT="$HOST_MODEL_DIR:$CONTAINER_HF_HOME"
-fi
+  if [ -z "$(blkid -o value -s TYPE "$dev" || true)" ]; then
+    mkfs.xfs -f "$dev"
+  fi
+  mount "$dev" "$HOST_MODEL_DIR"
+}
 
-# ---- the serving container ---------------------------------------------------------------------------------
-cat > "$ENV_FILE" <<'KVFLEET_ENV'
+# ---- first boot: everything on disk ------------------------------------------------------------------------
+prepare() {
+  mkdir -p "$HOST_MODEL_DIR" "$(dirname "$ENV_FILE")" "$(dirname "$BOOT_SCRIPT")"
+  local_storage
+  chown "$AGENT_UID:$AGENT_UID" "$HOST_MODEL_DIR"
+  local mount
+  if [ -n "$MODEL_S3_URI" ]; then
+    # The weights are copied before the container starts, and it reads them where SageMaker would put them.
+    aws s3 sync --only-show-errors "$MODEL_S3_URI" "$HOST_MODEL_DIR"
+    mount="$HOST_MODEL_DIR:$CONTAINER_MODEL_DIR:ro"
+  else
+    # The engine downloads at start-up into a cache on the host: a restarted container does not download again.
+    mount="$HOST_MODEL_DIR:$CONTAINER_HF_HOME"
+  fi
+
+  cat > "$ENV_FILE" <<'KVFLEET_ENV'
 {{CONTAINER_ENV}}
 KVFLEET_ENV
-# Known only on the instance.
-printf '%s=%s\n' "$ENV_ASG_NAME" "$GROUP" AWS_REGION "$REGION" >> "$ENV_FILE"
+  # Known only on the instance.
+  printf '%s=%s\n' "$ENV_ASG_NAME" "$GROUP" AWS_REGION "$REGION" >> "$ENV_FILE"
 
-aws ecr get-login-password --region "$REGION" | docker login --username AWS --password-stdin "${IMAGE%%/*}"
-docker pull "$IMAGE"
-# A container, started by systemd at every boot: an instance that comes out of a stopped warm pool starts
-# serving without re-running this script. Docker waits the drain budget (and a margin for the agent to exit)
-# before it kills the container; systemd waits longer than docker.
-docker create --name kvfleet --gpus all \
-  --shm-size "${SHM_SIZE_GIB}g" -p "$SERVING_PORT:$SERVING_PORT" \
-  --stop-timeout "$((DRAIN_BUDGET_S + 30))" \
-  --log-driver awslogs --log-opt awslogs-region="$REGION" --log-opt awslogs-group="$LOG_GROUP" \
-  --log-opt awslogs-stream="$INSTANCE_ID" \
-  --env-file "$ENV_FILE" -v "$MOUNT" "$IMAGE" "$SERVE_ARG"
-cat > "$UNIT_FILE" <<KVFLEET_UNIT
+  aws ecr get-login-password --region "$REGION" | docker login --username AWS --password-stdin "${IMAGE%%/*}"
+  docker pull "$IMAGE"
+  # Docker waits the drain budget (and a margin for the agent to exit) before it kills the container; systemd
+  # waits longer than docker.
+  docker create --name kvfleet --gpus all \
+    --shm-size "${SHM_SIZE_GIB}g" -p "$SERVING_PORT:$SERVING_PORT" \
+    --stop-timeout "$((DRAIN_BUDGET_S + 30))" \
+    --log-driver awslogs --log-opt awslogs-region="$REGION" --log-opt awslogs-group="$LOG_GROUP" \
+    --log-opt awslogs-stream="$INSTANCE_ID" \
+    --env-file "$ENV_FILE" -v "$mount" "$IMAGE" "$SERVE_ARG"
+  # Started by the lifecycle step when the instance goes into service, not at boot.
+  cat > "$UNIT_FILE" <<KVFLEET_UNIT
 [Unit]
 Description=kvfleet serving container
 After=docker.service
@@ -99,19 +149,96 @@ ExecStop=/usr/bin/docker stop kvfleet
 TimeoutStopSec=$((DRAIN_BUDGET_S + 60))
 Restart=always
 RestartSec=5
+KVFLEET_UNIT
+  # cloud-init runs user data at first boot only; this unit runs the lifecycle step at every boot.
+  install -m 0755 "$0" "$BOOT_SCRIPT"
+  cat > "$LIFECYCLE_UNIT_FILE" <<KVFLEET_UNIT
+[Unit]
+Description=kvfleet lifecycle: complete the launch hook, serve when in service
+Wants=network-online.target
+After=network-online.target docker.service
+Requires=docker.service
+[Service]
+Type=simple
+ExecStart=$BOOT_SCRIPT lifecycle
+Restart=on-failure
+RestartSec=10
 [Install]
 WantedBy=multi-user.target
 KVFLEET_UNIT
-systemctl daemon-reload && systemctl enable kvfleet.service
+}
 
-# ---- in service, or into the warm pool -----------------------------------------------------------------------
-STATE=$(imds meta-data/autoscaling/target-lifecycle-state || echo InService)
-case "$STATE" in
-  Warmed:*) ;;  # going into the warm pool: ready on disk, not loaded on the GPU
-  *) systemctl start kvfleet.service ;;
+# Going into the warm pool with weights from Hugging Face: the engine starts once, downloads what it loads (with
+# the token it is given) into the host cache, and stops; leaving the pool, it loads them from disk.
+warm_cache() {
+  systemctl start kvfleet.service
+  local deadline=$((SECONDS + WARM_READY_S))
+  until curl -sf -o /dev/null "http://127.0.0.1:$SERVING_PORT$HEALTH_ROUTE"; do
+    if [ "$SECONDS" -ge "$deadline" ]; then
+      echo "kvfleet: the engine did not answer within ${WARM_READY_S}s" >&2
+      systemctl stop kvfleet.service
+      return 1
+    fi
+    sleep "$POLL_S"
+  done
+  systemctl stop kvfleet.service
+}
+
+# A lifecycle hook waits two hours at most, and a big checkpoint may take longer to put on disk: while the first
+# boot works, it heartbeats the launch hook, for the padded start-up estimate at most (a boot that hangs is then
+# abandoned at the hook's timeout).
+hold_launch_hook() {
+  [ -n "$WARM_HOOK" ] || return 0
+  local deadline=$((SECONDS + WARM_READY_S))
+  while [ "$SECONDS" -lt "$deadline" ] && sleep "$HEARTBEAT_S"; do
+    aws autoscaling record-lifecycle-action-heartbeat --region "$REGION" --lifecycle-hook-name "$WARM_HOOK" \
+      --auto-scaling-group-name "$GROUP" --instance-id "$INSTANCE_ID" || true
+  done
+}
+
+first_boot() {
+  hold_launch_hook &
+  HOLDER=$!
+  trap 'kill "$HOLDER" 2>/dev/null || true' EXIT
+  prepare
+  case "$(target_state)" in
+    Warmed:*) if [ -z "$MODEL_S3_URI" ]; then warm_cache; fi ;;
+  esac
+  systemctl daemon-reload
+  systemctl enable "$(basename "$LIFECYCLE_UNIT_FILE")"
+  # Not waited for: in a running or hibernated pool it keeps watching, and cloud-init must finish.
+  systemctl start --no-block "$(basename "$LIFECYCLE_UNIT_FILE")"
+}
+
+# ---- every boot: the lifecycle step ------------------------------------------------------------------------
+# Completes the launch hook once per target state. Out of a stopped pool the instance boots again (this runs
+# again); a running or hibernated pool's instance leaves without booting, so this keeps watching it.
+lifecycle() {
+  local state done_for=""
+  local_storage
+  while :; do
+    TOKEN=$(imds_token)  # a pool may keep the instance longer than a token lives
+    state=$(target_state)
+    if [ "$state" != "$done_for" ]; then
+      case "$state" in
+        Warmed:Terminated) complete_hook "$DRAIN_HOOK" "$state" ;;  # out of the pool: nothing to drain
+        Warmed:*) complete_hook "$WARM_HOOK" "$state" ;;  # ready on disk, not loaded on the GPU
+        InService)  # a failed start ends the step: systemd runs it again
+          systemctl start kvfleet.service
+          complete_hook "$WARM_HOOK" "$state"
+          ;;
+        *) ;;  # Terminated: the agent drains for the termination hook and completes it
+      esac
+      done_for=$state
+    fi
+    case "$state" in
+      Warmed:Running | Warmed:Hibernated) sleep "$POLL_S" ;;
+      *) return 0 ;;
+    esac
+  done
+}
+
+case "${1:-}" in
+  lifecycle) lifecycle ;;
+  *) first_boot ;;
 esac
-if [ -n "$WARM_HOOK" ]; then
-  # The image and the weights are on disk: the group may now stop the instance into the pool (or use it).
-  aws autoscaling complete-lifecycle-action --region "$REGION" --lifecycle-hook-name "$WARM_HOOK" \
-    --auto-scaling-group-name "$GROUP" --instance-id "$INSTANCE_ID" --lifecycle-action-result CONTINUE
-fi

@@ -21,7 +21,16 @@ from kvfleet.deployments import ResolvedDeployment
 TEMPLATE = "user-data.sh"
 HOST_MODEL_DIR = "/opt/kvfleet/model"  # the weights on the host: on local NVMe when the instance has it
 ENV_FILE = "/etc/kvfleet/env"  # the container's --env-file
-UNIT_FILE = "/etc/systemd/system/kvfleet.service"  # starts the container at every boot (warm pool included)
+UNIT_FILE = "/etc/systemd/system/kvfleet.service"  # the container, started by the lifecycle step in service
+BOOT_SCRIPT = "/usr/local/sbin/kvfleet-boot"  # the user data installs itself here for later boots
+LIFECYCLE_UNIT = "kvfleet-lifecycle.service"  # runs `kvfleet-boot lifecycle` at every boot
+LIFECYCLE_UNIT_FILE = f"/etc/systemd/system/{LIFECYCLE_UNIT}"
+LIFECYCLE_ARG = "lifecycle"
+POLL_S = 5  # how often the lifecycle step reads the target lifecycle state while the instance is in a pool
+# The DLAMI release notes list each GPU AMI's "nvme_location": the Base OSS NVIDIA Driver AMIs assemble and mount
+# the instance store there at boot, so the script reuses a mounted instance store instead of formatting it.
+DLAMI_NVME_MOUNT = "/opt/dlami/nvme"
+DLAMI_NVME_SOURCE = "https://docs.aws.amazon.com/dlami/latest/devguide/appendix-ami-release-notes.html"
 
 _PLACEHOLDER = re.compile(r"\{\{([A-Z][A-Z0-9_]*)\}\}")
 
@@ -83,12 +92,12 @@ class Boot:
     log_group: str  # the container's log group (may be a CDK token)
     local_nvme: bool  # the weights go to the instance store
     drain_hook: str  # the termination hook the agent drains for
-    heartbeat_s: int  # how often the agent heartbeats it
+    heartbeat_s: int  # how often the agent heartbeats it (and the first boot the launch hook)
     warm_hook: str | None  # the launch hook to complete once ready on disk; None without a warm pool
 
 
 def user_data_script(r: ResolvedDeployment, boot: Boot) -> str:
-    """The script ``r``'s instances run at first boot."""
+    """The script ``r``'s instances run at first boot (and, installed, its lifecycle step at every boot)."""
     return render(template(), user_data_values(r, boot))
 
 
@@ -116,7 +125,15 @@ def user_data_values(r: ResolvedDeployment, boot: Boot) -> dict[str, Value]:
         "DRAIN_BUDGET_S": d.scaling.drain_budget_s,
         "ENV_ASG_NAME": contract.ENV_ASG_NAME,
         "WARM_HOOK": boot.warm_hook or "",
+        "DRAIN_HOOK": boot.drain_hook,
+        "HEARTBEAT_S": boot.heartbeat_s,
+        "HEALTH_ROUTE": contract.HEALTH_ROUTE,
+        # The one padded launch-to-ready wait: the warm phase's engine start downloads and loads the weights.
+        "WARM_READY_S": r.ready_window_s,
+        "POLL_S": POLL_S,
         "ENV_FILE": ENV_FILE,
         "UNIT_FILE": UNIT_FILE,
+        "BOOT_SCRIPT": BOOT_SCRIPT,
+        "LIFECYCLE_UNIT_FILE": LIFECYCLE_UNIT_FILE,
         "CONTAINER_ENV": env_file(env),
     }

@@ -12,10 +12,24 @@ import pytest
 from aws_cdk.assertions import Template
 
 from kvfleet import contract
+from kvfleet.deployments import LOAD_PADDING
 from kvfleet.errors import ConfigError
 from kvfleet.infra.app import build_app
-from kvfleet.infra.ec2.fleet import LIFECYCLE_HOOK, OS_DISK_GIB, WARM_HOOK, fleet_instance_types
+from kvfleet.infra.ec2 import lifecycle
+from kvfleet.infra.ec2.fleet import (
+    GP3,
+    LIFECYCLE_HOOK,
+    OS_DISK_GIB,
+    ROOT_WRITE_BUDGET_S,
+    UPDATE_POLICY,
+    UPDATE_POLICY_REPLACES,
+    WARM_HOOK,
+    fleet_instance_types,
+    refresh_healthy_percentages,
+)
 from kvfleet.infra.ec2.user_data import HOST_MODEL_DIR
+from kvfleet.sizing.startup import DOWNLOAD_BYTES_PER_S
+from kvfleet.sizing.units import GiB, MiB
 from tests.infra.ec2.envs import EC2_ENV, HF_TOKEN_SECRET, MODEL_S3_URI, from_hugging_face, resolved, without_warm_pool
 from tests.infra.helpers import environment, make_app, only, props
 
@@ -172,7 +186,9 @@ def test_group_sizes_health_warmup_and_overrides(template: Template) -> None:
     assert (g["MinSize"], g["MaxSize"]) == ("1", "4")
     assert g["DesiredCapacity"] == str(r.initial_instance_count)
     assert g["HealthCheckType"] == "ELB"
-    assert g["DefaultInstanceWarmup"] == g["HealthCheckGracePeriod"] == int(-(-r.startup.ready_s // 1))
+    # The padded start-up wait every target uses, not the bare estimate.
+    assert g["DefaultInstanceWarmup"] == g["HealthCheckGracePeriod"] == r.ready_window_s
+    assert r.ready_window_s >= LOAD_PADDING * r.startup.ready_s
     assert g["CapacityRebalance"] is True
     overrides = [o["InstanceType"] for o in g["MixedInstancesPolicy"]["LaunchTemplate"]["Overrides"]]
     assert overrides[0] == r.candidate.instance.name and overrides == fleet_instance_types(r)
@@ -180,10 +196,6 @@ def test_group_sizes_health_warmup_and_overrides(template: Template) -> None:
         c = next(x for x in (r.candidate, *r.alternatives) if x.instance.name == name)
         assert c.instance.accelerator_count == r.candidate.instance.accelerator_count
         assert c.tensor_parallel_size == r.candidate.tensor_parallel_size
-    update = template.find_resources("AWS::AutoScaling::AutoScalingGroup")
-    [(_, res)] = update.items()
-    rolling = res["UpdatePolicy"]["AutoScalingRollingUpdate"]
-    assert rolling["MinInstancesInService"] >= 1  # 90% of the minimum stays in service
 
 
 def test_lifecycle_hook_covers_the_drain_budget(template: Template) -> None:
@@ -299,3 +311,136 @@ def test_cdk_nag_passes(tmp_path: Path) -> None:
         environment(EC2_ENV.replace("region: us-east-1\n", "")), app=make_app(outdir=str(tmp_path / "b")), nag=True
     )
     agnostic.synth()
+
+
+# ---- the fleet's shape: one engine per instance --------------------------------------------------------------
+
+# The issue's case: Llama-3.1-8B on p4d at 50 requests/s (19 replicas of 16 sequences).
+P4D_50_RPS = (
+    EC2_ENV.replace(
+        "      concurrency_per_replica: 16\n", "      concurrency_per_replica: 16\n      peak_requests_per_s: 50\n"
+    )
+    .replace("      families: [g6e]\n", "      instance_type: p4d.24xlarge\n")
+    .replace("      max_replicas: 4\n", "      max_replicas: 32\n")
+)
+
+
+def test_an_instance_runs_one_engine_on_all_its_gpus_and_the_group_counts_replicas() -> None:
+    """The group's min/max/desired and its scaling steps count instances, and one container per instance takes
+    --gpus all: a plan with several engines per instance would deploy a fraction of its replicas."""
+    r = resolved(P4D_50_RPS)
+    c = r.candidate
+    assert c.instance.name == "p4d.24xlarge"
+    assert c.engines_per_instance == 1 and c.replicas == c.instance_count > 1
+    assert c.tensor_parallel_size == c.instance.accelerator_count  # the engine spans every GPU it is given
+    [g] = props(only(P4D_50_RPS), "AWS::AutoScaling::AutoScalingGroup")
+    assert g["DesiredCapacity"] == str(c.replicas)
+
+
+# ---- start-up waits and the root volume ---------------------------------------------------------------------
+
+BIG = EC2_ENV.replace("meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-70B").replace(
+    "      families: [g6e]\n", "      instance_type: p4d.24xlarge\n"
+)
+
+
+@pytest.mark.parametrize("text", [EC2_ENV, without_warm_pool(), BIG], ids=["stopped-pool", "nvme", "70b"])
+def test_the_root_volume_writes_what_lands_on_it_in_bounded_time_within_gp3_limits(text: str) -> None:
+    [bd] = launch_data(only(text))["BlockDeviceMappings"]
+    ebs = bd["Ebs"]
+    size, mib_s, iops = ebs["VolumeSize"], ebs["Throughput"], ebs["Iops"]
+    # gp3's own rules (the EBS user guide): ranges, IOPS per GiB, throughput per IOPS.
+    assert GP3.baseline_mib_s <= mib_s <= GP3.max_mib_s and GP3.baseline_iops <= iops <= GP3.max_iops
+    assert iops <= GP3.max_iops_per_gib * size and mib_s <= GP3.max_mib_s_per_iops * iops
+    assert GP3.source.startswith("https://docs.aws.amazon.com/ebs/")
+    # What it writes at boot (all but the AMI's own part), in the budget unless gp3 cannot go faster; never slower
+    # than the download the start-up estimate assumes.
+    written = (size - OS_DISK_GIB) * GiB
+    assert written / (mib_s * MiB) <= ROOT_WRITE_BUDGET_S or mib_s == GP3.max_mib_s
+    assert mib_s * MiB >= min(DOWNLOAD_BYTES_PER_S, GP3.max_mib_s * MiB)
+
+
+def test_a_big_checkpoint_gets_more_than_the_baseline() -> None:
+    [bd] = launch_data(only(BIG))["BlockDeviceMappings"]
+    assert bd["Ebs"]["Throughput"] > 2 * GP3.baseline_mib_s
+
+
+# ---- updates replace the warm pool too ------------------------------------------------------------------------
+
+
+def update_policy(t: Template) -> dict[str, Any]:
+    [(_, res)] = t.find_resources("AWS::AutoScaling::AutoScalingGroup").items()
+    return dict(res["UpdatePolicy"])
+
+
+def test_a_launch_template_change_replaces_the_warm_pools_instances_too(template: Template) -> None:
+    policy = update_policy(template)
+    # The policies that replace instances (AutoScalingScheduledAction only keeps scheduled sizes).
+    [name] = [k for k in policy if k in ("AutoScalingRollingUpdate", "AutoScalingReplacingUpdate", UPDATE_POLICY)]
+    assert name == UPDATE_POLICY and "Warmed" in UPDATE_POLICY_REPLACES[name]
+    assert "Warmed" not in UPDATE_POLICY_REPLACES["AutoScalingRollingUpdate"]  # what it replaced: the defect
+    refresh = policy[name]
+    assert refresh["Strategy"] == "Rolling"
+    prefs = refresh["Preferences"]
+    assert prefs["MinHealthyPercentage"] == 90  # target.min_healthy_percent
+    assert prefs["InstanceWarmup"] == resolved().ready_window_s
+    assert prefs["SkipMatching"] is True
+
+
+@pytest.mark.parametrize("healthy", [0, 1, 50, 89, 90, 99, 100])
+def test_refresh_percentages_are_in_the_documented_ranges(healthy: int) -> None:
+    """InstanceMaintenancePolicy: minimum 0-100, maximum 100-200, at most 100 apart; and room to replace one."""
+    low, high = refresh_healthy_percentages(healthy)
+    assert low == healthy and 0 <= low <= 100 <= high <= 200 and high - low <= 100
+    assert high > 100 or low < 100
+
+
+# ---- the warm pool's size and hooks ---------------------------------------------------------------------------
+
+
+def test_the_warm_pool_holds_exactly_min_size(template: Template) -> None:
+    """PutWarmPool: without MaxGroupPreparedCapacity the pool is max - desired; equal to MinSize, it is MinSize."""
+    [pool] = props(template, "AWS::AutoScaling::WarmPool")
+    assert pool["MinSize"] == pool["MaxGroupPreparedCapacity"] == 1
+    assert pool["PoolState"] == "Stopped"
+    # No reuse on scale-in: a terminating instance never pauses at Warmed:Pending:Wait (see lifecycle.TRANSITIONS).
+    assert not pool.get("InstanceReusePolicy", {}).get("ReuseOnScaleIn", False)
+    two = only(EC2_ENV.replace("        min_size: 1\n", "        min_size: 2\n"))
+    [pool] = props(two, "AWS::AutoScaling::WarmPool")
+    assert pool["MinSize"] == pool["MaxGroupPreparedCapacity"] == 2
+
+
+def test_a_warm_pool_of_nothing_is_refused() -> None:
+    with pytest.raises(ConfigError, match="min_size") as info:
+        environment(EC2_ENV.replace("        min_size: 1\n", "        min_size: 0\n"))
+    assert "warm_pool" in info.value.lines[0]
+    environment(without_warm_pool(EC2_ENV.replace("        min_size: 1\n", "        min_size: 0\n")))
+
+
+def test_every_transitions_hook_exists_with_its_transition(template: Template) -> None:
+    hooks = {h["LifecycleHookName"]: h for h in props(template, "AWS::AutoScaling::LifecycleHook")}
+    names = {lifecycle.LAUNCHING: WARM_HOOK, lifecycle.TERMINATING: LIFECYCLE_HOOK}
+    for t in lifecycle.TRANSITIONS:
+        assert hooks[names[t.hook]]["LifecycleTransition"] == t.hook, t.name
+    launch = hooks[WARM_HOOK]
+    # The launch hook waits the padded start-up (a warm phase may download and load the weights), then abandons.
+    assert launch["HeartbeatTimeout"] == min(7200, resolved().ready_window_s)
+    assert launch["DefaultResult"] == "ABANDON"
+
+
+def test_the_amis_driver_runs_the_images_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The default DLAMI's driver runs the vLLM DLC's CUDA 13; with an older driver synth fails with the fix.
+    import dataclasses
+
+    from kvfleet.errors import KvfleetError
+    from kvfleet.infra import cuda
+
+    [host] = cuda.hosts("ec2")
+    assert host.cuda >= (13, 0)
+    old = dataclasses.replace(host, driver_branch=550, cuda=(12, 4))
+    monkeypatch.setattr(cuda, "hosts", lambda platform: (old,) if platform == "ec2" else ())
+    from kvfleet.infra.ec2 import fleet
+
+    monkeypatch.setattr(fleet, "hosts", cuda.hosts)
+    with pytest.raises(KvfleetError, match=r"CUDA 13\.0"):
+        only(EC2_ENV)

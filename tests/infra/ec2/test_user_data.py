@@ -17,6 +17,7 @@ import pytest
 
 from kvfleet import contract
 from kvfleet.deployments import ResolvedDeployment
+from kvfleet.infra.ec2 import lifecycle
 from kvfleet.infra.ec2 import user_data as ud
 from kvfleet.infra.ec2.fleet import HEARTBEAT_S, LIFECYCLE_HOOK, WARM_HOOK
 from kvfleet.infra.ec2.user_data import Boot, TemplateError, Verbatim, render, template, user_data_script
@@ -119,7 +120,7 @@ def test_the_script_is_the_same_for_every_fleet_but_its_settings() -> None:
     settings = set(re.findall(r"^([A-Z][A-Z0-9_]*)=\{\{", template(), flags=re.MULTILINE))
 
     def commands(text: str) -> list[str]:
-        lines = text.splitlines()
+        lines = [line.strip() for line in text.splitlines()]
         start = lines.index("cat > \"$ENV_FILE\" <<'KVFLEET_ENV'")
         end = lines.index("KVFLEET_ENV")
         return [line for line in lines[:start] + lines[end:] if line.split("=", 1)[0] not in settings]
@@ -192,6 +193,8 @@ def test_the_env_file_refuses_a_value_that_would_break_it() -> None:
 STUB = """#!/bin/bash
 printf '%s\\n' "$(basename "$0") $*" >> "$CALLS"
 """
+# IMDS: the target lifecycle state comes from $STATES, one read per line (the last one stays); an empty line is no
+# autoscaling metadata (an instance outside a group).
 CURL = (
     STUB
     + """case "$*" in
@@ -199,7 +202,11 @@ CURL = (
   *placement/region*) echo us-east-1 ;;
   *meta-data/instance-id*) echo i-0123456789abcdef0 ;;
   *groupName*) if [ -n "$NO_TAGS" ]; then exit 22; else echo kvfleet-test-chat-group; fi ;;
-  *target-lifecycle-state*) if [ -n "$LIFECYCLE_STATE" ]; then echo "$LIFECYCLE_STATE"; else exit 22; fi ;;
+  *target-lifecycle-state*)
+    state=$(head -n 1 "$STATES")
+    if [ "$(wc -l < "$STATES")" -gt 1 ]; then sed -i 1d "$STATES"; fi
+    if [ -n "$state" ]; then echo "$state"; else exit 22; fi ;;
+  *127.0.0.1*) if [ -n "$UNHEALTHY" ]; then exit 7; fi ;;
   *) exit 22 ;;
 esac
 """
@@ -209,12 +216,28 @@ AWS = (
     + """case "$1 $2" in
   "ecr get-login-password") echo password ;;
   "autoscaling describe-auto-scaling-instances") echo group-from-the-api ;;
+  "autoscaling complete-lifecycle-action") if [ -n "$NOTHING_PENDING" ]; then exit 254; fi ;;
 esac
 """
 )
-DOCKER = STUB + 'if [ "$1" = login ]; then cat > /dev/null; fi\n'
-LSBLK = STUB + 'printf "%s" "$LSBLK_OUT"\n'
+DOCKER = STUB + 'if [ "$1" = login ]; then cat > /dev/null; fi\nif [ "$1" = pull ]; then sleep "${PULL_S:-0}"; fi\n'
+# Recorded, and short: the loops that sleep in the script do turn (without spinning).
+SLEEP = STUB + "exec /bin/sleep 0.01\n"
+# lsblk: the disks ($LSBLK_OUT), their mountpoints and those of arrays over them ($LSBLK_MOUNTS), and their
+# children's types ($LSBLK_TYPES), as the three queries of the script ask.
+LSBLK = (
+    STUB
+    + """case "$*" in
+  *MOUNTPOINT*) printf "%s" "$LSBLK_MOUNTS" ;;
+  *TYPE*) printf "%s" "$LSBLK_TYPES" ;;
+  *) printf "%s" "$LSBLK_OUT" ;;
+esac
+"""
+)
+MOUNTPOINT = STUB + 'case " $MOUNTED " in *" $2 "*) exit 0 ;; esac\nexit 1\n'
+BLKID = STUB + 'if [ -n "$BLKID_TYPE" ]; then echo "$BLKID_TYPE"; else exit 2; fi\n'
 RECORDED = ("mdadm", "mkfs.xfs", "mount", "chown", "systemctl")
+NVME_DISKS = "/dev/nvme1n1 Amazon EC2 NVMe Instance Storage\n/dev/nvme2n1 Amazon EC2 NVMe Instance Storage\n"
 
 
 @dataclass(frozen=True)
@@ -222,49 +245,116 @@ class Run:
     calls: list[str]
     env_file: dict[str, str]
     unit: str
+    lifecycle_unit: str
 
     def called(self, command: str) -> list[str]:
         return [c for c in self.calls if c.split(" ", 1)[0] == command]
 
+    @property
+    def completions(self) -> list[str]:
+        """The hooks completed, in order."""
+        return [
+            shlex.split(c)[shlex.split(c).index("--lifecycle-hook-name") + 1]
+            for c in self.called("aws")
+            if "complete-lifecycle-action" in c
+        ]
 
-def run_script(case: Case, tmp_path: Path, *, lifecycle_state: str = "", lsblk: str = "", tags: bool = True) -> Run:
-    """Render for ``case`` with the host paths under ``tmp_path`` and run it against stub commands."""
-    stubs = tmp_path / "bin"
-    stubs.mkdir()
-    bodies = {"curl": CURL, "aws": AWS, "docker": DOCKER, "lsblk": LSBLK} | dict.fromkeys(RECORDED, STUB)
-    for name, body in bodies.items():
-        (stubs / name).write_text(body, encoding="utf-8")
-        (stubs / name).chmod(0o755)
-    values = ud.user_data_values(resolved_for(case), case.boot())
-    values |= {
-        "HOST_MODEL_DIR": str(tmp_path / "model"),
-        "ENV_FILE": str(tmp_path / "etc" / "env"),
-        "UNIT_FILE": str(tmp_path / "kvfleet.service"),
-    }
-    path = tmp_path / "user-data.sh"
-    path.write_text(render(template(), values), encoding="utf-8")
-    calls = tmp_path / "calls"
-    env = {
-        "PATH": f"{stubs}:{os.environ['PATH']}",
-        "CALLS": str(calls),
-        "LIFECYCLE_STATE": lifecycle_state,
-        "LSBLK_OUT": lsblk,
-        "NO_TAGS": "" if tags else "1",
-    }
-    done = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, check=False, timeout=60)
-    assert done.returncode == 0, done.stderr
-    lines = (tmp_path / "etc" / "env").read_text(encoding="utf-8").splitlines()
-    return Run(
-        calls=calls.read_text(encoding="utf-8").splitlines(),
-        env_file=dict(line.split("=", 1) for line in lines),
-        unit=(tmp_path / "kvfleet.service").read_text(encoding="utf-8"),
-    )
+
+class Instance:
+    """One instance's disk (under ``tmp_path``) and its commands (stubs): boot it as often as a test needs."""
+
+    def __init__(self, case: Case, tmp_path: Path) -> None:
+        self.case, self.tmp = case, tmp_path
+        stubs = tmp_path / "bin"
+        stubs.mkdir()
+        bodies = {
+            "curl": CURL,
+            "aws": AWS,
+            "docker": DOCKER,
+            "lsblk": LSBLK,
+            "mountpoint": MOUNTPOINT,
+            "blkid": BLKID,
+            "sleep": SLEEP,
+        } | dict.fromkeys(RECORDED, STUB)
+        for name, body in bodies.items():
+            (stubs / name).write_text(body, encoding="utf-8")
+            (stubs / name).chmod(0o755)
+        self.path = f"{stubs}:{os.environ['PATH']}"
+        self.model = str(tmp_path / "model")
+        self.boot_script = tmp_path / "sbin" / "kvfleet-boot"
+        values = ud.user_data_values(resolved_for(case), case.boot())
+        values |= {
+            "HOST_MODEL_DIR": self.model,
+            "ENV_FILE": str(tmp_path / "etc" / "env"),
+            "UNIT_FILE": str(tmp_path / "kvfleet.service"),
+            "LIFECYCLE_UNIT_FILE": str(tmp_path / ud.LIFECYCLE_UNIT),
+            "BOOT_SCRIPT": str(self.boot_script),
+            "POLL_S": 0,
+        }
+        self.user_data = tmp_path / "user-data.sh"
+        self.user_data.write_text(render(template(), values), encoding="utf-8")
+
+    def boot(self, *args: str, states: tuple[str, ...] = ("",), ok: bool = True, tags: bool = True, **env: str) -> Run:
+        """Run the user data (no ``args``: cloud-init at first boot) or the installed script's lifecycle step (as the
+        unit does at every boot), the target lifecycle state reading ``states`` in turn."""
+        return self.run(args, states=states, ok=ok, tags=tags, env=env)
+
+    def run(self, args: tuple[str, ...], *, states: tuple[str, ...], ok: bool, tags: bool, env: dict[str, str]) -> Run:
+        calls, state_file = self.tmp / "calls", self.tmp / "states"
+        calls.write_text("", encoding="utf-8")
+        state_file.write_text("".join(f"{s}\n" for s in states), encoding="utf-8")
+        script = self.boot_script if args else self.user_data
+        defaults = dict.fromkeys(
+            (
+                "LSBLK_OUT",
+                "LSBLK_MOUNTS",
+                "LSBLK_TYPES",
+                "MOUNTED",
+                "BLKID_TYPE",
+                "UNHEALTHY",
+                "NOTHING_PENDING",
+                "PULL_S",
+            ),
+            "",
+        )
+        environ = (
+            defaults
+            | env
+            | {
+                "PATH": self.path,
+                "CALLS": str(calls),
+                "STATES": str(state_file),
+                "NO_TAGS": "" if tags else "1",
+            }
+        )
+        done = subprocess.run(
+            ["bash", str(script), *args], env=environ, capture_output=True, text=True, check=False, timeout=60
+        )
+        assert (done.returncode == 0) is ok, done.stderr
+        env_file = self.tmp / "etc" / "env"
+        lines = env_file.read_text(encoding="utf-8").splitlines() if env_file.exists() else []
+        unit, lifecycle_unit = self.tmp / "kvfleet.service", self.tmp / ud.LIFECYCLE_UNIT
+        return Run(
+            calls=calls.read_text(encoding="utf-8").splitlines(),
+            env_file=dict(line.split("=", 1) for line in lines),
+            unit=unit.read_text(encoding="utf-8") if unit.exists() else "",
+            lifecycle_unit=lifecycle_unit.read_text(encoding="utf-8") if lifecycle_unit.exists() else "",
+        )
+
+
+def run_script(case: Case, tmp_path: Path, *, state: str = "", tags: bool = True, **env: str) -> Run:
+    """The first boot of one instance."""
+    return Instance(case, tmp_path).run((), states=(state,), ok=True, tags=tags, env=env)
+
+
+def docker_create(run: Run) -> str:
+    [create] = [c for c in run.called("docker") if c.startswith("docker create")]
+    return create
 
 
 def test_s3_model_on_raid0_nvme_into_a_warm_pool(tmp_path: Path) -> None:
     case = Case(nvme=True, s3=True, warm=True)
-    disks = "/dev/nvme1n1 Amazon EC2 NVMe Instance Storage\n/dev/nvme2n1 Amazon EC2 NVMe Instance Storage\n"
-    run = run_script(case, tmp_path, lifecycle_state="Warmed:Stopped", lsblk="/dev/nvme0n1 Amazon EBS\n" + disks)
+    run = run_script(case, tmp_path, state="Warmed:Stopped", LSBLK_OUT="/dev/nvme0n1 Amazon EBS\n" + NVME_DISKS)
     model = str(tmp_path / "model")
     [mdadm] = run.called("mdadm")
     assert mdadm == "mdadm --create /dev/md0 --run --level=0 --raid-devices=2 /dev/nvme1n1 /dev/nvme2n1"
@@ -272,65 +362,70 @@ def test_s3_model_on_raid0_nvme_into_a_warm_pool(tmp_path: Path) -> None:
     assert run.called("mount") == [f"mount /dev/md0 {model}"]
     assert run.called("chown") == [f"chown {contract.AGENT_UID}:{contract.AGENT_UID} {model}"]
     assert f"aws s3 sync --only-show-errors {MODEL_S3_URI} {model}" in run.calls
-    [create] = [c for c in run.called("docker") if c.startswith("docker create")]
-    assert f"-v {model}:{contract.MODEL_DIR}:ro {IMAGE} {contract.SERVE_ARG}" in create
-    # Going into the warm pool: enabled for the next boot, not started; then the launch hook completes.
-    assert run.called("systemctl") == ["systemctl daemon-reload", "systemctl enable kvfleet.service"]
-    [complete] = [c for c in run.called("aws") if "complete-lifecycle-action" in c]
-    assert f"--lifecycle-hook-name {WARM_HOOK} --auto-scaling-group-name kvfleet-test-chat-group" in complete
-    assert run.calls.index(complete) > next(i for i, c in enumerate(run.calls) if c.startswith("docker pull"))
+    assert f"-v {model}:{contract.MODEL_DIR}:ro {IMAGE} {contract.SERVE_ARG}" in docker_create(run)
+    # The first boot prepares and hands over to the lifecycle unit; the container is not started, the weights came
+    # from S3 so the engine need not run to download them.
+    unit = ud.LIFECYCLE_UNIT
+    assert run.called("systemctl") == [
+        "systemctl daemon-reload",
+        f"systemctl enable {unit}",
+        f"systemctl start --no-block {unit}",
+    ]
+    assert run.completions == []
 
 
 def test_hugging_face_model_on_one_nvme_disk_straight_into_service(tmp_path: Path) -> None:
     case = Case(nvme=True, s3=False, warm=False)
-    run = run_script(case, tmp_path, lsblk="/dev/nvme1n1 Amazon EC2 NVMe Instance Storage\n")
+    instance = Instance(case, tmp_path)
+    run = instance.boot(LSBLK_OUT="/dev/nvme1n1 Amazon EC2 NVMe Instance Storage\n")
     model = str(tmp_path / "model")
     assert run.called("mdadm") == []
     assert run.called("mkfs.xfs") == ["mkfs.xfs -f /dev/nvme1n1"]
     assert not any(c.startswith("aws s3") for c in run.calls)
-    [create] = [c for c in run.called("docker") if c.startswith("docker create")]
-    assert f"-v {model}:{contract.HF_HOME} {IMAGE} {contract.SERVE_ARG}" in create
-    # No lifecycle state in IMDS (no warm pool): the container starts now, and there is no launch hook.
-    assert "systemctl start kvfleet.service" in run.calls
-    assert not any("complete-lifecycle-action" in c for c in run.calls)
+    assert f"-v {model}:{contract.HF_HOME} {IMAGE} {contract.SERVE_ARG}" in docker_create(run)
+    # No warm pool: the engine downloads when it starts in service; the lifecycle step starts it, no hook to complete.
+    assert "systemctl start kvfleet.service" not in run.calls
+    step = instance.boot(ud.LIFECYCLE_ARG, MOUNTED=model)
+    assert step.called("systemctl") == ["systemctl start kvfleet.service"] and step.completions == []
 
 
 def test_without_nvme_the_weights_stay_on_the_root_volume(tmp_path: Path) -> None:
-    run = run_script(Case(nvme=False, s3=True, warm=False), tmp_path, lsblk="/dev/nvme1n1 Instance Storage\n")
+    run = run_script(Case(nvme=False, s3=True, warm=False), tmp_path, LSBLK_OUT="/dev/nvme1n1 Instance Storage\n")
     assert run.called("lsblk") == [] and run.called("mkfs.xfs") == [] and run.called("mount") == []
 
 
 def test_the_container_gets_the_deployments_environment_and_the_lifecycle_variables(tmp_path: Path) -> None:
     case = Case(nvme=False, s3=True, warm=True)
-    run = run_script(case, tmp_path, lifecycle_state="InService")
+    run = run_script(case, tmp_path, state="InService")
     assert run.env_file == resolved_for(case).container_environment() | {
         contract.ENV_LIFECYCLE_HOOK: LIFECYCLE_HOOK,
         contract.ENV_LIFECYCLE_HEARTBEAT_S: str(HEARTBEAT_S),
         contract.ENV_ASG_NAME: "kvfleet-test-chat-group",
         "AWS_REGION": "us-east-1",
     }
-    assert "systemctl start kvfleet.service" in run.calls
 
 
 def test_imdsv2_and_the_group_name_from_the_api_without_tags(tmp_path: Path) -> None:
-    run = run_script(Case(nvme=False, s3=True, warm=True), tmp_path, tags=False)
+    instance = Instance(Case(nvme=False, s3=True, warm=True), tmp_path)
+    run = instance.boot(tags=False)
     curls = run.called("curl")
     assert "-X PUT" in curls[0] and "api/token" in curls[0]
-    assert all("X-aws-ec2-metadata-token: token" in c for c in curls[1:])
+    assert all("X-aws-ec2-metadata-token: token" in c for c in curls if "api/token" not in c)
     [describe] = [c for c in run.called("aws") if "describe-auto-scaling-instances" in c]
     assert "--instance-ids i-0123456789abcdef0" in describe
     assert run.env_file[contract.ENV_ASG_NAME] == "group-from-the-api"
-    [complete] = [c for c in run.called("aws") if "complete-lifecycle-action" in c]
+    step = instance.boot(ud.LIFECYCLE_ARG, states=("InService",), tags=False)
+    [complete] = [c for c in step.called("aws") if "complete-lifecycle-action" in c]
     assert "--auto-scaling-group-name group-from-the-api" in complete
 
 
 def test_the_container_runs_with_gpus_shm_logs_and_the_drain_budget(tmp_path: Path) -> None:
     run = run_script(Case(nvme=False, s3=True, warm=False), tmp_path)
-    [create] = [shlex.split(c) for c in run.called("docker") if c.startswith("docker create")]
+    create = shlex.split(docker_create(run))
     port = contract.SERVING_PORT
     pairs = set(itertools.pairwise(create))
     for flag in (
-        ("--gpus", "all"),
+        ("--gpus", "all"),  # one engine per instance (the ec2 target's hosting shape)
         ("--shm-size", "16g"),
         ("-p", f"{port}:{port}"),
         ("--stop-timeout", "450"),  # drain budget + margin for the agent to exit
@@ -345,3 +440,222 @@ def test_the_container_runs_with_gpus_shm_logs_and_the_drain_budget(tmp_path: Pa
     assert "TimeoutStopSec=480\n" in run.unit and "ExecStart=/usr/bin/docker start -a kvfleet\n" in run.unit
     [login] = [c for c in run.called("docker") if c.startswith("docker login")]
     assert login.endswith(" 123456789012.dkr.ecr.us-east-1.amazonaws.com")
+
+
+# ---- every boot: the lifecycle step completes each transition's hook -------------------------------------------
+
+
+def test_the_first_boot_installs_a_step_that_runs_at_every_boot(tmp_path: Path) -> None:
+    instance = Instance(Case(nvme=False, s3=True, warm=True), tmp_path)
+    run = instance.boot(states=("Warmed:Stopped",))
+    # The installed copy is this very script (its settings included), run by a unit wanted at every boot.
+    assert instance.boot_script.read_text(encoding="utf-8") == instance.user_data.read_text(encoding="utf-8")
+    assert os.access(instance.boot_script, os.X_OK)
+    assert f"ExecStart={instance.boot_script} {ud.LIFECYCLE_ARG}\n" in run.lifecycle_unit
+    assert "WantedBy=multi-user.target\n" in run.lifecycle_unit
+    assert f"systemctl enable {ud.LIFECYCLE_UNIT}" in run.calls
+    # The serving container has no [Install]: only the lifecycle step starts it, in service.
+    assert "[Install]" not in run.unit
+
+
+def test_first_boot_into_a_stopped_pool_then_a_resume_boot_into_service(tmp_path: Path) -> None:
+    instance = Instance(Case(nvme=False, s3=True, warm=True), tmp_path)
+    instance.boot(states=("Warmed:Stopped",))
+    # The unit's first run, at the end of the first boot: Warmed:Pending:Wait; the group then stops the instance.
+    entry = instance.boot(ud.LIFECYCLE_ARG, states=("Warmed:Stopped",))
+    assert entry.completions == [WARM_HOOK]
+    assert "systemctl start kvfleet.service" not in entry.calls
+    # Scale-out starts it again: cloud-init does not run the user data, the unit runs the step (Pending:Wait).
+    resume = instance.boot(ud.LIFECYCLE_ARG, states=("InService",))
+    assert resume.called("systemctl") == ["systemctl start kvfleet.service"]
+    assert resume.completions == [WARM_HOOK]
+    assert resume.calls.index("systemctl start kvfleet.service") < next(
+        i for i, c in enumerate(resume.calls) if "complete-lifecycle-action" in c
+    )
+    # Nothing is prepared again on a resume boot.
+    assert resume.called("docker") == [] and not any(c.startswith("aws s3") for c in resume.calls)
+
+
+def test_a_running_pool_is_left_without_a_boot_and_the_step_is_still_watching(tmp_path: Path) -> None:
+    instance = Instance(Case(nvme=False, s3=True, warm=True), tmp_path)
+    instance.boot(states=("Warmed:Running",))
+    run = instance.boot(ud.LIFECYCLE_ARG, states=("Warmed:Running", "Warmed:Running", "InService"))
+    # Once for the entry, once for the exit, and the container started between them.
+    assert run.completions == [WARM_HOOK, WARM_HOOK]
+    assert run.called("systemctl") == ["systemctl start kvfleet.service"]
+    assert run.called("sleep") == ["sleep 0", "sleep 0"]
+
+
+def test_a_running_pool_instance_that_is_terminated_completes_the_drain_hook(tmp_path: Path) -> None:
+    instance = Instance(Case(nvme=False, s3=True, warm=True), tmp_path)
+    instance.boot(states=("Warmed:Running",))
+    run = instance.boot(ud.LIFECYCLE_ARG, states=("Warmed:Running", "Warmed:Terminated"))
+    assert run.completions == [WARM_HOOK, LIFECYCLE_HOOK]
+    assert "systemctl start kvfleet.service" not in run.calls
+
+
+def test_a_reboot_in_service_has_no_hook_pending_and_still_serves(tmp_path: Path) -> None:
+    instance = Instance(Case(nvme=False, s3=True, warm=True), tmp_path)
+    instance.boot(states=("InService",))
+    run = instance.boot(ud.LIFECYCLE_ARG, states=("InService",), NOTHING_PENDING="1")
+    assert run.called("systemctl") == ["systemctl start kvfleet.service"]
+
+
+def _transition_runs(t: lifecycle.Transition) -> list[tuple[str, ...]]:
+    """The target states one run of the step reads that put an instance in ``t``'s wait. A boot reads ``t``'s state
+    first (a running or hibernated pool's step then watches until scale-out); without a boot the step still runs
+    from the pool entry before it."""
+    if t.boots:
+        return [(s, "InService") if s in ("Warmed:Running", "Warmed:Hibernated") else (s,) for s in t.target_states]
+    return [(f"Warmed:{pool}", *t.target_states) for pool in ("Running", "Hibernated")]
+
+
+@pytest.mark.parametrize("transition", lifecycle.TRANSITIONS, ids=lambda t: t.name)
+def test_every_lifecycle_transition_has_a_process_that_completes_its_hook(
+    transition: lifecycle.Transition, tmp_path: Path
+) -> None:
+    hook = {lifecycle.LAUNCHING: WARM_HOOK, lifecycle.TERMINATING: LIFECYCLE_HOOK}[transition.hook]
+    if transition.completed_by is lifecycle.Completer.AGENT:
+        # The agent drains and completes the hook it is told; nothing else may complete it before the drain.
+        run = run_script(Case(nvme=False, s3=True, warm=True), tmp_path, state="InService")
+        assert run.env_file[contract.ENV_LIFECYCLE_HOOK] == hook
+        (tmp_path / "again").mkdir()
+        step = Instance(Case(nvme=False, s3=True, warm=True), tmp_path / "again")
+        step.boot(states=("InService",))
+        assert step.boot(ud.LIFECYCLE_ARG, states=transition.target_states).completions == []
+        return
+    for i, states in enumerate(_transition_runs(transition)):
+        (tmp_path / str(i)).mkdir()
+        instance = Instance(Case(nvme=False, s3=True, warm=True), tmp_path / str(i))
+        instance.boot(states=(states[0],))
+        run = instance.boot(ud.LIFECYCLE_ARG, states=states)
+        # One completion per state read, in order: this transition's is the one for its own target state.
+        assert len(run.completions) == len(states), states
+        assert run.completions[states.index(transition.target_states[0]) if not transition.boots else 0] == hook
+        serving = "systemctl start kvfleet.service" in run.calls
+        assert serving is ("InService" in states), states
+
+
+def test_without_a_warm_pool_the_launch_is_not_held_and_the_step_serves(tmp_path: Path) -> None:
+    instance = Instance(Case(nvme=False, s3=True, warm=False), tmp_path)
+    instance.boot()
+    run = instance.boot(ud.LIFECYCLE_ARG, states=("InService",))
+    assert run.completions == [] and run.called("systemctl") == ["systemctl start kvfleet.service"]
+
+
+def test_the_transitions_are_the_documented_ones() -> None:
+    waits = {(t.hook, t.wait_state) for t in lifecycle.TRANSITIONS}
+    assert waits == {
+        (lifecycle.LAUNCHING, "Pending:Wait"),
+        (lifecycle.LAUNCHING, "Warmed:Pending:Wait"),
+        (lifecycle.TERMINATING, "Terminating:Wait"),
+        (lifecycle.TERMINATING, "Warmed:Terminating:Wait"),
+    }
+    entry = next(t for t in lifecycle.TRANSITIONS if t.wait_state == "Warmed:Pending:Wait")
+    assert set(entry.target_states) == set(lifecycle.WARMED)
+    assert lifecycle.WARM_POOL_LIFECYCLE.startswith("https://docs.aws.amazon.com/autoscaling/")
+
+
+# ---- warm pool: Hugging Face weights are on disk before the pool ----------------------------------------------
+
+
+def test_hugging_face_weights_are_downloaded_before_the_instance_enters_the_pool(tmp_path: Path) -> None:
+    case = Case(nvme=False, s3=False, warm=True)
+    run = run_script(case, tmp_path, state="Warmed:Stopped")
+    systemctl = run.called("systemctl")
+    # The engine starts once, downloads into the host cache and answers its health route; then it stops, and only
+    # then does the lifecycle step (which completes the hook) start.
+    assert systemctl[:2] == ["systemctl start kvfleet.service", "systemctl stop kvfleet.service"]
+    assert systemctl[-1] == f"systemctl start --no-block {ud.LIFECYCLE_UNIT}"
+    [health] = [c for c in run.called("curl") if "127.0.0.1" in c]
+    assert health.endswith(f"http://127.0.0.1:{contract.SERVING_PORT}{contract.HEALTH_ROUTE}")
+    assert f"-v {tmp_path / 'model'}:{contract.HF_HOME} " in docker_create(run)
+
+
+def test_an_engine_that_never_answers_keeps_the_instance_out_of_the_pool(tmp_path: Path) -> None:
+    case = Case(nvme=False, s3=False, warm=True)
+    instance = Instance(case, tmp_path)
+    text = instance.user_data.read_text(encoding="utf-8")
+    instance.user_data.write_text(re.sub(r"^WARM_READY_S=.*$", "WARM_READY_S=0", text, flags=re.M), encoding="utf-8")
+    run = instance.boot(states=("Warmed:Stopped",), ok=False, UNHEALTHY="1")
+    assert run.called("systemctl")[-1] == "systemctl stop kvfleet.service"
+    assert f"systemctl enable {ud.LIFECYCLE_UNIT}" not in run.calls  # the hook times out: ABANDON
+
+
+def test_going_straight_into_service_the_engine_downloads_when_it_serves(tmp_path: Path) -> None:
+    run = run_script(Case(nvme=False, s3=False, warm=True), tmp_path, state="InService")
+    assert "systemctl start kvfleet.service" not in run.calls
+
+
+# ---- local NVMe: an AMI that already mounted it ---------------------------------------------------------------
+
+
+def test_an_instance_store_the_ami_mounted_is_reused_not_formatted(tmp_path: Path) -> None:
+    """The Deep Learning AMIs assemble the instance store and mount it at boot (ud.DLAMI_NVME_SOURCE)."""
+    dlami = tmp_path / ud.DLAMI_NVME_MOUNT.lstrip("/")
+    run = run_script(
+        Case(nvme=True, s3=True, warm=False),
+        tmp_path,
+        LSBLK_OUT=NVME_DISKS,
+        LSBLK_MOUNTS=f"\n\n{dlami}\n",  # the disks themselves, then the array over them
+        LSBLK_TYPES="/dev/nvme1n1 disk\n/dev/md127 raid0\n/dev/nvme2n1 disk\n/dev/md127 raid0\n",
+        BLKID_TYPE="xfs",
+    )
+    model = str(tmp_path / "model")
+    assert run.called("mdadm") == [] and run.called("mkfs.xfs") == []
+    assert run.called("mount") == [f"mount --bind {dlami}/kvfleet {model}"]
+    assert (dlami / "kvfleet").is_dir()
+    assert f"aws s3 sync --only-show-errors {MODEL_S3_URI} {model}" in run.calls
+
+
+def test_an_array_from_an_earlier_boot_is_mounted_not_recreated_or_formatted(tmp_path: Path) -> None:
+    instance = Instance(Case(nvme=True, s3=True, warm=False), tmp_path)
+    instance.boot()
+    run = instance.boot(
+        ud.LIFECYCLE_ARG,
+        states=("InService",),
+        LSBLK_OUT=NVME_DISKS,
+        LSBLK_TYPES="/dev/nvme1n1 disk\n/dev/md127 raid0\n",
+        BLKID_TYPE="xfs",
+    )
+    assert run.called("mdadm") == [] and run.called("mkfs.xfs") == []
+    assert run.called("mount") == [f"mount /dev/md127 {tmp_path / 'model'}"]
+    assert run.called("systemctl") == ["systemctl start kvfleet.service"]
+
+
+def test_a_mounted_model_directory_is_left_alone(tmp_path: Path) -> None:
+    model = str(tmp_path / "model")
+    run = run_script(Case(nvme=True, s3=True, warm=False), tmp_path, LSBLK_OUT=NVME_DISKS, MOUNTED=model)
+    assert run.called("lsblk") == [] and run.called("mount") == [] and run.called("mkfs.xfs") == []
+
+
+# ---- a long first boot holds the launch hook -------------------------------------------------------------------
+
+
+def heartbeats(run: Run) -> list[str]:
+    return [c for c in run.called("aws") if "record-lifecycle-action-heartbeat" in c]
+
+
+def test_a_long_first_boot_heartbeats_the_launch_hook_until_it_ends(tmp_path: Path) -> None:
+    """A hook waits two hours at most; a big checkpoint's first boot may take longer."""
+    instance = Instance(Case(nvme=False, s3=True, warm=True), tmp_path)
+    run = instance.boot(states=("Warmed:Stopped",), PULL_S="0.5")
+    [beat, *_] = heartbeats(run)
+    assert f"--lifecycle-hook-name {WARM_HOOK} --auto-scaling-group-name kvfleet-test-chat-group" in beat
+    assert f"sleep {HEARTBEAT_S}" in run.calls
+    # Nothing heartbeats once the first boot has ended.
+    calls = tmp_path / "calls"
+    count = len(calls.read_text(encoding="utf-8").splitlines())
+    subprocess.run(["sleep", "0.3"], check=True)
+    assert len(calls.read_text(encoding="utf-8").splitlines()) == count
+
+
+def test_without_a_warm_pool_or_past_the_estimate_nothing_is_held(tmp_path: Path) -> None:
+    (tmp_path / "cold").mkdir()
+    (tmp_path / "late").mkdir()
+    cold = Instance(Case(nvme=False, s3=True, warm=False), tmp_path / "cold")
+    assert heartbeats(cold.boot(PULL_S="0.3")) == []
+    late = Instance(Case(nvme=False, s3=True, warm=True), tmp_path / "late")
+    text = late.user_data.read_text(encoding="utf-8")
+    late.user_data.write_text(re.sub(r"^WARM_READY_S=.*$", "WARM_READY_S=0", text, flags=re.M), encoding="utf-8")
+    assert heartbeats(late.boot(states=("Warmed:Stopped",), PULL_S="0.3")) == []
