@@ -445,7 +445,11 @@ def test_image_tags_must_name_this_contract_and_the_engine_release(image: str, m
 
 @pytest.mark.parametrize(
     "image",
-    ["{tag: 0.11.0-kvfleet1}", "{tag: 0.11.0-kvfleet1-build42}", f"{{source: uri, uri: {ECR}:0.11.0-kvfleet1{DIGEST}}}"],
+    [
+        "{tag: 0.11.0-kvfleet1}",
+        "{tag: 0.11.0-kvfleet1-build42}",
+        f"{{source: uri, uri: {ECR}:0.11.0-kvfleet1{DIGEST}}}",
+    ],
 )
 def test_image_tags_for_this_contract_are_accepted(image: str) -> None:
     env = parse_environment(BASE + f"    image: {image}\n", source=SOURCE)
