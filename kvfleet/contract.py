@@ -206,6 +206,19 @@ SIGNALS: tuple[Signal, ...] = (
     SERVER_ERRORS,
 )
 
+CLIENT_CANCELLED = Signal(
+    name="ClientCancelled",
+    unit="Count",
+    kind=Kind.DELTA,
+    statistic="Sum",
+    prometheus_name="kvfleet_client_cancelled_total",
+    description="Requests the client abandoned (disconnected) before the response ended; not server errors.",
+)
+
+# Every signal the agent publishes (EMF and /metrics). SIGNALS are those the stacks also scale, alarm
+# and chart on; ClientCancelled joins them once the dashboards show it.
+PUBLISHED_SIGNALS: tuple[Signal, ...] = (*SIGNALS, CLIENT_CANCELLED)
+
 # The two signals every target scales on.
 SCALING_SIGNALS: tuple[Signal, ...] = (KV_CACHE_UTILIZATION, REQUESTS_WAITING)
 
@@ -216,7 +229,7 @@ def deployment_id(environment: str, deployment: str) -> str:
 
 
 def signal(name: str) -> Signal:
-    for s in SIGNALS:
+    for s in PUBLISHED_SIGNALS:
         if s.name == name:
             return s
-    raise KeyError(f"no signal named {name!r}; known: {', '.join(s.name for s in SIGNALS)}")
+    raise KeyError(f"no signal named {name!r}; known: {', '.join(s.name for s in PUBLISHED_SIGNALS)}")

@@ -40,6 +40,9 @@ def _message_tokens(messages: Any) -> int:
     if not isinstance(messages, list):
         return 0
     for m in messages:
+        if isinstance(m, list):  # /v1/chat/completions/batch: a list of conversations
+            total += _message_tokens(m)
+            continue
         if not isinstance(m, Mapping):
             continue
         total += 4  # role and chat-template framing
@@ -53,12 +56,40 @@ def _message_tokens(messages: Any) -> int:
     return total
 
 
+def _input_tokens(items: Any) -> int:
+    """The Responses API's ``input``: a string, or items that are messages or carry text."""
+    if isinstance(items, str):
+        return _text_tokens(items)
+    if not isinstance(items, list):
+        return 0
+    total = 0
+    for item in items:
+        if isinstance(item, Mapping):
+            total += _message_tokens([item]) if "content" in item else _prompt_tokens(item.get("text"))
+    return total
+
+
+# Generation limits by API: OpenAI chat, OpenAI completions and Anthropic messages, OpenAI responses.
+LIMIT_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+
+
 def request_tokens(body: Mapping[str, Any], *, max_model_len: int | None) -> int:
-    """Tokens a completion or chat request can hold in the KV cache: prompt plus its generation limit."""
-    prompt = _message_tokens(body["messages"]) if "messages" in body else _prompt_tokens(body.get("prompt"))
+    """Tokens a generation request can hold in the KV cache: prompt plus its generation limit.
+
+    Completions (``prompt``), chat and Anthropic messages (``messages``, ``system``) and responses
+    (``input``, ``instructions``)."""
+    if "messages" in body:
+        prompt = _message_tokens(body["messages"])
+    elif "input" in body:
+        prompt = _input_tokens(body["input"])
+    else:
+        prompt = _prompt_tokens(body.get("prompt"))
+    for framing in ("system", "instructions"):
+        value = body.get(framing)
+        prompt += _text_tokens(value) if isinstance(value, str) else _message_tokens(value) if value else 0
     raw_n = body.get("n")
     n = raw_n if isinstance(raw_n, int) and raw_n > 0 else 1
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    limit = next((body[f] for f in LIMIT_FIELDS if body.get(f) is not None), None)
     if not isinstance(limit, int) or limit <= 0:
         limit = max(1, max_model_len - prompt) if max_model_len else DEFAULT_MAX_TOKENS
     if max_model_len:

@@ -51,9 +51,9 @@ MAX_METRIC_DATA_PER_CALL: Final = 1000
 MAX_REQUEST_BYTES: Final = 512_000
 
 # Counters the agent itself keeps (admission, proxy); every other signal comes from the engine.
-AGENT_SIGNALS: Final[tuple[Signal, ...]] = (contract.REQUESTS_SHED, contract.SERVER_ERRORS)
+AGENT_SIGNALS: Final[tuple[Signal, ...]] = (contract.REQUESTS_SHED, contract.SERVER_ERRORS, contract.CLIENT_CANCELLED)
 _AGENT_SIGNAL_NAMES: Final = frozenset(s.name for s in AGENT_SIGNALS)
-_ENGINE_SIGNAL_NAMES: Final = frozenset(s.name for s in contract.SIGNALS) - _AGENT_SIGNAL_NAMES
+_ENGINE_SIGNAL_NAMES: Final = frozenset(s.name for s in contract.PUBLISHED_SIGNALS) - _AGENT_SIGNAL_NAMES
 
 Distribution = tuple[tuple[float, ...], tuple[float, ...]]  # (values, counts), CloudWatch's "values and counts"
 
@@ -155,7 +155,7 @@ class Sample:
 
 def _items(sample: Sample) -> Iterator[tuple[Signal, float | Distribution]]:
     """The sample's signals in contract order (stable output for logs and tests)."""
-    for sig in contract.SIGNALS:
+    for sig in contract.PUBLISHED_SIGNALS:
         if sig.name in sample.gauges:
             yield sig, sample.gauges[sig.name]
         elif sig.name in sample.deltas:
@@ -334,8 +334,10 @@ class SignalCollector:
         self._primed = counters_from_zero  # else set by the first scrape with engine metrics: the baseline
         self._counters: dict[str, dict[_SeriesKey, float]] = {}
         self._histograms: dict[str, dict[_SeriesKey, _Histogram]] = {}
-        self._pending: dict[str, float] = {s.name: 0.0 for s in AGENT_SIGNALS}
-        self._totals: dict[str, float] = {s.name: 0.0 for s in AGENT_SIGNALS}
+        # ClientCancelled appears from its first count on; the others are always published.
+        always = (contract.REQUESTS_SHED, contract.SERVER_ERRORS)
+        self._pending: dict[str, float] = {s.name: 0.0 for s in always}
+        self._totals: dict[str, float] = {s.name: 0.0 for s in always}
         self._histogram_totals: dict[str, HistogramTotals] = {}
         self._latest: Sample | None = None
 
@@ -355,8 +357,10 @@ class SignalCollector:
             raise ValueError(f"{name!r} is not an agent counter; known: {', '.join(sorted(_AGENT_SIGNAL_NAMES))}")
         if not math.isfinite(increase) or increase < 0:
             raise ValueError(f"{name}: increase must be finite and >= 0, got {increase}")
-        self._pending[name] += increase
-        self._totals[name] += increase  # visible to Prometheus at once, not only after the next scrape
+        self._pending[name] = self._pending.get(name, 0.0) + increase
+        self._totals[name] = (
+            self._totals.get(name, 0.0) + increase
+        )  # visible to Prometheus at once, not only after the next scrape
 
     def update(self, text: str) -> Sample:
         """The interval's Sample from the engine's latest scrape text. Never raises on bad text."""
@@ -378,7 +382,7 @@ class SignalCollector:
         gauges: dict[str, float] = {}
         counters: dict[str, dict[_SeriesKey, float]] = {}
         histograms: dict[str, dict[_SeriesKey, _Histogram]] = {}
-        for sig in contract.SIGNALS:
+        for sig in contract.PUBLISHED_SIGNALS:
             names = self._map.names(sig.name)
             if not names:
                 continue
@@ -518,7 +522,7 @@ def prometheus_text(
     for name in histograms:
         _check_signal(name, Kind.DISTRIBUTION)
     families: list[Metric] = []
-    for sig in contract.SIGNALS:
+    for sig in contract.PUBLISHED_SIGNALS:
         if sig.kind is Kind.GAUGE and latest is not None and sig.name in latest.gauges:
             gauge = GaugeMetricFamily(sig.prometheus_name, sig.description, labels=["deployment"])
             gauge.add_metric([deployment], latest.gauges[sig.name])

@@ -12,9 +12,11 @@ import contextlib
 import ipaddress
 import json
 import logging
+import re
 import sys
 import time
-from collections.abc import Awaitable
+import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -22,15 +24,15 @@ import aiohttp
 from aiohttp import web
 
 from kvfleet import contract
-from kvfleet.agent import metrics
+from kvfleet.agent import metrics, routes
 from kvfleet.agent.admission import Admission, request_tokens
 from kvfleet.agent.engine import EngineSupervisor
+from kvfleet.agent.gate import MAX_BODY_BYTES, BadRequest, parse_body
 from kvfleet.agent.settings import AgentSettings
 from kvfleet.agent.tenancy import apply_salt
 
 log = logging.getLogger(__name__)
 
-GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/invocations")
 ABORT_GRACE_S = 5.0  # after the budget: time for aborted streams to write their error event and close
 
 
@@ -40,6 +42,18 @@ class Flight:
 
     task: asyncio.Task[Any] | None
     aborted: bool = False
+
+
+REQUEST_ID_HEADER = "X-Request-Id"
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# Marks on a response (StreamResponse is a mapping for such data) for the middleware that counts 5xx.
+_DELIBERATE = "kvfleet.deliberate"  # a 503 the agent chose (draining, engine starting): not a server error
+_FAILED = "kvfleet.failed"  # a stream that began 200 and ended with the engine's failure: a server error
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class _ClientGone(Exception):
+    """The client closed its connection while the agent was writing to it."""
 
 
 def _json_error(status: int, message: str, kind: str, *, retry_after: int | None = None) -> web.Response:
@@ -90,15 +104,36 @@ class Agent:
 
     def _make_app(self) -> web.Application:
         # A large client_max_size: prompts of long-context models are megabytes of JSON.
-        app = web.Application(client_max_size=64 * 1024**2, handler_args={"keepalive_timeout": 75})
+        app = web.Application(
+            client_max_size=MAX_BODY_BYTES, handler_args={"keepalive_timeout": 75}, middlewares=[self._guard]
+        )
         app.router.add_get(contract.HEALTH_ROUTE, self.ping)
         app.router.add_post(contract.HEALTH_ROUTE, self.ping)
         app.router.add_get(contract.METRICS_ROUTE, self.prometheus)
         app.router.add_post(contract.DRAIN_ROUTE, self.drain_route)
-        for route in GENERATION_ROUTES:
-            app.router.add_post(route, self.generate)
-        app.router.add_route("*", "/v1/{tail:.*}", self.passthrough)
+        # Every other path goes through the route table (kvfleet.agent.routes): anything not in it is 404.
+        app.router.add_route("*", "/{tail:.*}", self.dispatch)
         return app
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
+        """Every response: a request id, aiohttp's own errors as JSON, an exception as a logged, counted 500,
+        and ServerErrors counted once for each 5xx the agent sent (its own and the engine's)."""
+        given = request.headers.get(REQUEST_ID_HEADER, "")
+        rid = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        request["request_id"] = rid
+        try:
+            resp = await handler(request)
+        except web.HTTPException as exc:  # 413 (body too large), 405, ...
+            resp = _json_error(exc.status, exc.reason, "invalid_request_error" if exc.status < 500 else "server_error")
+        except Exception:
+            log.exception("%s %s failed: answered 500 (request id %s)", request.method, request.path, rid)
+            resp = _json_error(500, f"the agent failed on this request (request id {rid})", "server_error")
+        if resp.get(_FAILED) or (resp.status >= 500 and not resp.get(_DELIBERATE)):
+            self._server_error()
+        if not resp.prepared:
+            resp.headers[REQUEST_ID_HEADER] = rid
+        return resp
 
     async def start(self, *, serve: bool = True) -> None:
         connector = aiohttp.TCPConnector(limit=0, force_close=False)
@@ -186,7 +221,9 @@ class Agent:
         return web.json_response({"draining": True}, status=202)
 
     def _unavailable(self, why: str) -> web.Response:
-        return _json_error(503, why, "service_unavailable", retry_after=self.settings.retry_after_s)
+        resp = _json_error(503, why, "service_unavailable", retry_after=self.settings.retry_after_s)
+        resp[_DELIBERATE] = True
+        return resp
 
     # ---- routes ------------------------------------------------------------------------------------
 
@@ -215,28 +252,36 @@ class Agent:
         text = self.collector.prometheus_text(deployment=self.settings.deployment) + own
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
-    async def passthrough(self, request: web.Request) -> web.StreamResponse:
-        """Other engine routes (/v1/models, ...): no admission, but still gated by drain and readiness."""
+    async def dispatch(self, request: web.Request) -> web.StreamResponse:
+        """Every engine route, by the route table: generation routes are gated, isolated and admitted;
+        read-only ones are forwarded; anything else is 404 here and never reaches the engine."""
+        found = routes.lookup(request.path)
+        if found is None:
+            return _json_error(404, f"{request.path} is not served by this endpoint", "not_found_error")
+        path, route = found
+        if request.method not in route.methods:
+            return _json_error(405, f"{request.method} is not allowed on {path}", "invalid_request_error")
         if self.draining:
             return self._unavailable("replica is draining; retry on another replica")
         if not self.engine.ready:
             return self._unavailable("engine is starting")
+        if route.generates:
+            return await self.generate(request, path)
         data = await request.read()
-        return await self._forward(request, request.path_qs, data, method=request.method)
+        if data:
+            try:
+                parse_body(data)
+            except BadRequest as err:
+                return _json_error(400, str(err), "invalid_request_error")
+        target = path + (f"?{request.query_string}" if request.query_string else "")
+        return await self._forward(request, target, data, method=request.method)
 
-    async def generate(self, request: web.Request) -> web.StreamResponse:
-        if self.draining:
-            return self._unavailable("replica is draining; retry on another replica")
-        if not self.engine.ready:
-            return self._unavailable("engine is starting")
+    async def generate(self, request: web.Request, path: str) -> web.StreamResponse:
         raw = await request.read()
         try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _json_error(400, "request body is not JSON", "invalid_request_error")
-        if not isinstance(body, dict):
-            return _json_error(400, "request body must be a JSON object", "invalid_request_error")
-        path = request.path
+            body = parse_body(raw)
+        except BadRequest as err:
+            return _json_error(400, str(err), "invalid_request_error")
         if path == "/invocations":
             # SageMaker's contract has one route; the body's shape says which OpenAI route it is.
             path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
@@ -289,11 +334,10 @@ class Agent:
         resp: web.StreamResponse | None = None
         tail = b"\n\n"
         try:
+            # Redirects are never followed: a redirected request would skip the route table.
             async with self._session.request(
-                method, self.settings.engine_url + path, data=data or None, headers=headers
+                method, self.settings.engine_url + path, data=data or None, headers=headers, allow_redirects=False
             ) as upstream:
-                if upstream.status >= 500:
-                    self._server_error()
                 ctype = upstream.headers.get("Content-Type", "application/json")
                 if "text/event-stream" not in ctype:
                     body = await upstream.read()
@@ -301,15 +345,23 @@ class Agent:
                 resp = web.StreamResponse(
                     status=upstream.status, headers={"Content-Type": ctype, "Cache-Control": "no-cache"}
                 )
-                await resp.prepare(request)
+                resp.headers[REQUEST_ID_HEADER] = request.get("request_id", "")
+                await _to_client(resp.prepare(request))
                 async for chunk in upstream.content.iter_any():
-                    await resp.write(chunk)
+                    await _to_client(resp.write(chunk))
                     tail = chunk[-2:]
-                await resp.write_eof()
+                await _to_client(resp.write_eof())
                 return resp
+        except _ClientGone:
+            # The client went away mid-response; leaving the upstream context closes the engine request too.
+            self.collector.record(contract.CLIENT_CANCELLED.name, 1)
+            assert resp is not None
+            return resp
         except asyncio.CancelledError:
             if not flight.aborted:
-                raise  # not ours: the server is going away
+                if not self.draining:
+                    self.collector.record(contract.CLIENT_CANCELLED.name, 1)
+                raise  # not ours: the client or the server is going away
             msg = "the replica shut down before this request completed (drain budget exceeded); retry it"
             if resp is None:
                 return self._unavailable(msg)
@@ -319,19 +371,17 @@ class Agent:
                 await resp.write_eof()
             return resp
         except (aiohttp.ClientError, TimeoutError) as err:
-            # The engine went away mid-request (it died, or it is restarting).
-            self._server_error()
+            # The engine went away mid-request (it died, or it is restarting): 503 and Retry-After, counted as
+            # a server error by the middleware; a stream already under way ends with an error event.
             msg = f"the engine failed during this request ({type(err).__name__}); retry it"
             if resp is None:
-                return _json_error(502, msg, "engine_error")
+                return _json_error(503, msg, "engine_error", retry_after=self.settings.retry_after_s)
+            resp[_FAILED] = True
             with contextlib.suppress(ConnectionError, RuntimeError):
                 await resp.write(b"" if tail == b"\n\n" else b"\n\n")
                 await resp.write(_sse_error(msg, "engine_error", 502))
                 await resp.write_eof()
             return resp
-        except ConnectionResetError:
-            # The client went away; leaving the upstream context closes the engine request too.
-            return resp if resp is not None else web.Response(status=499)
         finally:
             self._leave(flight)
 
@@ -374,6 +424,14 @@ class Agent:
         while True:
             await asyncio.sleep(self.settings.publish_interval_s)
             await self._publish_once()
+
+
+async def _to_client(write: Awaitable[Any]) -> None:
+    """A write to the client; its failure is the client's disconnect, never the engine's."""
+    try:
+        await write
+    except (ConnectionError, RuntimeError) as err:  # aiohttp's ClientConnectionResetError is a ConnectionError
+        raise _ClientGone from err
 
 
 def _is_loopback(remote: str | None) -> bool:

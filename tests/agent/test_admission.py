@@ -32,3 +32,12 @@ def test_reservations() -> None:
     idle = Admission(budget_tokens=100)
     assert idle.try_reserve(500)  # an idle replica takes even an oversized request
     assert Admission(budget_tokens=None).try_reserve(10**9)
+
+
+def test_responses_messages_and_batch_bodies_are_counted() -> None:
+    assert request_tokens({"input": "abcdefgh", "max_output_tokens": 10}, max_model_len=None) == 2 + 10
+    assert request_tokens({"input": "abcd", "instructions": "abcd", "max_output_tokens": 1}, max_model_len=None) == 3
+    anthropic = {"system": "abcd", "messages": [{"role": "user", "content": "abcd"}], "max_tokens": 5}
+    assert request_tokens(anthropic, max_model_len=None) == 1 + (4 + 1) + 5
+    batch = {"messages": [[{"role": "user", "content": "abcd"}], [{"role": "user", "content": "abcd"}]]}
+    assert request_tokens({**batch, "max_tokens": 1}, max_model_len=None) == 2 * (4 + 1) + 1

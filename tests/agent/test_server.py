@@ -251,3 +251,92 @@ def test_client_disconnect_releases_the_request(status: int) -> None:
             assert not r.agent.flights
 
     run(go)
+
+
+def test_hostile_bodies_are_400s_with_a_message_never_500s() -> None:
+    async def go() -> None:
+        async with running(settings(tenant_header="X-Tenant", tenant_secret=b"k")) as r:
+            t = {"X-Tenant": "a", "Content-Type": "application/json"}
+            bodies = [
+                b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}",  # past Python's integer-string limit
+                b"[" * 100_000,  # RecursionError in json.loads
+                b'{"prompt": "x", "max_tokens": -1}',
+                b'{"prompt": "x", "n": 1000000}',
+                b'{"prompt": "x", "max_tokens": "5"}',
+                b'{"prompt": "x", "temperature": NaN}',
+                b'{"prompt": ' + b"[" * 100 + b"]" * 100 + b"}",
+                b"\xff\xfe",
+            ]
+            for path in ("/v1/completions", "/v1/responses", "/v1/chat/completions/", "/tokenize"):
+                for raw in bodies:
+                    async with r.http.post(r.url + path, data=raw, headers=t) as c:
+                        assert c.status == 400, (path, raw[:40], c.status)
+                        assert (await c.json())["error"]["message"]
+                        assert c.headers["X-Request-Id"]
+            await asyncio.sleep(0.5)
+            assert sum(rec.get("ServerErrors", 0) for rec in r.emf()) == 0
+
+    run(go)
+
+
+def test_an_exception_in_a_handler_is_a_counted_500_with_a_request_id(caplog: pytest.LogCaptureFixture) -> None:
+    async def go() -> None:
+        async with running(settings()) as r:
+
+            async def broken(request: object, path: str) -> object:
+                raise RuntimeError("boom")
+
+            r.agent.generate = broken  # type: ignore[assignment,method-assign]
+            headers = {"X-Request-Id": "req-42"}
+            async with r.http.post(r.url + "/v1/completions", json={"prompt": "x"}, headers=headers) as c:
+                assert c.status == 500 and "req-42" in (await c.json())["error"]["message"]
+            await asyncio.sleep(0.5)
+            assert sum(rec.get("ServerErrors", 0) for rec in r.emf()) == 1
+
+    run(go)
+    assert any("req-42" in rec.getMessage() and rec.exc_info for rec in caplog.records)
+
+
+def test_routes_outside_the_table_are_404_and_trailing_slashes_are_isolated_and_admitted() -> None:
+    async def go() -> None:
+        s = settings(tenant_header="X-Tenant", tenant_secret=b"s3cret")
+        async with running(s) as r:
+            for path in ("/v1/load_lora_adapter", "/reset_prefix_cache", "/v1/audio/transcriptions", "/sleep"):
+                async with r.http.post(r.url + path, json={}) as c:
+                    assert c.status == 404, path
+            body = {"prompt": "x", "max_tokens": 1, "cache_salt": "tenant-b"}
+            for path in ("/v1/completions/", "/v1/responses", "/v1/messages", "/v1/chat/completions/"):
+                async with r.http.post(r.url + path, json=body) as c:
+                    assert c.status == 400 and "X-Tenant" in (await c.json())["error"]["message"], path
+            async with r.http.post(r.url + "/v1/completions/", json=body, headers={"X-Tenant": "a"}) as c:
+                assert c.status == 200
+                assert (await c.json())["echo"]["cache_salt"] == cache_salt(b"s3cret", "a")
+        s = settings(engine_command=fake_engine_command(token_delay=0.05), token_budget=150, admission_factor=1.0)
+        async with running(s) as r:
+            first = asyncio.create_task(stream_completion(r.http, r.url, max_tokens=100))
+            await asyncio.sleep(0.3)
+            for path in ("/v1/completions/", "/v1/responses", "/v1/messages", "/v1/chat/completions/"):
+                async with r.http.post(r.url + path, json={"prompt": "x", "max_tokens": 100}) as c:
+                    assert c.status == 429, path
+            assert (await first)["status"] == 200
+
+    run(go)
+
+
+def test_client_disconnect_counts_client_cancelled_not_a_server_error() -> None:
+    async def go() -> None:
+        async with running(settings(engine_command=fake_engine_command(token_delay=0.05))) as r:
+            async with aiohttp.ClientSession() as other:
+                resp = await other.post(
+                    r.url + "/v1/completions", json={"prompt": "x", "max_tokens": 100, "stream": True}
+                )
+                await resp.content.readany()
+                resp.close()
+            await asyncio.sleep(1.0)
+            recs = r.emf()
+            assert sum(rec.get("ServerErrors", 0) for rec in recs) == 0
+            assert sum(rec.get("ClientCancelled", 0) for rec in recs) == 1
+            async with r.http.get(r.url + "/metrics") as m:
+                assert 'kvfleet_client_cancelled_total{deployment="test-chat"} 1.0' in await m.text()
+
+    run(go)

@@ -46,6 +46,7 @@ class AgentProcess:
     stdout: Path
     stderr: Path
     port: int
+    engine_port: int = 0
 
     def emf(self) -> list[dict[str, Any]]:
         out = []
@@ -84,6 +85,7 @@ def wait_ready(url: str, timeout: float) -> None:
 @pytest.fixture(scope="module")
 def agent(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
     port = free_port()
+    engine_port = free_port()
     logs = tmp_path_factory.mktemp("agent")
     stdout = logs / "stdout.log"
     env = {
@@ -102,7 +104,7 @@ def agent(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         contract.ENV_ENGINE_PYTHON: str(VLLM_PYTHON),
         contract.ENV_HOST: "127.0.0.1",
         contract.ENV_PORT: str(port),
-        contract.ENV_ENGINE_PORT: str(free_port()),
+        contract.ENV_ENGINE_PORT: str(engine_port),
         contract.ENV_DEPLOYMENT: "it-tiny",
         contract.ENV_REPLICA: "it-1",
         contract.ENV_DRAIN_BUDGET_S: str(DRAIN_BUDGET_S),
@@ -114,7 +116,14 @@ def agent(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     # The console script the image's ENTRYPOINT runs, not a module path.
     with stdout.open("wb") as out, (logs / "stderr.log").open("wb") as err:
         proc = subprocess.Popen([str(AGENT)], cwd=REPO, env=env, stdout=out, stderr=err)
-    a = AgentProcess(proc=proc, url=f"http://127.0.0.1:{port}", stdout=stdout, stderr=logs / "stderr.log", port=port)
+    a = AgentProcess(
+        proc=proc,
+        url=f"http://127.0.0.1:{port}",
+        stdout=stdout,
+        stderr=logs / "stderr.log",
+        port=port,
+        engine_port=engine_port,
+    )
     try:
         wait_ready(a.url, 240)
         yield a
@@ -137,6 +146,70 @@ def test_the_agent_started_under_the_contract_with_the_adapters_command(agent: A
     assert f"contract {contract.CONTRACT_VERSION}; engine vllm 0.32.0" in log
     # EngineArgs rendered by the vLLM adapter: snake_case settings became vLLM's flags.
     assert "--kv-cache-memory-bytes 4194304" in log and "--served-model-name tiny" in log and "--enforce-eager" in log
+
+
+GENERATION_LIMITS = {"max_tokens", "max_completion_tokens", "max_output_tokens", "max_new_tokens", "sampling_params"}
+
+
+def test_every_engine_route_that_generates_tokens_is_in_the_agents_route_table(agent: AgentProcess) -> None:
+    import urllib.request
+
+    from kvfleet.agent import routes
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{agent.engine_port}/openapi.json", timeout=10) as r:
+        doc = json.load(r)
+    schemas = doc.get("components", {}).get("schemas", {})
+
+    def properties(schema: dict[str, Any]) -> set[str]:
+        if "$ref" in schema:
+            return properties(schemas[schema["$ref"].rsplit("/", 1)[-1]])
+        found = set(schema.get("properties", {}))
+        for key in ("anyOf", "oneOf", "allOf"):
+            for s in schema.get(key, []):
+                found |= properties(s)
+        return found
+
+    generating = {}
+    for path, ops in doc["paths"].items():
+        post = ops.get("post")
+        if not post:
+            continue
+        content = post.get("requestBody", {}).get("content", {})
+        fields = set().union(*(properties(c.get("schema", {})) for c in content.values())) if content else set()
+        if fields & GENERATION_LIMITS:
+            generating[path] = fields
+    assert {"/v1/completions", "/v1/chat/completions"} <= set(generating), sorted(generating)
+    for path, fields in generating.items():
+        found = routes.lookup(path)
+        if found is not None and found[1].generates:
+            assert "cache_salt" in fields, f"{path}: the agent salts it, the engine takes no cache_salt"
+        else:
+            assert path in routes.REFUSED, f"{path} generates tokens: add it to kvfleet.agent.routes"
+    # Through the agent: not in the table is 404, even where the engine serves it.
+    import urllib.error
+
+    req = urllib.request.Request(agent.url + "/reset_prefix_cache", method="POST", data=b"")
+    try:
+        urllib.request.urlopen(req, timeout=10)
+        raise AssertionError("the agent forwarded an administrative route")
+    except urllib.error.HTTPError as err:
+        assert err.code == 404
+
+
+def test_hostile_bodies_are_400_in_front_of_the_real_engine(agent: AgentProcess) -> None:
+    import urllib.error
+    import urllib.request
+
+    for raw in (b'{"model": "tiny", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", b"[" * 100_000):
+        for path in ("/v1/completions", "/v1/chat/completions/", "/v1/responses", "/v1/messages"):
+            req = urllib.request.Request(
+                agent.url + path, data=raw, method="POST", headers={"Content-Type": "application/json"}
+            )
+            try:
+                urllib.request.urlopen(req, timeout=30)
+                raise AssertionError(f"{path}: hostile body accepted")
+            except urllib.error.HTTPError as err:
+                assert err.code == 400, (path, err.code)
 
 
 def test_saturated_cache_and_queue_show_in_prometheus_and_emf(agent: AgentProcess) -> None:
