@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from kvfleet.config.schema import Environment
+from kvfleet.config.schema import REGION_PATTERN, Environment
 from kvfleet.errors import ConfigError, KvfleetError
 from kvfleet.targets import TARGETS
 
@@ -29,22 +29,108 @@ def environment_schema_json() -> str:
     return json.dumps(schema, indent=2, sort_keys=True) + "\n"
 
 
+# Bounds on what a file may make the loader do: environment files are a few kilobytes, a few levels deep.
+MAX_FILE_BYTES = 256 * 1024
+MAX_DEPTH = 64
+MAX_VALUES = 500_000  # after aliases are expanded: what validation would walk
+MAX_PROBLEMS = 20  # a screenful; the rest are counted
+
+
+class _TooDeep(Exception):
+    def __init__(self, mark: Any) -> None:
+        self.mark = mark
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with a nesting limit: its composer recurses once per level."""
+
+    _depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise _TooDeep(self.peek_event().start_mark)  # type: ignore[no-untyped-call]
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def _expanded_size(root: yaml.Node, source: str) -> None:
+    """Refuse self-referencing aliases and aliases that expand past MAX_VALUES (a "billion laughs" file): each
+    node is visited once and its expanded size remembered, so the check costs what the file is, not what it
+    would grow to."""
+    size: dict[int, int] = {}
+    active: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        key = id(node)
+        children: list[yaml.Node] = []
+        if isinstance(node, yaml.MappingNode):
+            children = [n for kv in node.value for n in kv]
+        elif isinstance(node, yaml.SequenceNode):
+            children = list(node.value)
+        if done:
+            active.discard(key)
+            size[key] = 1 + sum(size[id(c)] for c in children)
+            if size[key] > MAX_VALUES:
+                raise ConfigError(
+                    [
+                        f"{source}:{node.start_mark.line + 1}: (aliases): the aliases here expand to more than "
+                        f"{MAX_VALUES:,} values; write the values out instead of nesting aliases"
+                    ]
+                )
+            continue
+        if key in size:
+            continue
+        if key in active:
+            raise ConfigError(
+                [
+                    f"{source}:{node.start_mark.line + 1}: (aliases): an alias refers to the node it is inside, "
+                    "so the value would contain itself; remove that alias"
+                ]
+            )
+        active.add(key)
+        stack.append((node, True))
+        stack.extend((c, False) for c in reversed(children) if id(c) not in size)
+
+
+def _key(node: yaml.Node) -> Any:
+    return node.value if isinstance(node, yaml.ScalarNode) else f"<{node.tag.rsplit(':', 1)[-1]}>"
+
+
 def _lines(
-    node: yaml.Node, path: tuple[Any, ...], out: dict[tuple[Any, ...], int], repeated: list[tuple[tuple[Any, ...], int]]
+    node: yaml.Node,
+    path: tuple[Any, ...],
+    out: dict[tuple[Any, ...], int],
+    repeated: list[tuple[tuple[Any, ...], int]],
+    seen_nodes: set[int],
 ) -> None:
     out[path] = node.start_mark.line + 1
+    if id(node) in seen_nodes:  # an aliased node: its inside is reported at the anchor's lines
+        return
+    seen_nodes.add(id(node))
     if isinstance(node, yaml.MappingNode):
         seen: set[Any] = set()
         for k, v in node.value:
-            if k.value in seen:
+            key = _key(k)
+            if key in seen:
                 # YAML loaders keep the last one silently; a repeated key is almost always an edit gone wrong.
-                repeated.append(((*path, k.value), k.start_mark.line + 1))
-            seen.add(k.value)
-            _lines(v, (*path, k.value), out, repeated)
-            out[(*path, k.value)] = k.start_mark.line + 1  # a key's own line, not its value's
+                repeated.append(((*path, key), k.start_mark.line + 1))
+            seen.add(key)
+            _lines(v, (*path, key), out, repeated, seen_nodes)
+            out[(*path, key)] = k.start_mark.line + 1  # a key's own line, not its value's
     elif isinstance(node, yaml.SequenceNode):
         for i, v in enumerate(node.value):
-            _lines(v, (*path, i), out, repeated)
+            _lines(v, (*path, i), out, repeated, seen_nodes)
+
+
+def _capped(lines: list[str], source: str) -> list[str]:
+    if len(lines) <= MAX_PROBLEMS:
+        return lines
+    rest = len(lines) - MAX_PROBLEMS
+    return [*lines[:MAX_PROBLEMS], f"{source}: and {rest:,} more problems; fix the ones above first"]
 
 
 def _fmt_loc(loc: tuple[Any, ...]) -> str:
@@ -60,30 +146,91 @@ def _allowed(err: Any) -> str:
         return "unknown key; remove it or check its spelling"
     if kind == "missing":
         return "required field is missing"
+    if kind == "string_pattern_mismatch" and err.get("ctx", {}).get("pattern") == REGION_PATTERN:
+        return (
+            "not an AWS region; give one like us-east-1 (area af, ap, ca, cn, eu, il, me, mx, sa or us, a direction, "
+            "a number)"
+        )
+    if kind == "int_type":
+        return "expected a whole number, e.g. 4 (not true/false, a quoted string or a decimal)"
+    if kind == "float_type":
+        return "expected a number, e.g. 0.75 (not true/false or a quoted string)"
+    if kind == "bool_type":
+        return "expected true or false"
+    if kind == "finite_number":
+        return "expected a finite number (not .inf or .nan)"
     msg = str(err["msg"])  # pydantic's message says what is allowed (literals, bounds, types)
     return msg.removeprefix("Value error, ")
 
 
-def parse_environment(text: str, *, source: str = "<config>") -> Environment:
+def _decode(raw: bytes, source: str) -> str:
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        raise ConfigError(
+            [
+                f"{source}:{line}: (file): byte 0x{raw[err.start]:02x} at offset {err.start} is not UTF-8; save the "
+                "file as UTF-8"
+            ]
+        ) from None
+
+
+def _compose(text: str, source: str) -> tuple[yaml.Node | None, Any]:
+    try:
+        loader = _Loader(text)
+    except yaml.reader.ReaderError as err:  # a NUL or another character YAML does not allow
+        line = text.count("\n", 0, err.position) + 1
+        raise ConfigError(
+            [f"{source}:{line}: (file): character {err.character!r} at offset {err.position} is not allowed; remove it"]
+        ) from None
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None, None
+        _expanded_size(node, source)
+        return node, loader.construct_document(node)
+    except _TooDeep as err:
+        raise ConfigError(
+            [f"{source}:{err.mark.line + 1}: (file): nested more than {MAX_DEPTH} levels deep; flatten it"]
+        ) from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark is not None else ""
+        at = f":{mark.line + 1}" if mark is not None else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise ConfigError([f"{source}{line}: not valid YAML: {problem}"]) from None
+        raise ConfigError([f"{source}{at}: not valid YAML: {problem}"]) from None
+    except (ValueError, TypeError, OverflowError) as err:  # e.g. a timestamp like 2026-13-45
+        raise ConfigError([f"{source}:1: not valid YAML: {str(err).splitlines()[0]}"]) from None
+    finally:
+        loader.dispose()
+
+
+def parse_environment(text: str | bytes, *, source: str = "<config>") -> Environment:
+    if isinstance(text, bytes):
+        size = len(text)
+    else:
+        size = len(text) if len(text) * 4 <= MAX_FILE_BYTES else len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_FILE_BYTES:
+        raise ConfigError(
+            [f"{source}:1: (file): {size:,} bytes; an environment file is at most {MAX_FILE_BYTES:,} bytes"]
+        )
+    if isinstance(text, bytes):
+        text = _decode(text, source)
+    node, data = _compose(text, source)
     if not isinstance(data, dict) or node is None:
         raise ConfigError([f"{source}:1: expected a mapping with 'name' and 'deployments'"])
     lines: dict[tuple[Any, ...], int] = {}
     repeated: list[tuple[tuple[Any, ...], int]] = []
-    _lines(node, (), lines, repeated)
+    _lines(node, (), lines, repeated, set())
     if repeated:
         raise ConfigError(
-            [
-                f"{source}:{line}: {_fmt_loc(where)}: key repeated; keep one (a loader would silently use the last)"
-                for where, line in repeated
-            ]
+            _capped(
+                [
+                    f"{source}:{line}: {_fmt_loc(where)}: key repeated; keep one (a loader would silently use the last)"
+                    for where, line in repeated
+                ],
+                source,
+            )
         )
     try:
         return Environment.model_validate(data)
@@ -111,7 +258,7 @@ def parse_environment(text: str, *, source: str = "<config>") -> Environment:
                     msg = m[2]
                 line_no = next((lines[where[:i]] for i in range(len(where), -1, -1) if where[:i] in lines), 1)
                 out.append(f"{source}:{line_no}: {_fmt_loc(where)}: {msg}")
-        raise ConfigError(out) from None
+        raise ConfigError(_capped(out, source)) from None
 
 
 def load_environment(path: str | Path) -> Environment:
@@ -123,7 +270,16 @@ def load_environment(path: str | Path) -> Environment:
             else ""
         )
         raise KvfleetError(f"no environment file at {p}" + (f"; found: {hint}" if hint else ""), field="environment")
-    return parse_environment(p.read_text(encoding="utf-8"), source=str(path))
+    try:
+        size = p.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise ConfigError(
+                [f"{path}:1: (file): {size:,} bytes; an environment file is at most {MAX_FILE_BYTES:,} bytes"]
+            )
+        raw = p.read_bytes()
+    except OSError as err:
+        raise KvfleetError(f"cannot read {p}: {err.strerror}", field="environment") from None
+    return parse_environment(raw, source=str(path))
 
 
 def environment_path(name: str, *, environments_dir: str | Path | None = None) -> Path:

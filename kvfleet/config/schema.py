@@ -13,9 +13,10 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from kvfleet import contract, versions
-from kvfleet.config.base import Frozen
+from kvfleet.config.base import Bool, Float, Frozen, Int
 from kvfleet.config.targets import Ec2Target, EksTarget, SageMakerTarget, Target
 from kvfleet.engines import ENGINES
+from kvfleet.sizing.engines import DEFAULT_VERSIONS, TRTLLM_PROFILES, VLLM_PROFILES, EngineName
 
 
 class ModelRef(Frozen):
@@ -52,19 +53,37 @@ class EngineRef(Frozen):
         versions.parse_version(v)  # ValueError names what is expected
         return v
 
+    @model_validator(mode="after")
+    def _modelled(self) -> EngineRef:
+        # The planner sizes memory from a profile of the release; a release newer than every profile would
+        # silently be sized as the newest one.
+        if self.name not in {e.value for e in EngineName}:
+            return self
+        engine = EngineName(self.name)
+        table = VLLM_PROFILES if engine is EngineName.VLLM else TRTLLM_PROFILES
+        v = versions.parse_version(self.version)
+        oldest, newest = table[0].since, versions.parse_version(DEFAULT_VERSIONS[engine])
+        if v < oldest or v[:2] > newest[:2]:
+            releases = ", ".join(".".join(map(str, p.since)) for p in table)
+            raise ValueError(
+                f"version: kvfleet models {engine.value} releases {'.'.join(map(str, oldest))} to "
+                f"{newest[0]}.{newest[1]}.x (profiles from {releases}); pin one of those"
+            )
+        return self
+
 
 class WorkloadConfig(Frozen):
-    max_input_tokens: int = Field(gt=0, description="Longest prompt, in tokens.")
-    max_output_tokens: int = Field(gt=0, description="Longest generation, in tokens.")
-    concurrency_per_replica: int | None = Field(
+    max_input_tokens: Int = Field(gt=0, description="Longest prompt, in tokens.")
+    max_output_tokens: Int = Field(gt=0, description="Longest generation, in tokens.")
+    concurrency_per_replica: Int | None = Field(
         default=None, gt=0, description="Concurrent sequences one replica must hold. Default: as many as fit."
     )
-    peak_requests_per_s: float | None = Field(default=None, gt=0, description="Peak load across the fleet.")
-    avg_input_tokens: int | None = Field(default=None, gt=0, description="Typical prompt length (default: max).")
-    avg_output_tokens: int | None = Field(default=None, gt=0, description="Typical output length (default: max).")
-    ttft_ms: float | None = Field(default=None, gt=0, description="Time-to-first-token target.")
-    itl_ms: float | None = Field(default=None, gt=0, description="Inter-token latency target.")
-    streaming: bool = Field(
+    peak_requests_per_s: Float | None = Field(default=None, gt=0, description="Peak load across the fleet.")
+    avg_input_tokens: Int | None = Field(default=None, gt=0, description="Typical prompt length (default: max).")
+    avg_output_tokens: Int | None = Field(default=None, gt=0, description="Typical output length (default: max).")
+    ttft_ms: Float | None = Field(default=None, gt=0, description="Time-to-first-token target.")
+    itl_ms: Float | None = Field(default=None, gt=0, description="Inter-token latency target.")
+    streaming: Bool = Field(
         default=True,
         description=(
             "Clients read answers as a stream (SageMaker InvokeEndpointWithResponseStream, OpenAI stream: true). "
@@ -92,8 +111,8 @@ class SizingConfig(Frozen):
     )
     families: tuple[str, ...] = Field(default=(), description="Allowed instance families, e.g. [g6e, p5].")
     instance_type: str | None = Field(default=None, description="Pin one instance type (EC2 or ml.* name).")
-    max_fleet_usd_per_hour: float | None = Field(default=None, gt=0, description="Fleet price ceiling.")
-    gpu_memory_utilization: float | None = Field(
+    max_fleet_usd_per_hour: Float | None = Field(default=None, gt=0, description="Fleet price ceiling.")
+    gpu_memory_utilization: Float | None = Field(
         default=None, gt=0, le=1, description="Engine memory fraction. Default: the engine's for its version."
     )
 
@@ -124,7 +143,7 @@ class ImageConfig(Frozen):
     )
     uri: str | None = Field(
         default=None,
-        pattern=r"^\d{12}\.dkr\.ecr\.[a-z0-9-]+\.amazonaws\.com(\.cn)?/[a-z0-9._/-]+:[A-Za-z0-9_.-]+(@sha256:[0-9a-f]{64})?$",
+        pattern=r"^[0-9]{12}\.dkr\.ecr\.[a-z0-9-]+\.amazonaws\.com(\.cn)?/[a-z0-9._/-]+:[A-Za-z0-9_.-]+(@sha256:[0-9a-f]{64})?$",
         description=(
             "Full ECR image URI for source uri (SageMaker pulls only from ECR), with its tag (and optionally the "
             "digest after it): the tag names the contract version the image speaks, as for `tag`."
@@ -155,8 +174,8 @@ class NetworkConfig(Frozen):
         default=(),
         description="AZs of those subnets, in the same order; for a new VPC, the AZs to use (default: two).",
     )
-    max_azs: int = Field(default=2, ge=2, le=6, description="AZs for a new VPC.")
-    nat_gateways: int = Field(
+    max_azs: Int = Field(default=2, ge=2, le=6, description="AZs for a new VPC.")
+    nat_gateways: Int = Field(
         default=1, ge=0, le=6, description="NAT gateways for a new VPC (0 when the model comes from S3 only)."
     )
 
@@ -193,15 +212,15 @@ class ScalingConfig(Frozen):
     model and every removed replica first drains its generations.
     """
 
-    min_replicas: int = Field(
+    min_replicas: Int = Field(
         default=1,
         ge=0,
         description="Replicas kept at all times. SageMaker endpoints need 1 or more; 0 allows scale to zero elsewhere.",
     )
-    max_replicas: int = Field(
+    max_replicas: Int = Field(
         default=4, ge=1, description="Upper bound for autoscaling (and for the plan's replica count)."
     )
-    kv_cache_utilization_target: float = Field(
+    kv_cache_utilization_target: Float = Field(
         default=0.75,
         gt=0,
         lt=1,
@@ -212,7 +231,7 @@ class ScalingConfig(Frozen):
             "minutes a new replica takes to load; lower it for spiky traffic or slow-loading models."
         ),
     )
-    queue_depth_target: float = Field(
+    queue_depth_target: Float = Field(
         default=2.0,
         gt=0,
         description=(
@@ -221,7 +240,7 @@ class ScalingConfig(Frozen):
             "catches what the cache signal misses: requests held back by max_num_seqs while blocks are free."
         ),
     )
-    drain_budget_s: int = Field(
+    drain_budget_s: Int = Field(
         default=300,
         ge=0,
         le=3600,
@@ -255,7 +274,10 @@ class ScalingConfig(Frozen):
 
 
 class Deployment(Frozen):
-    name: str = Field(pattern=r"^[a-z][a-z0-9-]{0,30}$", description="Short name: lowercase letters, digits, '-'.")
+    name: str = Field(
+        pattern=r"^[a-z]([a-z0-9-]{0,29}[a-z0-9])?$",
+        description="Short name: lowercase letters, digits, '-' (not last), at most 31 characters.",
+    )
     model: ModelRef
     engine: EngineRef
     workload: WorkloadConfig
@@ -332,12 +354,22 @@ class Deployment(Frozen):
         return None
 
 
+# AWS region names: geographic area, optional partition, direction, number (docs.aws.amazon.com/global-infrastructure
+# /latest/regions/aws-regions.html lists them; every one has this form).
+REGION_PATTERN = (
+    r"^(af|ap|ca|cn|eu|il|me|mx|sa|us)(-gov|-iso|-isob)?-"
+    r"(central|north|south|east|west|northeast|northwest|southeast|southwest)-[1-9]$"
+)
+# One stack per deployment, each a few dozen resources: more than this is a file gone wrong.
+MAX_DEPLOYMENTS = 100
+
+
 class NotificationsConfig(Frozen):
     """Who hears about the alarms. Every alarm of every deployment notifies one SNS topic per environment."""
 
     topic_arn: str | None = Field(
         default=None,
-        pattern=r"^arn:aws[a-z-]*:sns:[a-z]{2}(-gov)?-[a-z]+-\d:\d{12}:[A-Za-z0-9_-]{1,256}$",
+        pattern=r"^arn:aws[a-z-]*:sns:[a-z]{2}(-gov)?-[a-z]+-[0-9]:[0-9]{12}:[A-Za-z0-9_-]{1,256}$",
         description=(
             "Notify this existing topic instead of creating one (kvfleet-<environment>-alerts). It must accept "
             "CloudWatch alarms: if it is encrypted, with a customer managed KMS key whose policy lets "
@@ -367,14 +399,24 @@ class NotificationsConfig(Frozen):
 
 
 class Environment(Frozen):
-    name: str = Field(pattern=r"^[a-z][a-z0-9-]{0,20}$", description="Environment name, e.g. dev.")
-    account: str | None = Field(default=None, pattern=r"^\d{12}$", description="AWS account id (12 digits).")
-    region: str | None = Field(default=None, pattern=r"^[a-z]{2}(-gov)?-[a-z]+-\d$", description="AWS region.")
+    name: str = Field(
+        pattern=r"^[a-z]([a-z0-9-]{0,19}[a-z0-9])?$",
+        description="Environment name, e.g. dev: lowercase letters, digits, '-' (not last), at most 21 characters.",
+    )
+    account: str | None = Field(default=None, pattern=r"^[0-9]{12}$", description="AWS account id (12 digits).")
+    region: str | None = Field(
+        default=None,
+        pattern=REGION_PATTERN,
+        description="AWS region, e.g. us-east-1: an area (af, ap, ca, cn, eu, il, me, mx, sa, us), a direction and a "
+        "number.",
+    )
     network: NetworkConfig = Field(
         default_factory=NetworkConfig,
         description="Where the replicas run: a new VPC per deployment, or an existing one.",
     )
-    deployments: tuple[Deployment, ...] = Field(min_length=1, description="What to serve in this environment.")
+    deployments: tuple[Deployment, ...] = Field(
+        min_length=1, max_length=MAX_DEPLOYMENTS, description="What to serve in this environment."
+    )
     notifications: NotificationsConfig = Field(
         default_factory=NotificationsConfig, description="Where the deployments' alarms are sent."
     )

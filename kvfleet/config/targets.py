@@ -11,7 +11,7 @@ from typing import Annotated, Literal, get_args
 
 from pydantic import Field, field_validator, model_validator
 
-from kvfleet.config.base import Frozen
+from kvfleet.config.base import Bool, Frozen, Int
 from kvfleet.sizing.hosting import Hosting
 from kvfleet.targets import TARGETS
 
@@ -26,7 +26,7 @@ class _TargetConfig(Frozen):
 
 class SageMakerTarget(_TargetConfig):
     platform: Literal["sagemaker"] = Field(description="A SageMaker real-time endpoint.")
-    network_isolation: bool = Field(
+    network_isolation: Bool = Field(
         default=False,
         description="Run the container with no network access: the model must come from S3 (model.s3_uri).",
     )
@@ -38,13 +38,13 @@ class SageMakerTarget(_TargetConfig):
             "scaling.drain_budget_s between batches (needs no spare capacity for a whole fleet)."
         ),
     )
-    canary_percent: int | None = Field(
+    canary_percent: Int | None = Field(
         default=None,
         ge=1,
         le=50,
         description="blue_green only: send this share of capacity to the new fleet first, then the rest.",
     )
-    canary_wait_s: int = Field(
+    canary_wait_s: Int = Field(
         default=600, ge=0, le=3600, description="Seconds the canary runs (alarms watched) before the rest moves."
     )
     inference_ami_version: str | None = Field(
@@ -64,17 +64,17 @@ class SageMakerTarget(_TargetConfig):
 
 
 class LoadBalancerConfig(Frozen):
-    internal: bool = Field(default=True, description="An internal load balancer (reachable from inside the VPC).")
+    internal: Bool = Field(default=True, description="An internal load balancer (reachable from inside the VPC).")
     certificate_arn: str | None = Field(
         default=None,
-        pattern=r"^arn:aws[a-z-]*:acm:[a-z0-9-]+:\d{12}:certificate/[0-9a-f-]+$",
+        pattern=r"^arn:aws[a-z-]*:acm:[a-z0-9-]+:[0-9]{12}:certificate/[0-9a-f-]+$",
         description="ACM certificate: serve HTTPS on 443 with it (default: HTTP on 80 inside the VPC).",
     )
     allowed_cidrs: tuple[str, ...] = Field(
         default=(),
         description="Client networks allowed to reach the load balancer. Default: the VPC's own CIDR.",
     )
-    idle_timeout_s: int = Field(
+    idle_timeout_s: Int = Field(
         default=900,
         ge=60,
         le=4000,
@@ -97,10 +97,10 @@ class LoadBalancerConfig(Frozen):
 
 
 class WarmPoolConfig(Frozen):
-    enabled: bool = Field(
+    enabled: Bool = Field(
         default=False, description="Keep pre-initialized instances so scale-out skips boot and image pull."
     )
-    min_size: int = Field(
+    min_size: Int = Field(
         default=1,
         ge=0,
         description=(
@@ -132,7 +132,7 @@ class Ec2Target(_TargetConfig):
             "deploy time. Default: the Deep Learning Base OSS NVIDIA Driver AMI on Amazon Linux 2023."
         ),
     )
-    min_healthy_percent: int = Field(
+    min_healthy_percent: Int = Field(
         default=90,
         ge=0,
         le=100,
@@ -141,10 +141,10 @@ class Ec2Target(_TargetConfig):
             "replaces the warm pool's instances too)."
         ),
     )
-    capacity_rebalance: bool = Field(
+    capacity_rebalance: Bool = Field(
         default=True, description="Replace instances at elevated risk of interruption before they are reclaimed."
     )
-    shm_size_gib: int = Field(
+    shm_size_gib: Int = Field(
         default=16, ge=1, le=512, description="Shared memory for the engine (tensor parallelism)."
     )
 
@@ -194,7 +194,7 @@ class ExistingCluster(Frozen):
     )
     oidc_provider_arn: str | None = Field(
         default=None,
-        pattern=r"^arn:aws[a-z-]*:iam::\d{12}:oidc-provider/oidc\.eks\.[a-z0-9-]+\.amazonaws\.com(\.cn)?/id/[0-9A-Za-z]+$",
+        pattern=r"^arn:aws[a-z-]*:iam::[0-9]{12}:oidc-provider/oidc\.eks\.[a-z0-9-]+\.amazonaws\.com(\.cn)?/id/[0-9A-Za-z]+$",
         description=(
             "The cluster's IAM OIDC provider: pods get their AWS roles through IRSA. Without it they get them "
             "through EKS Pod Identity, which needs the eks-pod-identity-agent add-on on the cluster."
@@ -205,20 +205,20 @@ class ExistingCluster(Frozen):
 class EksAddons(Frozen):
     """The cluster add-ons the workload needs. A new cluster gets all of them; an existing one may already run some."""
 
-    device_plugin: bool = Field(
+    device_plugin: Bool = Field(
         default=True,
         description="Install the NVIDIA device plugin (off when the cluster already runs it or the GPU Operator).",
     )
-    keda: bool = Field(default=True, description="Install KEDA (off when the cluster already runs KEDA 2.x).")
+    keda: Bool = Field(default=True, description="Install KEDA (off when the cluster already runs KEDA 2.x).")
     prometheus_url: str | None = Field(
         default=None,
-        pattern=r"^https?://[A-Za-z0-9.-]+(:\d+)?(/[^\s]*)?$",
+        pattern=r"^https?://[A-Za-z0-9.-]+(:[0-9]+)?(/[^\s]*)?$",
         description=(
             "Query this Prometheus instead of installing one. It must scrape pods annotated prometheus.io/scrape "
             "(the kubernetes-pods job of the community chart does) and answer KEDA without authentication."
         ),
     )
-    cluster_autoscaler: bool = Field(
+    cluster_autoscaler: Bool = Field(
         default=True,
         description=(
             "Install Cluster Autoscaler for the GPU node group (off when the cluster already runs one with "
@@ -243,7 +243,7 @@ class EksTarget(_TargetConfig):
     namespace: str = Field(
         default="kvfleet", pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$", description="Namespace of the workload."
     )
-    shm_size_gib: int = Field(
+    shm_size_gib: Int = Field(
         default=16, ge=1, le=512, description="Shared memory for the engine (tensor parallelism)."
     )
 

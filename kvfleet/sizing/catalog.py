@@ -73,15 +73,30 @@ def all_models() -> list[ModelSpec]:
     return [catalog_model(e.model_id) for e in catalog_entries()]
 
 
+def _exists(p: Path) -> bool:
+    try:
+        return p.exists()
+    except (OSError, ValueError):  # a model id too long to be a file name is not a path
+        return False
+
+
 def resolve_model(ref: str) -> ModelSpec:
     """A catalog id or alias, or a path to a config.json / its directory."""
     if not ref.strip():
         raise ModelConfigError("is empty; give a catalog id (kvfleet models) or a path to config.json", field="model")
     if _norm(ref) in _index():
         return catalog_model(ref)
-    p = Path(ref).expanduser()
-    if p.exists() or ref.endswith(".json") or ref.startswith((".", "/", "~")):
-        return load_config_file(p)
+    try:
+        p = Path(ref).expanduser()
+        if _exists(p) or ref.endswith(".json") or ref.startswith((".", "/", "~")):
+            return load_config_file(p)
+    except (OSError, ValueError) as err:  # a name too long for a path, a NUL byte, no home directory
+        why = getattr(err, "strerror", None) or str(err)
+        shown = ref[:80] + ("..." if len(ref) > 80 else "")
+        raise ModelConfigError(
+            f"cannot read {shown!r} as a path ({why}); give a catalog id (kvfleet models) or a path to config.json",
+            field="model",
+        ) from None
     names = [e.model_id for e in catalog_entries()]
     near = difflib.get_close_matches(ref, names, n=3, cutoff=0.4)
     near += [n for n in names if _norm(ref.rsplit("/", maxsplit=1)[-1]) in _norm(n) and n not in near][:3]

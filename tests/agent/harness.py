@@ -99,9 +99,16 @@ def run(coro_fn: Callable[[], Awaitable[T]], timeout: float = 120.0) -> T:
 
 
 async def stream_completion(
-    http: aiohttp.ClientSession, url: str, *, max_tokens: int = 8, path: str = "/v1/completions", **extra: Any
+    http: aiohttp.ClientSession,
+    url: str,
+    *,
+    max_tokens: int = 8,
+    path: str = "/v1/completions",
+    first_chunk: asyncio.Event | None = None,
+    **extra: Any,
 ) -> dict[str, Any]:
-    """One streaming request: its status, events, and whether it ended with a finish reason and [DONE]."""
+    """One streaming request: its status, events, and whether it ended with a finish reason and [DONE].
+    ``first_chunk`` is set once the first bytes of the stream arrive (the generation is running)."""
     body = {"model": "fake", "prompt": "hello", "max_tokens": max_tokens, "stream": True, **extra}
     events: list[Any] = []
     async with http.post(url + path, json=body) as r:
@@ -112,6 +119,8 @@ async def stream_completion(
         buf = b""
         async for chunk in r.content.iter_any():
             buf += chunk
+            if first_chunk is not None:
+                first_chunk.set()
         for block in buf.decode().split("\n\n"):
             if block.startswith("data: "):
                 data = block[len("data: ") :]

@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 AGENT = Path(sys.executable).parent / contract.AGENT_COMMAND
 VLLM_PYTHON = Path(os.environ.get("KVFLEET_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
 DRAIN_BUDGET_S = 120
+STREAM_TOKENS = 380  # ten of these and their prompts fit the cache, so none is preempted
 CACHE_BYTES = 4 * 1024 * 1024  # 4,096 tokens of the tiny model: 32 concurrent requests saturate it
 
 if not VLLM_PYTHON.exists():
@@ -276,11 +277,18 @@ def test_engine_dies_agent_reports_unhealthy_and_restarts_it(agent: AgentProcess
 def test_sigterm_drains_ten_streams_then_exits_zero(agent: AgentProcess) -> None:
     async def go() -> dict[str, Any]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
+            started = [asyncio.Event() for _ in range(10)]
             tasks = [
-                asyncio.create_task(stream_completion(http, agent.url, model="tiny", max_tokens=300, ignore_eos=True))
-                for _ in range(10)
+                asyncio.create_task(
+                    stream_completion(
+                        http, agent.url, model="tiny", max_tokens=STREAM_TOKENS, ignore_eos=True, first_chunk=s
+                    )
+                )
+                for s in started
             ]
-            await asyncio.sleep(1.0)  # every stream has started
+            # Signal as soon as every stream has its first token, however fast this machine decodes: a fixed
+            # sleep lets a fast machine finish the generations before the drain begins.
+            await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 120)
             assert not any(t.done() for t in tasks), "generations finished before the drain began"
             t0 = time.monotonic()
             agent.proc.send_signal(signal.SIGTERM)
@@ -304,6 +312,6 @@ def test_sigterm_drains_ten_streams_then_exits_zero(agent: AgentProcess) -> None
     for r in out["results"]:
         assert r["status"] == 200 and r["done"] and r["finish"] == ["length"] and not r["errors"]
         tokens = sum(1 for e in r["events"] if isinstance(e, dict) and e.get("choices"))
-        assert tokens >= 290  # the whole generation, not a cut stream
+        assert tokens >= STREAM_TOKENS - 10  # the whole generation, not a cut stream
     assert out["code"] == 0
     assert out["t"] < DRAIN_BUDGET_S

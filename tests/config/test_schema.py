@@ -119,7 +119,7 @@ def test_unknown_top_level_key() -> None:
 def test_wrong_type() -> None:
     lines = problems(BASE.replace("max_input_tokens: 4096", "max_input_tokens: lots"))
     assert lines[0].startswith("envs/test.yaml:11: deployments[0].workload.max_input_tokens: ")
-    assert "valid integer" in lines[0]
+    assert "expected a whole number" in lines[0]
 
 
 def test_negative_value() -> None:
@@ -165,7 +165,8 @@ def test_unknown_platform() -> None:
 
 def test_bad_region_pattern() -> None:
     assert problems(BASE.replace("region: eu-west-1", "region: mars")) == [
-        "envs/test.yaml:2: region: String should match pattern '^[a-z]{2}(-gov)?-[a-z]+-\\d$'"
+        "envs/test.yaml:2: region: not an AWS region; give one like us-east-1 (area af, ap, ca, cn, eu, il, me, mx, "
+        "sa or us, a direction, a number)"
     ]
 
 
