@@ -118,6 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("models", help="the model catalog")
     m.add_argument("--json", action="store_true")
+    w = sub.add_parser("workload", help="the profile of a request trace: lengths, arrival rate, bursts, prefix reuse")
+    w.add_argument("trace", help="an Azure or BurstGPT CSV, Mooncake JSON lines, or the agent's request log")
+    w.add_argument("--format", dest="trace_format", choices=["azure", "mooncake", "burstgpt", "kvfleet"])
+    w.add_argument("--start-s", type=float, default=0.0, help="skip this many seconds of the trace")
+    w.add_argument("--duration-s", type=_positive_float, help="keep this many seconds (default: the rest)")
+    w.add_argument("--rate-scale", type=_positive_float, default=1.0, help="replay at this multiple of the rate")
+    w.add_argument("--json", action="store_true")
     i = sub.add_parser("instances", help="the accelerator and instance catalog")
     i.add_argument("--platform", choices=list(TARGETS))
     i.add_argument("--json", action="store_true")
@@ -561,7 +568,23 @@ def cmd_schema(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_workload(a: argparse.Namespace) -> int:
+    from kvfleet.workload.profile import profile, render
+    from kvfleet.workload.traces import read_trace
+
+    trace = read_trace(
+        a.trace, fmt=a.trace_format, start_s=a.start_s, duration_s=a.duration_s, rate_scale=a.rate_scale
+    )
+    p = profile(trace)
+    if a.json:
+        print(json.dumps(p.as_dict(), indent=2))
+    else:
+        print(render(p))
+    return 0
+
+
 COMMANDS = {
+    "workload": cmd_workload,
     "capacity": cmd_capacity,
     "plan": cmd_plan,
     "schema": cmd_schema,

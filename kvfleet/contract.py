@@ -223,6 +223,29 @@ PUBLISHED_SIGNALS: tuple[Signal, ...] = (*SIGNALS, CLIENT_CANCELLED)
 SCALING_SIGNALS: tuple[Signal, ...] = (KV_CACHE_UTILIZATION, REQUESTS_WAITING)
 
 
+# ---- the request log -------------------------------------------------------------------------------------------
+# One JSON line per finished request on the agent's stdout (CloudWatch Logs on every target), beside its other
+# output: what `kvfleet workload` and `kvfleet simulate` read back as a measured trace. No prompt text, and the
+# tenant only as the hash the agent already salts the prefix cache with.
+REQUEST_LOG_KIND_KEY = "kind"
+REQUEST_LOG_KIND = "kvfleet.request"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequestLogFields:
+    time: str = "ts"  # arrival, Unix seconds
+    tenant: str = "tenant"  # the tenant's hash, "" without tenancy
+    prompt_tokens: str = "prompt_tokens"
+    cached_tokens: str = "cached_tokens"  # prompt tokens the engine served from its prefix cache
+    output_tokens: str = "output_tokens"
+    ttft_s: str = "ttft_s"
+    e2e_s: str = "e2e_s"
+    status: str = "status"  # the HTTP status the client got
+
+
+REQUEST_LOG_FIELDS = RequestLogFields()
+
+
 def deployment_id(environment: str, deployment: str) -> str:
     """Value of the Deployment dimension: unique per environment and deployment."""
     return f"{environment}-{deployment}"

@@ -26,7 +26,8 @@ ALLOWED: dict[str, set[str]] = {
     "targets": {"sizing"},
     "config": {"sizing", "engines", "targets", "contract", "errors", "versions"},
     "deployments": {"config", "sizing", "engines", "targets", "contract", "errors", "versions"},
-    "cli": {"config", "deployments", "sizing", "engines", "targets", "contract", "errors", "versions"},
+    "workload": {"contract", "errors"},
+    "cli": {"config", "deployments", "sizing", "engines", "targets", "contract", "errors", "versions", "workload"},
     "infra": {"config", "deployments", "sizing", "engines", "targets", "contract", "errors", "versions"},
     "agent": {"contract", "engines", "versions"},
 }
@@ -40,6 +41,7 @@ THIRD_PARTY: dict[str, set[str] | None] = {
     "targets": set(),
     "config": {"pydantic", "yaml"},
     "deployments": set(),
+    "workload": set(),
     "cli": {"rich"},
     "infra": None,
     "agent": {"aiohttp", "prometheus_client", "uvloop", "boto3", "botocore"},
