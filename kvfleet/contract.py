@@ -88,6 +88,11 @@ ENV_TENANT_SECRET = "KVFLEET_TENANT_SECRET"
 ENV_TENANT_SECRET_FILE = "KVFLEET_TENANT_SECRET_FILE"
 ENV_IMDS_URL = "KVFLEET_IMDS_URL"
 ENV_LOG_LEVEL = "KVFLEET_LOG_LEVEL"
+# Not kvfleet's own name: the region variable of the AWS CLI and SDKs. The agent reads it (then
+# AWS_DEFAULT_REGION, which botocore itself reads) for its AWS clients; SageMaker documents no region variable in
+# the container, EKS Pod Identity injects none, and the EC2 user data knows the region only on the instance, so
+# each target sets it.
+REGION_VARIABLE = "AWS_REGION"
 
 # ---- image tags ----------------------------------------------------------------------------------------------
 # `<engine release>-kvfleet<contract version>`, optionally followed by `-<build id>`: 0.30.0-kvfleet1-20261201.

@@ -92,8 +92,13 @@ def test_infrastructure_does_not_spell_metric_names_itself() -> None:
 CONTRACT_VALUES = {
     v
     for k, v in vars(contract).items()
-    if k.startswith("ENV_") or k in ("HEALTH_ROUTE", "DRAIN_ROUTE", "MODEL_DIR", "HF_HOME", "AGENT_COMMAND")
+    if k.startswith("ENV_")
+    or k in ("HEALTH_ROUTE", "DRAIN_ROUTE", "MODEL_DIR", "HF_HOME", "AGENT_COMMAND", "REGION_VARIABLE")
 }
+
+# Literals that predate a contract constant, in code whose owners switch it to the constant: (file, value).
+# Remove an entry when its file stops spelling the value.
+PENDING: frozenset[tuple[str, str]] = frozenset({("kvfleet/agent/settings.py", contract.REGION_VARIABLE)})
 
 
 def test_contract_values_are_spelled_only_in_the_contract() -> None:
@@ -102,10 +107,18 @@ def test_contract_values_are_spelled_only_in_the_contract() -> None:
     for path in sorted(PACKAGE.rglob("*.py")):
         if path.name == "contract.py":
             continue
+        rel = path.relative_to(REPO).as_posix()
         for line, value in _string_literals(path):
-            if value in CONTRACT_VALUES:
-                found.append(f"{path.relative_to(REPO)}:{line}: {value!r}")
+            if value in CONTRACT_VALUES and (rel, value) not in PENDING:
+                found.append(f"{rel}:{line}: {value!r}")
     assert found == []
+
+
+def test_the_user_data_template_takes_shared_names_from_the_contract() -> None:
+    """The shell template is not Python: its variable names arrive as rendered values, never spelled in it."""
+    text = (PACKAGE / "infra" / "ec2" / "user-data.sh").read_text(encoding="utf-8")
+    for value in sorted(CONTRACT_VALUES):
+        assert value not in text, value
 
 
 def test_the_literal_check_finds_a_spelled_variable(tmp_path: Path) -> None:

@@ -64,19 +64,28 @@ class Gp3Limits:
     max_iops: int
     max_mib_s_per_iops: float
     max_iops_per_gib: int
-    source: str
+    sources: tuple[str, ...]
 
 
-# Amazon EBS User Guide, "General Purpose SSD volumes" (gp3): 3,000 IOPS and 125 MiB/s included, up to 16,000 IOPS
-# and 1,000 MiB/s (the launch template's Ebs ranges), at most 500 IOPS per GiB and 0.25 MiB/s per provisioned IOPS.
+# gp3's limits, as AWS documents them (AWS raised the maxima from 16,000 IOPS and 1,000 MiB/s in 2025):
+# - EC2 API LaunchTemplateEbsBlockDeviceRequest, in the EC2 service model of the pinned botocore (1.44.8,
+#   botocore/data/ec2/2016-11-15/service-2.json): Iops "gp3: 3,000 - 80,000 IOPS" (3,000 is the default),
+#   Throughput "with a maximum of 2,000 MiB/s. Valid Range: Minimum value of 125. Maximum value of 2,000";
+# - the Amazon EBS User Guide, "General Purpose SSD volumes", gp3 performance: 3,000 IOPS and 125 MiB/s included
+#   in the price, at most 500 IOPS per GiB of volume size and 0.25 MiB/s of throughput per provisioned IOPS (the
+#   same ratio and the 125-2,000 range are in aws-cdk-lib 2.275's ec2.EbsDeviceOptionsBase.throughput, which links
+#   that page).
 GP3 = Gp3Limits(
     baseline_mib_s=125,
-    max_mib_s=1000,
+    max_mib_s=2000,
     baseline_iops=3000,
-    max_iops=16000,
+    max_iops=80000,
     max_mib_s_per_iops=0.25,
     max_iops_per_gib=500,
-    source="https://docs.aws.amazon.com/ebs/latest/userguide/general-purpose.html#gp3-ebs-volume-type",
+    sources=(
+        "https://docs.aws.amazon.com/ebs/latest/userguide/general-purpose.html#gp3-performance",
+        "https://docs.aws.amazon.com/AWSEC2/latest/APIReference/API_LaunchTemplateEbsBlockDeviceRequest.html",
+    ),
 )
 
 

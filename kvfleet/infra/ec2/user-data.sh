@@ -28,8 +28,9 @@ AGENT_UID={{AGENT_UID}}
 SERVING_PORT={{SERVING_PORT}}
 SHM_SIZE_GIB={{SHM_SIZE_GIB}}
 DRAIN_BUDGET_S={{DRAIN_BUDGET_S}}
-# The variable the agent reads its group's name from (for the drain hook).
+# The variables the agent reads its group's name (for the drain hook) and its region from.
 ENV_ASG_NAME={{ENV_ASG_NAME}}
+REGION_VARIABLE={{REGION_VARIABLE}}
 # The launch hook a warm pool holds new instances with; empty: no warm pool, nothing to complete. And the
 # termination hook: the agent drains for it in service, this script completes it for a running pool's instance.
 WARM_HOOK={{WARM_HOOK}}
@@ -125,7 +126,7 @@ prepare() {
 {{CONTAINER_ENV}}
 KVFLEET_ENV
   # Known only on the instance.
-  printf '%s=%s\n' "$ENV_ASG_NAME" "$GROUP" AWS_REGION "$REGION" >> "$ENV_FILE"
+  printf '%s=%s\n' "$ENV_ASG_NAME" "$GROUP" "$REGION_VARIABLE" "$REGION" >> "$ENV_FILE"
 
   aws ecr get-login-password --region "$REGION" | docker login --username AWS --password-stdin "${IMAGE%%/*}"
   docker pull "$IMAGE"

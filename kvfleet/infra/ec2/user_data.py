@@ -124,6 +124,7 @@ def user_data_values(r: ResolvedDeployment, boot: Boot) -> dict[str, Value]:
         "SHM_SIZE_GIB": target.shm_size_gib,
         "DRAIN_BUDGET_S": d.scaling.drain_budget_s,
         "ENV_ASG_NAME": contract.ENV_ASG_NAME,
+        "REGION_VARIABLE": contract.REGION_VARIABLE,
         "WARM_HOOK": boot.warm_hook or "",
         "DRAIN_HOOK": boot.drain_hook,
         "HEARTBEAT_S": boot.heartbeat_s,

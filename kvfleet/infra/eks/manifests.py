@@ -170,7 +170,7 @@ def _env(r: ResolvedDeployment, opts: WorkloadOptions) -> list[dict[str, str]]:
         env[contract.ENV_PUT_METRIC_DATA] = "1"
     # The agent's Secrets Manager client needs a region; IRSA injects one, EKS Pod Identity does not.
     if r.environment.region:
-        env.setdefault("AWS_REGION", r.environment.region)
+        env.setdefault(contract.REGION_VARIABLE, r.environment.region)
     return [{"name": k, "value": env[k]} for k in sorted(env)]
 
 
@@ -209,7 +209,7 @@ def _model_sync(r: ResolvedDeployment, opts: WorkloadOptions) -> dict[str, Any] 
         raise ValueError(f"deployment {r.deployment.name!r} loads from {uri}: set WorkloadOptions.model_sync_image")
     env = [{"name": "HOME", "value": "/tmp"}]  # the CLI writes its cache under HOME; the image's may be /root
     if r.environment.region:
-        env.append({"name": "AWS_REGION", "value": r.environment.region})
+        env.append({"name": contract.REGION_VARIABLE, "value": r.environment.region})
     return {
         "name": "model-sync",
         "image": opts.model_sync_image,

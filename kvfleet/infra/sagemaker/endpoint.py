@@ -10,6 +10,7 @@ from aws_cdk import aws_kms as kms
 from aws_cdk import aws_sagemaker as sagemaker
 from constructs import Construct
 
+from kvfleet import contract
 from kvfleet.config.targets import SageMakerTarget
 from kvfleet.deployments import ResolvedDeployment
 from kvfleet.infra.context import ServingContext
@@ -22,9 +23,9 @@ from kvfleet.infra.scaling import scale_scalable_target
 
 VARIANT = "AllTraffic"
 
-# The agent builds its AWS clients from AWS_REGION / AWS_DEFAULT_REGION. SageMaker hosting documents no region
-# variable in the container's environment (its documented ones are SAGEMAKER_*), so the model sets it itself.
-REGION_VARIABLE = "AWS_REGION"
+# The agent builds its AWS clients from contract.REGION_VARIABLE. SageMaker hosting documents no region variable in
+# the container's environment (its documented ones are SAGEMAKER_*), so the model sets it itself.
+REGION_VARIABLE = contract.REGION_VARIABLE
 
 # What an update keeps from the running endpoint (UpdateEndpoint RetainAllVariantProperties): the instance
 # count, which Application Auto Scaling owns once the variant scales; the weight and data capture come from the

@@ -352,12 +352,27 @@ def test_the_root_volume_writes_what_lands_on_it_in_bounded_time_within_gp3_limi
     # gp3's own rules (the EBS user guide): ranges, IOPS per GiB, throughput per IOPS.
     assert GP3.baseline_mib_s <= mib_s <= GP3.max_mib_s and GP3.baseline_iops <= iops <= GP3.max_iops
     assert iops <= GP3.max_iops_per_gib * size and mib_s <= GP3.max_mib_s_per_iops * iops
-    assert GP3.source.startswith("https://docs.aws.amazon.com/ebs/")
+    assert GP3.sources[0].startswith("https://docs.aws.amazon.com/ebs/")
     # What it writes at boot (all but the AMI's own part), in the budget unless gp3 cannot go faster; never slower
     # than the download the start-up estimate assumes.
     written = (size - OS_DISK_GIB) * GiB
     assert written / (mib_s * MiB) <= ROOT_WRITE_BUDGET_S or mib_s == GP3.max_mib_s
     assert mib_s * MiB >= min(DOWNLOAD_BYTES_PER_S, GP3.max_mib_s * MiB)
+
+
+def test_gp3_ranges_are_those_of_the_pinned_ec2_api_model() -> None:
+    """The launch template's Ebs ranges as the EC2 API documents them in botocore's service model (the release the
+    project pins): a raised or lowered AWS limit fails here, not at deploy time."""
+    import botocore.loaders
+
+    shapes = botocore.loaders.Loader().load_service_model("ec2", "service-2")["shapes"]
+    members = shapes["LaunchTemplateEbsBlockDeviceRequest"]["members"]
+    iops_doc = re.sub(r"<[^>]+>", "", members["Iops"]["documentation"])
+    throughput_doc = re.sub(r"<[^>]+>", "", members["Throughput"]["documentation"])
+    low, high = (int(x.replace(",", "")) for x in re.findall(r"gp3: ([0-9,]+) - ([0-9,]+) IOPS", iops_doc)[0])
+    assert (low, high) == (GP3.baseline_iops, GP3.max_iops)
+    [(t_low, t_high)] = re.findall(r"Minimum value of ([0-9,]+)\. Maximum value of ([0-9,]+)", throughput_doc)
+    assert (int(t_low), int(t_high.replace(",", ""))) == (GP3.baseline_mib_s, GP3.max_mib_s)
 
 
 def test_a_big_checkpoint_gets_more_than_the_baseline() -> None:

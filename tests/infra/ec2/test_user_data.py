@@ -401,7 +401,7 @@ def test_the_container_gets_the_deployments_environment_and_the_lifecycle_variab
         contract.ENV_LIFECYCLE_HOOK: LIFECYCLE_HOOK,
         contract.ENV_LIFECYCLE_HEARTBEAT_S: str(HEARTBEAT_S),
         contract.ENV_ASG_NAME: "kvfleet-test-chat-group",
-        "AWS_REGION": "us-east-1",
+        contract.REGION_VARIABLE: "us-east-1",
     }
 
 

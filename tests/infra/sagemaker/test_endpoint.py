@@ -99,7 +99,7 @@ def test_container_environment_carries_the_engine_settings(template: Template) -
     assert env[contract.ENV_MODEL] == "meta-llama/Llama-3.1-8B"
     assert env[contract.ENV_HF_TOKEN_SECRET_ARN] == "kvfleet/hf-token"
     # Every value a string, but the region: the stack's own (a Ref, resolved at deploy time).
-    assert all(isinstance(v, str) for k, v in env.items() if k != "AWS_REGION")
+    assert all(isinstance(v, str) for k, v in env.items() if k != contract.REGION_VARIABLE)
 
 
 def test_image_is_the_kvfleet_repository_at_the_engine_version(template: Template) -> None:
@@ -563,7 +563,7 @@ def test_the_example_environments_synthesize_on_an_ami_that_runs_them(name: str)
 @pytest.mark.parametrize("text", [SAGEMAKER_ENV, S3_ISOLATED, DLC], ids=["hf", "s3-isolated", "dlc"])
 def test_container_environment_names_the_region(text: str) -> None:
     [model] = props(only(text), "AWS::SageMaker::Model")
-    assert model["PrimaryContainer"]["Environment"]["AWS_REGION"] == {"Ref": "AWS::Region"}
+    assert model["PrimaryContainer"]["Environment"][contract.REGION_VARIABLE] == {"Ref": "AWS::Region"}
 
 
 # ---- updates keep the scaled instance count, and an instance-type change is spelled out ------------------
