@@ -1,0 +1,876 @@
+"""Batch-level engine step time, the engines' schedulers, and a steady-state estimate built on them.
+
+Replaces the single-request roofline of ``perf.py`` (which stays, unchanged, for the planner until it is
+rewired). Three layers, each usable alone:
+
+1. ``step_time(replica, batch)`` prices one engine step: the prefill chunks it carries (tokens and the
+   context position each starts at), the decoding sequences and the KV tokens they read. Per component,
+   ``max(flops / (peak x efficiency), bytes / (bandwidth x efficiency))``::
+
+       linear     dense GEMMs on every token in the step (prefill + decode), weights read once per step;
+                  MoE experts read only for the distinct experts the step's tokens touch:
+                  E x (1 - (1 - k/E)^T) of E experts for T tokens picking k each
+       lm_head    only for the rows that are sampled (one per sequence in the step), not every prompt token
+       attention  prefill: causal FLOPs n x (p + n/2) per chunk; decode: reads every KV token once
+       all-reduce 2 per layer with TP > 1: latency + 2 (tp-1)/tp x message / link bandwidth (NVLink or PCIe)
+       overhead   fixed per step (CUDA graphs for decode) + per sequence + extra when the step has prefill
+
+   Efficiencies are per (op kind, precision) constants in ``data/step_calibration.json``, fitted by
+   ``tools/fit_step.py`` on the FIT cases and checked on held-out CHECK cases (tests/sizing/test_step.py).
+
+2. ``VllmScheduler`` / ``TrtllmScheduler``: pure ``schedule(state) -> Schedule`` rules of the engines' own
+   schedulers (token budget, max sequences, chunked prefill, preemption / pausing, KV blocks). A simulator
+   holds a ``SchedState``, calls ``schedule``, prices the step with ``batch_of(schedule, state)`` and
+   ``step_time``, then advances with ``advance(state, schedule)``.
+
+3. ``steady_state(replica, workload)``: closed form for the planner. A replica running ``b`` sequences
+   carries ``b x (OSL-1)/(k+OSL-1)`` decodes and ``b x ISL/(k+OSL-1)`` prefill tokens per step (``k``
+   prefill steps per request, budget-bound), so ITL prices a mixed step, not a pure decode. TTFT adds the
+   wait for the step in flight, the prompt's own chunks, the token-budget queue (M/D/1) and the queue for
+   a slot: Little's law for a closed loop (``concurrency``), Erlang C with the Allen-Cunneen correction
+   for Poisson arrivals (``arrival_rate_per_s``).
+
+Planner use (one call per candidate and batch)::
+
+    rep = replica(model=m, accelerator=acc, tp=tp, nvlink=it.nvlink, scheme=scheme, kv_dtype=kv)
+    est = steady_state(rep, Workload(input_tokens=..., output_tokens=..., concurrency=b),
+                       limits=Limits(max_num_batched_tokens=cap.max_num_batched_tokens, max_running=cap_seqs))
+    est.itl_s, est.ttft_s, est.output_tokens_per_s
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from functools import cache
+from importlib import resources
+from typing import Any
+
+from kvfleet.errors import SizingError
+from kvfleet.sizing.capacity import EngineSettings, capacity
+from kvfleet.sizing.catalog import catalog_model
+from kvfleet.sizing.engines import EngineName
+from kvfleet.sizing.hardware import Accelerator, accelerator
+from kvfleet.sizing.memory import kv_layout, weight_bytes
+from kvfleet.sizing.models import ModelSpec
+from kvfleet.sizing.precision import KvDtype, Part, WeightScheme, kv_dtype, weight_scheme
+from kvfleet.sizing.units import cdiv
+
+# ---------------------------------------------------------------------------------------------
+# Constants (calibrated; values and sources live in data/step_calibration.json)
+# ---------------------------------------------------------------------------------------------
+
+
+class ComputeClass(StrEnum):
+    """What the GEMMs run as: the tensor-core rate they use and the efficiency constant they take."""
+
+    BF16 = "bf16"  # 16-bit weights and activations
+    FP8 = "fp8"  # FP8 weights and activations on FP8 tensor cores (Ada, Hopper, Blackwell)
+    W8 = "w8"  # INT8 W8A8, or FP8 weights on GPUs without FP8 tensor cores (dequantized, Marlin)
+    W4 = "w4"  # 4-bit weight-only (AWQ/GPTQ/w4a16/bnb/mxfp4/nvfp4 as priced here): 16-bit math
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepConstants:
+    gemm_eff: Mapping[str, float]  # achieved / peak FLOP/s of dense GEMMs, by ComputeClass
+    attn_eff: float  # achieved / 16-bit peak of prefill attention kernels
+    weights_bw_eff: float  # achieved / peak HBM bandwidth streaming weights (decode GEMV-like)
+    kv_bw_eff: float  # achieved / peak HBM bandwidth reading KV in decode attention
+    moe_compute_factor: float  # grouped expert GEMMs vs dense GEMMs at the same precision
+    moe_bw_factor: float  # expert weight streaming vs dense weight streaming
+    allreduce_latency_s: Mapping[str, float]  # per all-reduce, by link: "nvlink", "pcie"
+    allreduce_bw_eff: float  # achieved / link bandwidth of an all-reduce
+    pcie_bytes_per_s: float  # per direction, per GPU, where the instance has no NVLink
+    step_overhead_s: float  # per step: scheduler, input prep, sampling launch (CUDA graphs on)
+    per_seq_overhead_s: float  # per sequence in the step: sampling, detokenize, bookkeeping
+    prefill_step_overhead_s: float  # extra when a step carries prefill (no full CUDA graph for it)
+    eager_step_overhead_s: float  # extra per step without CUDA graphs (enforce_eager)
+    fitted: tuple[str, ...] = ()  # names the fit set; the rest are priors with their source
+    fit_date: str = ""
+
+
+def _load_calibration() -> dict[str, Any]:
+    text = resources.files("kvfleet.sizing").joinpath("data", "step_calibration.json").read_text(encoding="utf-8")
+    data: dict[str, Any] = json.loads(text)
+    return data
+
+
+@cache
+def calibration() -> dict[str, Any]:
+    """The whole data file: constants (value + source), the fit record, and the measured cases."""
+    return _load_calibration()
+
+
+def constants_from(raw: Mapping[str, Any], *, fitted: Sequence[str] = (), fit_date: str = "") -> StepConstants:
+    def v(name: str) -> Any:
+        entry = raw[name]
+        return entry["value"] if isinstance(entry, Mapping) and "value" in entry else entry
+
+    return StepConstants(
+        gemm_eff={k: float(x) for k, x in v("gemm_eff").items()},
+        attn_eff=float(v("attn_eff")),
+        weights_bw_eff=float(v("weights_bw_eff")),
+        kv_bw_eff=float(v("kv_bw_eff")),
+        moe_compute_factor=float(v("moe_compute_factor")),
+        moe_bw_factor=float(v("moe_bw_factor")),
+        allreduce_latency_s={k: float(x) for k, x in v("allreduce_latency_s").items()},
+        allreduce_bw_eff=float(v("allreduce_bw_eff")),
+        pcie_bytes_per_s=float(v("pcie_bytes_per_s")),
+        step_overhead_s=float(v("step_overhead_s")),
+        per_seq_overhead_s=float(v("per_seq_overhead_s")),
+        prefill_step_overhead_s=float(v("prefill_step_overhead_s")),
+        eager_step_overhead_s=float(v("eager_step_overhead_s")),
+        fitted=tuple(fitted),
+        fit_date=fit_date,
+    )
+
+
+@cache
+def default_constants() -> StepConstants:
+    data = calibration()
+    fit = data.get("fit", {})
+    return constants_from(data["constants"], fitted=fit.get("fitted", ()), fit_date=fit.get("date", ""))
+
+
+# ---------------------------------------------------------------------------------------------
+# The replica: what one step's cost depends on, precomputed once per candidate
+# ---------------------------------------------------------------------------------------------
+
+_BW = re.compile(r"([\d.]+)\s*(GB/s|TB/s)")
+
+
+def nvlink_bytes_per_s(acc: Accelerator) -> float | None:
+    """Per-GPU NVLink bandwidth, one direction: the catalog's figure is the bidirectional total
+    (e.g. H100 "NVLink4, 900 GB/s" = 18 links x 50 GB/s both ways), so half of it."""
+    m = _BW.search(acc.nvlink)
+    if m is None:
+        return None
+    scale = 1e12 if m.group(2) == "TB/s" else 1e9
+    return float(m.group(1)) * scale / 2
+
+
+def compute_class(scheme: WeightScheme, acc: Accelerator) -> ComputeClass:
+    if scheme.weight_bits >= 16:
+        return ComputeClass.BF16
+    if scheme.name == "fp8":
+        return ComputeClass.FP8 if acc.fp8_support and acc.fp8_flops else ComputeClass.W8
+    if scheme.weight_bits >= 8:
+        return ComputeClass.W8
+    return ComputeClass.W4
+
+
+@dataclass(frozen=True, kw_only=True)
+class Replica:
+    """One engine instance (TP ranks on one host), reduced to per-rank numbers a step needs."""
+
+    model_id: str
+    tp: int
+    nvlink: bool
+    compute: ComputeClass
+    peak_flops: float  # per GPU, of the GEMMs' compute class
+    peak_flops_16: float  # per GPU, 16-bit (attention runs in 16-bit)
+    hbm_bytes_per_s: float
+    link_bytes_per_s: float  # all-reduce link, per direction
+    num_layers: int
+    attn_layers: int
+    hidden_size: int
+    attn_dim_per_rank: int  # query heads x head_dim on one rank
+    dense_flops_per_token: float  # 2 x per-rank dense linear params (attention, MLP, shared experts, router)
+    expert_flops_per_token: float  # 2 x per-rank routed-expert params x k/E
+    lm_head_flops_per_seq: float  # 2 x vocab/tp x hidden, per sampled row
+    dense_weight_bytes: float  # per rank, read once every step
+    expert_weight_bytes: float  # per rank, all routed experts
+    num_experts: int
+    experts_per_token: int
+    kv_bytes_per_token: int  # per rank, every KV layer (full-attention equivalent)
+    cuda_graphs: bool = True
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+def replica(
+    *,
+    model: ModelSpec,
+    accelerator: Accelerator,
+    tp: int,
+    nvlink: bool,
+    scheme: WeightScheme,
+    kv_dtype: KvDtype = KvDtype.AUTO,
+    cuda_graphs: bool = True,
+    constants: StepConstants | None = None,
+) -> Replica:
+    """Precompute a replica. Raises SizingError where the catalog lacks the GPU's bandwidth or FLOPs."""
+    c = constants or default_constants()
+    acc = accelerator
+    sixteen = acc.bf16_flops or acc.fp16_flops
+    if acc.hbm_bandwidth_bytes_per_s is None or sixteen is None:
+        raise SizingError(f"the catalog has no bandwidth or dense TFLOPS for {acc.model}", field="gpu")
+    cls = compute_class(scheme, acc)
+    peak = acc.fp8_flops if cls is ComputeClass.FP8 and acc.fp8_flops else sixteen
+    link = (nvlink_bytes_per_s(acc) if nvlink else None) or c.pcie_bytes_per_s
+    w = weight_bytes(model, tp=tp, scheme=scheme)
+    by_part = dict(w.bytes_by_part)
+    expert_bytes = float(by_part.get(Part.EXPERTS, 0))
+    embed_bytes = float(by_part.get(Part.EMBEDDING, 0)) if not model.tie_word_embeddings else 0.0
+    vision_bytes = float(by_part.get(Part.VISION, 0))
+    dense_bytes = float(w.weights_bytes_per_gpu) - expert_bytes - embed_bytes - vision_bytes
+    dense_params = 0.0
+    expert_params = 0.0
+    for g in model.param_groups:
+        per_rank = g.count / tp if g.shardable else float(g.count)
+        if g.part in (Part.ATTENTION, Part.MLP, Part.ROUTER):
+            dense_params += per_rank
+        elif g.part is Part.EXPERTS and model.moe is not None:
+            expert_params += per_rank * model.moe.experts_per_token / model.moe.num_experts
+    kv = kv_layout(model, tp=tp, kv_dtype=kv_dtype)
+    return Replica(
+        model_id=model.model_id,
+        tp=tp,
+        nvlink=nvlink and link != c.pcie_bytes_per_s,
+        compute=cls,
+        peak_flops=peak,
+        peak_flops_16=sixteen,
+        hbm_bytes_per_s=acc.hbm_bandwidth_bytes_per_s,
+        link_bytes_per_s=link,
+        num_layers=model.num_layers,
+        attn_layers=model.attention_layers,
+        hidden_size=model.hidden_size,
+        attn_dim_per_rank=model.num_attention_heads * model.head_dim // tp,
+        dense_flops_per_token=2 * dense_params,
+        expert_flops_per_token=2 * expert_params,
+        lm_head_flops_per_seq=2 * cdiv(model.vocab_size, tp) * model.hidden_size,
+        dense_weight_bytes=dense_bytes,
+        expert_weight_bytes=expert_bytes,
+        num_experts=model.moe.num_experts if model.moe else 0,
+        experts_per_token=model.moe.experts_per_token if model.moe else 0,
+        kv_bytes_per_token=kv.kv_bytes_per_token_per_gpu,
+        cuda_graphs=cuda_graphs,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# One step
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillChunk:
+    tokens: int  # prompt tokens computed in this step
+    start: int = 0  # tokens of this request already in the KV cache (its position)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepBatch:
+    prefill: tuple[PrefillChunk, ...] = ()
+    decode_seqs: int = 0
+    decode_kv_tokens: int = 0  # KV tokens the decoding sequences read, summed over sequences
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(ch.tokens for ch in self.prefill)
+
+    @property
+    def tokens(self) -> int:
+        return self.prefill_tokens + self.decode_seqs
+
+    @property
+    def sequences(self) -> int:
+        return len(self.prefill) + self.decode_seqs
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepTime:
+    linear_s: float
+    attention_s: float
+    allreduce_s: float
+    overhead_s: float
+    linear_bound: str  # "memory" or "compute"
+
+    @property
+    def step_s(self) -> float:
+        return self.linear_s + self.attention_s + self.allreduce_s + self.overhead_s
+
+
+def expected_expert_fraction(tokens: int, *, experts: int, per_token: int) -> float:
+    """Share of E experts that T tokens touch when each picks k uniformly: 1 - (1 - k/E)^T."""
+    if experts <= 0 or tokens <= 0:
+        return 0.0
+    return 1.0 - (1.0 - per_token / experts) ** tokens
+
+
+def step_time(rep: Replica, batch: StepBatch, constants: StepConstants | None = None) -> StepTime:
+    c = constants or default_constants()
+    t = batch.tokens
+    if t == 0:
+        return StepTime(linear_s=0.0, attention_s=0.0, allreduce_s=0.0, overhead_s=0.0, linear_bound="memory")
+    gemm = c.gemm_eff[rep.compute.value]
+    # Dense linear layers: every token multiplies every weight; the weights stream from HBM once.
+    dense_flops = rep.dense_flops_per_token * t + rep.lm_head_flops_per_seq * batch.sequences
+    dense_c = dense_flops / (rep.peak_flops * gemm)
+    dense_m = rep.dense_weight_bytes / (rep.hbm_bytes_per_s * c.weights_bw_eff)
+    linear = max(dense_c, dense_m)
+    bound = "compute" if dense_c > dense_m else "memory"
+    if rep.is_moe:
+        frac = expected_expert_fraction(t, experts=rep.num_experts, per_token=rep.experts_per_token)
+        moe_c = rep.expert_flops_per_token * t / (rep.peak_flops * gemm * c.moe_compute_factor)
+        moe_m = rep.expert_weight_bytes * frac / (rep.hbm_bytes_per_s * c.weights_bw_eff * c.moe_bw_factor)
+        linear += max(moe_c, moe_m)
+    # Attention: 2 matmuls (QK^T, PV) of 2 FLOPs per element; causal halves the square of a chunk.
+    per_pos = 4.0 * rep.attn_layers * rep.attn_dim_per_rank
+    attn = 0.0
+    if batch.prefill:
+        pf = sum(per_pos * ch.tokens * (ch.start + (ch.tokens + 1) / 2) for ch in batch.prefill)
+        pb = sum((ch.start + ch.tokens) * rep.kv_bytes_per_token for ch in batch.prefill)
+        attn += max(pf / (rep.peak_flops_16 * c.attn_eff), pb / (rep.hbm_bytes_per_s * c.kv_bw_eff))
+    if batch.decode_seqs:
+        df = per_pos * batch.decode_kv_tokens
+        db = batch.decode_kv_tokens * rep.kv_bytes_per_token
+        attn += max(df / (rep.peak_flops_16 * c.attn_eff), db / (rep.hbm_bytes_per_s * c.kv_bw_eff))
+    comm = 0.0
+    if rep.tp > 1:
+        # Ring all-reduce of the bf16 hidden state after attention and after the MLP, each layer.
+        link = "nvlink" if rep.nvlink else "pcie"
+        msg = t * rep.hidden_size * 2
+        per = c.allreduce_latency_s[link] + 2 * (rep.tp - 1) / rep.tp * msg / (
+            rep.link_bytes_per_s * c.allreduce_bw_eff
+        )
+        comm = 2 * rep.num_layers * per
+    over = c.step_overhead_s + c.per_seq_overhead_s * batch.sequences
+    if batch.prefill:
+        over += c.prefill_step_overhead_s
+    if not rep.cuda_graphs:
+        over += c.eager_step_overhead_s
+    return StepTime(linear_s=linear, attention_s=attn, allreduce_s=comm, overhead_s=over, linear_bound=bound)
+
+
+# ---------------------------------------------------------------------------------------------
+# Schedulers
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Request:
+    """One request as a scheduler sees it. ``computed`` counts tokens whose KV is in the cache."""
+
+    rid: str
+    prompt_tokens: int
+    max_output_tokens: int
+    output_tokens: int = 0  # generated so far
+    computed: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.computed < self.num_tokens - (1 if self.output_tokens else 0) or self.computed == 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedState:
+    running: tuple[Request, ...] = ()  # admission order
+    waiting: tuple[Request, ...] = ()  # queue order (FCFS)
+    total_blocks: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Schedule:
+    tokens: Mapping[str, int]  # request id -> tokens computed this step
+    running: tuple[Request, ...]  # the running set after admission / preemption, in order
+    waiting: tuple[Request, ...]
+    preempted: tuple[str, ...] = ()
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return cdiv(tokens, block_size) if tokens > 0 else 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class VllmScheduler:
+    """vLLM V1 ``Scheduler.schedule`` (vllm/v1/core/sched/scheduler.py; read at commit 00024d31 of
+    vllm-project/vllm, the V1 engine's rules since v0.8): one token budget, no prefill/decode phases.
+
+    * RUNNING first, in order: each gets ``min(num_tokens - computed, long_prefill_token_threshold,
+      budget)`` tokens (a decode gets 1, a partly prefilled prompt its next chunk), so decodes admitted
+      earlier are served before later prompts' chunks.
+    * If its KV blocks do not fit, the LAST running request is preempted (FCFS policy:
+      ``self.running.pop()``), its blocks freed and its computed tokens reset to 0 (recompute), and it
+      goes back to the head of WAITING; if the request itself was the last, it is not scheduled.
+    * WAITING only when nothing was preempted this step, while ``len(running) < max_num_seqs`` and budget
+      remains: ``min(num_tokens, threshold, budget)`` tokens (chunked prefill is always on in V1), FCFS;
+      the first that cannot get blocks stops admission.
+    """
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    block_size: int = 16
+    long_prefill_token_threshold: int = 0  # 0: off (vLLM's default)
+    max_model_len: int | None = None
+
+    def schedule(self, state: SchedState) -> Schedule:
+        bs = self.block_size
+        budget = self.max_num_batched_tokens
+        running = list(state.running)
+        waiting = list(state.waiting)
+        held = {r.rid: blocks_for(r.computed, bs) for r in running}
+        free = state.total_blocks - sum(held.values())
+        tokens: dict[str, int] = {}
+        preempted: list[str] = []
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            new = req.num_tokens - req.computed
+            if 0 < self.long_prefill_token_threshold < new:
+                new = self.long_prefill_token_threshold
+            new = min(new, budget)
+            if self.max_model_len is not None:
+                new = min(new, self.max_model_len - 1 - req.computed)
+            if new <= 0:
+                i += 1
+                continue
+            scheduled = True
+            while True:
+                need = blocks_for(req.computed + new, bs) - held[req.rid]
+                if need <= free:
+                    break
+                victim = running.pop()
+                free += held.pop(victim.rid)
+                if victim.rid in tokens:
+                    budget += tokens.pop(victim.rid)
+                preempted.append(victim.rid)
+                waiting.insert(0, replace(victim, computed=0))
+                if victim.rid == req.rid:
+                    scheduled = False
+                    break
+            if not scheduled:
+                break
+            free -= need
+            held[req.rid] += need
+            tokens[req.rid] = new
+            budget -= new
+            i += 1
+        if not preempted:
+            while waiting and budget > 0 and len(running) < self.max_num_seqs:
+                req = waiting[0]
+                new = req.num_tokens - req.computed
+                if 0 < self.long_prefill_token_threshold < new:
+                    new = self.long_prefill_token_threshold
+                new = min(new, budget)
+                need = blocks_for(req.computed + new, bs) - blocks_for(req.computed, bs)
+                if need > free:
+                    break
+                waiting.pop(0)
+                free -= need
+                held[req.rid] = blocks_for(req.computed + new, bs)
+                running.append(req)
+                tokens[req.rid] = new
+                budget -= new
+        return Schedule(tokens=tokens, running=tuple(running), waiting=tuple(waiting), preempted=tuple(preempted))
+
+
+class CapacityPolicy(StrEnum):
+    GUARANTEED_NO_EVICT = "GUARANTEED_NO_EVICT"
+    MAX_UTILIZATION = "MAX_UTILIZATION"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrtllmScheduler:
+    """TensorRT-LLM in-flight batching: a capacity scheduler then a micro-batch scheduler
+    (cpp/tensorrt_llm/batch_manager/capacityScheduler.cpp and microBatchScheduler.cpp, NVIDIA/TensorRT-LLM,
+    read at commits 02a10fed / 0a949d31; the PyTorch backend of 1.0 drives the same C++ schedulers).
+
+    Capacity, over active requests in order, at most ``max_batch_size``:
+      * GUARANTEED_NO_EVICT: started requests always run and reserve the blocks to finish
+        (prompt + max_output_tokens); a new one starts only if the unreserved blocks cover its whole
+        need; the first that does not fit stops admission. Nothing is ever evicted.
+      * MAX_UTILIZATION: a request runs if the blocks for its next step fit; if not, the most recently
+        started request is paused (its blocks freed, recomputed later) and the request retried.
+    Micro-batch, over the fitting requests: generation requests take 1 token each while the step has
+    room under ``max_num_tokens``; context requests without chunking go whole or stop the batch; with
+    chunking (FIRST_COME_FIRST_SERVED) they share what the generation tokens leave, a cut chunk rounded
+    down to a multiple of the chunk unit (tokens_per_block).
+    """
+
+    max_num_tokens: int = 8192
+    max_batch_size: int = 2048
+    tokens_per_block: int = 32
+    enable_chunked_context: bool = False
+    policy: CapacityPolicy = CapacityPolicy.GUARANTEED_NO_EVICT
+
+    def _fitting(self, state: SchedState) -> tuple[list[Request], list[Request], list[str]]:
+        bs = self.tokens_per_block
+        active = [*state.running, *state.waiting]
+        started = {r.rid for r in state.running}
+        fitting: list[Request] = []
+        paused: list[str] = []
+        if self.policy is CapacityPolicy.GUARANTEED_NO_EVICT:
+            reserved = sum(blocks_for(r.prompt_tokens + r.max_output_tokens, bs) for r in state.running)
+            avail = state.total_blocks - reserved
+            for r in active:
+                if len(fitting) >= self.max_batch_size:
+                    break
+                if r.rid in started:
+                    fitting.append(r)
+                    continue
+                need = blocks_for(r.prompt_tokens + r.max_output_tokens, bs)
+                if need > avail:
+                    break
+                avail -= need
+                fitting.append(r)
+            return fitting, [r for r in active if r not in fitting], paused
+        free = state.total_blocks - sum(blocks_for(r.computed, bs) for r in state.running)
+        end = len(active)
+        i = 0
+        while i < end:
+            r = active[i]
+            step_need = blocks_for(r.computed + max(1, r.num_tokens - r.computed), bs) - blocks_for(r.computed, bs)
+            if len(fitting) < self.max_batch_size and step_need <= free:
+                free -= step_need
+                fitting.append(r)
+                i += 1
+                continue
+            last = next((j for j in range(end - 1, i - 1, -1) if active[j].rid in started), None)
+            if last is None:
+                break
+            victim = active[last]
+            free += blocks_for(victim.computed, bs)
+            paused.append(victim.rid)
+            end = last
+        rest = [r for r in active if r not in fitting and r.rid not in paused]
+        back = [replace(r, computed=0) for r in active if r.rid in paused]
+        return fitting, back + rest, paused
+
+    def schedule(self, state: SchedState) -> Schedule:
+        fitting, not_fitting, paused = self._fitting(state)
+        tokens: dict[str, int] = {}
+        used = 0
+        contexts: list[Request] = []
+        for count, r in enumerate(fitting, start=1):
+            remaining = r.num_tokens - r.computed
+            if r.output_tokens == 0 or remaining > 1:
+                if not self.enable_chunked_context:
+                    if used + remaining > self.max_num_tokens:
+                        break
+                    tokens[r.rid] = remaining
+                    used += remaining
+                else:
+                    contexts.append(r)
+            else:
+                if used + 1 > self.max_num_tokens:
+                    break
+                tokens[r.rid] = 1
+                used += 1
+            if count >= self.max_batch_size:
+                break
+        capacity = self.max_num_tokens - used
+        for r in contexts:
+            remaining = r.num_tokens - r.computed
+            chunk = min(remaining, capacity)
+            if chunk != remaining:
+                chunk = chunk // self.tokens_per_block * self.tokens_per_block
+            if chunk > 0:
+                tokens[r.rid] = chunk
+                capacity -= chunk
+        started = {r.rid for r in state.running}
+        running = tuple(r for r in fitting if r.rid in started or r.rid in tokens)
+        waiting = tuple(r for r in fitting if r not in running) + tuple(not_fitting)
+        return Schedule(tokens=tokens, running=running, waiting=waiting, preempted=tuple(paused))
+
+
+def batch_of(schedule: Schedule) -> StepBatch:
+    """What ``step_time`` needs from a schedule: prefill chunks with their positions, decodes and KV read."""
+    chunks: list[PrefillChunk] = []
+    decodes = 0
+    kv = 0
+    for r in schedule.running:
+        n = schedule.tokens.get(r.rid, 0)
+        if n == 0:
+            continue
+        if n == 1 and r.output_tokens > 0 and r.computed == r.num_tokens - 1:
+            decodes += 1
+            kv += r.computed + 1
+        else:
+            chunks.append(PrefillChunk(tokens=n, start=r.computed))
+    return StepBatch(prefill=tuple(chunks), decode_seqs=decodes, decode_kv_tokens=kv)
+
+
+def advance(schedule: Schedule) -> tuple[tuple[Request, ...], tuple[str, ...]]:
+    """Apply one executed step: computed tokens grow; a request whose prompt is done samples a token.
+    Returns the new running set and the ids that finished (they leave the running set)."""
+    out: list[Request] = []
+    done: list[str] = []
+    for r in schedule.running:
+        n = schedule.tokens.get(r.rid, 0)
+        if n == 0:
+            out.append(r)
+            continue
+        computed = r.computed + n
+        outputs = r.output_tokens + (1 if computed >= r.num_tokens else 0)
+        nxt = replace(r, computed=computed, output_tokens=outputs)
+        if outputs >= r.max_output_tokens:
+            done.append(r.rid)
+        else:
+            out.append(nxt)
+    return tuple(out), tuple(done)
+
+
+# ---------------------------------------------------------------------------------------------
+# Steady state (closed form)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    input_tokens: int
+    output_tokens: int
+    concurrency: float | None = None  # closed loop: this many clients, each sends again on completion
+    arrival_rate_per_s: float | None = None  # open loop: Poisson arrivals (used when concurrency is None)
+    service_cv2: float = 0.0  # squared coefficient of variation of service time (0: fixed lengths)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits:
+    max_num_batched_tokens: int  # vLLM max_num_batched_tokens / TRT-LLM max_num_tokens
+    max_running: int  # sequences that run at once: min(max_num_seqs, what the KV cache holds)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SteadyState:
+    running: float  # sequences in the batch
+    decodes_per_step: float
+    prefill_tokens_per_step: float
+    prefill_steps: float  # steps one prompt's prefill spans
+    itl_s: float  # mean step time = mean gap between a sequence's tokens
+    decode_step_s: float  # a step with no prefill
+    prefill_step_s: float  # a step that carries a prompt chunk
+    ttft_service_s: float  # with a free slot: wait for the step in flight, budget queue, own chunks
+    queue_wait_s: float  # waiting for a slot (inf when overloaded)
+    output_tokens_per_s: float
+    requests_per_s: float
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def ttft_s(self) -> float:
+        return self.ttft_service_s + self.queue_wait_s
+
+
+def _erlang_c(servers: int, offered: float) -> float:
+    """Probability an arrival waits in M/M/c (Erlang C) with ``offered`` = lambda x service time."""
+    if offered >= servers:
+        return 1.0
+    b = 1.0
+    for k in range(1, servers + 1):
+        b = offered * b / (k + offered * b)
+    rho = offered / servers
+    return b / (1.0 - rho * (1.0 - b))
+
+
+def _service(rep: Replica, wl: Workload, lim: Limits, b: float, c: StepConstants) -> SteadyState:
+    isl, osl = wl.input_tokens, max(1, wl.output_tokens)
+    n = lim.max_num_batched_tokens
+    dec_steps = osl - 1
+    # Requests finishing per step, X: b / (k + OSL - 1) while the token budget keeps up; at most
+    # n / (ISL + OSL - 1) when it does not (the budget then bounds the batch, the rest wait).
+    k = 1.0
+    x = d = p = 0.0
+    for _ in range(30):  # fixed point on k (prefill steps per prompt); converges in a few rounds
+        x = min(b / (k + dec_steps), n / (isl + dec_steps))
+        d = x * dec_steps
+        p = x * isl
+        k_new = max(1.0, isl / max(1.0, n - d))
+        if abs(k_new - k) < 1e-6:
+            break
+        k = k_new
+    room = max(1.0, n - d)
+    ctx = isl + dec_steps / 2  # mean KV a decoding sequence reads
+    dec_kv = int(d * ctx)
+    pure = step_time(rep, StepBatch(decode_seqs=round(d), decode_kv_tokens=dec_kv), c).step_s
+    chunk = min(float(isl), room)
+    chunk_start = max(0.0, (isl - chunk) / 2)
+    mixed = step_time(
+        rep,
+        StepBatch(
+            prefill=(PrefillChunk(tokens=max(1, round(chunk)), start=round(chunk_start)),),
+            decode_seqs=round(d),
+            decode_kv_tokens=dec_kv,
+        ),
+        c,
+    ).step_s
+    # A step carries prefill with probability f: p tokens per step on average, `chunk` when it does.
+    f = min(1.0, p / chunk) if chunk > 0 else 0.0
+    itl = (1 - f) * pure + f * mixed
+    req_per_s = x / itl if itl > 0 else 0.0
+    # TTFT with a slot free: half the step in flight, the prefill-token queue (M/D/1 on the budget),
+    # then k steps that carry this prompt's chunks.
+    u = min(0.95, p / room)  # past this the budget bounds the batch and the wait is a slot queue
+    budget_wait_steps = u / (2 * (1 - u)) * (isl / room)
+    ttft_service = itl / 2 + budget_wait_steps * itl + k * mixed
+    return SteadyState(
+        running=x * (k + dec_steps),
+        decodes_per_step=d,
+        prefill_tokens_per_step=p,
+        prefill_steps=k,
+        itl_s=itl,
+        decode_step_s=pure,
+        prefill_step_s=mixed,
+        ttft_service_s=ttft_service,
+        queue_wait_s=0.0,
+        output_tokens_per_s=req_per_s * osl,
+        requests_per_s=req_per_s,
+    )
+
+
+def steady_state(rep: Replica, wl: Workload, *, limits: Limits, constants: StepConstants | None = None) -> SteadyState:
+    """ITL, output tokens/s and TTFT of one replica in steady state under ``wl`` (see module docstring)."""
+    c = constants or default_constants()
+    cap = max(1, limits.max_running)
+    if wl.concurrency is not None:
+        s = _service(rep, wl, limits, float(min(wl.concurrency, cap)), c)
+        if wl.concurrency <= s.running + 1e-9:
+            return s
+        # Closed loop, more clients than run at once (slots or token budget): Little's law,
+        # B = X (W + R) with X = running / R, so W = (B - running) x R / running.
+        r = s.ttft_service_s + max(0, wl.output_tokens - 1) * s.itl_s
+        queued = wl.concurrency - s.running
+        wait = queued * r / s.running
+        return replace(s, queue_wait_s=wait, notes=(f"{queued:.0f} requests queue for a slot",))
+    lam = wl.arrival_rate_per_s or 0.0
+    # Open loop: the batch size is what the arrivals keep running, b = lambda x R(b) (fixed point).
+    b = 1.0
+    s = _service(rep, wl, limits, b, c)
+    for _ in range(50):
+        r = s.ttft_service_s + max(0, wl.output_tokens - 1) * s.itl_s
+        b_new = min(float(cap), max(1.0, lam * r))
+        if abs(b_new - b) < 1e-3:
+            break
+        b = 0.5 * (b + b_new)  # damped: R grows with b
+        s = _service(rep, wl, limits, b, c)
+    r = s.ttft_service_s + max(0, wl.output_tokens - 1) * s.itl_s
+    offered = lam * r
+    if offered >= cap:
+        return replace(s, queue_wait_s=math.inf, notes=(f"overloaded: {lam:g} req/s offers {offered:.0f} > {cap}",))
+    pw = _erlang_c(cap, offered)
+    # M/G/c (Allen-Cunneen): the M/M/c wait scaled by (1 + cs^2) / 2.
+    wait = pw * r / (cap - offered) * (1 + wl.service_cv2) / 2
+    return replace(s, queue_wait_s=wait)
+
+
+# ---------------------------------------------------------------------------------------------
+# Calibration cases (data/step_calibration.json), shared by the tests and tools/fit_step.py
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    cid: str
+    split: str  # "fit" or "check"
+    source: str
+    engine: str
+    accelerator: str
+    model: str
+    weights: str
+    kv_cache_dtype: str
+    tp: int
+    nvlink: bool
+    input_tokens: int
+    output_tokens: int
+    concurrency: float | None  # None: offline, every request queued at once (max throughput)
+    max_num_tokens: int
+    max_running: int | None  # None: from the KV cache (capacity()) and max_batch_size
+    max_batch_size: int
+    gpu_memory_fraction: float
+    measured: Mapping[str, float]  # ttft_ms, itl_ms, output_tokens_per_s (any subset)
+
+
+def cases() -> tuple[Case, ...]:
+    out = []
+    for raw in calibration()["cases"]:
+        out.append(
+            Case(
+                cid=raw["id"],
+                split=raw["split"],
+                source=raw["source"],
+                engine=raw["engine"],
+                accelerator=raw["accelerator"],
+                model=raw["model"],
+                weights=raw["weights"],
+                kv_cache_dtype=raw["kv_cache_dtype"],
+                tp=int(raw["tp"]),
+                nvlink=bool(raw["nvlink"]),
+                input_tokens=int(raw["isl"]),
+                output_tokens=int(raw["osl"]),
+                concurrency=raw.get("concurrency"),
+                max_num_tokens=int(raw["max_num_tokens"]),
+                max_running=raw.get("max_running"),
+                max_batch_size=int(raw.get("max_batch_size", 2048)),
+                gpu_memory_fraction=float(raw.get("gpu_memory_fraction", 0.9)),
+                measured={k: float(v) for k, v in raw["measured"].items()},
+            )
+        )
+    return tuple(out)
+
+
+_RUNNING_LIMITS: dict[str, int] = {}
+
+
+def case_running_limit(case: Case) -> int:
+    """Sequences the case's engine runs at once: its stated limit, else the KV cache's.
+
+    TRT-LLM's default GUARANTEED_NO_EVICT reserves prompt + output per request, so the cache holds
+    ``kv_cache_tokens // (ISL + OSL)`` requests, capped by max_batch_size."""
+    if case.max_running is not None:
+        return int(case.max_running)
+    if case.cid in _RUNNING_LIMITS:
+        return _RUNNING_LIMITS[case.cid]
+    model = catalog_model(case.model)
+    acc = accelerator(case.accelerator)
+    quant = None if case.weights == model.native_scheme.name else case.weights
+    settings = EngineSettings(
+        engine=EngineName(case.engine),
+        tensor_parallel_size=case.tp,
+        gpu_memory_utilization=case.gpu_memory_fraction,
+        max_model_len=case.input_tokens + case.output_tokens,
+        kv_cache_dtype=kv_dtype(case.kv_cache_dtype),
+        quantization=quant,
+    )
+    if acc.usable_memory_bytes is None:
+        raise SizingError(f"the catalog has no memory size for {acc.model}", field="gpu")
+    cap = capacity(model, gpu_memory_bytes=acc.usable_memory_bytes, settings=settings)
+    per_request = case.input_tokens + case.output_tokens
+    limit = max(1, min(case.max_batch_size, cap.kv_cache_tokens // per_request))
+    _RUNNING_LIMITS[case.cid] = limit
+    return limit
+
+
+def predict_case(case: Case, constants: StepConstants | None = None) -> SteadyState:
+    c = constants or default_constants()
+    model = catalog_model(case.model)
+    rep = replica(
+        model=model,
+        accelerator=accelerator(case.accelerator),
+        tp=case.tp,
+        nvlink=case.nvlink,
+        scheme=weight_scheme(case.weights),
+        kv_dtype=kv_dtype(case.kv_cache_dtype),
+        constants=c,
+    )
+    cap = case_running_limit(case)
+    conc = float(cap) if case.concurrency is None else float(case.concurrency)
+    wl = Workload(input_tokens=case.input_tokens, output_tokens=case.output_tokens, concurrency=conc)
+    return steady_state(
+        rep, wl, limits=Limits(max_num_batched_tokens=case.max_num_tokens, max_running=cap), constants=c
+    )
+
+
+def case_errors(case: Case, constants: StepConstants | None = None) -> dict[str, float]:
+    """Signed relative error (predicted / measured - 1) of each measured metric."""
+    est = predict_case(case, constants)
+    pred = {"ttft_ms": est.ttft_s * 1e3, "itl_ms": est.itl_s * 1e3, "output_tokens_per_s": est.output_tokens_per_s}
+    return {k: pred[k] / v - 1.0 for k, v in case.measured.items()}
