@@ -368,10 +368,6 @@ class Request:
     def num_tokens(self) -> int:
         return self.prompt_tokens + self.output_tokens
 
-    @property
-    def in_prefill(self) -> bool:
-        return self.computed < self.num_tokens - (1 if self.output_tokens else 0) or self.computed == 0
-
 
 @dataclass(frozen=True, kw_only=True)
 class SchedState:

@@ -24,6 +24,7 @@ from kvfleet.sizing.step import (
     TrtllmScheduler,
     VllmScheduler,
     Workload,
+    advance,
     batch_of,
     replica,
     steady_state,
@@ -261,3 +262,21 @@ def test_open_loop_queueing_grows_to_overload() -> None:
         for r in (1.0, 10.0, 1000.0)
     ]
     assert waits[0] <= waits[1] < waits[2] == float("inf")
+
+
+def test_a_simulator_loop_drives_the_scheduler_to_completion() -> None:
+    rep = _rep()
+    sched = VllmScheduler(max_num_batched_tokens=256, max_num_seqs=4, block_size=16)
+    state = SchedState(waiting=tuple(_req(f"r{i}", 300, max_out=5) for i in range(6)), total_blocks=200)
+    clock = 0.0
+    finished: list[str] = []
+    for _ in range(200):
+        if not state.running and not state.waiting:
+            break
+        plan = sched.schedule(state)
+        clock += step_time(rep, batch_of(plan)).step_s
+        running, done = advance(plan)
+        finished += done
+        state = SchedState(running=running, waiting=plan.waiting, total_blocks=state.total_blocks)
+    assert sorted(finished) == [f"r{i}" for i in range(6)]
+    assert clock > 0
