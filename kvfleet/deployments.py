@@ -52,6 +52,16 @@ def engine_args(c: Candidate) -> EngineArgs:
     )
 
 
+_WORKLOAD_KEYS = (
+    "max_input_tokens",
+    "max_output_tokens",
+    "concurrency_per_replica",
+    "peak_requests_per_s",
+    "avg_input_tokens",
+    "avg_output_tokens",
+)
+
+
 def workload(
     *,
     max_input_tokens: int,
@@ -79,10 +89,46 @@ def workload(
     )
 
 
+# The planner's own names for what it was given, as the environment file's key paths (under deployments[i]),
+# so an error points at the key the user wrote. Anything else the planner names is said of the deployment.
+PLANNER_FIELDS: dict[str, str] = {
+    "engine_version": "engine.version",
+    "workload.ttft_target_s": "workload.ttft_ms",
+    "workload.itl_target_s": "workload.itl_ms",
+    "weight_precisions": "sizing.weight_precisions",
+    "quantization": "sizing.weight_precisions",
+    "kv_cache_dtypes": "sizing.kv_cache_dtypes",
+    "kv_cache_dtype": "sizing.kv_cache_dtypes",
+    "instance_type": "sizing.instance_type",
+    "instance_types": "sizing.instance_type",
+    "families": "sizing.families",
+    "gpu_memory_utilization": "sizing.gpu_memory_utilization",
+    "max_model_len": "workload.max_input_tokens",
+    "model": "model.id",
+    **{f"workload.{k}": f"workload.{k}" for k in _WORKLOAD_KEYS},
+}
+
+
+def config_error(err: KvfleetError, index: int, *, within: str | None = None) -> KvfleetError:
+    """``err`` from the planner or a model lookup for ``deployments[index]``, its field as the file's key path.
+
+    ``within`` is the key the error is about when the planner names a field of something else (a model's
+    config.json): that field then goes into the message."""
+    where = f"deployments[{index}]"
+    if within is not None:
+        inner = f"{err.field}: " if err.field and err.field != "model" else ""
+        return KvfleetError(f"{inner}{err.message}", field=f"{where}.{within}")
+    if err.field == "region":  # the environment's, not the deployment's
+        return KvfleetError(err.message, field="region")
+    key = PLANNER_FIELDS.get(err.field or "")
+    return KvfleetError(err.message, field=f"{where}.{key}" if key else where)
+
+
 @dataclass(frozen=True, kw_only=True)
 class DeploymentRequest:
     """One deployment of the file with its model resolved and the planner's request built from it."""
 
+    index: int  # its place in the file: deployments[index]
     deployment: Deployment
     model: ModelSpec
     request: PlanRequest
@@ -91,29 +137,36 @@ class DeploymentRequest:
 def plan_requests(env: Environment) -> tuple[DeploymentRequest, ...]:
     """One plan request per deployment, resolving each model once (no AWS calls)."""
     out = []
-    for d in env.deployments:
+    for i, d in enumerate(env.deployments):
         try:
             model = resolve_model(d.model.id)
         except KvfleetError as err:
-            raise KvfleetError(str(err), field=f"deployments.{d.name}.model") from None
-        req = PlanRequest(
-            model=model,
-            workload=workload(**d.workload.model_dump()),
-            engine=EngineName(d.engine.name),
-            engine_version=d.engine.version,
-            hosting=d.target.hosting,
-            weight_precisions=d.sizing.weight_precisions,
-            kv_cache_dtypes=tuple(kv_dtype(k) for k in d.sizing.kv_cache_dtypes),
-            families=d.sizing.families,
-            instance_types=(d.sizing.instance_type,) if d.sizing.instance_type else (),
-            region=env.region,
-            max_fleet_usd_per_hour=d.sizing.max_fleet_usd_per_hour,
-            gpu_memory_utilization=d.sizing.gpu_memory_utilization,
-            min_replicas=max(1, d.scaling.min_replicas),
-            max_replicas=d.scaling.max_replicas,
-        )
-        out.append(DeploymentRequest(deployment=d, model=model, request=req))
+            raise config_error(err, i, within="model.id") from None
+        try:
+            req = _request(env, d, model)
+        except KvfleetError as err:
+            raise config_error(err, i) from None
+        out.append(DeploymentRequest(index=i, deployment=d, model=model, request=req))
     return tuple(out)
+
+
+def _request(env: Environment, d: Deployment, model: ModelSpec) -> PlanRequest:
+    return PlanRequest(
+        model=model,
+        workload=workload(**d.workload.model_dump()),
+        engine=EngineName(d.engine.name),
+        engine_version=d.engine.version,
+        hosting=d.target.hosting,
+        weight_precisions=d.sizing.weight_precisions,
+        kv_cache_dtypes=tuple(kv_dtype(k) for k in d.sizing.kv_cache_dtypes),
+        families=d.sizing.families,
+        instance_types=(d.sizing.instance_type,) if d.sizing.instance_type else (),
+        region=env.region,
+        max_fleet_usd_per_hour=d.sizing.max_fleet_usd_per_hour,
+        gpu_memory_utilization=d.sizing.gpu_memory_utilization,
+        min_replicas=max(1, d.scaling.min_replicas),
+        max_replicas=d.scaling.max_replicas,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -238,11 +291,11 @@ def resolve(env: Environment, dr: DeploymentRequest) -> ResolvedDeployment:
     try:
         result = plan(dr.request)
     except KvfleetError as err:
-        raise KvfleetError(str(err), field=f"deployments.{d.name}") from None
+        raise config_error(err, dr.index) from None
     if "/" not in dr.model.model_id and d.model.s3_uri is None:
         raise KvfleetError(
             f"{d.model.id!r} is not a Hugging Face id, so the engine cannot download it: set model.s3_uri",
-            field=f"deployments.{d.name}.model",
+            field=f"deployments[{dr.index}].model.id",
         )
     ckpt = weight_bytes(dr.model, tp=1, scheme=dr.model.native_scheme).weights_bytes_per_gpu
     r = ResolvedDeployment(
@@ -255,7 +308,7 @@ def resolve(env: Environment, dr: DeploymentRequest) -> ResolvedDeployment:
         checkpoint_bytes=ckpt,
         startup=startup_estimate(checkpoint_bytes=ckpt),
     )
-    _check_disk(r)
+    _check_disk(r, dr.index)
     return r
 
 
@@ -263,7 +316,7 @@ def resolve_environment(env: Environment) -> tuple[ResolvedDeployment, ...]:
     return tuple(resolve(env, dr) for dr in plan_requests(env))
 
 
-def _check_disk(r: ResolvedDeployment) -> None:
+def _check_disk(r: ResolvedDeployment, index: int) -> None:
     """The image and weights fit the host's storage: its instance store, or the largest volume it attaches."""
     limit = r.candidate.hosting.max_volume_gib
     if limit is None:
@@ -274,11 +327,11 @@ def _check_disk(r: ResolvedDeployment) -> None:
         raise KvfleetError(
             f"{r.instance_type} has {nvme} GB of instance storage, the image and weights need {need_gb} GB; "
             "pin a larger sizing.instance_type or a smaller weight precision",
-            field=f"deployments.{r.deployment.name}.sizing",
+            field=f"deployments[{index}].sizing",
         )
     if r.disk_gib > limit and not nvme:
         raise KvfleetError(
             f"the weights need a {r.disk_gib} GiB volume, this target allows {limit}: choose an instance type with "
             "local NVMe storage (sizing.families)",
-            field=f"deployments.{r.deployment.name}.sizing",
+            field=f"deployments[{index}].sizing",
         )

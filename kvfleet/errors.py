@@ -6,12 +6,19 @@ Standard library only.
 
 from __future__ import annotations
 
+# The exit status of both edges for an error the user can fix (argparse's for a usage error).
+EXIT_USER_ERROR = 2
+# The CDK CLI exits 1 whatever its app's status (aws-cdk's cli.js sets process.exitCode = 1 on any failure), so
+# `kvfleet synth` names a file in this variable and the CDK app writes its exit status there.
+SYNTH_STATUS_ENV = "KVFLEET_SYNTH_STATUS"
+
 
 class KvfleetError(Exception):
     """Base for every error a user can cause. The CLI prints ``str(err)`` and exits 2."""
 
     def __init__(self, message: str, *, field: str | None = None) -> None:
         self.field = field
+        self.message = message  # without the field, so an edge can put the file and line before both
         super().__init__(f"{field}: {message}" if field else message)
 
 

@@ -592,3 +592,60 @@ def test_executable_exit_status_and_stderr() -> None:
     lines = proc.stderr.splitlines()
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("kvfleet: error: model: unknown model 'no/such-model'")
+
+
+# ---- planning errors name the file's line and key ---------------------------------------------------
+
+
+def _dev_with(tmp_path: Path, old: str, new: str) -> tuple[Path, str]:
+    text = (REPO / "environments" / "dev.yaml").read_text(encoding="utf-8")
+    assert old in text, old
+    text = text.replace(old, new, 1)
+    f = tmp_path / "e.yaml"
+    f.write_text(text, encoding="utf-8")
+    return f, text
+
+
+def _line_of(text: str, needle: str) -> int:
+    [n] = [i for i, line in enumerate(text.splitlines(), 1) if needle in line]
+    return n
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "needle", "field"),
+    [
+        # The planner calls these instance_type and weight_precisions; the file's keys are under sizing.
+        (
+            "      kv_cache_dtypes: [auto, fp8]",
+            "      instance_type: ml.nope.xlarge",
+            "instance_type:",
+            "sizing.instance_type",
+        ),
+        (
+            "      kv_cache_dtypes: [auto, fp8]",
+            "      weight_precisions: [bogus]",
+            "weight_precisions:",
+            "sizing.weight_precisions",
+        ),
+        ("id: meta-llama/Llama-3.1-8B", "id: no/such-model", "id: no/such-model", "model.id"),
+    ],
+    ids=["instance-type", "precision", "model"],
+)
+def test_plan_error_names_the_files_line_and_key(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, *, old: str, new: str, needle: str, field: str
+) -> None:
+    f, text = _dev_with(tmp_path, old, new)
+    code, _, err = run(capsys, "plan", str(f))
+    line = one_error_line(code, err)
+    assert line.startswith(f"kvfleet: error: {f}:{_line_of(text, needle)}: deployments[0].{field}: "), line
+
+
+def test_nothing_fits_speaks_of_what_the_file_says(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # Too long for the model at any size: the planner halves the context to say what would fit, and used to fail
+    # on its own halved max_input_tokens with "avg_input_tokens 300000 exceeds max_input_tokens (200000)".
+    f, text = _dev_with(tmp_path, "max_input_tokens: 4096", "max_input_tokens: 400000")
+    f.write_text(text.replace("avg_input_tokens: 1500", "avg_input_tokens: 300000"), encoding="utf-8")
+    code, _, err = run(capsys, "plan", str(f))
+    line = one_error_line(code, err, "no candidate fits", "max_position_embeddings")
+    assert line.startswith(f"kvfleet: error: {f}:{_line_of(text, '- name: chat')}: deployments[0]: "), line
+    assert "exceeds max_input_tokens" not in line

@@ -112,7 +112,7 @@ def test_unplannable_deployment_names_it() -> None:
     )
     with pytest.raises(KvfleetError) as info:
         resolve_environment(environment(text))
-    assert str(info.value).startswith("deployments.chat: ")
+    assert str(info.value).startswith("deployments[0]: ")
     assert "\n" not in str(info.value)
 
 

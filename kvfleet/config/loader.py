@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +128,47 @@ def _lines(
             _lines(v, (*path, i), out, repeated, seen_nodes)
 
 
+def _line(lines: Mapping[tuple[Any, ...], int], where: tuple[Any, ...]) -> int:
+    """The line of the longest prefix of ``where`` the file has (a YAML key 1 is the text "1" there)."""
+    for i in range(len(where), -1, -1):
+        for key in (where[:i], tuple(str(p) if isinstance(p, int) else p for p in where[:i])):
+            if key in lines:
+                return lines[key]
+    return 1
+
+
+def parse_field(field: str) -> tuple[str | int, ...]:
+    """``deployments[0].engine.version`` (or ``deployments.0.engine``) as a key path."""
+    out: list[str | int] = []
+    for part in re.findall(r"[^.\[\]]+", field):
+        out.append(int(part) if part.isdigit() else part)
+    return tuple(out)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadedEnvironment:
+    """A parsed file and the line of each key path in it: what the edges need to put ``file:line`` before an
+    error found after loading (the plan, synth)."""
+
+    environment: Environment
+    source: str
+    lines: Mapping[tuple[Any, ...], int] = field(default_factory=dict)
+
+    def line(self, field: str) -> int:
+        return _line(self.lines, parse_field(field))
+
+    def problem(self, err: KvfleetError) -> ConfigError:
+        """``err`` as ``file:line: field: what to change``; an error naming no field points at the file."""
+        if isinstance(err, ConfigError):
+            return err
+        if err.field is None:
+            return ConfigError([f"{self.source}:1: {err.message}"])
+        path = parse_field(err.field)
+        if path[0] not in Environment.model_fields:  # not a key of the file (e.g. "environment")
+            return ConfigError([f"{self.source}:1: {err.field}: {err.message}"])
+        return ConfigError([f"{self.source}:{_line(self.lines, path)}: {_fmt_loc(path)}: {err.message}"])
+
+
 def _capped(lines: list[str], source: str) -> list[str]:
     if len(lines) <= MAX_PROBLEMS:
         return lines
@@ -140,17 +183,49 @@ def _fmt_loc(loc: tuple[Any, ...]) -> str:
     return s or "(top level)"
 
 
+# What each pattern-checked field takes, in words: a message never quotes the regular expression.
+_PATTERN_WORDS: dict[str, str] = {
+    REGION_PATTERN: (
+        "not an AWS region; give one like us-east-1 (area af, ap, ca, cn, eu, il, me, mx, sa or us, a direction, "
+        "a number)"
+    ),
+}
+_PATTERN_FIELDS: dict[str, str] = {
+    "name": "lowercase letters, digits and '-' (not first or last)",
+    "account": "a 12-digit AWS account id",
+    "vpc_id": "a VPC id like vpc-0123456789abcdef0",
+    "security_group_id": "a security group id like sg-0123456789abcdef0",
+    "repository": "an ECR repository name: lowercase letters and digits, separated by '.', '_', '-' or '/'",
+    "tag": "an image tag: letters, digits, '_', '.', '-' (not first), at most 128 characters",
+    "uri": "an ECR image URI like 123456789012.dkr.ecr.us-east-1.amazonaws.com/kvfleet-vllm:TAG",
+    "topic_arn": "an SNS topic ARN like arn:aws:sns:us-east-1:123456789012:alerts",
+    "certificate_arn": "an ACM certificate ARN like arn:aws:acm:us-east-1:123456789012:certificate/ID",
+    "oidc_provider_arn": (
+        "an IAM OIDC provider ARN like arn:aws:iam::123456789012:oidc-provider/oidc.eks.us-east-1.amazonaws.com/id/ID"
+    ),
+    "inference_ami_version": "a SageMaker inference AMI version like al2023-ami-sagemaker-inference-gpu-4-1",
+    "ami_parameter": "a public SSM parameter path under /aws/service/",
+    "namespace": "a Kubernetes namespace: lowercase letters, digits and '-' (not first or last), at most 63",
+    "prometheus_url": "an http:// or https:// URL",
+}
+
+
 def _allowed(err: Any) -> str:
+    """One plain sentence per pydantic error type that a file can cause: no regular expressions, no pydantic
+    type words (tuple, dictionary, instance of)."""
     kind = err["type"]
+    ctx = err.get("ctx", {})
+    field = next((p for p in reversed(err["loc"]) if isinstance(p, str)), "")
     if kind == "extra_forbidden":
         return "unknown key; remove it or check its spelling"
     if kind == "missing":
         return "required field is missing"
-    if kind == "string_pattern_mismatch" and err.get("ctx", {}).get("pattern") == REGION_PATTERN:
-        return (
-            "not an AWS region; give one like us-east-1 (area af, ap, ca, cn, eu, il, me, mx, sa or us, a direction, "
-            "a number)"
-        )
+    if kind == "string_pattern_mismatch":
+        pattern = str(ctx.get("pattern", ""))
+        if pattern in _PATTERN_WORDS:
+            return _PATTERN_WORDS[pattern]
+        form = _PATTERN_FIELDS.get(field)
+        return f"expected {form}" if form else "not in the form this field takes; see its description in schema.json"
     if kind == "int_type":
         return "expected a whole number, e.g. 4 (not true/false, a quoted string or a decimal)"
     if kind == "float_type":
@@ -159,8 +234,71 @@ def _allowed(err: Any) -> str:
         return "expected true or false"
     if kind == "finite_number":
         return "expected a finite number (not .inf or .nan)"
-    msg = str(err["msg"])  # pydantic's message says what is allowed (literals, bounds, types)
-    return msg.removeprefix("Value error, ")
+    if kind == "string_type":
+        return "expected text; quote a value that YAML would read as a number, date, true/false or null"
+    if kind in ("tuple_type", "list_type"):
+        return "expected a list, e.g. [a, b] or one '- item' per line"
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        return "expected a mapping: 'key: value' lines indented below this key"
+    if kind == "too_short":
+        n = ctx.get("min_length", 1)
+        return f"give at least {n} {'entry' if n == 1 else 'entries'}"
+    if kind == "too_long":
+        return f"at most {ctx.get('max_length')} entries; this has {ctx.get('actual_length')}"
+    if kind == "string_too_short":
+        return f"at least {ctx.get('min_length')} characters"
+    if kind == "string_too_long":
+        return f"at most {ctx.get('max_length')} characters"
+    if kind == "union_tag_invalid":
+        return f"platform {ctx.get('tag')!r} is not a target; use one of: {', '.join(TARGETS)}"
+    if kind == "union_tag_not_found":
+        return f"needs `platform`, one of: {', '.join(TARGETS)}"
+    if kind == "literal_error":
+        return f"use {ctx.get('expected')}"
+    if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+        words = {"greater_than": "greater than", "greater_than_equal": "at least", "less_than": "less than"}
+        bound = next(v for k, v in ctx.items() if k in ("gt", "ge", "lt", "le"))
+        return f"must be {words.get(kind, 'at most')} {bound}"
+    if kind == "dict_keys" or "Keys should be strings" in str(err.get("msg", "")):
+        return "keys must be text"
+    msg = str(err["msg"]).removeprefix("Value error, ")  # ours, and anything pydantic adds later
+    return "expected " + msg.removeprefix("Input should be ") if msg.startswith("Input should be ") else msg
+
+
+def _yaml_problem(err: yaml.YAMLError) -> tuple[int | None, str]:
+    """PyYAML's error as a line and a sentence, without its token names (``<block end>``, ``'?'``)."""
+    problem = str(getattr(err, "problem", None) or str(err).splitlines()[0])
+    context = str(getattr(err, "context", None) or "")
+    mark, opened = getattr(err, "problem_mark", None), getattr(err, "context_mark", None)
+    line = None if mark is None else mark.line + 1
+    start = None if opened is None else opened.line + 1
+    if "quoted scalar" in context and start is not None:
+        # The scanner reads on to the end of the file looking for the closing quote: the fix is where it opened.
+        return start, "a quoted value starts here and its closing quote is missing; close the quote on this line"
+    if "flow sequence" in context or "flow mapping" in context:
+        close = "]" if "sequence" in context else "}"
+        where = f" on line {start}" if start is not None else ""
+        return line, (
+            f"the {'[' if close == ']' else '{'} opened{where} is not closed before this; add {close!r} after the "
+            "last item, or separate items with ', '"
+        )
+    if "block" in context or "<block" in problem or "expected <" in problem:
+        return line, "the indentation here does not line up with the keys above; indent with spaces to match"
+    if m := re.match(r"found character '(.*)' that cannot start any token", problem):
+        if m[1] == "\\t":
+            return line, "a tab character; indent with spaces"
+        return line, f"a value cannot start with {m[1]!r}; put the value in quotes"
+    if problem.startswith("mapping values are not allowed"):
+        return line, "a ': ' inside a value; put the value in quotes, or start the key on a new line"
+    if m := re.match(r"found undefined alias '(.*)'", problem):
+        return line, f"*{m[1]} names no anchor (&{m[1]}) defined above it; define the anchor first or write the value"
+    if m := re.match(r"could not determine a constructor for the tag '(.*)'", problem):
+        return line, f"the tag {m[1].removeprefix('tag:yaml.org,2002:')} is not allowed; remove it (plain values only)"
+    if "found unexpected end of stream" in problem:
+        return line, "the file ends in the middle of a value; complete or remove the last lines"
+    # Anything else: PyYAML's own sentence, with its token names in words.
+    words = re.sub(r"<(block|flow) (\w+)( \w+)?>", lambda m: f"the {m[0][1:-1]}", problem)
+    return line, words
 
 
 def _decode(raw: bytes, source: str) -> str:
@@ -195,9 +333,8 @@ def _compose(text: str, source: str) -> tuple[yaml.Node | None, Any]:
             [f"{source}:{err.mark.line + 1}: (file): nested more than {MAX_DEPTH} levels deep; flatten it"]
         ) from None
     except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        at = f":{mark.line + 1}" if mark is not None else ""
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        yaml_line, problem = _yaml_problem(err)
+        at = f":{yaml_line}" if yaml_line is not None else ""
         raise ConfigError([f"{source}{at}: not valid YAML: {problem}"]) from None
     except (ValueError, TypeError, OverflowError) as err:  # e.g. a timestamp like 2026-13-45
         raise ConfigError([f"{source}:1: not valid YAML: {str(err).splitlines()[0]}"]) from None
@@ -206,6 +343,11 @@ def _compose(text: str, source: str) -> tuple[yaml.Node | None, Any]:
 
 
 def parse_environment(text: str | bytes, *, source: str = "<config>") -> Environment:
+    return parse_located(text, source=source).environment
+
+
+def parse_located(text: str | bytes, *, source: str = "<config>") -> LoadedEnvironment:
+    """The environment with the line of every key path, so later errors (planning, synth) can name the line."""
     if isinstance(text, bytes):
         size = len(text)
     else:
@@ -233,7 +375,7 @@ def parse_environment(text: str | bytes, *, source: str = "<config>") -> Environ
             )
         )
     try:
-        return Environment.model_validate(data)
+        env = Environment.model_validate(data)
     except ValidationError as exc:
         errors = exc.errors()
         deeper = {tuple(e["loc"][:-1]) for e in errors if len(e["loc"]) > 1}
@@ -256,12 +398,16 @@ def parse_environment(text: str | bytes, *, source: str = "<config>") -> Environ
                 if m:
                     where = (*loc, *(int(part) if part.isdigit() else part for part in m[1].split(".")))
                     msg = m[2]
-                line_no = next((lines[where[:i]] for i in range(len(where), -1, -1) if where[:i] in lines), 1)
-                out.append(f"{source}:{line_no}: {_fmt_loc(where)}: {msg}")
+                out.append(f"{source}:{_line(lines, where)}: {_fmt_loc(where)}: {msg}")
         raise ConfigError(_capped(out, source)) from None
+    return LoadedEnvironment(environment=env, source=source, lines=lines)
 
 
 def load_environment(path: str | Path) -> Environment:
+    return load_located(path).environment
+
+
+def load_located(path: str | Path) -> LoadedEnvironment:
     p = Path(path)
     if not p.is_file():
         hint = (
@@ -279,7 +425,7 @@ def load_environment(path: str | Path) -> Environment:
         raw = p.read_bytes()
     except OSError as err:
         raise KvfleetError(f"cannot read {p}: {err.strerror}", field="environment") from None
-    return parse_environment(raw, source=str(path))
+    return parse_located(raw, source=str(path))
 
 
 def environment_path(name: str, *, environments_dir: str | Path | None = None) -> Path:

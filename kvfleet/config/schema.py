@@ -44,7 +44,7 @@ class EngineRef(Frozen):
     @classmethod
     def _known_engine(cls, v: str) -> str:
         if v not in ENGINES:
-            raise ValueError(f"Input should be {' or '.join(repr(e) for e in ENGINES)}")
+            raise ValueError(f"use {' or '.join(repr(e) for e in ENGINES)}")
         return v
 
     @field_validator("version")

@@ -1,25 +1,53 @@
 """The CDK app: one environment file in, one stack per deployment out.
 
-``app.py`` at the repository root calls ``main`` (``npx cdk synth -c env=<name>``); tests call ``build_app``.
-``-c env=`` names a file in ``environments/`` of the working directory (``-c environments_dir=`` moves it)
-or a path to a YAML file.
+``app.py`` at the repository root calls ``main`` (``kvfleet synth <name>``, or ``npx cdk synth -c env=<name>``);
+tests call ``build_app``. ``-c env=`` names a file in ``environments/`` of the working directory
+(``-c environments_dir=`` moves it) or a path to a YAML file.
+
+A bad file prints ``file:line: field: what to change`` lines and the app exits 2. The CDK CLI reports every app
+failure as its own exit status 1, so ``kvfleet synth`` (which reads the status the app leaves in
+``$KVFLEET_SYNTH_STATUS``) is the entry point whose exit status says "fix the file". A failure leaves nothing
+of this run in the output directory: assets are staged there while stacks are built, before any template is.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
 import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import aws_cdk as cdk
 from cdk_nag import AwsSolutionsChecks
 
-from kvfleet.config.loader import environment_path, load_environment
+from kvfleet.config.loader import LoadedEnvironment, environment_path, load_located, parse_field
 from kvfleet.config.schema import Environment
 from kvfleet.deployments import resolve_environment
-from kvfleet.errors import ConfigError, KvfleetError
+from kvfleet.errors import EXIT_USER_ERROR, SYNTH_STATUS_ENV, ConfigError, KvfleetError
 from kvfleet.infra.alerts import AlertsStack, alerts_stack_name
 from kvfleet.infra.stack import DeploymentStack
 
 DEFAULT_ENV = "dev"
+
+
+def _in_deployment(err: KvfleetError, index: int, name: str) -> KvfleetError:
+    """A construct's error about one deployment, its field as the file's key path (``deployments[i]....``)."""
+    field = err.field
+    if field is None:
+        return KvfleetError(err.message, field=f"deployments[{index}]")
+    path = parse_field(field)
+    if path[0] == "deployments" and len(path) > 1 and path[1] in (name, index):
+        rest = ".".join(str(p) for p in path[2:])
+        return KvfleetError(err.message, field=f"deployments[{index}]" + (f".{rest}" if rest else ""))
+    if path[0] in Environment.model_fields:  # the environment's own (region, network)
+        return err
+    if re.fullmatch(r"[a-z_]+(\.[a-z_]+)*", field):  # a key under the deployment (engine.version, image.uri)
+        return KvfleetError(err.message, field=f"deployments[{index}].{field}")
+    # A setting that is not a key of the file (an AMI type kvfleet picks): said in words, at the target.
+    return KvfleetError(f"{field}: {err.message}", field=f"deployments[{index}].target")
 
 
 def build_app(env: Environment, *, app: cdk.App | None = None, nag: bool = True) -> cdk.App:
@@ -33,23 +61,52 @@ def build_app(env: Environment, *, app: cdk.App | None = None, nag: bool = True)
         if env.notifications.topic_arn is not None
         else AlertsStack(app, alerts_stack_name(env.name), environment=env)
     )
-    for r in resolved:
-        DeploymentStack(app, r.stack_name, resolved=r, alerts=alerts)
+    for i, r in enumerate(resolved):
+        try:
+            DeploymentStack(app, r.stack_name, resolved=r, alerts=alerts)
+        except KvfleetError as err:
+            raise _in_deployment(err, i, r.deployment.name) from None
     return app
+
+
+def _cleaned_on_failure(outdir: Path, build: Callable[[], Any]) -> None:
+    """Run ``build``; if it raises, remove what it added to ``outdir``: the assets stacks stage while they are
+    built (before synth writes any template), which a half-built app would leave behind."""
+    before = set(os.listdir(outdir)) if outdir.is_dir() else None
+    try:
+        build()
+    except BaseException:
+        if before is None:
+            shutil.rmtree(outdir, ignore_errors=True)
+        else:
+            for entry in set(os.listdir(outdir)) - before:
+                target = outdir / entry
+                if target.is_dir() and not target.is_symlink():
+                    shutil.rmtree(target, ignore_errors=True)
+                else:
+                    target.unlink(missing_ok=True)
+        raise
+
+
+def _exit(lines: list[str]) -> None:
+    for line in lines:
+        print(line, file=sys.stderr)
+    if status_file := os.environ.get(SYNTH_STATUS_ENV):
+        Path(status_file).write_text(str(EXIT_USER_ERROR), encoding="utf-8")
+    sys.exit(EXIT_USER_ERROR)
 
 
 def main() -> None:
     app = cdk.App()
     name = app.node.try_get_context("env") or DEFAULT_ENV
     directory = app.node.try_get_context("environments_dir")
+    loaded: LoadedEnvironment | None = None
     try:
-        env = load_environment(environment_path(str(name), environments_dir=directory))
-        build_app(env, app=app)
+        loaded = load_located(environment_path(str(name), environments_dir=directory))
+        env = loaded.environment
+        _cleaned_on_failure(Path(app.outdir), lambda: build_app(env, app=app))
     except ConfigError as err:
-        for line in err.lines:
-            print(line, file=sys.stderr)
-        sys.exit(2)
+        _exit(err.lines)
     except KvfleetError as err:
-        print(f"kvfleet: {err}", file=sys.stderr)
-        sys.exit(2)
+        _exit(loaded.problem(err).lines if loaded is not None else [f"kvfleet: {err}"])
     app.synth()

@@ -645,12 +645,17 @@ def _what_would_fit(req: PlanRequest) -> list[str]:
         w = combined.workload
         if w.max_model_len <= 1024:
             break
+        # The averages shrink with the maxima: a trial context is the planner's, and an average left above it
+        # would fail as if the file had said so.
+        max_in, max_out = max(1, w.max_input_tokens // 2), max(1, w.max_output_tokens // 2)
         combined = replace(
             combined,
             workload=replace(
                 w,
-                max_input_tokens=max(1, w.max_input_tokens // 2),
-                max_output_tokens=max(1, w.max_output_tokens // 2),
+                max_input_tokens=max_in,
+                max_output_tokens=max_out,
+                avg_input_tokens=None if w.avg_input_tokens is None else min(w.avg_input_tokens, max_in),
+                avg_output_tokens=None if w.avg_output_tokens is None else min(w.avg_output_tokens, max_out),
             ),
         )
     return out

@@ -65,7 +65,7 @@ def test_an_existing_topic_is_notified_directly() -> None:
     [
         (f"  topic_arn: {TOPIC}\n  emails: [a@example.com]\n", "notifications.emails: kvfleet subscribes addresses"),
         ("  emails: [not-an-address]\n", "not an email address: not-an-address"),
-        ("  topic_arn: arn:aws:sqs:us-east-1:123456789012:q\n", "notifications.topic_arn: String should match"),
+        ("  topic_arn: arn:aws:sqs:us-east-1:123456789012:q\n", "notifications.topic_arn: expected an SNS topic ARN"),
     ],
 )
 def test_bad_notification_settings_point_at_their_line(block: str, message: str) -> None:

@@ -66,7 +66,7 @@ def test_malformed_environment_gets_one_line_per_problem_and_no_template(tmp_pat
     assert "Traceback" not in result.stderr
     ours = [line for line in result.stderr.splitlines() if line.startswith(str(bad))]
     assert ours == [
-        f"{bad}:6: deployments[0].workload.max_output_tokens: Input should be greater than 0",
+        f"{bad}:6: deployments[0].workload.max_output_tokens: must be greater than 0",
         f"{bad}:7: deployments[0].target.colour: unknown key; remove it or check its spelling",
     ]
     assert not list(out.glob("*.template.json"))
@@ -107,3 +107,64 @@ def test_environments_are_found_from_the_working_directory(tmp_path: Path) -> No
         assert load_environment(environment_path("solo")).name == "solo"
     finally:
         os.chdir(cwd)
+
+
+# The CDK CLI exits 1 for every failure of its app (aws-cdk's cli.js: `process.exitCode = 1` in its catch), so
+# `kvfleet synth` is the entry point whose exit status tells a bad file (2) from a broken toolchain.
+HALF_BUILT = """\
+name: half
+region: us-east-1
+deployments:
+  - name: coder
+    model: {id: Qwen/Qwen2.5-7B}
+    engine: {name: vllm, version: "0.30.0"}
+    workload: {max_input_tokens: 8192, max_output_tokens: 1024, concurrency_per_replica: 32}
+    target: {platform: eks, kubernetes_version: "1.35"}
+    sizing: {families: [g6e, g5]}
+  - name: chat
+    model: {id: meta-llama/Llama-3.1-8B}
+    engine: {name: vllm, version: "0.30.0"}
+    workload: {max_input_tokens: 4096, max_output_tokens: 1024}
+    target: {platform: sagemaker, inference_ami_version: al2-ami-sagemaker-inference-gpu-2}
+    sizing: {instance_type: ml.g6e.xlarge}
+"""
+
+
+def kvfleet_synth(env: str, outdir: Path) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("JSII_", "CDK_"))}
+    environ["CDK_DISABLE_CLI_TELEMETRY"] = "true"
+    return subprocess.run(
+        [str(REPO / ".venv" / "bin" / "kvfleet"), "synth", env, "--", "--quiet", "-o", str(outdir)],
+        cwd=REPO,
+        env=environ,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+
+
+def test_kvfleet_synth_refuses_a_bad_file_with_exit_2_before_cdk_runs(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\ndeployments: []\n", encoding="utf-8")
+    result = kvfleet_synth(str(bad), tmp_path / "cdk.out")
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [f"kvfleet: error: {bad}:2: deployments: give at least 1 entry"]
+    assert not (tmp_path / "cdk.out").exists()  # cdk never ran
+
+
+def test_kvfleet_synth_exits_2_on_a_stack_error_and_leaves_no_assets(tmp_path: Path) -> None:
+    # The EKS stack stages its assets (kubectl handler, layers) into the output directory while it is built; the
+    # second deployment then fails in its construct: the CUDA 13 image on a pinned driver-535 AMI.
+    f = tmp_path / "half.yaml"
+    f.write_text(HALF_BUILT, encoding="utf-8")
+    out = tmp_path / "cdk.out"
+    out.mkdir()
+    (out / "kept.txt").write_text("from an earlier run", encoding="utf-8")
+    result = kvfleet_synth(str(f), out)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    ours = [line for line in result.stderr.splitlines() if line.startswith(str(f))]
+    assert len(ours) == 1
+    assert ours[0].startswith(f"{f}:14: deployments[1].target.inference_ami_version: the image (kvfleet image of ")
+    assert sorted(p.name for p in out.iterdir()) == ["kept.txt"]
