@@ -95,6 +95,16 @@ class LoadBalancerConfig(Frozen):
                 raise ValueError(f"{c} opens the load balancer to every address; name your client networks")
         return v
 
+    @model_validator(mode="after")
+    def _public_serves_https(self) -> LoadBalancerConfig:
+        # Prompts, completions and tenant headers would cross the internet in clear text over HTTP.
+        if not self.internal and self.certificate_arn is None:
+            raise ValueError(
+                "internal: an internet-facing load balancer (internal: false) serves HTTPS only; set "
+                "certificate_arn to an ACM certificate in this region, or keep internal: true"
+            )
+        return self
+
 
 class WarmPoolConfig(Frozen):
     enabled: Bool = Field(

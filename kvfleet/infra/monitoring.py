@@ -2,11 +2,32 @@
 
 Thresholds follow the scaling targets from the config: an alarm fires when autoscaling is not keeping
 up (cache still saturated, queue still long after scale-out had time to act), when the cache is too
-small for the admitted concurrency (preemptions), on server errors, and when the signals stop arriving
-(then autoscaling is blind).
+small for the admitted concurrency (preemptions), on the share of requests answered 5xx, and when the
+signals stop arriving (then autoscaling is blind).
+
+Updates roll back on the 5xx *rate* only (``rollback_alarms``): a SageMaker endpoint update
+(AutoRollbackConfiguration) and an EC2 instance refresh (AlarmSpecification) take the names of CloudWatch
+alarms, and a metric-math alarm is one (SageMaker API Alarm and AutoRollbackConfig: "CloudWatch alarms in your
+account"; Auto Scaling AlarmSpecification: "names of one or more CloudWatch alarms"). A count, of errors or of
+preemptions, grows with traffic and with what clients send (long prompts preempt more), so it would roll back
+a good release at peak load.
+
+What the rate cannot tell apart: the agent publishes under the deployment's dimensions only
+(``contract.DIMENSION_SETS``), so during an update the old and the new instances' requests are counted
+together. SageMaker's own per-fleet metrics (AWS/SageMaker with an EndpointConfigName dimension, published
+for the new fleet once it takes traffic: Developer Guide, "Auto-Rollback Configuration and Monitoring",
+https://docs.aws.amazon.com/sagemaker/latest/dg/deployment-guardrails-configuration.html) need the endpoint's
+name in the alarm, while the endpoint names the alarm in its DeploymentConfig: a CloudFormation cycle, broken
+only by a fixed EndpointName (refused here: it replaces every existing endpoint and collides across stacks).
+So the alarm means "this share of the requests the deployment answered, old and new instances together,
+were 5xx"; its threshold is set low enough for the smallest new share an update exposes (one instance among
+``max_replicas``), and, as that guide notes for its both-fleets example, an old fleet already failing also
+ends (rolls back) the update.
 """
 
 from __future__ import annotations
+
+import math
 
 from aws_cdk import Duration
 from aws_cdk import aws_cloudwatch as cw
@@ -19,6 +40,16 @@ from kvfleet.infra.metrics import PERIOD, PlatformMetrics, signal_metric
 CACHE_SATURATED = 0.95  # above this the engine preempts or queues: scale-out should have prevented it
 SUSTAINED_MIN = 10  # minutes a saturation or queue must last: longer than scale-out plus model load
 QUEUE_ALARM_FACTOR = 4.0  # queue depth per replica this many times the scaling target
+
+# The 5xx rate. A healthy replica answers 5xx only when its engine dies under a request (the agent counts every
+# 5xx it sends, drain's 503 excepted: contract.SERVER_ERRORS), so any sustained share is a fault; 5% is the
+# ceiling. An update puts at least one new instance among at most max_replicas in service, and a new instance
+# failing every request shows up as 1/max_replicas of the fleet's requests: the threshold is half of that when it
+# is lower, so a new instance failing half its requests still trips it (``error_rate_threshold``).
+ERROR_RATE_CEILING = 0.05
+# Below this many requests a minute the rate reads 0: at the threshold a minute must hold at least this many
+# errors, so one failed request in a quiet minute never rolls an update back.
+ERROR_RATE_MIN_ERRORS = 2
 
 
 class ServingMonitoring(Construct):
@@ -69,14 +100,16 @@ class ServingMonitoring(Construct):
                 op=cw.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
                 what="sequences preempted in 3 of 5 min: admitted concurrency exceeds the KV cache",
             )
-            self.server_errors = self._alarm(
-                "ServerErrors",
-                m.server_errors,
-                threshold=5,
+            rate_limit = error_rate_threshold(scaling)
+            self.server_error_rate = self._alarm(
+                "ServerErrorRate",
+                server_error_rate(deployment_id, threshold=rate_limit),
+                threshold=rate_limit,
                 periods=5,
                 datapoints=3,
-                op=cw.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
-                what="5 or more 5xx responses a minute in 3 of 5 min",
+                op=cw.ComparisonOperator.GREATER_THAN_THRESHOLD,
+                what=f"more than {rate_limit:.1%} of requests answered 5xx in 3 of 5 min (minutes with fewer than "
+                f"{min_requests(rate_limit)} requests count as 0; old and new instances together during an update)",
             )
             self.signals_missing = self._alarm(
                 "SignalsMissing",
@@ -87,7 +120,7 @@ class ServingMonitoring(Construct):
                 missing=cw.TreatMissingData.BREACHING,
                 what="no KV-cache signal for 5 min: autoscaling is blind (agent down or metrics not delivered)",
             )
-            self.rollback_alarms = [self.server_errors, self.preempting]
+            self.rollback_alarms = [self.server_error_rate]
 
     def add_dashboard(self, platform: PlatformMetrics) -> cw.Dashboard:
         deployment_id, scaling = self._deployment_id, self._scaling
@@ -111,6 +144,7 @@ class ServingMonitoring(Construct):
         )
         errors: list[cw.IMetric] = [m.server_errors]
         errors += [x for x in (platform.errors_4xx, platform.errors_5xx) if x is not None]
+        rate = server_error_rate(deployment_id, threshold=error_rate_threshold(scaling), label="5xx share (agent)")
 
         self.dashboard = cw.Dashboard(self, "Dashboard", default_interval=Duration.hours(3))
         self.dashboard.add_widgets(
@@ -138,8 +172,8 @@ class ServingMonitoring(Construct):
             _graph("Requests running per replica", [m.running]),
         )
         self.dashboard.add_widgets(
-            _graph("Preemptions and shed requests", [m.preemptions, m.shed]),
-            _graph("Errors", errors),
+            _graph("Preemptions, shed and cancelled requests", [m.preemptions, m.shed, m.cancelled]),
+            _graph("Errors", errors, right=[rate]),
             _graph("Instances", [instances]),
         )
         if self.alarms:
@@ -195,14 +229,50 @@ class _Metrics:
         self.preemptions = signal_metric(d, s.PREEMPTIONS, label="preemptions")
         self.shed = signal_metric(d, s.REQUESTS_SHED, label="shed (429)")
         self.server_errors = signal_metric(d, s.SERVER_ERRORS, label="5xx (agent)")
+        self.cancelled = signal_metric(d, s.CLIENT_CANCELLED, label="cancelled by the client")
+
+
+def error_rate_threshold(scaling: ScalingConfig) -> float:
+    """The 5xx share the rate alarm fires above (see ERROR_RATE_CEILING)."""
+    return min(ERROR_RATE_CEILING, 1 / (2 * scaling.max_replicas))
+
+
+def min_requests(threshold: float) -> int:
+    """Requests a minute below which the rate reads 0 (see ERROR_RATE_MIN_ERRORS)."""
+    return math.ceil(ERROR_RATE_MIN_ERRORS / threshold)
+
+
+def server_error_rate(deployment_id: str, *, threshold: float, label: str | None = None) -> cw.MathExpression:
+    """The share of the deployment's requests answered 5xx, per minute; 0 below ``min_requests(threshold)``.
+
+    The agent publishes no request count; the requests it answered are those answered 5xx (ServerErrors) and those
+    that reached their first token (TimeToFirstToken's SampleCount: the engine observes it once per request). A 429
+    from admission and a request cancelled before its first token are neither: they are not the release's doing.
+    Both FILLed with 0: a minute without a 5xx publishes no ServerErrors.
+    """
+    errors = signal_metric(deployment_id, contract.SERVER_ERRORS)
+    started = signal_metric(deployment_id, contract.TIME_TO_FIRST_TOKEN, statistic="SampleCount")
+    answered = "(FILL(e, 0) + FILL(t, 0))"
+    return cw.MathExpression(
+        expression=f"IF({answered} >= {min_requests(threshold)}, FILL(e, 0) / {answered}, 0)",
+        using_metrics={"e": errors, "t": started},
+        label=label or "share of requests answered 5xx",
+        period=PERIOD,
+    )
 
 
 def _graph(
-    title: str, metrics: list[cw.IMetric], *, hline: float | None = None, left: cw.YAxisProps | None = None
+    title: str,
+    metrics: list[cw.IMetric],
+    *,
+    hline: float | None = None,
+    left: cw.YAxisProps | None = None,
+    right: list[cw.IMetric] | None = None,
 ) -> cw.GraphWidget:
     return cw.GraphWidget(
         title=title,
         left=metrics,
+        right=right,
         width=8,
         height=6,
         left_y_axis=left,

@@ -44,6 +44,26 @@ from kvfleet.infra.scaling import scale_group
 from kvfleet.sizing.startup import DOWNLOAD_BYTES_PER_S
 from kvfleet.sizing.units import GiB, MiB
 
+# Paths the load balancer answers 404 itself, before the forward to the replicas: the agent's own routes that are
+# for the instance and the platform, never a client (contract.METRICS_ROUTE, the Prometheus re-export;
+# contract.DRAIN_ROUTE, which the agent also refuses from anything but loopback), with anything after them, and
+# every percent-encoded path: the agent's router decodes one (aiohttp routes "/%6Detrics" to /metrics) while a
+# path pattern compares the path as sent, and no client route (kvfleet.agent.routes) needs an escape. The health
+# route stays reachable: the SageMaker contract's GET /ping, which says only ok or draining.
+# ALB rules (User Guide, "Listener rules" and "Condition types for listener rules"; AWS::ElasticLoadBalancingV2::
+# ListenerRule PathPatternConfig): lowest priority number first, then the default action; a path-pattern compares
+# the path only, not the query string, case-sensitively, with * and ? wildcards, at most 128 characters each.
+# Quotas ("Quotas for your Application Load Balancers", Rules): 5 condition values, 5 wildcards and 5 match
+# evaluations per rule, 100 rules per load balancer.
+# Sources: https://docs.aws.amazon.com/elasticloadbalancing/latest/application/listener-rules.html,
+# https://docs.aws.amazon.com/elasticloadbalancing/latest/application/rule-condition-types.html,
+# https://docs.aws.amazon.com/elasticloadbalancing/latest/application/load-balancer-limits.html
+INTERNAL_PATHS = (f"{contract.METRICS_ROUTE}*", f"{contract.DRAIN_ROUTE}*", "*%*")
+INTERNAL_RULE_PRIORITY = 1
+RULE_MAX_VALUES = 5
+RULE_MAX_WILDCARDS = 5
+PATH_PATTERN_MAX_CHARS = 128
+
 LIFECYCLE_HOOK = "kvfleet-drain"  # named: the instances read it at boot, before the hook's id is known
 WARM_HOOK = "kvfleet-warm"  # with a warm pool: held until the image and weights are on the instance
 HEARTBEAT_S = 60  # how often the agent heartbeats the hook while draining
@@ -169,6 +189,7 @@ class Ec2Fleet(Construct):
         assert isinstance(target, Ec2Target)
         self._resolved = context.resolved
         self._target = target
+        self._rollback_alarms = list(context.rollback_alarms)
         self._network: ServingNetwork = context.network
         self._scaling: ScalingConfig = context.resolved.deployment.scaling
         # Boot to healthy: health-check grace and instance warm-up get the one padded start-up wait of every target.
@@ -189,7 +210,9 @@ class Ec2Fleet(Construct):
         self.warm_pool, self.launch_hook = self._warm_pool()
         self.lb_security_group, port = self._load_balancer_security_group()
         self.load_balancer = self._load_balancer(context.region)
-        self.target_group = self._target_group(self._listener(port))
+        self.listener = self._listener(port)
+        self.internal_routes_rule = self._refuse_internal_routes(self.listener)
+        self.target_group = self._target_group(self.listener)
         if self._scaling.max_replicas > self._scaling.min_replicas:
             scale_group(self, self.group, deployment_id=self._resolved.deployment_id, scaling=self._scaling)
         self.platform_metrics = self._platform_metrics()
@@ -367,6 +390,10 @@ class Ec2Fleet(Construct):
             max_healthy_percentage=high,
             instance_warmup=Duration.seconds(self._resolved.ready_window_s),
             skip_matching=True,  # an unchanged deployment replaces nothing
+            # The refresh fails when one of them fires, and CloudFormation then rolls the stack (and so the launch
+            # template) back (AWS::AutoScaling::AutoScalingGroup UpdatePolicy; RefreshPreferences
+            # AlarmSpecification: "fail the operation if an alarm threshold is met", up to 10 alarm names).
+            alarms=self._rollback_alarms or None,
         )
 
     def _drain_hook(self) -> autoscaling.LifecycleHook:
@@ -503,6 +530,25 @@ class Ec2Fleet(Construct):
             certificates=[elbv2.ListenerCertificate.from_arn(cert)] if cert else None,
             ssl_policy=elbv2.SslPolicy.RECOMMENDED_TLS if cert else None,
             open=False,
+        )
+
+    def _refuse_internal_routes(self, listener: elbv2.ApplicationListener) -> elbv2.ApplicationListenerRule:
+        """A fixed 404 for ``INTERNAL_PATHS``, evaluated before the default forward (see INTERNAL_PATHS)."""
+        assert len(INTERNAL_PATHS) <= RULE_MAX_VALUES
+        assert sum(p.count("*") + p.count("?") for p in INTERNAL_PATHS) <= RULE_MAX_WILDCARDS
+        assert all(len(p) <= PATH_PATTERN_MAX_CHARS for p in INTERNAL_PATHS)
+        return elbv2.ApplicationListenerRule(
+            self,
+            "InternalRoutes",
+            listener=listener,
+            priority=INTERNAL_RULE_PRIORITY,
+            conditions=[elbv2.ListenerCondition.path_patterns(list(INTERNAL_PATHS))],
+            action=elbv2.ListenerAction.fixed_response(
+                404,
+                content_type="application/json",
+                # The agent's own 404 body (an OpenAI-style error), so clients see one shape.
+                message_body='{"error":{"message":"not served by this endpoint","type":"not_found_error","code":404}}',
+            ),
         )
 
     def _target_group(self, listener: elbv2.ApplicationListener) -> elbv2.ApplicationTargetGroup:

@@ -62,6 +62,15 @@ class SageMakerEndpoint(Construct):
         local_storage = r.candidate.instance.local_nvme_gb > 0
 
         policy, image_uri = self._execution_role(r, context.region)
+        if context.rollback_alarms:
+            # SageMaker reads the rollback alarms as the execution role: "Ensure that your IAM execution role has
+            # permission to perform the cloudwatch:DescribeAlarms action on the auto-rollback alarms you specify"
+            # (Developer Guide, "Auto-Rollback Configuration and Monitoring"). Metric alarms can be named one by one.
+            policy.add_statements(
+                iam.PolicyStatement(
+                    actions=["cloudwatch:DescribeAlarms"], resources=[a.alarm_arn for a in context.rollback_alarms]
+                )
+            )
         model_data = self._model_access(r, target, policy)
         self.key = None if local_storage else self._storage_key(r)
         self._model(r, target, context, image_uri=image_uri, model_data=model_data, policy=policy)

@@ -80,6 +80,94 @@ def test_https_when_a_certificate_is_configured() -> None:
     assert listener["SslPolicy"].startswith("ELBSecurityPolicy-TLS13")
 
 
+CERT = "arn:aws:acm:us-east-1:123456789012:certificate/0b1c2d3e-aaaa-bbbb-cccc-000000000000"
+
+
+def load_balancer(text: str = EC2_ENV, **fields: object) -> str:
+    """EC2_ENV with these load_balancer fields."""
+    lines = "".join(f"        {k}: {v}\n" for k, v in fields.items())
+    return text.replace("      platform: ec2\n", f"      platform: ec2\n      load_balancer:\n{lines}")
+
+
+def test_an_internet_facing_listener_without_a_certificate_is_refused() -> None:
+    text = load_balancer(internal="false", allowed_cidrs="[203.0.113.0/24]")
+    with pytest.raises(ConfigError) as info:
+        environment(text)
+    [line] = info.value.lines
+    assert "load_balancer.internal:" in line and "certificate_arn" in line and "internal: true" in line
+    assert line.count("\n") == 0
+
+
+def test_an_internet_facing_listener_serves_https_with_its_certificate() -> None:
+    t = only(load_balancer(internal="false", allowed_cidrs="[203.0.113.0/24]", certificate_arn=CERT))
+    [lb] = props(t, "AWS::ElasticLoadBalancingV2::LoadBalancer")
+    assert lb["Scheme"] == "internet-facing"
+    [listener] = props(t, "AWS::ElasticLoadBalancingV2::Listener")
+    assert (listener["Port"], listener["Protocol"]) == (443, "HTTPS")
+    [sg] = [g for g in props(t, "AWS::EC2::SecurityGroup") if g["GroupDescription"] == "kvfleet load balancer"]
+    assert {(r["CidrIp"], r["FromPort"]) for r in sg["SecurityGroupIngress"]} == {("203.0.113.0/24", 443)}
+
+
+def listener_rules(t: Template) -> list[dict[str, Any]]:
+    return sorted(props(t, "AWS::ElasticLoadBalancingV2::ListenerRule"), key=lambda r: int(r["Priority"]))
+
+
+def path_matches(pattern: str, path: str) -> bool:
+    """An ALB path-pattern: case-sensitive, * any run of characters, ? exactly one, over the whole path (the query
+    string is not part of it). Source: AWS::ElasticLoadBalancingV2::ListenerRule PathPatternConfig."""
+    regex = "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern)
+    return re.fullmatch(regex, path, flags=re.DOTALL) is not None
+
+
+def routed_to_replicas(t: Template, path: str) -> bool:
+    """Whether the listener forwards ``path`` (the rules in priority order, then the default forward)."""
+    for rule in listener_rules(t):
+        [cond] = rule["Conditions"]
+        if cond["Field"] == "path-pattern" and any(path_matches(p, path) for p in cond["PathPatternConfig"]["Values"]):
+            [action] = rule["Actions"]
+            return bool(action["Type"] == "forward")
+    [listener] = props(t, "AWS::ElasticLoadBalancingV2::Listener")
+    [default] = listener["DefaultActions"]
+    return bool(default["Type"] == "forward")
+
+
+def test_the_agents_internal_routes_never_pass_the_load_balancer(template: Template) -> None:
+    [rule] = listener_rules(template)
+    [action] = rule["Actions"]
+    assert action["Type"] == "fixed-response"
+    assert action["FixedResponseConfig"]["StatusCode"] == "404"
+    assert json.loads(action["FixedResponseConfig"]["MessageBody"])["error"]["code"] == 404
+    assert rule["ListenerArn"] == {"Ref": template_id(template, "AWS::ElasticLoadBalancingV2::Listener")}
+    # ALB quotas: 5 condition values and 5 wildcards per rule; 128 characters a pattern.
+    values = rule["Conditions"][0]["PathPatternConfig"]["Values"]
+    assert len(values) <= 5 and sum(v.count("*") + v.count("?") for v in values) <= 5
+    assert all(len(v) <= 128 for v in values)
+    for path in (
+        contract.METRICS_ROUTE,
+        contract.DRAIN_ROUTE,
+        f"{contract.METRICS_ROUTE}/",
+        f"{contract.DRAIN_ROUTE}/",
+        "/%6Detrics",  # the agent's router decodes it to /metrics
+        "/dr%61in",
+    ):
+        assert not routed_to_replicas(template, path), path
+    # Client routes and the health route still reach the agent.
+    for path in ("/v1/chat/completions", "/v1/completions", "/invocations", "/v1/models", contract.HEALTH_ROUTE):
+        assert routed_to_replicas(template, path), path
+
+
+def template_id(t: Template, kind: str) -> str:
+    [key] = t.find_resources(kind)
+    return key
+
+
+def test_instance_refresh_rolls_back_on_the_5xx_rate(template: Template) -> None:
+    prefs = update_policy(template)["AutoScalingInstanceRefresh"]["Preferences"]
+    [ref] = prefs["AlarmSpecification"]["Alarms"]
+    assert ref["Ref"].startswith("MonitoringServerErrorRate")
+    assert ref["Ref"] in template.find_resources("AWS::CloudWatch::Alarm")
+
+
 def test_no_security_group_open_to_the_world(template: Template) -> None:
     ingress = [
         rule for sg in props(template, "AWS::EC2::SecurityGroup") for rule in sg.get("SecurityGroupIngress", [])
@@ -90,6 +178,20 @@ def test_no_security_group_open_to_the_world(template: Template) -> None:
     ingress_rules = props(template, "AWS::EC2::SecurityGroupIngress")
     to_instances = [r for r in ingress_rules if r.get("FromPort") == contract.SERVING_PORT]
     assert to_instances and all("SourceSecurityGroupId" in r for r in to_instances)
+    # The replicas' group admits the agent's port from the load balancer's group and nothing else: not the VPC's
+    # CIDR (nothing in the VPC scrapes /metrics here; the signals leave as EMF or PutMetricData).
+    serving = template_id_where(template, "AWS::EC2::SecurityGroup", "kvfleet serving replicas")
+    lb = template_id_where(template, "AWS::EC2::SecurityGroup", "kvfleet load balancer")
+    into_serving = [r for r in ingress_rules if r["GroupId"] == {"Fn::GetAtt": [serving, "GroupId"]}]
+    assert [(r["FromPort"], r["ToPort"], r["SourceSecurityGroupId"]) for r in into_serving] == [
+        (contract.SERVING_PORT, contract.SERVING_PORT, {"Fn::GetAtt": [lb, "GroupId"]})
+    ]
+    assert "SecurityGroupIngress" not in template.find_resources("AWS::EC2::SecurityGroup")[serving]["Properties"]
+
+
+def template_id_where(t: Template, kind: str, description: str) -> str:
+    [key] = [k for k, r in t.find_resources(kind).items() if r["Properties"].get("GroupDescription") == description]
+    return key
 
 
 def launch_data(t: Template) -> dict[str, Any]:
@@ -363,7 +465,7 @@ def test_the_root_volume_writes_what_lands_on_it_in_bounded_time_within_gp3_limi
 def test_gp3_ranges_are_those_of_the_pinned_ec2_api_model() -> None:
     """The launch template's Ebs ranges as the EC2 API documents them in botocore's service model (the release the
     project pins): a raised or lowered AWS limit fails here, not at deploy time."""
-    import botocore.loaders
+    import botocore.loaders  # type: ignore[import-untyped]
 
     shapes = botocore.loaders.Loader().load_service_model("ec2", "service-2")["shapes"]
     members = shapes["LaunchTemplateEbsBlockDeviceRequest"]["members"]

@@ -1,0 +1,111 @@
+"""The alarms updates roll back on: the 5xx rate with a minimum-traffic guard, evaluated as CloudWatch would."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import pytest
+from aws_cdk.assertions import Template
+
+from kvfleet import contract
+from kvfleet.infra.monitoring import ERROR_RATE_CEILING, ERROR_RATE_MIN_ERRORS, error_rate_threshold, min_requests
+from tests.envs import SAGEMAKER_ENV
+from tests.infra.helpers import only
+
+
+@pytest.fixture(scope="module")
+def template() -> Template:
+    return only(SAGEMAKER_ENV)
+
+
+def rate_alarm(t: Template) -> dict[str, Any]:
+    [alarm] = [r["Properties"] for k, r in t.find_resources("AWS::CloudWatch::Alarm").items() if "ServerErrorRate" in k]
+    return dict(alarm)
+
+
+class _Value(float):
+    """A data point: division by zero gives NaN, as a metric-math data point with no value, never an exception."""
+
+    def __truediv__(self, other: float) -> _Value:
+        return _Value(math.nan if other == 0 else float(self) / other)
+
+    def __add__(self, other: float) -> _Value:
+        return _Value(float(self) + other)
+
+
+def evaluate(alarm: dict[str, Any], values: dict[str, float | None]) -> float:
+    """One minute of the alarm's expression, given each metric's value (None: no data point that minute).
+
+    CloudWatch metric math (User Guide, "Metric math syntax and functions"): FILL(m, 0) gives 0 where m has no
+    data point; IF(condition, a, b) gives a where the condition is true, else b, point by point.
+    """
+    [expr] = [m for m in alarm["Metrics"] if "Expression" in m]
+    ids = {m["Id"]: m["MetricStat"] for m in alarm["Metrics"] if "MetricStat" in m}
+    by_name = {stat["Metric"]["MetricName"] + "/" + stat["Stat"]: i for i, stat in ids.items()}
+    env = {by_name[k]: v for k, v in values.items()}
+    code = re.sub(r"FILL\((\w+), 0\)", lambda m: f"_fill({m[1]})", expr["Expression"])
+    code = code.replace("IF(", "_if(")
+
+    def _fill(v: float | None) -> _Value:
+        return _Value(0.0 if v is None else v)
+
+    def _if(condition: bool, a: float, b: float) -> float:
+        return a if condition else b
+
+    return float(eval(code, {"_fill": _fill, "_if": _if}, env))
+
+
+ERRORS = f"{contract.SERVER_ERRORS.name}/Sum"
+STARTED = f"{contract.TIME_TO_FIRST_TOKEN.name}/SampleCount"
+
+
+def test_the_rate_reads_the_agents_errors_over_the_requests_it_answered(template: Template) -> None:
+    alarm = rate_alarm(template)
+    stats = {
+        m["MetricStat"]["Metric"]["MetricName"]: m["MetricStat"]["Stat"] for m in alarm["Metrics"] if "MetricStat" in m
+    }
+    assert stats == {contract.SERVER_ERRORS.name: "Sum", contract.TIME_TO_FIRST_TOKEN.name: "SampleCount"}
+    assert (alarm["EvaluationPeriods"], alarm["DatapointsToAlarm"]) == (5, 3)
+    assert alarm["ComparisonOperator"] == "GreaterThanThreshold"
+    assert alarm["TreatMissingData"] == "notBreaching"
+
+
+def test_a_failing_release_trips_it_and_a_busy_healthy_one_does_not(template: Template) -> None:
+    alarm = rate_alarm(template)
+    threshold = alarm["Threshold"]
+    assert threshold == ERROR_RATE_CEILING  # max_replicas 4: one new instance of 4 is 25% of the requests
+    # A new instance of 4 failing every request: a quarter of the fleet's requests are 5xx.
+    assert evaluate(alarm, {ERRORS: 100, STARTED: 300}) > threshold
+    # Peak load on a healthy fleet: the same few 5xx (an engine restart) among many requests stay under it.
+    assert evaluate(alarm, {ERRORS: 5, STARTED: 5000}) < threshold
+    # So does a count alarm's trigger (5 a minute) when traffic is ten times higher: the rate does not grow.
+    assert evaluate(alarm, {ERRORS: 50, STARTED: 50000}) < threshold
+
+
+def test_a_quiet_minute_never_trips_it(template: Template) -> None:
+    alarm = rate_alarm(template)
+    floor = min_requests(alarm["Threshold"])
+    assert floor == math.ceil(ERROR_RATE_MIN_ERRORS / alarm["Threshold"])
+    # One error among few requests is a 100% or 50% rate: under the floor it reads 0.
+    assert evaluate(alarm, {ERRORS: 1, STARTED: None}) == 0
+    assert evaluate(alarm, {ERRORS: 1, STARTED: 1}) == 0
+    assert evaluate(alarm, {ERRORS: floor - 1, STARTED: None}) == 0
+    # No data at all (no traffic, or no ServerErrors published in a clean minute).
+    assert evaluate(alarm, {ERRORS: None, STARTED: None}) == 0
+    assert evaluate(alarm, {ERRORS: None, STARTED: 1000}) == 0
+    # At the floor, errors alone do count.
+    assert evaluate(alarm, {ERRORS: floor, STARTED: None}) == 1
+
+
+@pytest.mark.parametrize(("max_replicas", "expected"), [(1, 0.05), (10, 0.05), (20, 0.025), (64, 1 / 128)])
+def test_the_threshold_catches_one_failing_instance_among_max_replicas(max_replicas: int, expected: float) -> None:
+    from tests.infra.helpers import environment
+
+    text = SAGEMAKER_ENV.replace("max_replicas: 4", f"max_replicas: {max_replicas}")
+    [d] = environment(text).deployments
+    threshold = error_rate_threshold(d.scaling)
+    assert threshold == pytest.approx(expected)
+    # A new instance failing half its requests, as one of max_replicas equally loaded ones, exceeds it.
+    assert 0.5 / max_replicas >= threshold
