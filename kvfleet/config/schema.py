@@ -13,9 +13,11 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from kvfleet import contract, versions
+from kvfleet.config import aws, dlc
 from kvfleet.config.base import Bool, Float, Frozen, Int
 from kvfleet.config.targets import Ec2Target, EksTarget, SageMakerTarget, Target
 from kvfleet.engines import ENGINES
+from kvfleet.errors import KvfleetError
 from kvfleet.sizing.engines import DEFAULT_VERSIONS, TRTLLM_PROFILES, VLLM_PROFILES, EngineName
 
 
@@ -23,13 +25,29 @@ class ModelRef(Frozen):
     id: str = Field(description="Catalog id or alias (kvfleet models), or a path to a local config.json.")
     s3_uri: str | None = Field(
         default=None,
-        pattern=r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?$",
-        description="Uncompressed model artifacts under this S3 prefix. Default: download from Hugging Face.",
+        description=(
+            "Uncompressed model artifacts under this S3 prefix, s3://<bucket>/<prefix>. Default: download from "
+            "Hugging Face."
+        ),
     )
     hf_token_secret: str | None = Field(
         default=None,
         description="Secrets Manager secret name or ARN holding a Hugging Face token (gated models).",
     )
+
+    @field_validator("s3_uri")
+    @classmethod
+    def _s3_uri(cls, v: str | None) -> str | None:
+        if v is not None and (problem := aws.s3_uri_problem(v)) is not None:
+            raise ValueError(problem)
+        return v
+
+    @field_validator("hf_token_secret")
+    @classmethod
+    def _secret(cls, v: str | None) -> str | None:
+        if v is not None and (problem := aws.secret_problem(v)) is not None:
+            raise ValueError(problem)
+        return v
 
 
 class EngineRef(Frozen):
@@ -187,6 +205,21 @@ class NetworkConfig(Frozen):
             raise ValueError(f"not a subnet id: {', '.join(bad)}")
         return v
 
+    @field_validator("private_subnet_ids", "availability_zones")
+    @classmethod
+    def _once_each(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if dup := sorted({x for x in v if v.count(x) > 1}):
+            raise ValueError(f"{', '.join(dup)} given more than once; list each once (one subnet per zone)")
+        return v
+
+    @field_validator("availability_zones")
+    @classmethod
+    def _zone_names(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for zone in v:
+            if (problem := aws.zone_problem(zone, None)) is not None:
+                raise ValueError(problem)
+        return v
+
     @model_validator(mode="after")
     def _existing(self) -> NetworkConfig:
         if self.vpc_id is not None:
@@ -304,6 +337,10 @@ class Deployment(Frozen):
         if (tag_problem := self._image_tag_problem()) is not None:
             problems.append(tag_problem)
         if self.image.source == "dlc":
+            try:  # the rule synth applies to the SDK's table (kvfleet/infra/images.py), on kvfleet's copy of it
+                dlc.dlc_release(self.engine.name, self.engine.version, dlc.published(self.engine.name))
+            except KvfleetError as err:
+                problems.append(f"{err.field}: {err.message}")
             if isinstance(t, EksTarget):
                 problems.append(
                     "image.source: dlc runs the engine without the kvfleet agent, and on EKS the pod's drain hook "
@@ -469,6 +506,57 @@ class Environment(Frozen):
                         f"network.vpc_id: deployment {d.name} needs target.load_balancer.allowed_cidrs with an "
                         "existing VPC (its CIDR is not looked up at synth)"
                     )
+        return self
+
+    @model_validator(mode="after")
+    def _same_region(self) -> Environment:
+        """ARNs and zones of this environment's region: a certificate, an OIDC provider or a topic elsewhere is
+        accepted by synth and refused by CloudFormation or the service at deploy time."""
+        problems = []
+        for zone_at, zone in enumerate(self.network.availability_zones):
+            if (problem := aws.zone_problem(zone, self.region)) is not None:
+                problems.append(f"network.availability_zones.{zone_at}: {problem}")
+        if self.region is None:
+            return self._raise(problems)
+        topic = self.notifications.topic_arn
+        if topic is not None and (where := aws.arn_region(topic)) != self.region:
+            problems.append(
+                f"notifications.topic_arn: the topic is in {where}, the environment in {self.region}; CloudWatch "
+                f"alarms notify a topic of their own region: use a topic in {self.region}"
+            )
+        for i, d in enumerate(self.deployments):
+            t = d.target
+            cert = t.load_balancer.certificate_arn if isinstance(t, Ec2Target) else None
+            if cert is not None and (where := aws.arn_region(cert)) != self.region:
+                problems.append(
+                    f"deployments.{i}.target.load_balancer.certificate_arn: the certificate is in {where}, the load "
+                    f"balancer in {self.region}; ACM certificates are regional: request or import it in {self.region}"
+                )
+            cluster = t.cluster if isinstance(t, EksTarget) else None
+            oidc = cluster.oidc_provider_arn if cluster is not None else None
+            if cluster is not None and oidc is not None and (where := aws.oidc_region(oidc)) != self.region:
+                problems.append(
+                    f"deployments.{i}.target.cluster.oidc_provider_arn: the provider is for a cluster in {where}, the "
+                    f"environment deploys to {self.region}; give the OIDC provider of cluster {cluster.name} (`aws eks "
+                    "describe-cluster` identity.oidc.issuer), or set region to the cluster's"
+                )
+        return self._raise(problems)
+
+    @model_validator(mode="after")
+    def _kubernetes_names(self) -> Environment:
+        # Every manifest of an EKS deployment is named <environment>-<deployment>, a DNS-1123 label.
+        for i, d in enumerate(self.deployments):
+            derived = contract.deployment_id(self.name, d.name)
+            if isinstance(d.target, EksTarget) and not aws.DNS_LABEL.fullmatch(derived):
+                raise ValueError(
+                    f"deployments.{i}.name: the Kubernetes objects are named {derived}, which is not a DNS label "
+                    "(at most 63 lowercase letters, digits and '-'); shorten the deployment or environment name"
+                )
+        return self
+
+    def _raise(self, problems: list[str]) -> Environment:
+        if problems:
+            raise ValueError("\n".join(problems))
         return self
 
     @field_validator("deployments")

@@ -11,6 +11,7 @@ from typing import Annotated, Literal, get_args
 
 from pydantic import Field, field_validator, model_validator
 
+from kvfleet.config.aws import port_problem
 from kvfleet.config.base import Bool, Frozen, Int
 from kvfleet.sizing.hosting import Hosting
 from kvfleet.targets import TARGETS
@@ -235,6 +236,13 @@ class EksAddons(Frozen):
             "node group auto-discovery: EKS tags managed node groups for it)."
         ),
     )
+
+    @field_validator("prometheus_url")
+    @classmethod
+    def _port(cls, v: str | None) -> str | None:
+        if v is not None and (problem := port_problem(v)) is not None:
+            raise ValueError(problem)
+        return v
 
 
 class EksTarget(_TargetConfig):

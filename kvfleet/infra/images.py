@@ -18,7 +18,8 @@ from aws_cdk import aws_ecr as ecr
 from aws_cdk import aws_iam as iam
 from constructs import Construct
 
-from kvfleet import contract, versions
+from kvfleet import contract
+from kvfleet.config.dlc import FRAMEWORKS, dlc_release
 from kvfleet.deployments import ResolvedDeployment
 from kvfleet.errors import KvfleetError
 from kvfleet.infra.cuda import CudaVersion, image_cuda
@@ -86,36 +87,10 @@ def _retrieve(framework: str, version: str, region: str, instance_type: str) -> 
 
 def dlc_image(*, engine: str, engine_version: str, instance_type: str) -> DlcImage:
     """The DLC that runs ``engine`` at ``engine_version`` (vLLM DLC, or DJL's TensorRT-LLM image)."""
-    if engine == "vllm":
-        framework = "vllm"
-        releases = _releases(framework)
-        want = versions.normalize(engine_version)
-        if want not in releases:
-            raise KvfleetError(
-                f"no AWS vLLM container for vLLM {engine_version}; published: "
-                f"{', '.join(sorted(releases, key=versions.sort_key))} (pin engine.version to one of them, or build "
-                "containers/Dockerfile and use image.source kvfleet)",
-                field="engine.version",
-            )
-        dlc_version = want
-    else:
-        framework = "djl-tensorrtllm"
-        releases = _releases(framework)
-        # DJL's tag names the TensorRT-LLM it bundles: 0.33.0-tensorrtllm0.21.0-cu128.
-        bundled = {
-            str(v["tag_prefix"]).split("tensorrtllm")[1].split("-")[0]: k
-            for k, v in releases.items()
-            if "tensorrtllm" in str(v.get("tag_prefix", ""))
-        }
-        want = versions.normalize(engine_version)
-        if want not in bundled:
-            raise KvfleetError(
-                f"no AWS DJL container bundles TensorRT-LLM {engine_version}; bundled: "
-                f"{', '.join(sorted(bundled, key=versions.sort_key))} (pin engine.version to one of them, or build "
-                "containers/Dockerfile with --build-arg ENGINE=trtllm and use image.source kvfleet)",
-                field="engine.version",
-            )
-        dlc_version = bundled[want]
+    framework = FRAMEWORKS[engine]
+    releases = _releases(framework)
+    # The rule the loader applies too (kvfleet.config.dlc), here on the SDK's own table.
+    dlc_version = dlc_release(engine, engine_version, {k: str(v.get("tag_prefix", "")) for k, v in releases.items()})
     registries: dict[str, str] = releases[dlc_version]["registries"]
     # One SDK call builds the URI (its tag format differs per framework); every other region differs only
     # in registry account and region, which the same table gives.

@@ -145,9 +145,7 @@ def test_two_problems_two_lines_in_file_order() -> None:
     )
     lines = problems(text)
     assert lines[0].startswith("envs/test.yaml:11: deployments[0].workload.max_input_tokens: ")
-    assert lines[1] == (
-        "envs/test.yaml:20: deployments[0].scaling.max_replicas: must be at least 1"
-    )
+    assert lines[1] == ("envs/test.yaml:20: deployments[0].scaling.max_replicas: must be at least 1")
 
 
 def test_problem_in_a_list_item() -> None:
@@ -249,9 +247,7 @@ def test_load_environment_prefixes_the_path(tmp_path: Path) -> None:
     path.write_text(BASE.replace("max_output_tokens: 1024", "max_output_tokens: 0"), encoding="utf-8")
     with pytest.raises(ConfigError) as info:
         load_environment(path)
-    assert (
-        info.value.lines[0] == f"{path}:12: deployments[0].workload.max_output_tokens: must be greater than 0"
-    )
+    assert info.value.lines[0] == f"{path}:12: deployments[0].workload.max_output_tokens: must be greater than 0"
 
 
 def test_load_environment_missing_file_lists_neighbours(tmp_path: Path) -> None:
@@ -334,9 +330,11 @@ def test_cross_field_problems_each_get_a_line() -> None:
     assert [line.split(": ")[1] for line in lines] == [
         "deployments[0].scaling.min_replicas",
         "deployments[0].model.s3_uri",
+        "deployments[0].engine.version",  # AWS publishes no vLLM 0.11.0 container (as synth would find)
         "deployments[0].image.source",
     ]
-    assert "use source kvfleet, or set scaling.max_replicas equal to min_replicas" in lines[2]
+    assert lines[2].startswith("envs/test.yaml:9: deployments[0].engine.version: no AWS vLLM container for vLLM 0.11.0")
+    assert "use source kvfleet, or set scaling.max_replicas equal to min_replicas" in lines[3]
 
 
 def test_network_isolation_with_s3_model_is_accepted() -> None:
