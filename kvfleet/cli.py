@@ -13,13 +13,17 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from kvfleet import contract
 from kvfleet.engines import ENGINES
 from kvfleet.errors import KvfleetError
 from kvfleet.targets import TARGETS
 
 if TYPE_CHECKING:
+    from kvfleet.deployments import ResolvedDeployment
+    from kvfleet.sim.fleet import AutoscalerKind, FleetSpec
     from kvfleet.sizing.capacity import Capacity
     from kvfleet.sizing.planner import Candidate, Plan, PlanRequest
+    from kvfleet.workload.traces import Trace
 
 EXIT_USAGE = 2
 
@@ -133,6 +137,16 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--duration-s", type=_positive_float, help="keep this many seconds (default: the rest)")
     w.add_argument("--rate-scale", type=_positive_float, default=1.0, help="replay at this multiple of the rate")
     w.add_argument("--json", action="store_true")
+    si = sub.add_parser("simulate", help="replay a trace through a planned fleet: latency, scaling, cost")
+    si.add_argument("environment", help="environments/<name>.yaml (or a name in environments/)")
+    si.add_argument("--deployment", help="the deployment to simulate (default: each in turn)")
+    si.add_argument("--trace", help="a request trace (kvfleet workload reads the same formats)")
+    si.add_argument("--trace-format", choices=["azure", "mooncake", "burstgpt", "kvfleet"])
+    si.add_argument("--start-s", type=float, default=0.0, help="skip this many seconds of the trace")
+    si.add_argument("--duration-s", type=_positive_float, help="keep this many seconds of the trace")
+    si.add_argument("--rate-scale", type=_positive_float, default=1.0, help="replay at this multiple of the rate")
+    si.add_argument("--router", choices=["least_outstanding", "round_robin"], default="least_outstanding")
+    si.add_argument("--json", action="store_true")
     i = sub.add_parser("instances", help="the accelerator and instance catalog")
     i.add_argument("--platform", choices=list(TARGETS))
     i.add_argument("--json", action="store_true")
@@ -618,9 +632,7 @@ def cmd_workload(a: argparse.Namespace) -> int:
     from kvfleet.workload.profile import profile, render
     from kvfleet.workload.traces import read_trace
 
-    trace = read_trace(
-        a.trace, fmt=a.trace_format, start_s=a.start_s, duration_s=a.duration_s, rate_scale=a.rate_scale
-    )
+    trace = read_trace(a.trace, fmt=a.trace_format, start_s=a.start_s, duration_s=a.duration_s, rate_scale=a.rate_scale)
     p = profile(trace)
     if a.json:
         print(json.dumps(p.as_dict(), indent=2))
@@ -629,7 +641,140 @@ def cmd_workload(a: argparse.Namespace) -> int:
     return 0
 
 
+def _fleet_spec(r: ResolvedDeployment, router: str) -> FleetSpec:
+    from kvfleet.sim.fleet import FleetSpec, Scaling
+    from kvfleet.sim.replica import EngineLimits
+    from kvfleet.sim.steps import RooflineSteps
+    from kvfleet.sizing.step import replica
+
+    c = r.candidate
+    cap = c.capacity
+    s = r.deployment.scaling
+    steps = RooflineSteps(
+        replica(
+            model=r.model,
+            accelerator=c.instance.accelerator,
+            tp=c.tensor_parallel_size,
+            nvlink=c.instance.nvlink,
+            scheme=c.weight_scheme,
+            kv_dtype=c.kv_cache_dtype,
+        )
+    )
+    limits = EngineLimits(
+        max_num_seqs=r.engine_args.max_num_seqs or cap.max_num_seqs,
+        max_num_batched_tokens=r.engine_args.max_num_batched_tokens or cap.max_num_batched_tokens,
+        kv_blocks=cap.num_blocks,
+        block_tokens=cap.block_size,
+        prefix_caching=r.engine_args.enable_prefix_caching,
+        admission_tokens=int(r.kv_cache_tokens * contract.ADMISSION_FACTOR),
+    )
+    kinds: dict[str, AutoscalerKind] = {"eks": "hpa", "ec2": "ec2"}
+    kind = kinds.get(r.deployment.target.platform, "target_tracking")
+    scaling = Scaling(
+        kind=kind,
+        min_replicas=max(1, s.min_replicas),
+        max_replicas=s.max_replicas,
+        kv_cache_target=s.kv_cache_utilization_target,
+        queue_target=s.queue_depth_target,
+        scale_in_cooldown_s=s.scale_in_wait_s,
+        stabilization_s=s.scale_in_wait_s,
+        drain_budget_s=s.drain_budget_s,
+    )
+    return FleetSpec(
+        limits=limits,
+        model=steps,
+        scaling=scaling,
+        initial_replicas=r.initial_instance_count * c.engines_per_instance,
+        cold_start_s=r.startup.ready_s,
+        usd_per_replica_hour=c.usd_per_hour_per_instance / c.engines_per_instance,
+        router=router,  # type: ignore[arg-type]
+    )
+
+
+def _synthetic_trace(r: ResolvedDeployment) -> Trace:
+    """Without a trace: Poisson arrivals at the workload's peak rate for half an hour, at its average lengths."""
+    import random
+    from array import array
+
+    from kvfleet.workload.traces import Trace
+
+    w = r.deployment.workload
+    if w.peak_requests_per_s is None:
+        raise KvfleetError(
+            "nothing to replay; give --trace FILE, or workload.peak_requests_per_s for Poisson arrivals",
+            field=f"deployments.{r.deployment.name}.workload",
+        )
+    rng = random.Random(0)  # the same arrivals every run: plans compare, not draws
+    t, times = 0.0, array("d")
+    while t < 1800:
+        times.append(t)
+        t += rng.expovariate(w.peak_requests_per_s)
+    n = len(times)
+    inp = w.avg_input_tokens or w.max_input_tokens
+    out = w.avg_output_tokens or w.max_output_tokens
+    return Trace(
+        source=f"Poisson arrivals at {w.peak_requests_per_s:g}/s",
+        fmt="azure",
+        arrival_s=times,
+        input_tokens=array("q", [inp] * n),
+        output_tokens=array("q", [out] * n),
+    )
+
+
+def cmd_simulate(a: argparse.Namespace) -> int:
+    from kvfleet.config.loader import environment_path, load_located
+    from kvfleet.deployments import config_error, plan_requests, resolve
+    from kvfleet.sim.fleet import simulate
+    from kvfleet.sim.report import render, summarize
+    from kvfleet.workload.traces import read_trace
+
+    loaded = load_located(environment_path(a.environment))
+    env = loaded.environment
+    try:
+        drs = plan_requests(env)
+    except KvfleetError as err:
+        raise loaded.problem(err) from None
+    names = [dr.deployment.name for dr in drs]
+    if a.deployment and a.deployment not in names:
+        raise KvfleetError(
+            f"no deployment {a.deployment!r} in {loaded.source}; it has {', '.join(names)}", field="deployment"
+        )
+    trace = (
+        read_trace(a.trace, fmt=a.trace_format, start_s=a.start_s, duration_s=a.duration_s, rate_scale=a.rate_scale)
+        if a.trace
+        else None
+    )
+    out = []
+    for dr in drs:
+        if a.deployment and dr.deployment.name != a.deployment:
+            continue
+        try:
+            r = resolve(env, dr)
+        except KvfleetError as err:
+            raise loaded.problem(config_error(err, dr.index)) from None
+        spec = _fleet_spec(r, a.router)
+        replay = trace or _synthetic_trace(r)
+        w = r.deployment.workload
+        report = summarize(
+            simulate(replay, spec),
+            spec,
+            ttft_slo_s=w.ttft_ms / 1000 if w.ttft_ms else None,
+            itl_slo_s=w.itl_ms / 1000 if w.itl_ms else None,
+        )
+        head = (
+            f"{dr.deployment.name}: {r.instance_type} x{spec.initial_replicas} "
+            f"({spec.scaling.min_replicas}-{spec.scaling.max_replicas}, {spec.scaling.kind}), {replay.source}"
+        )
+        out.append((head, report))
+    if a.json:
+        print(json.dumps([{"deployment": h.split(":", 1)[0], **rep.as_dict()} for h, rep in out], indent=2))
+    else:
+        print("\n\n".join(f"{h}\n{render(rep)}" for h, rep in out))
+    return 0
+
+
 COMMANDS = {
+    "simulate": cmd_simulate,
     "workload": cmd_workload,
     "capacity": cmd_capacity,
     "plan": cmd_plan,

@@ -79,8 +79,12 @@ ENV_ENGINE_PORT = "KVFLEET_ENGINE_PORT"
 ENV_ENGINE_PYTHON = "KVFLEET_ENGINE_PYTHON"  # the interpreter that has the engine installed
 ENV_ENGINE_COMMAND = "KVFLEET_ENGINE_COMMAND"  # JSON list replacing the engine's command line (tests)
 ENV_ENGINE_READY_TIMEOUT_S = "KVFLEET_ENGINE_READY_TIMEOUT_S"
+ENV_GPU_RELEASE_TIMEOUT_S = "KVFLEET_GPU_RELEASE_TIMEOUT_S"  # a restart's wait for the old engine's GPU memory
 ENV_ADMISSION = "KVFLEET_ADMISSION"
 ENV_ADMISSION_FACTOR = "KVFLEET_ADMISSION_FACTOR"
+# The agent admits up to this multiple of the plan's KV tokens (queued work included) unless told otherwise;
+# the fleet simulator models the same rule.
+ADMISSION_FACTOR = 2.0
 ENV_RETRY_AFTER_S = "KVFLEET_RETRY_AFTER_S"
 ENV_PUBLISH_INTERVAL_S = "KVFLEET_PUBLISH_INTERVAL_S"
 ENV_TENANT_HEADER = "KVFLEET_TENANT_HEADER"

@@ -1,0 +1,347 @@
+"""A fleet of replicas behind a router, scaled by the autoscaler its target really has.
+
+Autoscalers (the rules as AWS and Kubernetes document them):
+
+- ``target_tracking`` (SageMaker through Application Auto Scaling; EC2 Auto Scaling): the policy's alarms read
+  1-minute data; the high alarm fires after 3 consecutive minutes above the target and the low alarm after
+  15 consecutive minutes below 90% of it. On a breach the capacity goes to ceil(n x metric / target)
+  (scale-in: at most to that, never below the minimum). Several policies: scale out when any asks, in only
+  when all do. Cooldowns follow the alarm (Application Auto Scaling User Guide, "Target tracking scaling
+  policies" and "How target tracking works"; EC2 Auto Scaling User Guide, "Target tracking scaling policies").
+  New instances count only once they serve (SageMaker InService; EC2 instance warm-up).
+- ``ec2``: what kvfleet deploys on EC2 (kvfleet/infra/scaling.py): target tracking scales out only, and one
+  instance goes when, for every minute of the scale-in wait, max(signal / target) x n / (n - 1) < 1; the next
+  no sooner than one more wait (the simple policy's cooldown).
+- ``hpa`` (EKS through KEDA): the HPA controller syncs every 15 s, desired = ceil(n x metric / target) when the
+  ratio is outside the 10% tolerance; scale-up takes effect at once, scale-down uses the highest
+  recommendation of the stabilization window (kubernetes.io, "Horizontal Pod Autoscaling", algorithm details
+  and `--horizontal-pod-autoscaler-sync-period`, default 15 s).
+
+The metrics are those the agent publishes (kvfleet.contract): KV cache use (the fraction of blocks held) and
+requests waiting, averaged over the serving replicas, sampled every publish interval.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvfleet import contract
+from kvfleet.sim.replica import EngineLimits, Replica, Request, Stats, StepModel
+from kvfleet.workload.traces import Trace
+
+Router = Literal["round_robin", "least_outstanding"]
+AutoscalerKind = Literal["target_tracking", "ec2", "hpa", "none"]
+
+# Application Auto Scaling / EC2 target tracking: alarm periods and datapoints (see the module docstring).
+TT_PERIOD_S = 60
+TT_OUT_DATAPOINTS = 3
+TT_IN_DATAPOINTS = 15
+TT_IN_FRACTION = 0.9
+# Kubernetes HPA defaults.
+HPA_SYNC_S = 15
+HPA_TOLERANCE = 0.1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scaling:
+    kind: AutoscalerKind
+    min_replicas: int
+    max_replicas: int
+    kv_cache_target: float
+    queue_target: float
+    scale_out_cooldown_s: float = 60.0
+    scale_in_cooldown_s: float = 300.0
+    stabilization_s: float = 300.0  # HPA scale-down window
+    drain_budget_s: float = 300.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class FleetSpec:
+    limits: EngineLimits
+    model: StepModel
+    scaling: Scaling
+    initial_replicas: int
+    cold_start_s: float
+    usd_per_replica_hour: float | None
+    router: Router = "least_outstanding"
+    exact_steps: bool = False  # simulate every decode step on its own (slow; the check on the leaps)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sample:
+    t_s: float
+    replicas: int  # serving
+    starting: int
+    draining: int
+    outstanding: int
+    waiting: int
+    kv_utilization: float
+
+
+@dataclass(kw_only=True)
+class FleetResult:
+    stats: Stats
+    samples: list[Sample]
+    replica_seconds: float
+    end_s: float
+    requests: int
+    scale_events: list[tuple[float, int, str]] = field(default_factory=list)
+
+
+class _Member:
+    __slots__ = ("drain_started_s", "gone_s", "replica", "started_s")
+
+    def __init__(self, replica: Replica, started_s: float) -> None:
+        self.replica = replica
+        self.started_s = started_s  # billed from here (launch), serving from replica.ready_s
+        self.drain_started_s: float | None = None
+        self.gone_s: float | None = None
+
+
+class Fleet:
+    def __init__(self, spec: FleetSpec) -> None:
+        self.spec = spec
+        self.stats = Stats()
+        self.members: list[_Member] = []
+        self.samples: list[Sample] = []
+        self.events: list[tuple[float, int, str]] = []
+        self._rr = 0
+        self._next_id = 0
+        self._last_out_s = -math.inf
+        self._last_in_s = -math.inf
+        wait_minutes = math.ceil(spec.scaling.scale_in_cooldown_s / TT_PERIOD_S)
+        keep = max(TT_IN_DATAPOINTS, wait_minutes)
+        self._minutes: deque[tuple[float, float]] = deque(maxlen=keep)  # (kv, queue) per minute
+        self._window: list[tuple[float, float]] = []  # samples within the current minute
+        self._hpa_recs: deque[tuple[float, int]] = deque()
+        for _ in range(spec.initial_replicas):
+            self._launch(0.0, ready_now=True)
+        # The fleet was at its planned size before the replay began: that is the HPA's recommendation history.
+        self._hpa_recs.append((0.0, spec.initial_replicas))
+
+    # ---- membership ---------------------------------------------------------------------------------------
+
+    def _launch(self, t: float, *, ready_now: bool = False) -> None:
+        ready = t if ready_now else t + self.spec.cold_start_s
+        r = Replica(
+            self._next_id, self.spec.limits, self.spec.model, self.stats, ready_s=ready, leap=not self.spec.exact_steps
+        )
+        self._next_id += 1
+        self.members.append(_Member(r, t))
+
+    def _serving(self, t: float) -> list[Replica]:
+        return [
+            m.replica for m in self.members if m.gone_s is None and m.drain_started_s is None and m.replica.ready_s <= t
+        ]
+
+    def _alive(self) -> list[_Member]:
+        return [m for m in self.members if m.gone_s is None]
+
+    def _desired_count(self) -> int:
+        return sum(1 for m in self.members if m.gone_s is None and m.drain_started_s is None)
+
+    # ---- traffic ------------------------------------------------------------------------------------------
+
+    def route(self, req: Request, t: float) -> None:
+        serving = self._serving(t)
+        if not serving:
+            self.stats.rejected_503 += 1
+            return
+        if self.spec.router == "round_robin":
+            self._rr = (self._rr + 1) % len(serving)
+            target = serving[self._rr]
+        else:
+            target = min(serving, key=lambda r: (r.outstanding, r.rid))
+        if not target.admit(req, t):
+            self.stats.rejected_429 += 1
+
+    def advance(self, t: float) -> None:
+        for m in self.members:
+            if m.gone_s is None:
+                m.replica.advance(t)
+                if m.drain_started_s is not None:
+                    self._maybe_leave(m, t)
+
+    def _maybe_leave(self, m: _Member, t: float) -> None:
+        r = m.replica
+        assert m.drain_started_s is not None
+        if not r.outstanding:
+            m.gone_s = max(r.clock, m.drain_started_s)
+        elif t - m.drain_started_s >= self.spec.scaling.drain_budget_s:
+            r.abort_all(t)
+            m.gone_s = m.drain_started_s + self.spec.scaling.drain_budget_s
+
+    # ---- autoscaling --------------------------------------------------------------------------------------
+
+    def sample(self, t: float) -> None:
+        serving = self._serving(t)
+        alive = self._alive()
+        n = len(serving)
+        kv = sum(r.kv_utilization for r in serving) / n if n else 0.0
+        waiting = sum(len(r.waiting) for r in serving)
+        self.samples.append(
+            Sample(
+                t_s=t,
+                replicas=n,
+                starting=sum(1 for m in alive if m.replica.ready_s > t),
+                draining=sum(1 for m in alive if m.drain_started_s is not None),
+                outstanding=sum(r.outstanding for r in serving),
+                waiting=waiting,
+                kv_utilization=kv,
+            )
+        )
+        if n:
+            self._window.append((kv, waiting / n))
+
+    def _scale_to(self, t: float, desired: int, why: str) -> None:
+        s = self.spec.scaling
+        desired = max(s.min_replicas, min(s.max_replicas, desired))
+        current = self._desired_count()
+        if desired > current:
+            for _ in range(desired - current):
+                self._launch(t)
+            self._last_out_s = t
+            self.events.append((t, desired, why))
+        elif desired < current:
+            # Drain the newest serving replicas first (the ones that started last hold the least work).
+            candidates = [m for m in self.members if m.gone_s is None and m.drain_started_s is None]
+            candidates.sort(key=lambda m: (m.replica.ready_s > t, m.started_s), reverse=True)
+            for m in candidates[: current - desired]:
+                m.drain_started_s = t
+                self._maybe_leave(m, t)
+            self._last_in_s = t
+            self.events.append((t, desired, why))
+
+    def autoscale(self, t: float) -> None:
+        s = self.spec.scaling
+        if s.kind == "none":
+            return
+        if s.kind in ("target_tracking", "ec2"):
+            self._target_tracking(t)
+        else:
+            self._hpa(t)
+
+    def _target_tracking(self, t: float) -> None:
+        s = self.spec.scaling
+        if not self._window:
+            return
+        kv = sum(w[0] for w in self._window) / len(self._window)
+        q = sum(w[1] for w in self._window) / len(self._window)
+        self._window.clear()
+        self._minutes.append((kv, q))
+        n = len(self._serving(t)) or 1
+        recent = list(self._minutes)
+        out_votes = []
+        for i, target in ((0, s.kv_cache_target), (1, s.queue_target)):
+            last = recent[-TT_OUT_DATAPOINTS:]
+            if len(last) == TT_OUT_DATAPOINTS and all(m[i] > target for m in last):
+                out_votes.append(math.ceil(n * last[-1][i] / target))
+        if out_votes and t - self._last_out_s >= s.scale_out_cooldown_s:
+            self._scale_to(t, max(out_votes), "scale-out")
+            self._minutes.clear()
+            return
+        if s.kind == "ec2":
+            self._one_fewer(t, n, recent)
+            return
+        recent = recent[-TT_IN_DATAPOINTS:]
+        low_kv, low_q = TT_IN_FRACTION * s.kv_cache_target, TT_IN_FRACTION * s.queue_target
+        if (
+            len(recent) == TT_IN_DATAPOINTS
+            and t - self._last_in_s >= s.scale_in_cooldown_s
+            and all(m[0] < low_kv and m[1] < low_q for m in recent)
+        ):
+            # The capacity that would put the last minute at the target, as the out side computes it.
+            desired = max(
+                math.ceil(n * recent[-1][0] / s.kv_cache_target), math.ceil(n * recent[-1][1] / s.queue_target)
+            )
+            if desired < self._desired_count():
+                self._scale_to(t, desired, "scale-in")
+                self._minutes.clear()
+
+    def _one_fewer(self, t: float, n: int, recent: list[tuple[float, float]]) -> None:
+        s = self.spec.scaling
+        need = math.ceil(s.scale_in_cooldown_s / TT_PERIOD_S)
+        if n < 2 or len(recent) < need or t - self._last_in_s < s.scale_in_cooldown_s:
+            return
+        if all(max(kv / s.kv_cache_target, q / s.queue_target) * n / (n - 1) < 1 for kv, q in recent[-need:]):
+            self._scale_to(t, self._desired_count() - 1, "scale-in")
+            self._minutes.clear()
+
+    def _hpa(self, t: float) -> None:
+        s = self.spec.scaling
+        if not self._window:
+            return
+        kv = self._window[-1][0]
+        q = self._window[-1][1]
+        self._window.clear()
+        n = len(self._serving(t)) or 1
+        recs = []
+        for value, target in ((kv, s.kv_cache_target), (q, s.queue_target)):
+            ratio = value / target
+            recs.append(n if abs(ratio - 1) <= HPA_TOLERANCE else math.ceil(n * ratio))
+        rec = max(recs)
+        self._hpa_recs.append((t, rec))
+        while self._hpa_recs and self._hpa_recs[0][0] < t - s.stabilization_s:
+            self._hpa_recs.popleft()
+        current = self._desired_count()
+        if rec > current:
+            self._scale_to(t, rec, "scale-out")
+        else:
+            stable = max(r for _, r in self._hpa_recs)
+            if stable < current:
+                self._scale_to(t, stable, "scale-in")
+
+
+def simulate(trace: Trace, spec: FleetSpec, *, horizon_s: float | None = None) -> FleetResult:
+    """Replay ``trace`` through the fleet; after the last arrival, run until every request has ended."""
+    fleet = Fleet(spec)
+    publish = float(contract.PUBLISH_INTERVAL_S)
+    scale_every = HPA_SYNC_S if spec.scaling.kind == "hpa" else TT_PERIOD_S
+    arrivals = trace.arrival_s
+    inputs = trace.input_tokens
+    outputs = trace.output_tokens
+    blocks = trace.prefix_blocks
+    end = arrivals[-1] if horizon_s is None else min(horizon_s, arrivals[-1])
+    # Timers as a heap of (time, order, kind): samples every publish interval, autoscaler evaluations.
+    timers: list[tuple[float, int, str]] = [(publish, 0, "sample"), (float(scale_every), 1, "scale")]
+    i = 0
+    n = len(arrivals)
+    while i < n and arrivals[i] <= end:
+        t = arrivals[i]
+        while timers and timers[0][0] <= t:
+            tt, order, kind = heapq.heappop(timers)
+            fleet.advance(tt)
+            if kind == "sample":
+                fleet.sample(tt)
+                heapq.heappush(timers, (tt + publish, order, kind))
+            else:
+                fleet.autoscale(tt)
+                heapq.heappush(timers, (tt + scale_every, order, kind))
+        fleet.advance(t)
+        fleet.route(Request(i, t, inputs[i], outputs[i], blocks[i] if blocks is not None else None), t)
+        i += 1
+    # Drain what is left, still sampling (the timeline shows the tail), without further scaling.
+    t = end
+    while any(m.replica.outstanding for m in fleet._alive()):
+        t += publish
+        fleet.advance(t)
+        fleet.sample(t)
+        if t - end > 24 * 3600:  # a fleet that cannot finish its queue in a day: stop and say so
+            break
+    last = max([t, *(m.replica.clock for m in fleet.members)])
+    replica_s = 0.0
+    for m in fleet.members:
+        stop = m.gone_s if m.gone_s is not None else last
+        replica_s += max(0.0, stop - m.started_s)
+    return FleetResult(
+        stats=fleet.stats,
+        samples=fleet.samples,
+        replica_seconds=replica_s,
+        end_s=last,
+        requests=i,
+        scale_events=fleet.events,
+    )

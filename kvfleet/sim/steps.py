@@ -1,0 +1,34 @@
+"""The sizing core's batch step-time model (kvfleet.sizing.step) as the simulator's StepModel."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvfleet.sizing.step import PrefillChunk, Replica, StepBatch, StepConstants, step_time
+
+
+class RooflineSteps:
+    """Step times of one engine on its hardware, priced by ``kvfleet.sizing.step.step_time``."""
+
+    def __init__(self, replica: Replica, constants: StepConstants | None = None) -> None:
+        self.replica = replica
+        self.constants = constants
+        self._decode: dict[tuple[int, int], float] = {}
+
+    def step_s(self, *, prefill: Sequence[tuple[int, int]], decode_seqs: int, decode_kv_tokens: int) -> float:
+        if not prefill:
+            # Pure-decode steps repeat with the same batch; KV tokens are rounded to 1/64 of their count for the
+            # cache key (a step time moves by far less than that between neighbours).
+            key = (decode_seqs, decode_kv_tokens >> 6)
+            hit = self._decode.get(key)
+            if hit is not None:
+                return hit
+        batch = StepBatch(
+            prefill=tuple(PrefillChunk(tokens=n, start=s) for n, s in prefill),
+            decode_seqs=decode_seqs,
+            decode_kv_tokens=decode_kv_tokens,
+        )
+        value = step_time(self.replica, batch, self.constants).step_s
+        if not prefill:
+            self._decode[(decode_seqs, decode_kv_tokens >> 6)] = value
+        return value

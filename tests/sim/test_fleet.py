@@ -1,0 +1,108 @@
+"""The fleet: each autoscaler's documented timing, draining on scale-in, and `kvfleet simulate`."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from array import array
+from pathlib import Path
+
+import pytest
+
+from kvfleet.cli import main
+from kvfleet.sim.fleet import TT_OUT_DATAPOINTS, TT_PERIOD_S, FleetSpec, Scaling, simulate
+from kvfleet.sim.replica import EngineLimits, LinearStepModel
+from kvfleet.workload.traces import Trace
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = LinearStepModel(fixed_s=0.01, per_prefill_token_s=5e-5, per_decode_seq_s=1e-4, per_kv_token_s=1e-8)
+
+
+def steady(rate_per_s: float, seconds: float, *, prompt: int = 500, output: int = 200) -> Trace:
+    n = int(rate_per_s * seconds)
+    return Trace(
+        source="steady",
+        fmt="azure",
+        arrival_s=array("d", [i / rate_per_s for i in range(n)]),
+        input_tokens=array("q", [prompt] * n),
+        output_tokens=array("q", [output] * n),
+    )
+
+
+def spec(kind: str, *, initial: int, kv_blocks: int = 2_000, **scaling: float) -> FleetSpec:
+    s = {"min_replicas": 1, "max_replicas": 8, "kv_cache_target": 0.5, "queue_target": 2.0, **scaling}
+    return FleetSpec(
+        limits=EngineLimits(max_num_seqs=64, max_num_batched_tokens=4096, kv_blocks=kv_blocks),
+        model=MODEL,
+        scaling=Scaling(kind=kind, **s),  # type: ignore[arg-type]
+        initial_replicas=initial,
+        cold_start_s=120,
+        usd_per_replica_hour=3.6,
+    )
+
+
+def test_target_tracking_scales_out_after_three_breaching_minutes_and_new_replicas_serve_after_cold_start() -> None:
+    result = simulate(steady(12, 900), spec("target_tracking", initial=1))
+    first = result.scale_events[0]
+    assert first[2] == "scale-out" and first[0] == TT_OUT_DATAPOINTS * TT_PERIOD_S
+    serving = [x for x in result.samples if x.replicas > 1]
+    assert serving and serving[0].t_s >= first[0] + 120  # the cold start
+
+
+def test_ec2_scales_in_one_at_a_time_only_when_one_fewer_would_stay_under_target() -> None:
+    light = simulate(steady(0.5, 3600), spec("ec2", initial=4, scale_in_cooldown_s=600))
+    ins = [e for e in light.scale_events if e[2] == "scale-in"]
+    assert [e[1] for e in ins] == [3, 2, 1]
+    assert all(b[0] - a[0] >= 600 for a, b in itertools.pairwise(ins))
+    # A load that one replica fewer could not hold under the targets keeps all of them.
+    busy = simulate(steady(12, 1800), spec("ec2", initial=2, max_replicas=2, scale_in_cooldown_s=600))
+    assert not [e for e in busy.scale_events if e[2] == "scale-in"]
+
+
+def test_hpa_scale_down_waits_for_its_stabilization_window() -> None:
+    result = simulate(steady(0.5, 1800), spec("hpa", initial=4, stabilization_s=300))
+    ins = [e for e in result.scale_events if e[2] == "scale-in"]
+    assert ins and ins[0][0] >= 300
+
+
+@pytest.mark.parametrize(("budget", "aborted"), [(3600.0, False), (0.0, True)])
+def test_scale_in_drains_in_flight_generations_within_the_budget(budget: float, aborted: bool) -> None:
+    long = steady(0.1, 900, prompt=200, output=3000)
+    result = simulate(long, spec("ec2", initial=3, scale_in_cooldown_s=300, drain_budget_s=budget))
+    assert [e for e in result.scale_events if e[2] == "scale-in"]
+    assert (result.stats.aborted > 0) is aborted
+    if not aborted:
+        assert len(result.stats.finished) == len(long)
+
+
+def test_kvfleet_simulate_replays_a_trace_slice(capsys: pytest.CaptureFixture[str]) -> None:
+    trace = REPO / "traces" / "azure2023" / "AzureLLMInferenceTrace_conv.csv"
+    assert main(["simulate", "dev", "--trace", str(trace), "--duration-s", "600", "--json"]) == 0
+    [report] = json.loads(capsys.readouterr().out)
+    assert report["deployment"] == "chat"
+    assert (
+        report["requests"] == report["completed"] + report["rejected_429"] + report["rejected_503"] + report["aborted"]
+    )
+    assert report["ttft_s"]["p50"] > 0 and report["usd"] > 0
+
+
+def test_kvfleet_simulate_without_a_trace_uses_the_workload(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "dev"]) == 0
+    out = capsys.readouterr().out
+    assert "Poisson arrivals at 2/s" in out and "TTFT" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--deployment", "nope"], "no deployment 'nope'"),
+        (["--trace", "/nonexistent.csv"], "cannot read the trace"),
+        (["--trace", str(REPO / "README.md")], "not a trace kvfleet reads"),
+    ],
+)
+def test_kvfleet_simulate_bad_input_is_one_line(
+    args: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["simulate", "dev", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert expected in err and "\n" not in err
