@@ -15,6 +15,7 @@ import logging
 import re
 import sys
 import time
+import urllib.parse
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ import aiohttp
 from aiohttp import web
 
 from kvfleet import contract
-from kvfleet.agent import metrics, routes
+from kvfleet.agent import metrics, routes, upstream
 from kvfleet.agent.admission import Admission, request_tokens
 from kvfleet.agent.engine import EngineSupervisor
 from kvfleet.agent.gate import MAX_BODY_BYTES, BadRequest, parse_body
@@ -49,6 +50,7 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 # Marks on a response (StreamResponse is a mapping for such data) for the middleware that counts 5xx.
 _DELIBERATE = "kvfleet.deliberate"  # a 503 the agent chose (draining, engine starting): not a server error
 _FAILED = "kvfleet.failed"  # a stream that began 200 and ended with the engine's failure: a server error
+_QUERY_SAFE = "!$&'()*+,/:;=?@[]~%"  # RFC 3986 query characters, and escapes already made
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -93,7 +95,8 @@ class Agent:
         self._idle = asyncio.Event()
         self._idle.set()
         self._drain_task: asyncio.Task[bool] | None = None
-        self._session: aiohttp.ClientSession | None = None
+        self._session: aiohttp.ClientSession | None = None  # metrics scrapes
+        self._pool: upstream.EnginePool | None = None  # proxied requests
         self._runner: web.AppRunner | None = None
         self._background: list[asyncio.Task[Any]] = []
         self._publishing: asyncio.Task[Any] | None = None
@@ -145,6 +148,9 @@ class Agent:
             auto_decompress=False,
             cookie_jar=aiohttp.DummyCookieJar(),
         )
+        engine = urllib.parse.urlsplit(self.settings.engine_url)
+        assert engine.hostname is not None and engine.port is not None
+        self._pool = upstream.EnginePool(engine.hostname, engine.port)
         self.engine.start()
         self._background.append(asyncio.create_task(self._metrics_loop(), name="metrics"))
         if serve:
@@ -177,6 +183,8 @@ class Agent:
             await self._runner.cleanup()
         if self._session is not None:
             await self._session.close()
+        if self._pool is not None:
+            self._pool.close()
 
     # ---- drain -------------------------------------------------------------------------------------
 
@@ -273,7 +281,9 @@ class Agent:
                 parse_body(data)
             except BadRequest as err:
                 return _json_error(400, str(err), "invalid_request_error")
-        target = path + (f"?{request.query_string}" if request.query_string else "")
+        # The query as the client encoded it, re-quoted so that the request line stays printable ASCII.
+        query = urllib.parse.quote(request.rel_url.raw_query_string, safe=_QUERY_SAFE, errors="surrogateescape")
+        target = path + (f"?{query}" if query else "")
         return await self._forward(request, target, data, method=request.method)
 
     async def generate(self, request: web.Request, path: str) -> web.StreamResponse:
@@ -326,38 +336,49 @@ class Agent:
         self.collector.record(contract.SERVER_ERRORS.name, 1)
 
     async def _forward(self, request: web.Request, path: str, data: bytes, *, method: str) -> web.StreamResponse:
-        assert self._session is not None
+        assert self._pool is not None
         flight = self._enter()
-        headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
-        if "Accept" in request.headers:
-            headers["Accept"] = request.headers["Accept"]
+        # Only what the engine needs, and only as printable ASCII: the request goes out as one ASCII write.
+        headers = {"Content-Type": _header_value(request.headers.get("Content-Type")) or "application/json"}
+        accept = _header_value(request.headers.get("Accept"))
+        if accept:
+            headers["Accept"] = accept
+        conn: upstream.Connection | None = None
         resp: web.StreamResponse | None = None
-        tail = b"\n\n"
+        pipe: _Pipe | None = None
         try:
             # Redirects are never followed: a redirected request would skip the route table.
-            async with self._session.request(
-                method, self.settings.engine_url + path, data=data or None, headers=headers, allow_redirects=False
-            ) as upstream:
-                ctype = upstream.headers.get("Content-Type", "application/json")
-                if "text/event-stream" not in ctype:
-                    body = await upstream.read()
-                    return web.Response(status=upstream.status, body=body, headers={"Content-Type": ctype})
-                resp = web.StreamResponse(
-                    status=upstream.status, headers={"Content-Type": ctype, "Cache-Control": "no-cache"}
-                )
-                resp.headers[REQUEST_ID_HEADER] = request.get("request_id", "")
-                await _to_client(resp.prepare(request))
-                async for chunk in upstream.content.iter_any():
-                    await _to_client(resp.write(chunk))
-                    tail = chunk[-2:]
-                await _to_client(resp.write_eof())
-                return resp
+            conn = await self._pool.request(method, path, data, headers)
+            assert conn.head is not None
+            status, ctype = conn.head.status, conn.head.headers.get("content-type", "application/json")
+            if "text/event-stream" not in ctype or method == "HEAD" or status in (204, 304):
+                body = await conn.read()
+                return web.Response(status=status, body=body, headers={"Content-Type": ctype})
+            resp = web.StreamResponse(status=status, headers={"Content-Type": ctype, "Cache-Control": "no-cache"})
+            resp.headers[REQUEST_ID_HEADER] = request.get("request_id", "")
+            framed = request.version >= aiohttp.HttpVersion11
+            if framed:
+                resp.enable_chunked_encoding()
+            await _to_client(resp.prepare(request))
+            # The first bytes go out with the response head through aiohttp; the rest straight to the client's
+            # transport as they arrive, without a task wake-up per chunk (the proxy's main cost).
+            await conn.wait_body()
+            first = conn.take()
+            if first:
+                await _to_client(resp.write(first))
+            pipe = _Pipe(request, conn, framed=framed, tail=first[-2:] if first else b"\n\n")
+            conn.pipe(pipe.write)
+            await conn.finished()
+            await _to_client(resp.write_eof())
+            return resp
         except _ClientGone:
-            # The client went away mid-response; leaving the upstream context closes the engine request too.
+            # The client went away mid-response; the engine's connection is closed, which ends its request too.
             self.collector.record(contract.CLIENT_CANCELLED.name, 1)
             assert resp is not None
             return resp
         except asyncio.CancelledError:
+            if pipe is not None:
+                pipe.detach()
             if not flight.aborted:
                 if not self.draining:
                     self.collector.record(contract.CLIENT_CANCELLED.name, 1)
@@ -365,24 +386,22 @@ class Agent:
             msg = "the replica shut down before this request completed (drain budget exceeded); retry it"
             if resp is None:
                 return self._unavailable(msg)
-            with contextlib.suppress(ConnectionError, RuntimeError):
-                await resp.write(b"" if tail == b"\n\n" else b"\n\n")
-                await resp.write(_sse_error(msg, "server_shutdown", 503))
-                await resp.write_eof()
+            await _end_stream(resp, pipe, msg, "server_shutdown", 503)
             return resp
-        except (aiohttp.ClientError, TimeoutError) as err:
+        except upstream.EngineError as err:
             # The engine went away mid-request (it died, or it is restarting): 503 and Retry-After, counted as
             # a server error by the middleware; a stream already under way ends with an error event.
-            msg = f"the engine failed during this request ({type(err).__name__}); retry it"
+            if pipe is not None:
+                pipe.detach()
+            msg = f"the engine failed during this request ({err}); retry it"
             if resp is None:
                 return _json_error(503, msg, "engine_error", retry_after=self.settings.retry_after_s)
             resp[_FAILED] = True
-            with contextlib.suppress(ConnectionError, RuntimeError):
-                await resp.write(b"" if tail == b"\n\n" else b"\n\n")
-                await resp.write(_sse_error(msg, "engine_error", 502))
-                await resp.write_eof()
+            await _end_stream(resp, pipe, msg, "engine_error", 502)
             return resp
         finally:
+            if conn is not None:
+                self._pool.release(conn)  # closed unless its exchange completed: the engine drops that request
             self._leave(flight)
 
     # ---- signals -----------------------------------------------------------------------------------
@@ -424,6 +443,74 @@ class Agent:
         while True:
             await asyncio.sleep(self.settings.publish_interval_s)
             await self._publish_once()
+
+
+class _Pipe:
+    """Streams the engine's body bytes to the client's transport from the engine connection's callback.
+
+    Chunked framing is written here (aiohttp wrote the head with ``Transfer-Encoding: chunked`` and writes the
+    last chunk). A client that reads slower than the engine writes pauses the engine connection instead of
+    buffering without bound."""
+
+    HIGH_WATER = 256 * 1024
+    RECHECK_S = 0.02
+
+    def __init__(self, request: web.Request, conn: upstream.Connection, *, framed: bool, tail: bytes) -> None:
+        transport = request.transport
+        assert transport is not None
+        self._transport = transport
+        self._conn: upstream.Connection | None = conn
+        self._framed = framed
+        self.tail = tail  # the last bytes sent: an error event must start on an event boundary
+        self._loop = asyncio.get_running_loop()
+
+    def write(self, data: bytes) -> None:
+        transport = self._transport
+        if transport.is_closing():
+            self._gone()
+            return
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._framed else data)
+        self.tail = data[-2:] if len(data) >= 2 else (self.tail + data)[-2:]
+        if transport.get_write_buffer_size() > self.HIGH_WATER and self._conn is not None:
+            self._conn.pause()
+            self._loop.call_later(self.RECHECK_S, self._recheck)
+
+    def _recheck(self) -> None:
+        if self._conn is None:
+            return
+        if self._transport.is_closing():
+            self._gone()
+        elif self._transport.get_write_buffer_size() > self.HIGH_WATER // 4:
+            self._loop.call_later(self.RECHECK_S, self._recheck)
+        else:
+            self._conn.resume()
+
+    def _gone(self) -> None:
+        if self._conn is not None:
+            self._conn.abort(_ClientGone())
+            self._conn = None
+
+    def detach(self) -> None:
+        """No more bytes from the engine reach the client (an error event follows instead)."""
+        if self._conn is not None:
+            self._conn.detach()
+            self._conn = None
+
+
+async def _end_stream(resp: web.StreamResponse, pipe: _Pipe | None, msg: str, kind: str, code: int) -> None:
+    """Ends a stream under way with an error event, on an event boundary."""
+    tail = pipe.tail if pipe is not None else b"\n\n"
+    with contextlib.suppress(ConnectionError, RuntimeError):
+        await resp.write(b"" if tail == b"\n\n" else b"\n\n")
+        await resp.write(_sse_error(msg, kind, code))
+        await resp.write_eof()
+
+
+def _header_value(value: str | None) -> str | None:
+    """A header value to forward: printable ASCII only (anything else is dropped, never sent on)."""
+    if value is None or not value.isascii() or not value.isprintable():
+        return None
+    return value
 
 
 async def _to_client(write: Awaitable[Any]) -> None:

@@ -340,3 +340,19 @@ def test_client_disconnect_counts_client_cancelled_not_a_server_error() -> None:
                 assert 'kvfleet_client_cancelled_total{deployment="test-chat"} 1.0' in await m.text()
 
     run(go)
+
+
+def test_streams_and_plain_answers_under_uvloop_the_loop_the_image_runs() -> None:
+    # uvloop's transports are not asyncio.Transport subclasses: the engine client must not assume they are.
+    import uvloop
+
+    async def go() -> None:
+        async with running(settings(engine_command=fake_engine_command(capacity=16))) as r:
+            streams = await asyncio.gather(*(stream_completion(r.http, r.url, max_tokens=20) for _ in range(8)))
+            assert all(x["status"] == 200 and x["done"] and len(x["events"]) == 21 for x in streams)
+            async with r.http.post(r.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}) as c:
+                assert c.status == 200 and (await c.json())["choices"][0]["text"] == " tok" * 3
+            async with r.http.get(r.url + "/v1/models?x=%C3%A9&y=a%20b") as m:
+                assert m.status == 200
+
+    uvloop.run(asyncio.wait_for(go(), 60))
