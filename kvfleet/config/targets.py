@@ -120,7 +120,11 @@ class WarmPoolConfig(Frozen):
         ),
     )
     state: Literal["Stopped", "Running", "Hibernated"] = Field(
-        default="Stopped", description="Stopped: pay only for volumes; Running: fastest, pay for the instances."
+        default="Stopped",
+        description=(
+            "Stopped: pay only for volumes; Running: fastest, pay for the instances. Hibernated is refused: EC2 "
+            "hibernates no GPU instance type."
+        ),
     )
 
     @model_validator(mode="after")
@@ -128,6 +132,14 @@ class WarmPoolConfig(Frozen):
         # MaxGroupPreparedCapacity = MinSize = 0 would keep no instance warm at all.
         if self.enabled and self.min_size < 1:
             raise ValueError("min_size must be at least 1 with a warm pool (enabled: true)")
+        # EC2 hibernates only the general purpose, compute, memory and storage optimized families it lists, with at
+        # most 150 GB of RAM (EC2 User Guide, "Prerequisites for EC2 instance hibernation"): no GPU instance, and
+        # GPU memory could not be saved anyway. A hibernated pool of GPU instances would never leave launch.
+        if self.state == "Hibernated":
+            raise ValueError(
+                "state: Hibernated needs a type EC2 can hibernate, and no GPU instance type is one; use Stopped "
+                "(volumes only) or Running"
+            )
         return self
 
 
