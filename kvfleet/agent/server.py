@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 import aiohttp
-from aiohttp import web
+from aiohttp import http_exceptions, web
 
 from kvfleet import contract
 from kvfleet.agent import metrics, routes, upstream
@@ -110,12 +110,12 @@ class Agent:
         app = web.Application(
             client_max_size=MAX_BODY_BYTES, handler_args={"keepalive_timeout": 75}, middlewares=[self._guard]
         )
-        app.router.add_get(contract.HEALTH_ROUTE, self.ping)
-        app.router.add_post(contract.HEALTH_ROUTE, self.ping)
-        app.router.add_get(contract.METRICS_ROUTE, self.prometheus)
-        app.router.add_post(contract.DRAIN_ROUTE, self.drain_route)
+        app.router.add_get(contract.HEALTH_ROUTE, self.ping, expect_handler=_expect)
+        app.router.add_post(contract.HEALTH_ROUTE, self.ping, expect_handler=_expect)
+        app.router.add_get(contract.METRICS_ROUTE, self.prometheus, expect_handler=_expect)
+        app.router.add_post(contract.DRAIN_ROUTE, self.drain_route, expect_handler=_expect)
         # Every other path goes through the route table (kvfleet.agent.routes): anything not in it is 404.
-        app.router.add_route("*", "/{tail:.*}", self.dispatch)
+        app.router.add_route("*", "/{tail:.*}", self.dispatch, expect_handler=_expect)
         return app
 
     @web.middleware
@@ -275,20 +275,20 @@ class Agent:
             return self._unavailable("engine is starting")
         if route.generates:
             return await self.generate(request, path)
-        data = await request.read()
-        if data:
-            try:
+        try:
+            data = await self._read_body(request)
+            if data:
                 parse_body(data)
-            except BadRequest as err:
-                return _json_error(400, str(err), "invalid_request_error")
+        except BadRequest as err:
+            return _json_error(400, str(err), "invalid_request_error")
         # The query as the client encoded it, re-quoted so that the request line stays printable ASCII.
         query = urllib.parse.quote(request.rel_url.raw_query_string, safe=_QUERY_SAFE, errors="surrogateescape")
         target = path + (f"?{query}" if query else "")
         return await self._forward(request, target, data, method=request.method)
 
     async def generate(self, request: web.Request, path: str) -> web.StreamResponse:
-        raw = await request.read()
         try:
+            raw = await self._read_body(request)
             body = parse_body(raw)
         except BadRequest as err:
             return _json_error(400, str(err), "invalid_request_error")
@@ -302,6 +302,8 @@ class Agent:
             tenant = request.headers.get(s.tenant_header)
             if not tenant:
                 return _json_error(400, f"missing tenant header {s.tenant_header}", "invalid_request_error")
+            if not _utf8(tenant):  # bytes that are not UTF-8 arrive as surrogates, which have no salt
+                return _json_error(400, f"tenant header {s.tenant_header} is not UTF-8", "invalid_request_error")
             apply_salt(body, secret=s.tenant_secret, tenant=tenant)
             changed = True
         tokens = request_tokens(body, max_model_len=s.max_model_len)
@@ -318,6 +320,21 @@ class Agent:
             return await self._forward(request, path, data, method="POST")
         finally:
             self.admission.release(tokens)
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The request body (decoded per Content-Encoding, bounded by client_max_size). Failing to read it is
+        the client's doing: a 400, and a disconnect is counted as one, never as a server error."""
+        try:
+            return await request.read()
+        except http_exceptions.HttpProcessingError as err:
+            raise BadRequest(f"request body could not be read: {ascii(err.message)[1:-1][:200]}") from None
+        except web.RequestPayloadError as err:  # aiohttp's wrapper: a Content-Encoding that does not decode, say
+            cause = err.__cause__ or err
+            reason = cause.message if isinstance(cause, http_exceptions.HttpProcessingError) else str(cause)
+            raise BadRequest(f"request body could not be read: {ascii(reason)[1:-1][:200]}") from None
+        except (ConnectionError, asyncio.IncompleteReadError):
+            self.collector.record(contract.CLIENT_CANCELLED.name, 1)
+            raise BadRequest("request body incomplete: the client closed the connection") from None
 
     # ---- proxying ----------------------------------------------------------------------------------
 
@@ -504,6 +521,28 @@ async def _end_stream(resp: web.StreamResponse, pipe: _Pipe | None, msg: str, ki
         await resp.write(b"" if tail == b"\n\n" else b"\n\n")
         await resp.write(_sse_error(msg, kind, code))
         await resp.write_eof()
+
+
+async def _expect(request: web.Request) -> web.StreamResponse | None:
+    """The Expect header: aiohttp's own handler puts the value in its 417 and fails with a 500 on a value that
+    is not UTF-8; this one answers 100-continue as aiohttp does and anything else with a 417 in JSON."""
+    if request.version != aiohttp.HttpVersion11:
+        return None
+    expect = request.headers.get("Expect", "")
+    if expect.lower() == "100-continue":
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        return None
+    return _json_error(
+        417, f"Expect {ascii(expect)[:80]} is not supported (only 100-continue)", "invalid_request_error"
+    )
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _header_value(value: str | None) -> str | None:
