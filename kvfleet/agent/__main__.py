@@ -14,6 +14,8 @@ import signal
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Coroutine
+from typing import Any
 
 from kvfleet import contract
 from kvfleet.agent.settings import AgentSettings, SettingsError, from_env
@@ -43,9 +45,12 @@ async def _hf_token(settings: AgentSettings) -> dict[str, str]:
 
 
 async def serve(settings: AgentSettings) -> int:
-    from kvfleet.agent import aws, lifecycle, metrics
-    from kvfleet.agent.engine import EngineSupervisor
+    from kvfleet.agent import aws, engine, lifecycle, metrics
     from kvfleet.agent.server import Agent
+
+    # The engine's orphans (vLLM's EngineCore after its API server died) are re-parented here, to be killed
+    # and reaped, instead of to PID 1 where they would keep the accelerator's memory.
+    engine.become_subreaper()
 
     try:
         watcher = lifecycle.watcher_from_env(os.environ)
@@ -61,15 +66,21 @@ async def serve(settings: AgentSettings) -> int:
             replica=settings.replica,
         )
     extra_env = await _hf_token(settings)
-    agent = Agent(settings, engine=EngineSupervisor(settings, extra_env=extra_env), publisher=publisher)
+    supervisor = engine.EngineSupervisor(settings, extra_env=extra_env)
+    agent = Agent(settings, engine=supervisor, publisher=publisher)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, agent.request_shutdown)
-    await agent.start()
-    if watcher is not None:
-        agent.add_background(watcher.run(agent.drain), "lifecycle")
-    await agent.shutdown_requested.wait()
-    await agent.shutdown()
+    try:
+        await agent.start()
+        if watcher is not None:
+            agent.add_background(watcher.run(agent.drain), "lifecycle")
+        await agent.shutdown_requested.wait()
+        await agent.shutdown()
+    finally:
+        # Whatever ended serving (a failed start, an exception in the shutdown): no engine outlives the agent.
+        # After a clean shutdown this finds the engine stopped and does nothing.
+        await supervisor.stop(timeout=30)
     log.info("stopped (drain %s)", "clean" if agent.drained else "past its budget")
     return 0
 
@@ -90,6 +101,14 @@ def _drain_port() -> int:
     """The port to drain when the environment is not fully valid: the stack's, or the contract's."""
     raw = os.environ.get(contract.ENV_PORT, "")
     return int(raw) if raw.isdigit() else contract.SERVING_PORT
+
+
+def _run(coro: Coroutine[Any, Any, int]) -> int:
+    try:
+        import uvloop  # a faster event loop: the proxy hop is on every token's path
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,10 +149,11 @@ def main(argv: list[str] | None = None) -> int:
         settings.port,
     )
     try:
-        import uvloop  # a faster event loop: the proxy hop is on every token's path
-    except ImportError:
-        return asyncio.run(serve(settings))
-    return uvloop.run(serve(settings))
+        return _run(serve(settings))
+    finally:
+        from kvfleet.agent import engine
+
+        engine.kill_all()  # the last resort, where the event loop ended before the engine's stop could run
 
 
 if __name__ == "__main__":

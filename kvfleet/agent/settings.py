@@ -50,6 +50,10 @@ class AgentSettings:
     hf_token_secret_arn: str | None = None
     engine_ready_timeout_s: float = 3600.0
     restart_backoff_s: tuple[float, ...] = (1.0, 2.0, 5.0, 10.0, 30.0)
+    engine_kill_grace_s: float = 10.0  # what an engine left behind gets between SIGTERM and SIGKILL
+    # Before a restart on a GPU host: how long to wait for the old engine's device memory to be free
+    # (a new engine started while it is still held fails its own allocation); 0 does not wait.
+    gpu_release_timeout_s: float = 120.0
 
     @property
     def adapter(self) -> EngineAdapter:
@@ -224,4 +228,5 @@ def from_env(env: Mapping[str, str] | None = None) -> AgentSettings:
         tenant_secret=secret,
         hf_token_secret_arn=env.get(contract.ENV_HF_TOKEN_SECRET_ARN) or None,
         engine_ready_timeout_s=_float(env, contract.ENV_ENGINE_READY_TIMEOUT_S, 3600.0),
+        gpu_release_timeout_s=_float(env, contract.ENV_GPU_RELEASE_TIMEOUT_S, 120.0),
     )

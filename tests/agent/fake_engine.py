@@ -3,6 +3,14 @@
 Run as ``python -m tests.agent.fake_engine --port P``. Tokens come out every
 ``--token-delay`` seconds; the request body is echoed back in the response's ``echo`` field so tests can
 see what the agent forwarded (cache_salt included).
+
+``--grandchild`` forks a process that ignores SIGTERM (unless ``--grandchild-obeys-term``), as vLLM's
+EngineCore outlives its API server: in
+its own session with ``--grandchild-setsid`` (out of the engine's process group), ``--grandchild-delay``
+seconds after the server is up. ``--term-takes-group`` makes SIGTERM kill it before the engine exits, as
+vLLM's API server stops its EngineCore. ``--shared-memory NAME`` creates a POSIX shared-memory segment
+first, as vLLM does for its message queues: Python's resource tracker then runs beside the engine (and the
+grandchild inherits its pipe), and unlinks the segment once every process that could use it is gone.
 """
 
 from __future__ import annotations
@@ -10,7 +18,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import signal
 import time
+from types import FrameType
 
 from aiohttp import web
 
@@ -117,13 +128,55 @@ class FakeEngine:
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 
+GRANDCHILD_LIFETIME_S = 120.0  # a grandchild a failed test leaves behind goes away on its own
+
+
+def fork_grandchild(*, setsid: bool, obeys_term: bool) -> int:
+    pid = os.fork()
+    if pid == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if obeys_term else signal.SIG_IGN)
+        if setsid:
+            os.setsid()
+        deadline = time.monotonic() + GRANDCHILD_LIFETIME_S
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+        os._exit(0)
+    return pid
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--token-delay", type=float, default=0.01)
     p.add_argument("--capacity", type=int, default=4)
     p.add_argument("--startup-delay", type=float, default=0.0)
+    p.add_argument("--grandchild", action="store_true")
+    p.add_argument("--grandchild-setsid", action="store_true")
+    p.add_argument("--grandchild-delay", type=float, default=0.0)
+    p.add_argument("--grandchild-obeys-term", action="store_true")
+    p.add_argument("--term-takes-group", action="store_true")
+    p.add_argument("--shared-memory", default=None)
     a = p.parse_args()
+    if a.shared_memory:
+        from multiprocessing import shared_memory
+
+        segment = shared_memory.SharedMemory(name=a.shared_memory, create=True, size=4096)
+        segment.close()  # left for the resource tracker to unlink
+    grandchildren: list[int] = []
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        for pid in grandchildren:
+            os.kill(pid, signal.SIGKILL)
+        os._exit(0)
+
+    if a.term_takes_group:
+        signal.signal(signal.SIGTERM, on_term)
+
+    def grandchild() -> None:
+        grandchildren.append(fork_grandchild(setsid=a.grandchild_setsid, obeys_term=a.grandchild_obeys_term))
+
+    if a.grandchild and a.grandchild_delay == 0:
+        grandchild()  # before the event loop: a fork-safe point
 
     async def run() -> None:
         await asyncio.sleep(a.startup_delay)
@@ -131,6 +184,9 @@ def main() -> None:
         runner = web.AppRunner(engine.app(), access_log=None)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", a.port).start()
+        if a.grandchild and a.grandchild_delay > 0:
+            await asyncio.sleep(a.grandchild_delay)
+            grandchild()
         await asyncio.Event().wait()
 
     asyncio.run(run())

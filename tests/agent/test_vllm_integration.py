@@ -1,14 +1,17 @@
 """The agent in front of a REAL vLLM server (vLLM's CPU build, pinned, in its own virtualenv).
 
 One agent process serves the whole module, in order: a saturated cache shows up in the signals; the
-engine is killed and the agent restarts it; then SIGTERM during ten streaming generations drains them
-all and the agent exits 0. The model is a tiny Llama built locally (random weights; ``ignore_eos`` makes
-every generation run to its limit).
+engine's API server is killed and the agent restarts it, leaving none of the old engine's processes
+(EngineCore, its worker, the resource tracker) running; then SIGTERM during ten streaming generations
+drains them all, the agent exits 0 and no engine process is left. A second agent, the module's last test,
+is killed with SIGKILL and its engine goes with it. The model is a tiny Llama built locally (random
+weights; ``ignore_eos`` makes every generation run to its limit).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -61,6 +64,38 @@ class AgentProcess:
         return [int(p) for p in children.read_text().split()] if children.exists() else []
 
 
+def _stat(pid: int) -> tuple[int, int, str, int, str] | None:
+    """(ppid, pgid, state, start time, name) from /proc/<pid>/stat, read here independently of the agent."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text(errors="replace")
+    except OSError:
+        return None
+    f = raw[raw.rfind(")") + 2 :].split()
+    return int(f[1]), int(f[2]), f[0], int(f[19]), raw[raw.find("(") + 1 : raw.rfind(")")]
+
+
+def process_tree(root: int) -> dict[int, tuple[int, str]]:
+    """``root``, its descendants and its process group: pid -> (start time, name)."""
+    table = {int(n): st for n in os.listdir("/proc") if n.isdigit() and (st := _stat(int(n))) is not None}
+    found = {root} | {pid for pid, st in table.items() if st[1] == root}
+    grew = True
+    while grew:
+        more = {pid for pid, st in table.items() if st[0] in found} - found
+        found |= more
+        grew = bool(more)
+    return {pid: (table[pid][3], table[pid][4]) for pid in found if pid in table}
+
+
+def running(tree: dict[int, tuple[int, str]]) -> list[str]:
+    """The processes of ``tree`` still running (the same pid and start time, not a zombie)."""
+    out = []
+    for pid, (start, name) in tree.items():
+        st = _stat(pid)
+        if st is not None and st[3] == start and st[2] not in ("Z", "X"):
+            out.append(f"{pid} {name}")
+    return out
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny-llama")
@@ -85,9 +120,14 @@ def wait_ready(url: str, timeout: float) -> None:
 
 @pytest.fixture(scope="module")
 def agent(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
+    with started_agent(tiny_model, tmp_path_factory.mktemp("agent")) as a:
+        yield a
+
+
+@contextlib.contextmanager
+def started_agent(tiny_model: Path, logs: Path) -> Iterator[AgentProcess]:
     port = free_port()
     engine_port = free_port()
-    logs = tmp_path_factory.mktemp("agent")
     stdout = logs / "stdout.log"
     env = {
         **os.environ,
@@ -255,7 +295,11 @@ def test_engine_dies_agent_reports_unhealthy_and_restarts_it(agent: AgentProcess
     import urllib.request
 
     [engine] = agent.engine_pids()
-    os.killpg(engine, signal.SIGKILL)
+    old = process_tree(engine)
+    assert any("EngineCor" in name for _, name in old.values()), old  # vLLM's engine runs in a child
+    # SIGKILL to the API server alone (as the kernel's OOM killer would): its EngineCore and worker are
+    # orphaned, and survived the restart and the agent before the agent swept the engine's tree.
+    os.kill(engine, signal.SIGKILL)
     deadline = time.monotonic() + 10
     status = 200
     while time.monotonic() < deadline and status == 200:
@@ -268,8 +312,12 @@ def test_engine_dies_agent_reports_unhealthy_and_restarts_it(agent: AgentProcess
     assert status == 503
     assert agent.proc.poll() is None  # the agent itself keeps running
     wait_ready(agent.url, 240)
+    assert running(old) == []
+    # Killed and reaped: the agent's only child is the new engine, no orphan or zombie beside it.
     [restarted] = agent.engine_pids()
     assert restarted != engine
+    left = agent.stderr.read_text(errors="replace")
+    assert f"engine (pid {engine}) left " in left and "EngineCor" in left
     with urllib.request.urlopen(agent.url + "/metrics", timeout=5) as r:
         assert 'kvfleet_engine_restarts_total{deployment="it-tiny"} 1' in r.read().decode()
 
@@ -290,6 +338,8 @@ def test_sigterm_drains_ten_streams_then_exits_zero(agent: AgentProcess) -> None
             # sleep lets a fast machine finish the generations before the drain begins.
             await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 120)
             assert not any(t.done() for t in tasks), "generations finished before the drain began"
+            [engine] = agent.engine_pids()
+            tree = process_tree(engine)
             t0 = time.monotonic()
             agent.proc.send_signal(signal.SIGTERM)
             # How many generations were still running when readiness first read 503: the drain must take the pod out
@@ -304,7 +354,15 @@ def test_sigterm_drains_ten_streams_then_exits_zero(agent: AgentProcess) -> None
             new = await stream_completion(http, agent.url, model="tiny", max_tokens=5)
             results = await asyncio.gather(*tasks)
             code = await asyncio.to_thread(agent.proc.wait, DRAIN_BUDGET_S + 60)
-            return {"ping": ping_503_running, "new": new, "results": results, "code": code, "t": time.monotonic() - t0}
+            return {
+                "ping": ping_503_running,
+                "new": new,
+                "results": results,
+                "code": code,
+                "t": time.monotonic() - t0,
+                "tree": tree,
+                "left": running(tree),
+            }
 
     out = run(go())
     assert out["ping"] == 10, out["ping"]
@@ -315,3 +373,29 @@ def test_sigterm_drains_ten_streams_then_exits_zero(agent: AgentProcess) -> None
         assert tokens >= STREAM_TOKENS - 10  # the whole generation, not a cut stream
     assert out["code"] == 0
     assert out["t"] < DRAIN_BUDGET_S
+    # The agent has exited, and nothing of its engine runs: not the API server, EngineCore or its worker.
+    assert len(out["tree"]) >= 3 and out["left"] == [], out["tree"]
+
+
+def test_an_agent_killed_with_sigkill_takes_its_engine_with_it(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Nothing of the agent runs after SIGKILL: the kernel sends the engine's API server SIGTERM
+    (PR_SET_PDEATHSIG), and vLLM's API server stops its EngineCore and worker on SIGTERM."""
+    with started_agent(tiny_model, tmp_path_factory.mktemp("agent-sigkill")) as a:
+        [engine] = a.engine_pids()
+        tree = process_tree(engine)
+        assert any("EngineCor" in name for _, name in tree.values()), tree
+        a.proc.kill()
+        a.proc.wait()
+        try:
+            deadline = time.monotonic() + 60
+            while running(tree) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert running(tree) == [], tree
+        finally:
+            for pid, (start, _) in tree.items():  # a failure here must not leave a vLLM on the machine
+                st = _stat(pid)
+                if st is not None and st[3] == start:
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
