@@ -5,7 +5,8 @@ Per candidate:
  1. the engine's cache at start-up (``capacity``), with ``max_model_len`` = max input + max output;
  2. the sequences of that length the cache holds at once, capped by the concurrency target and by the
     inter-token-latency target (decode slows as the batch grows);
- 3. roofline speed (``perf``) -> requests/s per replica -> replicas for the peak load;
+ 3. speed under load (the batch step model, ``step.steady_state``, at the batch that runs) -> the ITL and
+    TTFT targets -> requests/s per replica -> replicas for the peak load (``perf``: one request alone);
  4. fleet cost per hour and cost per million output tokens at that load.
 """
 
@@ -23,6 +24,8 @@ from kvfleet.sizing.hosting import Hosting, PriceList
 from kvfleet.sizing.models import ModelSpec
 from kvfleet.sizing.perf import PerfEstimate, estimate, missing_perf_data
 from kvfleet.sizing.precision import KvDtype, Part, WeightScheme, weight_scheme
+from kvfleet.sizing.step import Limits, Replica, SteadyState, replica, steady_state
+from kvfleet.sizing.step import Workload as StepWorkload
 from kvfleet.sizing.units import GiB
 
 
@@ -118,7 +121,9 @@ class Candidate:
     capacity: Capacity
     concurrency_per_replica: int  # sequences of max_model_len run at once (emitted max_num_seqs)
     cache_concurrency: int  # what the cache alone would hold
-    perf: PerfEstimate
+    perf: PerfEstimate  # one request alone (the roofline)
+    under_load: SteadyState  # the batch step model with concurrency_per_replica sequences running
+    alone: SteadyState  # the same model with one sequence: what a request sees on an idle replica
     requests_per_s_per_replica: float
     output_tokens_per_s_per_replica: float
     replicas: int
@@ -293,6 +298,26 @@ class _Option:
             accelerator_name=self.it.accelerator.name,
         )
 
+    def step_replica(self) -> Replica:
+        return replica(
+            model=self.req.model,
+            accelerator=self.it.accelerator,
+            tp=self.tp,
+            nvlink=self.it.nvlink,
+            scheme=self.scheme,
+            kv_dtype=self.kv,
+        )
+
+    def under_load(self, cap: Capacity, batch: int, rep: Replica | None = None) -> SteadyState:
+        """The batch step model in steady state with ``batch`` sequences kept running: every step carries the
+        decodes and its share of prefill chunks, within the engine's token budget."""
+        wl = self.req.workload
+        return steady_state(
+            rep or self.step_replica(),
+            StepWorkload(input_tokens=wl.input_tokens, output_tokens=wl.output_tokens, concurrency=batch),
+            limits=Limits(max_num_batched_tokens=cap.max_num_batched_tokens, max_running=batch),
+        )
+
     def perf(self, cap: Capacity, batch: int) -> PerfEstimate:
         wl = self.req.workload
         weights = cap.weights
@@ -358,12 +383,18 @@ def _batch(o: _Option, cap: Capacity) -> tuple[int, str] | Rejection:
     return batch, limited
 
 
-def _meet_latency(o: _Option, cap: Capacity, batch: int, limited: str) -> tuple[int, str, PerfEstimate] | Rejection:
-    """Shrink the batch to the largest that meets the ITL target; reject what misses ITL or TTFT anyway."""
+def _meet_latency(
+    o: _Option, cap: Capacity, batch: int, limited: str
+) -> tuple[int, str, PerfEstimate, SteadyState] | Rejection:
+    """Shrink the batch to the largest that meets the ITL target under load; reject what misses ITL or TTFT anyway.
+
+    Both targets are held to the batch step model at the planned concurrency (decodes sharing every step with
+    the prefill chunks of the requests that replace finished ones), not to a request alone."""
     wl = o.req.workload
-    perf = o.perf(cap, batch)
-    if wl.itl_target_s is not None and perf.itl_s > wl.itl_target_s:
-        one = o.perf(cap, 1)
+    rep = o.step_replica()
+    load = o.under_load(cap, batch, rep)
+    if wl.itl_target_s is not None and load.itl_s > wl.itl_target_s:
+        one = o.under_load(cap, 1, rep)
         if one.itl_s > wl.itl_target_s:
             return o.reject(
                 f"inter-token latency {one.itl_s * 1e3:.1f} ms even for one sequence, "
@@ -372,49 +403,46 @@ def _meet_latency(o: _Option, cap: Capacity, batch: int, limited: str) -> tuple[
         lo, hi = 1, batch  # itl grows with the batch: largest batch meeting the target
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if o.perf(cap, mid).itl_s <= wl.itl_target_s:
+            if o.under_load(cap, mid, rep).itl_s <= wl.itl_target_s:
                 lo = mid
             else:
                 hi = mid - 1
         batch, limited = lo, "itl-target"
-        perf = o.perf(cap, batch)
-    if wl.ttft_target_s is not None and perf.ttft_s > wl.ttft_target_s:
+        load = o.under_load(cap, batch, rep)
+    perf = o.perf(cap, batch)
+    if wl.ttft_target_s is not None and load.ttft_s > wl.ttft_target_s:
         return o.reject(
-            f"time to first token {perf.ttft_s * 1e3:.0f} ms for a {wl.input_tokens}-token prompt, "
-            f"target {wl.ttft_target_s * 1e3:.0f} ms",
+            f"time to first token {load.ttft_s * 1e3:.0f} ms for a {wl.input_tokens}-token prompt with {batch} "
+            f"sequences running, target {wl.ttft_target_s * 1e3:.0f} ms",
         )
-    return batch, limited, perf
+    return batch, limited, perf, load
 
 
-def _answer_time(o: _Option, perf: PerfEstimate) -> tuple[str, ...] | Rejection:
+def _answer_time(o: _Option, perf: PerfEstimate, load: SteadyState) -> tuple[str, ...] | Rejection:
     """Where the host bounds a buffered request, the longest answer must fit in it (or be streamed)."""
     limit = o.req.hosting.buffered_response_limit_s
     if limit is None:
         return ()
     wl = o.req.workload
-    longest_s = perf.ttft_s + wl.max_output_tokens * perf.itl_s
+    longest_s = load.ttft_s + wl.max_output_tokens * load.itl_s
     if longest_s <= limit:
         return ()
     what = (
-        f"the longest answer ({wl.max_output_tokens} tokens at {perf.itl_s * 1e3:.0f} ms each) takes about "
+        f"the longest answer ({wl.max_output_tokens} tokens at {load.itl_s * 1e3:.0f} ms each) takes about "
         f"{longest_s:.0f} s"
     )
     if wl.streaming:
         return (f"{what}: stream it (InvokeEndpointWithResponseStream); a buffered call times out at {limit:g} s",)
-    fits = max(1, int((limit - perf.ttft_s) / perf.itl_s))
+    fits = max(1, int((limit - load.ttft_s) / load.itl_s))
     return o.reject(
         f"{what}, and a buffered invocation on this target times out at {limit:g} s; stream the answers "
         f"(workload.streaming: true), or lower max_output_tokens to {fits}",
     )
 
 
-def _requests_per_s(o: _Option, perf: PerfEstimate, batch: int) -> float:
-    # One request costs its prefill plus its share of decode steps; a replica also cannot run more
-    # than `batch` requests at once (Little's law).
-    wl = o.req.workload
-    per_request_s = perf.prefill_s + wl.output_tokens * perf.decode_step_s / batch
-    latency_s = perf.ttft_s + wl.output_tokens * perf.itl_s
-    return min(1.0 / per_request_s, batch / latency_s)
+def _requests_per_s(load: SteadyState) -> float:
+    # Requests a replica completes per second with its batch kept full: the step model's steady state.
+    return load.requests_per_s
 
 
 def _replicas(o: _Option, rps: float) -> int | Rejection:
@@ -443,11 +471,11 @@ def _evaluate(req: PlanRequest, it: InstanceType, tp: int, scheme: WeightScheme,
     fast = _meet_latency(o, cap, *sized)
     if isinstance(fast, Rejection):
         return fast
-    batch, limited, perf = fast
-    answer = _answer_time(o, perf)
+    batch, limited, perf, load = fast
+    answer = _answer_time(o, perf, load)
     if isinstance(answer, Rejection):
         return answer
-    rps = _requests_per_s(o, perf, batch)
+    rps = _requests_per_s(load)
     replicas = _replicas(o, rps)
     if isinstance(replicas, Rejection):
         return replicas
@@ -468,6 +496,8 @@ def _evaluate(req: PlanRequest, it: InstanceType, tp: int, scheme: WeightScheme,
         concurrency_per_replica=batch,
         cache_concurrency=cap.concurrent_sequences,
         perf=perf,
+        under_load=load,
+        alone=o.under_load(cap, 1),
         requests_per_s_per_replica=rps,
         output_tokens_per_s_per_replica=rps * req.workload.output_tokens,
         replicas=replicas,

@@ -49,7 +49,7 @@ from kvfleet.sizing.units import GiB, MiB
 # contract.DRAIN_ROUTE, which the agent also refuses from anything but loopback), with anything after them, and
 # every percent-encoded path: the agent's router decodes one (aiohttp routes "/%6Detrics" to /metrics) while a
 # path pattern compares the path as sent, and no client route (kvfleet.agent.routes) needs an escape. The health
-# route stays reachable: the SageMaker contract's GET /ping, which says only ok or draining.
+# route (contract.HEALTH_ROUTE, the SageMaker contract's health check) stays reachable: it says only ok or draining.
 # ALB rules (User Guide, "Listener rules" and "Condition types for listener rules"; AWS::ElasticLoadBalancingV2::
 # ListenerRule PathPatternConfig): lowest priority number first, then the default action; a path-pattern compares
 # the path only, not the query string, case-sensitively, with * and ? wildcards, at most 128 characters each.

@@ -546,7 +546,7 @@ def test_a_pinned_ami_too_old_for_the_image_fails_synth() -> None:
         "      platform: sagemaker\n",
         "      platform: sagemaker\n      inference_ami_version: al2-ami-sagemaker-inference-gpu-3-1\n",
     )
-    with pytest.raises(KvfleetError, match=r"^target\.inference_ami_version: .*needs CUDA 13\.0"):
+    with pytest.raises(KvfleetError, match=r"^deployments\[0\]\.target\.inference_ami_version: .*needs CUDA 13\.0"):
         only(text)
 
 
@@ -562,7 +562,7 @@ def test_no_ami_for_the_image_fails_synth(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(cuda, "_data", lambda: data)
     cuda.hosts.cache_clear()
     try:
-        with pytest.raises(KvfleetError, match=r"^engine\.version: the image .*needs CUDA 13\.0"):
+        with pytest.raises(KvfleetError, match=r"^deployments\[0\]\.engine\.version: the image .*needs CUDA 13\.0"):
             only()
     finally:
         cuda.hosts.cache_clear()
