@@ -92,6 +92,7 @@ ENV_TENANT_SECRET = "KVFLEET_TENANT_SECRET"
 ENV_TENANT_SECRET_FILE = "KVFLEET_TENANT_SECRET_FILE"
 ENV_IMDS_URL = "KVFLEET_IMDS_URL"
 ENV_LOG_LEVEL = "KVFLEET_LOG_LEVEL"
+ENV_REQUEST_LOG = "KVFLEET_REQUEST_LOG"  # "0": no request log lines (see REQUEST_LOG_FIELDS)
 # Not kvfleet's own name: the region variable of the AWS CLI and SDKs. The agent reads it (then
 # AWS_DEFAULT_REGION, which botocore itself reads) for its AWS clients; SageMaker documents no region variable in
 # the container, EKS Pod Identity injects none, and the EC2 user data knows the region only on the instance, so

@@ -73,11 +73,9 @@ def _input_tokens(items: Any) -> int:
 LIMIT_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 
 
-def request_tokens(body: Mapping[str, Any], *, max_model_len: int | None) -> int:
-    """Tokens a generation request can hold in the KV cache: prompt plus its generation limit.
-
-    Completions (``prompt``), chat and Anthropic messages (``messages``, ``system``) and responses
-    (``input``, ``instructions``)."""
+def prompt_tokens(body: Mapping[str, Any]) -> int:
+    """The prompt's tokens, estimated: completions (``prompt``), chat and Anthropic messages (``messages``,
+    ``system``) and responses (``input``, ``instructions``)."""
     if "messages" in body:
         prompt = _message_tokens(body["messages"])
     elif "input" in body:
@@ -87,6 +85,12 @@ def request_tokens(body: Mapping[str, Any], *, max_model_len: int | None) -> int
     for framing in ("system", "instructions"):
         value = body.get(framing)
         prompt += _text_tokens(value) if isinstance(value, str) else _message_tokens(value) if value else 0
+    return prompt
+
+
+def request_tokens(body: Mapping[str, Any], *, max_model_len: int | None) -> int:
+    """Tokens a generation request can hold in the KV cache: prompt plus its generation limit."""
+    prompt = prompt_tokens(body)
     raw_n = body.get("n")
     n = raw_n if isinstance(raw_n, int) and raw_n > 0 else 1
     limit = next((body[f] for f in LIMIT_FIELDS if body.get(f) is not None), None)

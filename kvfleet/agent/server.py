@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import ipaddress
 import json
 import logging
@@ -26,7 +27,7 @@ from aiohttp import http_exceptions, web
 
 from kvfleet import contract
 from kvfleet.agent import metrics, routes, upstream
-from kvfleet.agent.admission import Admission, request_tokens
+from kvfleet.agent.admission import Admission, prompt_tokens, request_tokens
 from kvfleet.agent.engine import EngineSupervisor
 from kvfleet.agent.gate import MAX_BODY_BYTES, BadRequest, parse_body
 from kvfleet.agent.settings import AgentSettings
@@ -52,6 +53,31 @@ _DELIBERATE = "kvfleet.deliberate"  # a 503 the agent chose (draining, engine st
 _FAILED = "kvfleet.failed"  # a stream that began 200 and ended with the engine's failure: a server error
 _QUERY_SAFE = "!$&'()*+,/:;=?@[]~%"  # RFC 3986 query characters, and escapes already made
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# What the request log reads back from a request's handling (stored on the aiohttp request).
+_FIRST_BYTE_S = "kvfleet.first_byte_s"
+_USAGE = "kvfleet.usage"
+_EVENTS = "kvfleet.events"
+_PROMPT_ESTIMATE = "kvfleet.prompt_estimate"
+_TENANT_HASH = "kvfleet.tenant_hash"
+_LAST_KEPT = 4096  # bytes of a stream's end kept for its usage event
+
+
+def _usage_of(body: bytes) -> dict[str, Any] | None:
+    """The ``usage`` object of a JSON response, or of the last server-sent event that carries one."""
+    candidates = [body] if not body.lstrip().startswith(b"data:") and b"\ndata: " not in body else []
+    for line in reversed(body.split(b"\n")):
+        if line.startswith(b"data: ") and b'"usage"' in line:
+            candidates.append(line[len(b"data: ") :])
+            break
+    for text in candidates:
+        try:
+            obj = json.loads(text)
+        except (ValueError, RecursionError):
+            continue
+        usage = obj.get("usage") if isinstance(obj, dict) else None
+        if isinstance(usage, dict):
+            return usage
+    return None
 
 
 class _ClientGone(Exception):
@@ -287,6 +313,38 @@ class Agent:
         return await self._forward(request, target, data, method=request.method)
 
     async def generate(self, request: web.Request, path: str) -> web.StreamResponse:
+        arrived, started = time.time(), time.monotonic()
+        resp = await self._generate(request, path)
+        if self.settings.request_log:
+            self._log_request(request, resp, arrived=arrived, started=started)
+        return resp
+
+    def _log_request(self, request: web.Request, resp: web.StreamResponse, *, arrived: float, started: float) -> None:
+        """One line per generation request for `kvfleet workload` (kvfleet.contract.REQUEST_LOG_FIELDS): no text,
+        and the tenant only as a hash of its cache salt."""
+        f = contract.REQUEST_LOG_FIELDS
+        usage = request.get(_USAGE)
+        usage = usage if isinstance(usage, dict) else {}
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        first = request.get(_FIRST_BYTE_S)
+        now = time.monotonic()
+        prompt = usage.get("prompt_tokens", request.get(_PROMPT_ESTIMATE, 0))
+        output = usage.get("completion_tokens", request.get(_EVENTS, 0))
+        record = {
+            contract.REQUEST_LOG_KIND_KEY: contract.REQUEST_LOG_KIND,
+            f.time: round(arrived, 3),
+            f.tenant: request.get(_TENANT_HASH, ""),
+            f.prompt_tokens: prompt if isinstance(prompt, int) else 0,
+            f.cached_tokens: cached if isinstance(cached, int) else 0,
+            f.output_tokens: output if isinstance(output, int) else 0,
+            f.ttft_s: round((first if isinstance(first, float) else now) - started, 4),
+            f.e2e_s: round(now - started, 4),
+            f.status: resp.status,
+        }
+        self.stdout.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    async def _generate(self, request: web.Request, path: str) -> web.StreamResponse:
         try:
             raw = await self._read_body(request)
             body = parse_body(raw)
@@ -306,7 +364,12 @@ class Agent:
                 return _json_error(400, f"tenant header {s.tenant_header} is not UTF-8", "invalid_request_error")
             apply_salt(body, secret=s.tenant_secret, tenant=tenant)
             changed = True
+            if s.request_log:
+                salt = str(body.get("cache_salt", ""))
+                request[_TENANT_HASH] = hashlib.sha256(salt.encode()).hexdigest()[:16]
         tokens = request_tokens(body, max_model_len=s.max_model_len)
+        if s.request_log:
+            request[_PROMPT_ESTIMATE] = prompt_tokens(body)
         if not self.admission.try_reserve(tokens):
             self.collector.record(contract.REQUESTS_SHED.name, 1)
             return _json_error(
@@ -370,6 +433,9 @@ class Agent:
             status, ctype = conn.head.status, conn.head.headers.get("content-type", "application/json")
             if "text/event-stream" not in ctype or method == "HEAD" or status in (204, 304):
                 body = await conn.read()
+                request[_FIRST_BYTE_S] = time.monotonic()
+                if self.settings.request_log and status == 200 and b'"usage"' in body:
+                    request[_USAGE] = _usage_of(body)
                 return web.Response(status=status, body=body, headers={"Content-Type": ctype})
             resp = web.StreamResponse(status=status, headers={"Content-Type": ctype, "Cache-Control": "no-cache"})
             resp.headers[REQUEST_ID_HEADER] = request.get("request_id", "")
@@ -380,13 +446,20 @@ class Agent:
             # The first bytes go out with the response head through aiohttp; the rest straight to the client's
             # transport as they arrive, without a task wake-up per chunk (the proxy's main cost).
             await conn.wait_body()
+            request[_FIRST_BYTE_S] = time.monotonic()
             first = conn.take()
             if first:
                 await _to_client(resp.write(first))
-            pipe = _Pipe(request, conn, framed=framed, tail=first[-2:] if first else b"\n\n")
+            pipe = _Pipe(request, conn, framed=framed, tail=first[-2:] if first else b"\n\n", first=first)
             conn.pipe(pipe.write)
             await conn.finished()
             await _to_client(resp.write_eof())
+            if self.settings.request_log:
+                # Events with a token (the [DONE] line and a usage event are not); the engine's usage wins when
+                # the client asked for it (stream_options.include_usage): under load one event can hold several.
+                request[_EVENTS] = max(0, pipe.events - 1)
+                if b'"usage"' in pipe.last:
+                    request[_USAGE] = _usage_of(pipe.last)
             return resp
         except _ClientGone:
             # The client went away mid-response; the engine's connection is closed, which ends its request too.
@@ -472,7 +545,9 @@ class _Pipe:
     HIGH_WATER = 256 * 1024
     RECHECK_S = 0.02
 
-    def __init__(self, request: web.Request, conn: upstream.Connection, *, framed: bool, tail: bytes) -> None:
+    def __init__(
+        self, request: web.Request, conn: upstream.Connection, *, framed: bool, tail: bytes, first: bytes = b""
+    ) -> None:
         transport = request.transport
         assert transport is not None
         self._transport = transport
@@ -480,6 +555,8 @@ class _Pipe:
         self._framed = framed
         self.tail = tail  # the last bytes sent: an error event must start on an event boundary
         self._loop = asyncio.get_running_loop()
+        self.events = first.count(b"data: ")  # server-sent events passed on (for the request log)
+        self.last = first[-_LAST_KEPT:]  # where a usage event would be
 
     def write(self, data: bytes) -> None:
         transport = self._transport
@@ -487,6 +564,8 @@ class _Pipe:
             self._gone()
             return
         transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._framed else data)
+        self.events += data.count(b"data: ")
+        self.last = (self.last + data)[-_LAST_KEPT:]
         self.tail = data[-2:] if len(data) >= 2 else (self.tail + data)[-2:]
         if transport.get_write_buffer_size() > self.HIGH_WATER and self._conn is not None:
             self._conn.pause()

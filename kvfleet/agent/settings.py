@@ -40,10 +40,11 @@ class AgentSettings:
     admission: bool = True
     # Tokens admitted (queued + running) per token of KV cache: 1.0 admits what the cache holds; 2.0
     # also queues as much again, enough to keep batches full without TTFT growing without bound.
-    admission_factor: float = 2.0
+    admission_factor: float = contract.ADMISSION_FACTOR
     retry_after_s: int = 2
     publish_interval_s: float = float(contract.PUBLISH_INTERVAL_S)
     put_metric_data: bool = False
+    request_log: bool = True  # one line per generation request on stdout (contract.REQUEST_LOG_FIELDS)
     region: str | None = None
     tenant_header: str | None = None  # isolation on when set together with the secret
     tenant_secret: bytes | None = field(default=None, repr=False)
@@ -219,11 +220,12 @@ def from_env(env: Mapping[str, str] | None = None) -> AgentSettings:
         drain_budget_s=_float(env, contract.ENV_DRAIN_BUDGET_S, 300.0),
         token_budget=_optional_int(env, contract.ENV_TOKEN_BUDGET),
         admission=_bool(env, contract.ENV_ADMISSION, True),
-        admission_factor=_float(env, contract.ENV_ADMISSION_FACTOR, 2.0),
+        admission_factor=_float(env, contract.ENV_ADMISSION_FACTOR, contract.ADMISSION_FACTOR),
         retry_after_s=_int(env, contract.ENV_RETRY_AFTER_S, 2) or 1,
         publish_interval_s=_float(env, contract.ENV_PUBLISH_INTERVAL_S, float(contract.PUBLISH_INTERVAL_S)) or 1.0,
         put_metric_data=_bool(env, contract.ENV_PUT_METRIC_DATA, False),
-        region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION"),
+        request_log=_bool(env, contract.ENV_REQUEST_LOG, True),
+        region=env.get(contract.REGION_VARIABLE) or env.get("AWS_DEFAULT_REGION"),
         tenant_header=header,
         tenant_secret=secret,
         hf_token_secret_arn=env.get(contract.ENV_HF_TOKEN_SECRET_ARN) or None,

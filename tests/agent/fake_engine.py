@@ -71,6 +71,13 @@ class FakeEngine:
         self, request: web.Request, body: dict[str, object], n: int, arrived: float
     ) -> web.StreamResponse:
         chat = request.path.endswith("/chat/completions")
+        prompt = str(body.get("prompt") or body.get("messages") or "")
+        # As vLLM reports it: prompt tokens (here one per word), generated tokens, prefix-cache hits.
+        usage = {
+            "prompt_tokens": len(prompt.split()) or 1,
+            "completion_tokens": n,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
         if not body.get("stream"):
             await asyncio.sleep(self.token_delay * n)
             self.generated += n
@@ -78,7 +85,7 @@ class FakeEngine:
             text = " tok" * n
             whole: dict[str, object] = {"index": 0, "finish_reason": "length"}
             whole.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
-            return web.json_response({"id": "cmpl-1", "choices": [whole], "echo": body})
+            return web.json_response({"id": "cmpl-1", "choices": [whole], "echo": body, "usage": usage})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await resp.prepare(request)
         for i in range(n):
@@ -93,6 +100,9 @@ class FakeEngine:
             if i == 0:
                 chunk["echo"] = body
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        options = body.get("stream_options")
+        if isinstance(options, dict) and options.get("include_usage"):
+            await resp.write(f"data: {json.dumps({'id': 'cmpl-1', 'choices': [], 'usage': usage})}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
+from kvfleet import contract
 from kvfleet.agent.server import Agent
 from kvfleet.agent.settings import AgentSettings
 from kvfleet.engines import EngineArgs
@@ -72,7 +73,12 @@ class Running:
     stdout: io.StringIO
 
     def emf(self) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in self.stdout.getvalue().splitlines() if line.startswith("{")]
+        lines = [json.loads(line) for line in self.stdout.getvalue().splitlines() if line.startswith("{")]
+        return [x for x in lines if "_aws" in x]
+
+    def request_log(self) -> list[dict[str, Any]]:
+        lines = [json.loads(line) for line in self.stdout.getvalue().splitlines() if line.startswith("{")]
+        return [x for x in lines if x.get(contract.REQUEST_LOG_KIND_KEY) == contract.REQUEST_LOG_KIND]
 
 
 @contextlib.asynccontextmanager

@@ -7,10 +7,13 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 
+from kvfleet import contract
 from kvfleet.agent.tenancy import cache_salt
 from tests.agent.harness import fake_engine_command, run, running, settings, stream_completion
 
@@ -356,3 +359,36 @@ def test_streams_and_plain_answers_under_uvloop_the_loop_the_image_runs() -> Non
                 assert m.status == 200
 
     uvloop.run(asyncio.wait_for(go(), 60))
+
+
+def test_request_log_has_one_line_per_generation_that_kvfleet_workload_reads(tmp_path: Path) -> None:
+    from kvfleet.workload.profile import profile
+    from kvfleet.workload.traces import read_trace
+
+    async def go() -> list[dict[str, Any]]:
+        async with running(settings(engine_command=fake_engine_command(token_delay=0.01))) as r:
+            plain = await r.http.post(r.url + "/v1/completions", json={"prompt": "a b c d", "max_tokens": 5})
+            assert plain.status == 200
+            streamed = await stream_completion(r.http, r.url, max_tokens=7)
+            assert streamed["status"] == 200
+            usage = await stream_completion(r.http, r.url, max_tokens=9, stream_options={"include_usage": True})
+            assert usage["status"] == 200
+            bad = await r.http.post(r.url + "/v1/completions", data=b"{not json")
+            assert bad.status == 400
+            return r.request_log()
+
+    lines = run(go)
+    f = contract.REQUEST_LOG_FIELDS
+    assert [x[f.status] for x in lines] == [200, 200, 200, 400]
+    plain, streamed, with_usage, _ = lines
+    assert plain[f.output_tokens] == 5 and plain[f.prompt_tokens] == 4  # the engine's usage
+    assert streamed[f.output_tokens] == 7  # counted events: the client asked for no usage
+    assert with_usage[f.output_tokens] == 9
+    assert all(0 <= x[f.ttft_s] <= x[f.e2e_s] for x in lines)
+    assert streamed[f.ttft_s] < streamed[f.e2e_s]
+    assert not any("a b c d" in json.dumps(x) for x in lines)  # no prompt text
+    log = tmp_path / "agent.log"
+    log.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    trace = read_trace(log)
+    assert trace.fmt == "kvfleet" and len(trace) == 3  # the 400 has no prompt: not a request the engine saw
+    assert profile(trace).output_tokens.max == 9
