@@ -23,9 +23,19 @@ T = TypeVar("T")
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports: the sockets stay bound until all are picked, so none is handed out twice."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def fake_engine_command(*, token_delay: float = 0.01, capacity: int = 4, startup_delay: float = 0.0) -> tuple[str, ...]:
@@ -45,6 +55,7 @@ def fake_engine_command(*, token_delay: float = 0.01, capacity: int = 4, startup
 
 
 def settings(**overrides: Any) -> AgentSettings:
+    ports = free_ports(2)
     base: dict[str, Any] = {
         "engine": "vllm",
         "engine_version": "0.32.0",
@@ -53,8 +64,8 @@ def settings(**overrides: Any) -> AgentSettings:
         "deployment": "test-chat",
         "replica": "replica-1",
         "host": "127.0.0.1",
-        "port": free_port(),
-        "engine_port": free_port(),
+        "port": ports[0],
+        "engine_port": ports[1],
         "engine_command": fake_engine_command(),
         "drain_budget_s": 5.0,
         "publish_interval_s": 0.2,

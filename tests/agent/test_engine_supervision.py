@@ -27,7 +27,7 @@ from kvfleet.agent import __main__ as agent_main
 from kvfleet.agent import engine
 from kvfleet.agent.engine import EngineSupervisor, Proc
 from kvfleet.agent.server import Agent
-from tests.agent.harness import fake_engine_command, free_port, run, settings
+from tests.agent.harness import fake_engine_command, free_ports, run, settings
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -175,7 +175,8 @@ def test_the_resource_tracker_goes_last_and_unlinks_the_shared_memory_the_engine
             [line, *_] = [r.getMessage() for r in caplog.records if "behind; killed" in r.getMessage()]
             # Both ignore SIGTERM. The grandchild gets SIGKILL; the tracker, its last client gone, unlinks the
             # segment the engine leaked and exits on its own.
-            assert f"{tracker.pid} python (SIGTERM)" in line and "(SIGKILL)" in line, line
+            # (The tracker's name is its interpreter's: python or python3, as the venv spells it.)
+            assert f"{tracker.pid} {tracker.name} (SIGTERM)" in line and "(SIGKILL)" in line, line
         finally:
             await sup.stop(timeout=5)
             segment.unlink(missing_ok=True)
@@ -315,12 +316,13 @@ def test_no_nvidia_smi_no_wait(caplog: pytest.LogCaptureFixture) -> None:
 # ---- the agent's own process ---------------------------------------------------------------------
 
 
-def _agent_env(*extra: str, engine_port: int) -> dict[str, str]:
+def _agent_env(*extra: str, ports: list[int]) -> dict[str, str]:
+    port, engine_port = ports
     return {
         **{k: v for k, v in os.environ.items() if not k.startswith("KVFLEET_")},
         contract.ENV_MODEL: "fake",
         contract.ENV_HOST: "127.0.0.1",
-        contract.ENV_PORT: str(free_port()),
+        contract.ENV_PORT: str(port),
         contract.ENV_ENGINE_PORT: str(engine_port),
         contract.ENV_ENGINE_COMMAND: json.dumps([*fake_engine_command(), *extra]),
         contract.ENV_DRAIN_BUDGET_S: "2",
@@ -337,7 +339,7 @@ def agent_process(tmp_path: Path) -> Iterator[Callable[..., tuple[subprocess.Pop
             proc = subprocess.Popen(
                 [sys.executable, "-m", "kvfleet.agent"],
                 cwd=REPO,
-                env=_agent_env(*extra, engine_port=free_port()),
+                env=_agent_env(*extra, ports=free_ports(2)),
                 stdout=subprocess.DEVNULL,
                 stderr=f,
             )

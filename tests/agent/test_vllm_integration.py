@@ -28,7 +28,7 @@ import pytest
 
 from kvfleet import contract
 from kvfleet.engines import EngineArgs
-from tests.agent.harness import free_port, stream_completion
+from tests.agent.harness import free_ports, stream_completion
 
 REPO = Path(__file__).resolve().parents[2]
 AGENT = Path(sys.executable).parent / contract.AGENT_COMMAND
@@ -126,8 +126,7 @@ def agent(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 @contextlib.contextmanager
 def started_agent(tiny_model: Path, logs: Path) -> Iterator[AgentProcess]:
-    port = free_port()
-    engine_port = free_port()
+    port, engine_port = free_ports(2)
     stdout = logs / "stdout.log"
     env = {
         **os.environ,
