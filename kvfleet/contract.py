@@ -43,8 +43,9 @@ METRICS_ROUTE = "/metrics"  # the agent's Prometheus re-export under the signals
 DRAIN_ROUTE = "/drain"
 SERVE_ARG = "serve"
 MODEL_DIR = "/opt/ml/model"
-# The image's non-root user. Fixed (not 1000: Ubuntu 24.04 bases already have a user there) so volume
-# permissions and runAsUser policies can name it; runAsNonRoot needs it numeric.
+# The agent's user, which EC2 and EKS run the image as (the image's own user is root, for SageMaker). Fixed (not
+# 1000: Ubuntu 24.04 bases already have a user there) so volume permissions and runAsUser policies can name it;
+# runAsNonRoot needs it numeric.
 AGENT_UID = 10001
 AGENT_HOME = "/home/kvfleet"
 HF_HOME = f"{AGENT_HOME}/.cache/huggingface"  # where the engine caches Hugging Face downloads

@@ -181,6 +181,15 @@ def final_user(stage: Stage) -> tuple[str | None, int]:
     return found
 
 
+def agent_user(stage: Stage) -> int:
+    """Index of the last ``USER <agent uid>``: the build check runs as the agent user after it (-1: none)."""
+    found = -1
+    for i, ins in enumerate(stage.instructions):
+        if ins.keyword == "USER" and ins.args.split(":")[0].strip() == str(contract.AGENT_UID):
+            found = i
+    return found
+
+
 # --- .dockerignore ----------------------------------------------------------------------------------
 
 
@@ -262,13 +271,21 @@ def exec_form(ins: Instruction) -> list[str] | None:
 
 
 def check_user(df: Dockerfile) -> list[str]:
-    user, at = final_user(df.final)
-    if user is None:
-        return ["the final stage has no USER: the image would run as root"]
-    problems = [] if user == str(contract.AGENT_UID) else [f"the final USER is {user}, not {contract.AGENT_UID}"]
+    """The build check runs as the agent user; the image's final user is root, because SageMaker runs the image's
+    own user and expects root ("SageMaker AI expects all containers to run with root users": SageMaker developer
+    guide, "Custom Inference Code with Hosting Services"). EC2 and EKS run it as the agent user themselves."""
+    at = agent_user(df.final)
+    if at == -1:
+        return [f"the final stage has no USER {contract.AGENT_UID}: the build check would not run as the agent user"]
+    problems = []
+    user, last = final_user(df.final)
+    if user not in ROOT_USERS:
+        problems.append(f"the final USER is {user}, not root: SageMaker expects its containers to run as root")
     for ins in df.final.instructions[at + 1 :]:
         if ins.keyword == "RUN" and INSTALLERS.search(ins.args):
             problems.append(f"line {ins.line}: installs after USER (needs root, or runs as the wrong user)")
+    if last != -1 and any(ins.keyword == "RUN" for ins in df.final.instructions[last + 1 :]) and user in ROOT_USERS:
+        problems.append("a RUN after the final USER root: the image's build steps run as the agent user")
     return problems
 
 
@@ -286,7 +303,7 @@ def check_entrypoint(df: Dockerfile) -> list[str]:
 
 def check_agent_command(df: Dockerfile) -> list[str]:
     """A RUN as root (before USER) writes the command on PATH, executable and not writable by the agent user."""
-    _, user_at = final_user(df.final)
+    user_at = agent_user(df.final)
     for at, ins in runs(df.final):
         if re.search(rf">\s*{re.escape(COMMAND_PATH)}(\s|$)", ins.args):
             problems = []
@@ -343,7 +360,7 @@ def check_env(df: Dockerfile) -> list[str]:
     home, hf_home = env.get("HOME", ""), env.get("HF_HOME", "")
     if home != contract.AGENT_HOME or hf_home != contract.HF_HOME:
         problems.append(f"HOME={home or 'unset'}, HF_HOME={hf_home or 'unset'}: not the contract's")
-    user, _ = final_user(df.final)
+    user = str(contract.AGENT_UID)
     commands = [ins.args for _, ins in runs(df.final)]
     if home and user and not any(re.search(rf"chown -R {re.escape(user)}\S* {re.escape(home)}\b", r) for r in commands):
         problems.append(f"no RUN gives {home} to user {user}: the caches would not be writable")
@@ -366,7 +383,7 @@ def check_labels(df: Dockerfile) -> list[str]:
 
 def check_build_check(df: Dockerfile) -> list[str]:
     """A RUN as the agent user imports the agent and compares CONTRACT_VERSION with the copied contract."""
-    _, user_at = final_user(df.final)
+    user_at = agent_user(df.final)
     for at, ins in runs(df.final):
         if at > user_at >= 0 and "import" in ins.args and "kvfleet.agent" in ins.args:
             return [] if "${CONTRACT_VERSION}" in ins.args else [f"line {ins.line}: CONTRACT_VERSION is not checked"]
@@ -638,7 +655,9 @@ def test_static_check_fails_on_a_bad_dockerfile(check: str) -> None:
 
 def test_final_user_is_the_stage_user_not_an_earlier_one() -> None:
     df = parse_dockerfile("FROM a:1.0 AS build\nUSER 10001\nFROM b:2.0\nRUN true\n")
-    assert check_user(df) == ["the final stage has no USER: the image would run as root"]
+    assert check_user(df) == [
+        f"the final stage has no USER {contract.AGENT_UID}: the build check would not run as the agent user"
+    ]
 
 
 def test_the_default_base_images_are_the_adapters() -> None:
@@ -779,7 +798,7 @@ def test_pin_check_fails_on_drift() -> None:
 @pytest.fixture(name="image")
 def _image(dockerfile: Dockerfile, tmp_path: Path) -> Image:
     image = lay_out(dockerfile, tmp_path)
-    _, user_at = final_user(dockerfile.final)
+    user_at = agent_user(dockerfile.final)
     installs = [ins for at, ins in runs(dockerfile.final) if at < user_at and COMMAND_PATH in ins.args]
     assert installs, f"no RUN installs {COMMAND_PATH}"
     for ins in installs:
@@ -789,7 +808,7 @@ def _image(dockerfile: Dockerfile, tmp_path: Path) -> Image:
 
 
 def build_check(df: Dockerfile) -> str:
-    _, user_at = final_user(df.final)
+    user_at = agent_user(df.final)
     [check] = [ins.args for at, ins in runs(df.final) if at > user_at and "kvfleet.agent" in ins.args]
     return check
 

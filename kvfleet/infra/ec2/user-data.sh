@@ -132,7 +132,8 @@ KVFLEET_ENV
   docker pull "$IMAGE"
   # Docker waits the drain budget (and a margin for the agent to exit) before it kills the container; systemd
   # waits longer than docker.
-  docker create --name kvfleet --gpus all \
+  # As the agent user: the image's own user is root, for SageMaker, which cannot choose one.
+  docker create --name kvfleet --gpus all --user "$AGENT_UID:$AGENT_UID" \
     --shm-size "${SHM_SIZE_GIB}g" -p "$SERVING_PORT:$SERVING_PORT" \
     --stop-timeout "$((DRAIN_BUDGET_S + 30))" \
     --log-driver awslogs --log-opt awslogs-region="$REGION" --log-opt awslogs-group="$LOG_GROUP" \

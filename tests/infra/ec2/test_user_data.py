@@ -363,6 +363,8 @@ def test_s3_model_on_raid0_nvme_into_a_warm_pool(tmp_path: Path) -> None:
     assert run.called("chown") == [f"chown {contract.AGENT_UID}:{contract.AGENT_UID} {model}"]
     assert f"aws s3 sync --only-show-errors {MODEL_S3_URI} {model}" in run.calls
     assert f"-v {model}:{contract.MODEL_DIR}:ro {IMAGE} {contract.SERVE_ARG}" in docker_create(run)
+    # The image's own user is root (SageMaker's rule); on EC2 the agent runs as its own user.
+    assert f"--user {contract.AGENT_UID}:{contract.AGENT_UID}" in docker_create(run)
     # The first boot prepares and hands over to the lifecycle unit; the container is not started, the weights came
     # from S3 so the engine need not run to download them.
     unit = ud.LIFECYCLE_UNIT
