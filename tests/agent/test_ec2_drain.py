@@ -4,7 +4,8 @@ The agent serves a tiny Llama on vLLM's CPU build while its lifecycle watcher po
 streaming generations are running when the instance's target lifecycle state flips from InService to Terminated.
 The test proves the whole path the group relies on: the drain starts on the first poll that reads Terminated and
 readiness turns 503 with it, new requests are turned away with 503 + Retry-After, every in-flight stream runs to
-its full length, the lifecycle action is kept alive with heartbeats while the drain lasts, and
+its full length, the lifecycle action is kept alive with heartbeats while the drain lasts (the engine is held with
+SIGSTOP across the flip so that the drain outlasts two heartbeats on any CPU), and
 CompleteLifecycleAction(CONTINUE) is called once, only after the last stream ended. Nothing reaches AWS before
 the flip. The Auto Scaling API is a real boto3 client under a botocore Stubber (moto implements neither heartbeats
 nor completion).
@@ -17,6 +18,7 @@ import itertools
 import json
 import logging
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -234,6 +236,8 @@ async def scenario(tiny_model: Path) -> Outcome:
         )
         # Watching from the start: the drain must come from noticing the flip, not from being started late.
         watching = asyncio.create_task(watcher.run(drain))
+        paused = False
+        engine_group: int | None = None
         try:
             with aws.stubber:
                 streams = [Stream() for _ in range(STREAMS)]
@@ -244,6 +248,13 @@ async def scenario(tiny_model: Path) -> Outcome:
                     "every stream to be in flight with its first token",
                 )
                 await wait_for(lambda: fake.state_reads >= 3, 10, "the watcher to poll IMDS")
+                # Hold the engine still (SIGSTOP to its process group) across the flip: how long the drain lasts must
+                # not depend on how fast this CPU generates (a fast one finished 1,000 tokens within one heartbeat).
+                # The agent and the watcher keep running; the streams resume where they stopped.
+                engine_group = r.agent.engine.pid
+                assert engine_group is not None
+                os.killpg(engine_group, signal.SIGSTOP)
+                paused = True
                 assert not any(t.done() for t in tasks), "generations finished before the drain began"
                 # Several InService polls did nothing: no drain, no AWS call.
                 assert not watching.done() and drain_started == [] and aws.calls == []
@@ -264,6 +275,10 @@ async def scenario(tiny_model: Path) -> Outcome:
                 sent = time.monotonic()
                 pings.append((sent, time.monotonic(), await ping_status(r)))
                 new_request = await stream_completion(r.http, r.url, model="tiny", max_tokens=5, ignore_eos=True)
+                # Two heartbeats while every generation is held, then let the engine finish them.
+                await wait_for(lambda: len(aws.calls) >= 2, 30, "two heartbeats during the drain")
+                os.killpg(engine_group, signal.SIGCONT)
+                paused = False
 
                 await asyncio.wait_for(asyncio.gather(*tasks), DRAIN_BUDGET_S)
                 await asyncio.wait_for(watching, 30)
@@ -273,6 +288,8 @@ async def scenario(tiny_model: Path) -> Outcome:
                 except AssertionError as exc:
                     pending = str(exc)
         finally:
+            if paused and engine_group is not None:
+                os.killpg(engine_group, signal.SIGCONT)
             # On a failed assertion the watcher must not outlive the fake IMDS and the engine.
             watching.cancel()
             await asyncio.wait({watching})
