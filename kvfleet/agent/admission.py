@@ -88,9 +88,11 @@ def prompt_tokens(body: Mapping[str, Any]) -> int:
     return prompt
 
 
-def request_tokens(body: Mapping[str, Any], *, max_model_len: int | None) -> int:
-    """Tokens a generation request can hold in the KV cache: prompt plus its generation limit."""
-    prompt = prompt_tokens(body)
+def request_tokens(body: Mapping[str, Any], *, max_model_len: int | None, prompt: int | None = None) -> int:
+    """Tokens a generation request can hold in the KV cache: prompt (estimated unless given) plus its generation
+    limit."""
+    if prompt is None:
+        prompt = prompt_tokens(body)
     raw_n = body.get("n")
     n = raw_n if isinstance(raw_n, int) and raw_n > 0 else 1
     limit = next((body[f] for f in LIMIT_FIELDS if body.get(f) is not None), None)

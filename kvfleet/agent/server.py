@@ -13,11 +13,11 @@ import hashlib
 import ipaddress
 import json
 import logging
+import os
 import re
 import sys
 import time
 import urllib.parse
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import IO, Any
@@ -149,7 +149,7 @@ class Agent:
         """Every response: a request id, aiohttp's own errors as JSON, an exception as a logged, counted 500,
         and ServerErrors counted once for each 5xx the agent sent (its own and the engine's)."""
         given = request.headers.get(REQUEST_ID_HEADER, "")
-        rid = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        rid = given if given and _REQUEST_ID.fullmatch(given) else os.urandom(16).hex()  # as random as uuid4, cheaper
         request["request_id"] = rid
         try:
             resp = await handler(request)
@@ -367,9 +367,10 @@ class Agent:
             if s.request_log:
                 salt = str(body.get("cache_salt", ""))
                 request[_TENANT_HASH] = hashlib.sha256(salt.encode()).hexdigest()[:16]
-        tokens = request_tokens(body, max_model_len=s.max_model_len)
+        prompt = prompt_tokens(body)
+        tokens = request_tokens(body, max_model_len=s.max_model_len, prompt=prompt)
         if s.request_log:
-            request[_PROMPT_ESTIMATE] = prompt_tokens(body)
+            request[_PROMPT_ESTIMATE] = prompt
         if not self.admission.try_reserve(tokens):
             self.collector.record(contract.REQUESTS_SHED.name, 1)
             return _json_error(
@@ -553,10 +554,20 @@ class _Pipe:
         self._transport = transport
         self._conn: upstream.Connection | None = conn
         self._framed = framed
-        self.tail = tail  # the last bytes sent: an error event must start on an event boundary
         self._loop = asyncio.get_running_loop()
         self.events = first.count(b"data: ")  # server-sent events passed on (for the request log)
-        self.last = first[-_LAST_KEPT:]  # where a usage event would be
+        # The stream's end as sent, trimmed now and then rather than on every write (a copy per event otherwise).
+        self._end = bytearray(first or tail)
+
+    @property
+    def last(self) -> bytes:
+        """The stream's last bytes: where a usage event would be."""
+        return bytes(self._end[-_LAST_KEPT:])
+
+    @property
+    def tail(self) -> bytes:
+        """The last two bytes sent: an error event must start on an event boundary."""
+        return bytes(self._end[-2:])
 
     def write(self, data: bytes) -> None:
         transport = self._transport
@@ -565,8 +576,10 @@ class _Pipe:
             return
         transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._framed else data)
         self.events += data.count(b"data: ")
-        self.last = (self.last + data)[-_LAST_KEPT:]
-        self.tail = data[-2:] if len(data) >= 2 else (self.tail + data)[-2:]
+        end = self._end
+        end += data
+        if len(end) > 4 * _LAST_KEPT:
+            del end[:-_LAST_KEPT]
         if transport.get_write_buffer_size() > self.HIGH_WATER and self._conn is not None:
             self._conn.pause()
             self._loop.call_later(self.RECHECK_S, self._recheck)
