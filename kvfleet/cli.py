@@ -719,7 +719,8 @@ def _synthetic_trace(r: ResolvedDeployment) -> Trace:
     w = r.deployment.workload
     if w.peak_requests_per_s is None:
         raise KvfleetError(
-            "nothing to replay; give --trace FILE, or workload.peak_requests_per_s for Poisson arrivals",
+            "nothing to replay; give --trace FILE, workload.trace, or workload.peak_requests_per_s for Poisson "
+            "arrivals",
             field=f"deployments.{r.deployment.name}.workload",
         )
     rng = random.Random(0)  # the same arrivals every run: plans compare, not draws
@@ -771,7 +772,10 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         except KvfleetError as err:
             raise loaded.problem(config_error(err, dr.index)) from None
         spec = _fleet_spec(r, a.router)
-        replay = trace or _synthetic_trace(r)
+        # --trace wins; else the deployment's own workload.trace, read when the file was loaded (its window and
+        # rate scale applied); else Poisson arrivals at the workload's peak.
+        own = loaded.traces.get(dr.index)
+        replay = trace if trace is not None else own if own is not None else _synthetic_trace(r)
         w = r.deployment.workload
         report = summarize(
             simulate(replay, spec),

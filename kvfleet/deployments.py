@@ -153,7 +153,7 @@ def plan_requests(env: Environment) -> tuple[DeploymentRequest, ...]:
 def _request(env: Environment, d: Deployment, model: ModelSpec) -> PlanRequest:
     return PlanRequest(
         model=model,
-        workload=workload(**d.workload.model_dump()),
+        workload=workload(**d.workload.model_dump(exclude={"trace"})),  # the loader read the trace into numbers
         engine=EngineName(d.engine.name),
         engine_version=d.engine.version,
         hosting=d.target.hosting,

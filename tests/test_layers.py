@@ -24,7 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     "sizing": {"errors", "versions"},
     "engines": {"contract", "versions"},
     "targets": {"sizing"},
-    "config": {"sizing", "engines", "targets", "contract", "errors", "versions"},
+    "config": {"sizing", "engines", "targets", "contract", "errors", "versions", "workload"},
     "deployments": {"config", "sizing", "engines", "targets", "contract", "errors", "versions"},
     "workload": {"contract", "errors"},
     "sim": {"sizing", "workload", "contract", "errors"},

@@ -1,7 +1,9 @@
 """Reading environment files: YAML with line numbers, so every problem is ``file:line: field.path: what to change``.
 
 ``environments/`` is found from the working directory (or the directory given), so an installed kvfleet
-works outside a checkout.
+works outside a checkout. A deployment's ``workload.trace`` is read here, once, relative to the file's directory:
+the values it implies fill what the workload leaves out before the file is validated, so everything after the
+loader receives plain numbers.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from kvfleet.config.schema import REGION_PATTERN, Environment
+from kvfleet.config.schema import REGION_PATTERN, TRACE_MAX_PERCENTILE, Environment, WorkloadTrace
 from kvfleet.errors import ConfigError, KvfleetError
 from kvfleet.targets import TARGETS
+from kvfleet.workload.profile import WorkloadProfile, profile
+from kvfleet.workload.traces import Trace, TraceError, read_trace
 
 ENVIRONMENTS_DIR = "environments"
 
@@ -153,6 +157,11 @@ class LoadedEnvironment:
     environment: Environment
     source: str
     lines: Mapping[tuple[Any, ...], int] = field(default_factory=dict)
+    # Each deployment's workload.trace as read when the file was loaded (window and rate scale applied), by its
+    # index in ``deployments``: what ``kvfleet simulate`` replays, without reading the file again.
+    traces: Mapping[int, Trace] = field(default_factory=dict)
+    # The workload keys each of those traces gave (those the file left out), so an error about one names the trace.
+    from_trace: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
 
     def line(self, field: str) -> int:
         return _line(self.lines, parse_field(field))
@@ -166,7 +175,18 @@ class LoadedEnvironment:
         path = parse_field(err.field)
         if path[0] not in Environment.model_fields:  # not a key of the file (e.g. "environment")
             return ConfigError([f"{self.source}:1: {err.field}: {err.message}"])
-        return ConfigError([f"{self.source}:{_line(self.lines, path)}: {_fmt_loc(path)}: {err.message}"])
+        line, message = _line(self.lines, path), err.message
+        if (
+            len(path) >= 4
+            and path[0] == "deployments"
+            and isinstance(path[1], int)
+            and path[2] == "workload"
+            and path[3] in self.from_trace.get(path[1], ())
+        ):
+            # A value the file does not hold: the trace gave it, so point there and say how to override it.
+            line = _line(self.lines, (*path[:3], "trace", "path"))
+            message += f" (workload.{path[3]} comes from workload.trace; type it in the workload to set it)"
+        return ConfigError([f"{self.source}:{line}: {_fmt_loc(path)}: {message}"])
 
 
 def _capped(lines: list[str], source: str) -> list[str]:
@@ -219,6 +239,8 @@ def _allowed(err: Any) -> str:
     if kind == "extra_forbidden":
         return "unknown key; remove it or check its spelling"
     if kind == "missing":
+        if field in ("max_input_tokens", "max_output_tokens"):
+            return "required field is missing; give it, or a workload.trace to read it from"
         return "required field is missing"
     if kind == "string_pattern_mismatch":
         pattern = str(ctx.get("pattern", ""))
@@ -342,12 +364,19 @@ def _compose(text: str, source: str) -> tuple[yaml.Node | None, Any]:
         loader.dispose()
 
 
-def parse_environment(text: str | bytes, *, source: str = "<config>") -> Environment:
-    return parse_located(text, source=source).environment
+def parse_environment(
+    text: str | bytes, *, source: str = "<config>", directory: str | Path | None = None
+) -> Environment:
+    return parse_located(text, source=source, directory=directory).environment
 
 
-def parse_located(text: str | bytes, *, source: str = "<config>") -> LoadedEnvironment:
-    """The environment with the line of every key path, so later errors (planning, synth) can name the line."""
+def parse_located(
+    text: str | bytes, *, source: str = "<config>", directory: str | Path | None = None
+) -> LoadedEnvironment:
+    """The environment with the line of every key path, so later errors (planning, synth) can name the line.
+
+    ``directory`` is what a ``workload.trace`` path is relative to: the file's own directory (default: the
+    working directory)."""
     if isinstance(text, bytes):
         size = len(text)
     else:
@@ -374,33 +403,134 @@ def parse_located(text: str | bytes, *, source: str = "<config>") -> LoadedEnvir
                 source,
             )
         )
+    data, traces, from_trace = _with_traces(data, lines, source, Path(directory) if directory is not None else Path())
     try:
         env = Environment.model_validate(data)
     except ValidationError as exc:
-        errors = exc.errors()
-        deeper = {tuple(e["loc"][:-1]) for e in errors if len(e["loc"]) > 1}
-        deeper |= {tuple(e["loc"][:i]) for e in errors for i in range(1, len(e["loc"]))}
-        out = []
-        for problem in errors:
-            # pydantic re-checks min_length on the items that validated; that echo is noise when the
-            # real problem sits inside one of the items.
-            if problem["type"] == "too_short" and tuple(problem["loc"]) in deeper:
-                continue
-            loc = tuple(p for p in problem["loc"] if not (isinstance(p, str) and p in TARGETS))
-            for problem_text in _allowed(problem).split("\n"):
-                where, msg = loc, problem_text
-                # A cross-field check names the field to change first: "scaling.min_replicas: ...".
-                m = (
-                    re.match(r"^([a-z][a-z0-9_]*(?:\.(?:[a-z][a-z0-9_]*|\d+))*): (.*)$", problem_text)
-                    if problem["type"] == "value_error"
-                    else None
-                )
-                if m:
-                    where = (*loc, *(int(part) if part.isdigit() else part for part in m[1].split(".")))
-                    msg = m[2]
-                out.append(f"{source}:{_line(lines, where)}: {_fmt_loc(where)}: {msg}")
-        raise ConfigError(_capped(out, source)) from None
-    return LoadedEnvironment(environment=env, source=source, lines=lines)
+        raise ConfigError(_capped(_validation_problems(exc, lines, source), source)) from None
+    return LoadedEnvironment(environment=env, source=source, lines=lines, traces=traces, from_trace=from_trace)
+
+
+def _validation_problems(
+    exc: ValidationError, lines: Mapping[tuple[Any, ...], int], source: str, *, within: tuple[Any, ...] = ()
+) -> list[str]:
+    """One ``file:line: key.path: what to change`` per problem pydantic found in the value at ``within``."""
+    errors = exc.errors()
+    deeper = {tuple(e["loc"][:-1]) for e in errors if len(e["loc"]) > 1}
+    deeper |= {tuple(e["loc"][:i]) for e in errors for i in range(1, len(e["loc"]))}
+    out = []
+    for problem in errors:
+        # pydantic re-checks min_length on the items that validated; that echo is noise when the
+        # real problem sits inside one of the items.
+        if problem["type"] == "too_short" and tuple(problem["loc"]) in deeper:
+            continue
+        loc = (*within, *(p for p in problem["loc"] if not (isinstance(p, str) and p in TARGETS)))
+        for problem_text in _allowed(problem).split("\n"):
+            where, msg = loc, problem_text
+            # A cross-field check names the field to change first: "scaling.min_replicas: ...".
+            m = (
+                re.match(r"^([a-z][a-z0-9_]*(?:\.(?:[a-z][a-z0-9_]*|\d+))*): (.*)$", problem_text)
+                if problem["type"] == "value_error"
+                else None
+            )
+            if m:
+                where = (*loc, *(int(part) if part.isdigit() else part for part in m[1].split(".")))
+                msg = m[2]
+            out.append(f"{source}:{_line(lines, where)}: {_fmt_loc(where)}: {msg}")
+    return out
+
+
+def trace_workload(p: WorkloadProfile, given: Mapping[str, Any]) -> dict[str, int | float]:
+    """The workload values a trace's profile implies, for the keys ``given`` (the file's workload) leaves out.
+
+    Means for the averages, the TRACE_MAX_PERCENTILE for the maxima, the busiest minute for the peak rate (the
+    mean rate when the window is under a minute, whose busiest minute is only part of one). A mean above the
+    maximum it goes with (typed or implied) is capped at it."""
+    pct = TRACE_MAX_PERCENTILE
+    a = p.arrivals
+    implied: dict[str, int | float] = {
+        "max_input_tokens": max(1, getattr(p.input_tokens, pct)),
+        "max_output_tokens": max(1, getattr(p.output_tokens, pct)),
+        "avg_input_tokens": max(1, round(p.input_tokens.mean)),
+        "avg_output_tokens": max(1, round(p.output_tokens.mean)),
+        "peak_requests_per_s": round(a.peak_per_minute / 60 if p.duration_s >= 60 else a.mean_per_s, 3),
+    }
+    out = {k: v for k, v in implied.items() if given.get(k) is None}
+    for avg, longest in (("avg_input_tokens", "max_input_tokens"), ("avg_output_tokens", "max_output_tokens")):
+        typed = given.get(longest)
+        cap = out.get(longest) if typed is None else typed
+        # A typed maximum that is not a whole number is reported by validation; the mean is then left alone.
+        if avg in out and isinstance(cap, int) and not isinstance(cap, bool) and cap > 0:
+            out[avg] = min(out[avg], cap)
+    return out
+
+
+def _with_traces(
+    data: dict[Any, Any], lines: Mapping[tuple[Any, ...], int], source: str, directory: Path
+) -> tuple[dict[Any, Any], dict[int, Trace], dict[int, tuple[str, ...]]]:
+    """``data`` with each deployment's workload filled from its ``workload.trace``, the traces read, and the keys
+    each one filled.
+
+    The file's own mappings are copied, never changed: a YAML alias can share one mapping between deployments.
+    A trace that cannot be read is one line at its ``path``; anything else is left to validation."""
+    deployments = data.get("deployments")
+    if not isinstance(deployments, list):
+        return data, {}, {}
+    traces: dict[int, Trace] = {}
+    from_trace: dict[int, tuple[str, ...]] = {}
+    read: dict[tuple[Any, ...], Trace] = {}  # deployments naming the same trace and window read it once
+    filled: list[Any] = []
+    for i, d in enumerate(deployments):
+        w = d.get("workload") if isinstance(d, dict) else None
+        if not isinstance(w, dict) or w.get("trace") is None:
+            filled.append(d)
+            continue
+        within = ("deployments", i, "workload", "trace")
+        try:
+            spec = WorkloadTrace.model_validate(w["trace"])
+        except ValidationError as exc:
+            raise ConfigError(_capped(_validation_problems(exc, lines, source, within=within), source)) from None
+        named = Path(spec.path)
+        path = named if named.is_absolute() else directory / named
+        key = (str(path), spec.format, spec.start_s, spec.duration_s, spec.rate_scale)
+        if key not in read:
+            read[key] = _read_trace(spec, path, within=within, lines=lines, source=source, directory=directory)
+        traces[i] = read[key]
+        implied = trace_workload(profile(traces[i]), w)
+        from_trace[i] = tuple(implied)
+        filled.append({**d, "workload": {**w, **implied}})
+    return {**data, "deployments": filled}, traces, from_trace
+
+
+def _read_trace(
+    spec: WorkloadTrace,
+    path: Path,
+    *,
+    within: tuple[Any, ...],
+    lines: Mapping[tuple[Any, ...], int],
+    source: str,
+    directory: Path,
+) -> Trace:
+    def problem(key: str, message: str) -> ConfigError:
+        where = (*within, key)
+        text = " ".join(message.split())  # one line, whatever the trace's own error says
+        return ConfigError([f"{source}:{_line(lines, where)}: {_fmt_loc(where)}: {text}"])
+
+    if not path.is_file():
+        base = "the working directory" if str(directory) == "." else f"this file's directory ({directory})"
+        raise problem("path", f"no trace file at {path}; give the path of a trace file relative to {base}")
+    try:
+        return read_trace(
+            path, fmt=spec.format, start_s=spec.start_s, duration_s=spec.duration_s, rate_scale=spec.rate_scale
+        )
+    except TraceError as err:
+        if ": (window): " in err.message:  # the window is what to change, not the trace
+            key = next((k for k in ("duration_s", "start_s") if (*within, k) in lines), "path")
+            fix = "set start_s and duration_s to a part of the trace that has requests"
+            raise problem(key, f"{err.message}; {fix}") from None
+        # The trace's own errors say what to change in it; one that does not (an unreadable file) gets a fix.
+        fix = "" if ";" in err.message else "; make the file readable or name another trace"
+        raise problem("path", f"{err.message}{fix}") from None
 
 
 def load_environment(path: str | Path) -> Environment:
@@ -425,7 +555,7 @@ def load_located(path: str | Path) -> LoadedEnvironment:
         raw = p.read_bytes()
     except OSError as err:
         raise KvfleetError(f"cannot read {p}: {err.strerror}", field="environment") from None
-    return parse_located(raw, source=str(path))
+    return parse_located(raw, source=str(path), directory=p.parent)
 
 
 def environment_path(name: str, *, environments_dir: str | Path | None = None) -> Path:

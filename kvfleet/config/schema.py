@@ -8,9 +8,9 @@ targets' own sections are in ``kvfleet.config.targets``; reading files is ``kvfl
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from kvfleet import contract, versions
 from kvfleet.config import aws, dlc
@@ -19,6 +19,7 @@ from kvfleet.config.targets import Ec2Target, EksTarget, SageMakerTarget, Target
 from kvfleet.engines import ENGINES
 from kvfleet.errors import KvfleetError
 from kvfleet.sizing.engines import DEFAULT_VERSIONS, TRTLLM_PROFILES, VLLM_PROFILES, EngineName
+from kvfleet.workload.traces import TraceFormat
 
 
 class ModelRef(Frozen):
@@ -90,15 +91,67 @@ class EngineRef(Frozen):
         return self
 
 
+# The trace percentile that stands for "longest" when the file gives no maximum: the single longest request of a
+# trace would set max_model_len, and so the cache every sequence reserves, for one request in thousands.
+TRACE_MAX_PERCENTILE = "p99"
+
+
+class WorkloadTrace(Frozen):
+    """A request trace the workload is read from, once, when the environment file is loaded."""
+
+    path: str = Field(
+        min_length=1,
+        description=(
+            "The trace file, relative to this environment file's directory: an Azure or BurstGPT CSV, Mooncake JSON "
+            "lines, or the serving agent's request log (the formats kvfleet workload reads). Only this file is read."
+        ),
+    )
+    format: TraceFormat | None = Field(
+        default=None, description="The trace's format. Default: from its header or first record."
+    )
+    start_s: Float = Field(default=0.0, ge=0, description="Skip this many seconds of the trace (on its own clock).")
+    duration_s: Float | None = Field(
+        default=None, gt=0, description="Keep this many seconds of the trace from start_s. Default: the rest."
+    )
+    rate_scale: Float = Field(
+        default=1.0,
+        gt=0,
+        description="Replay at this multiple of the recorded rate: arrival gaps are divided by it (2: twice the load).",
+    )
+
+
+def _maxima_or_trace(schema: dict[str, Any]) -> None:
+    # The maxima are required unless a trace gives them (the loader fills them in before validation).
+    maxima = ("max_input_tokens", "max_output_tokens")
+    schema["required"] = [k for k in schema.get("required", []) if k not in maxima]
+    if not schema["required"]:
+        del schema["required"]
+    schema["anyOf"] = [{"required": list(maxima)}, {"required": ["trace"]}]
+
+
 class WorkloadConfig(Frozen):
-    max_input_tokens: Int = Field(gt=0, description="Longest prompt, in tokens.")
-    max_output_tokens: Int = Field(gt=0, description="Longest generation, in tokens.")
+    model_config = ConfigDict(json_schema_extra=_maxima_or_trace)
+
+    max_input_tokens: Int = Field(
+        gt=0, description=f"Longest prompt, in tokens. With `trace`, default: the trace's {TRACE_MAX_PERCENTILE}."
+    )
+    max_output_tokens: Int = Field(
+        gt=0, description=f"Longest generation, in tokens. With `trace`, default: the trace's {TRACE_MAX_PERCENTILE}."
+    )
     concurrency_per_replica: Int | None = Field(
         default=None, gt=0, description="Concurrent sequences one replica must hold. Default: as many as fit."
     )
-    peak_requests_per_s: Float | None = Field(default=None, gt=0, description="Peak load across the fleet.")
-    avg_input_tokens: Int | None = Field(default=None, gt=0, description="Typical prompt length (default: max).")
-    avg_output_tokens: Int | None = Field(default=None, gt=0, description="Typical output length (default: max).")
+    peak_requests_per_s: Float | None = Field(
+        default=None,
+        gt=0,
+        description="Peak load across the fleet. With `trace`, default: the trace's busiest minute, per second.",
+    )
+    avg_input_tokens: Int | None = Field(
+        default=None, gt=0, description="Typical prompt length (default: max; with `trace`, the trace's mean)."
+    )
+    avg_output_tokens: Int | None = Field(
+        default=None, gt=0, description="Typical output length (default: max; with `trace`, the trace's mean)."
+    )
     ttft_ms: Float | None = Field(default=None, gt=0, description="Time-to-first-token target.")
     itl_ms: Float | None = Field(default=None, gt=0, description="Inter-token latency target.")
     streaming: Bool = Field(
@@ -107,6 +160,18 @@ class WorkloadConfig(Frozen):
             "Clients read answers as a stream (SageMaker InvokeEndpointWithResponseStream, OpenAI stream: true). "
             "false: each answer arrives whole, so on SageMaker the longest one must finish within InvokeEndpoint's "
             "60 s; the plan refuses instance types whose predicted answer takes longer."
+        ),
+    )
+    trace: WorkloadTrace | None = Field(
+        default=None,
+        description=(
+            "Read the workload from a request trace instead of typing it: the requests in the window (after "
+            "rate_scale) give what this mapping leaves out: avg_input_tokens and avg_output_tokens their mean "
+            f"lengths, max_input_tokens and max_output_tokens their {TRACE_MAX_PERCENTILE} (the longest 1% of "
+            "requests then exceed the engine's max_model_len; type the maxima to admit every one), "
+            "peak_requests_per_s their busiest minute (the mean rate for a window under a minute). Values typed here "
+            "win over the trace's; a mean above a maximum is capped at it. The trace is read once, when the file is "
+            "loaded, and `kvfleet simulate` replays it when no --trace is given."
         ),
     )
 

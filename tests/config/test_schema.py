@@ -131,7 +131,10 @@ def test_missing_required_field_points_at_its_parent() -> None:
     text = BASE.replace("      max_input_tokens: 4096\n", "")
     lines = problems(text)
     assert line_of(text, "workload:") == 10
-    assert lines[0] == "envs/test.yaml:10: deployments[0].workload.max_input_tokens: required field is missing"
+    assert lines[0] == (
+        "envs/test.yaml:10: deployments[0].workload.max_input_tokens: required field is missing; give it, or a "
+        "workload.trace to read it from"
+    )
 
 
 def test_missing_top_level_field() -> None:
