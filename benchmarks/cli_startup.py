@@ -1,7 +1,7 @@
 """CLI start-up: ``kvfleet plan ... --json`` against a bare ``python -c pass``, and the import check.
 
 Prints best-of-N wall times and their ratio, then the modules ``import kvfleet.cli`` pulls in
-(``python -X importtime``). Exits 1 if a heavy module (pydantic, yaml, rich, aws_cdk, boto3) is
+(``python -X importtime``). Exits 1 if a heavy module (pydantic, yaml, rich, aws_cdk, boto3, matplotlib) is
 imported by ``kvfleet.cli`` itself: those belong inside the commands that need them.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 N = 10
 REPO = Path(__file__).resolve().parents[1]
-HEAVY = ("pydantic", "yaml", "rich", "aws_cdk", "boto3")
+HEAVY = ("pydantic", "yaml", "rich", "aws_cdk", "boto3", "matplotlib")
 PLAN_ARGS = ["plan", "--model", "meta-llama/Llama-3.1-8B", "--max-input-tokens", "2048", "--max-output-tokens", "512"]
 
 

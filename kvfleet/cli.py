@@ -20,7 +20,7 @@ from kvfleet.targets import TARGETS
 
 if TYPE_CHECKING:
     from kvfleet.deployments import ResolvedDeployment
-    from kvfleet.sim.fleet import AutoscalerKind, FleetSpec
+    from kvfleet.sim.fleet import AutoscalerKind, FleetResult, FleetSpec
     from kvfleet.sizing.capacity import Capacity
     from kvfleet.sizing.planner import Candidate, Plan, PlanRequest
     from kvfleet.workload.traces import Trace
@@ -146,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     si.add_argument("--duration-s", type=_positive_float, help="keep this many seconds of the trace")
     si.add_argument("--rate-scale", type=_positive_float, default=1.0, help="replay at this multiple of the rate")
     si.add_argument("--router", choices=["least_outstanding", "round_robin"], default="least_outstanding")
+    si.add_argument(
+        "--png",
+        metavar="FILE",
+        help="also draw the run over time (requests, queue, KV-cache use, replicas) into this PNG; with several "
+        "deployments, one each: FILE-<deployment>.png",
+    )
     si.add_argument("--json", action="store_true")
     i = sub.add_parser("instances", help="the accelerator and instance catalog")
     i.add_argument("--platform", choices=list(TARGETS))
@@ -740,6 +746,36 @@ def _synthetic_trace(r: ResolvedDeployment) -> Trace:
     )
 
 
+def _png_paths(png: str, names: list[str]) -> dict[str, str]:
+    """Each deployment's timeline file: FILE for one, FILE-<name>.png for several. Checked before the replay, so a
+    path that cannot be written costs no simulation."""
+    import os
+    from pathlib import Path
+
+    path = Path(png)
+    if path.suffix.lower() != ".png":
+        raise KvfleetError(f"{png} does not end in .png", field="png")
+    folder = path.parent
+    if not folder.is_dir():
+        raise KvfleetError(f"cannot write {png}: there is no directory {folder}", field="png")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise KvfleetError(f"cannot write {png}: the directory {folder} is not writable", field="png")
+    paths = {names[0]: path} if len(names) == 1 else {n: path.with_name(f"{path.stem}-{n}{path.suffix}") for n in names}
+    for p in paths.values():
+        if p.is_dir():
+            raise KvfleetError(f"cannot write {p}: it is a directory", field="png")
+    return {n: str(p) for n, p in paths.items()}
+
+
+def _write_timeline(result: FleetResult, trace: Trace, spec: FleetSpec, path: str, *, title: str) -> None:
+    from kvfleet.sim.timeline import render_png, timeline
+
+    try:
+        render_png(timeline(result, trace, spec), path, title=title)
+    except OSError as err:
+        raise KvfleetError(f"cannot write {path}: {err.strerror or err}", field="png") from None
+
+
 def cmd_simulate(a: argparse.Namespace) -> int:
     from kvfleet.config.loader import environment_path, load_located
     from kvfleet.deployments import config_error, plan_requests, resolve
@@ -758,6 +794,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         raise KvfleetError(
             f"no deployment {a.deployment!r} in {loaded.source}; it has {', '.join(names)}", field="deployment"
         )
+    pngs = _png_paths(a.png, [n for n in names if not a.deployment or n == a.deployment]) if a.png else {}
     trace = (
         read_trace(a.trace, fmt=a.trace_format, start_s=a.start_s, duration_s=a.duration_s, rate_scale=a.rate_scale)
         if a.trace
@@ -777,21 +814,31 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         own = loaded.traces.get(dr.index)
         replay = trace if trace is not None else own if own is not None else _synthetic_trace(r)
         w = r.deployment.workload
+        result = simulate(replay, spec)
         report = summarize(
-            simulate(replay, spec),
+            result,
             spec,
             ttft_slo_s=w.ttft_ms / 1000 if w.ttft_ms else None,
             itl_slo_s=w.itl_ms / 1000 if w.itl_ms else None,
         )
-        head = (
+        fleet = (
             f"{dr.deployment.name}: {r.instance_type} x{spec.initial_replicas} "
-            f"({spec.scaling.min_replicas}-{spec.scaling.max_replicas}, {spec.scaling.kind}), {replay.source}"
+            f"({spec.scaling.min_replicas}-{spec.scaling.max_replicas}, {spec.scaling.kind})"
         )
+        head = f"{fleet}, {replay.source}"
+        if dr.deployment.name in pngs:
+            _write_timeline(result, replay, spec, pngs[dr.deployment.name], title=f"{fleet}\n{replay.source}")
         out.append((head, report))
     if a.json:
-        print(json.dumps([{"deployment": h.split(":", 1)[0], **rep.as_dict()} for h, rep in out], indent=2))
+        rows = []
+        for h, rep in out:
+            name = h.split(":", 1)[0]
+            rows.append({"deployment": name, **rep.as_dict(), **({"png": pngs[name]} if name in pngs else {})})
+        print(json.dumps(rows, indent=2))
     else:
         print("\n\n".join(f"{h}\n{render(rep)}" for h, rep in out))
+        for path in pngs.values():
+            print(f"timeline written to {path}")
     return 0
 
 

@@ -54,7 +54,9 @@ THIRD_PARTY: dict[str, set[str] | None] = {
     "config": {"pydantic", "yaml"},
     "deployments": set(),
     "workload": set(),
-    "sim": set(),
+    # matplotlib only in sim/timeline.py, imported inside the function that draws: the simulator itself and the
+    # CLI's start-up stay standard library.
+    "sim": {"matplotlib"},
     "cli": {"rich"},
     "infra": None,
     "agent": {"aiohttp", "prometheus_client", "uvloop", "boto3", "botocore"},

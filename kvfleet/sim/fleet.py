@@ -79,7 +79,11 @@ class Sample:
     draining: int
     outstanding: int
     waiting: int
-    kv_utilization: float
+    kv_utilization: float  # mean over the serving replicas (the autoscaler's signal)
+    kv_max: float  # the fullest serving replica's
+    # Running totals: the timeline turns them into refusals per interval without a record per request.
+    rejected_429: int
+    rejected_503: int
 
 
 @dataclass(kw_only=True)
@@ -181,7 +185,8 @@ class Fleet:
         serving = self._serving(t)
         alive = self._alive()
         n = len(serving)
-        kv = sum(r.kv_utilization for r in serving) / n if n else 0.0
+        kvs = [r.kv_utilization for r in serving]
+        kv = sum(kvs) / n if n else 0.0
         waiting = sum(len(r.waiting) for r in serving)
         self.samples.append(
             Sample(
@@ -192,6 +197,9 @@ class Fleet:
                 outstanding=sum(r.outstanding for r in serving),
                 waiting=waiting,
                 kv_utilization=kv,
+                kv_max=max(kvs, default=0.0),
+                rejected_429=self.stats.rejected_429,
+                rejected_503=self.stats.rejected_503,
             )
         )
         if n:
