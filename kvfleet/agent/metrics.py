@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import random
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -190,11 +191,27 @@ class _Histogram:
     sum: float
 
 
+_SAMPLE_LINE: Final = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*[{ ]")
+
+
 class _Scrape:
     """One scrape's samples by sample name, then label set."""
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, wanted: frozenset[str] | None = None) -> None:
+        """``wanted``: the sample names read later; other lines are dropped before the parser sees them (an
+        engine exposes hundreds of series and parsing them all held the event loop for tens of milliseconds)."""
         self._by_name: dict[str, dict[_Labels, float]] = {}
+        if wanted is not None:
+            # Comment lines go too: only sample names, labels and values are read, never the families' types.
+            kept = []
+            for line in text.splitlines():
+                if not line or line[0] == "#":
+                    continue
+                if line.split("{", 1)[0].split(" ", 1)[0] in wanted:
+                    kept.append(line)
+                elif not _SAMPLE_LINE.match(line):  # an error page, say: not exposition text at all
+                    raise ValueError(f"not a Prometheus sample line: {line[:60]!r}")
+            text = "\n".join(kept) + "\n"
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 labels = tuple(sorted(sample.labels.items()))
@@ -331,6 +348,13 @@ class SignalCollector:
         with it and everything counted before the first successful scrape belongs to the first interval.
         Otherwise (an engine that was already running) the first scrape is only the baseline."""
         self._map = metric_map(engine, engine_version)
+        # Every sample name a scrape is read for: the gauges' and counters' names, the histograms' series.
+        self._wanted = frozenset(
+            f"{n}{suffix}"
+            for names in self._map.candidates.values()
+            for n in names
+            for suffix in ("", "_bucket", "_sum", "_count")
+        )
         self._primed = counters_from_zero  # else set by the first scrape with engine metrics: the baseline
         self._counters: dict[str, dict[_SeriesKey, float]] = {}
         self._histograms: dict[str, dict[_SeriesKey, _Histogram]] = {}
@@ -367,7 +391,7 @@ class SignalCollector:
         agent = dict(self._pending)
         self._pending = dict.fromkeys(self._pending, 0.0)
         try:
-            found, gauges, deltas, distributions = self._read(_Scrape(text))
+            found, gauges, deltas, distributions = self._read(_Scrape(text, self._wanted))
             problem = None if found else f"no {self._map.engine} metrics in the scrape"
             sample = Sample(gauges=gauges, deltas={**deltas, **agent}, distributions=distributions, problem=problem)
         except Exception as exc:

@@ -843,3 +843,13 @@ def test_counters_from_zero_counts_what_happened_before_the_first_good_scrape() 
     assert owned.update(text).deltas["OutputTokens"] == 1056.0
     foreign = SignalCollector(engine="vllm", engine_version="0.32.0")
     assert foreign.update(text).deltas["OutputTokens"] == 0.0  # an engine running before us: baseline only
+
+
+def test_the_scrape_reads_only_wanted_lines_and_the_same_values() -> None:
+    # The collector drops every line it will not read before parsing; what it reads is unchanged by that.
+    from kvfleet.agent.metrics import _Scrape
+
+    wanted = collector()._wanted
+    full, filtered = _Scrape(VLLM_0_32), _Scrape(VLLM_0_32, wanted)
+    assert filtered._by_name and set(filtered._by_name) <= wanted
+    assert filtered._by_name == {k: v for k, v in full._by_name.items() if k in wanted}
