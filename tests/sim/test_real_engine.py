@@ -1,0 +1,319 @@
+"""The simulator against a real engine: a slice of a real trace replayed through the agent in front of vLLM.
+
+vLLM's CPU build serves a tiny Llama. First its step times are measured, as a hardware profile would be on a GPU:
+decode steps at several batch sizes (one long-context batch among them) and single prefills of several lengths,
+fitted to the simulator's ``LinearStepModel``. The engine's own per-request time outside the steps (HTTP,
+tokenizing, the first event's way back) is what the shortest prefill took beyond its step, and is added to every
+simulated time to first token. vLLM's forward pass has a core of its own, as it has a GPU on a real host.
+Then forty seconds of the Azure 2023 conversation trace, lengths scaled to the tiny model, are replayed open-loop
+at their recorded arrival times, and the same requests are simulated with the engine's settings (token budget,
+sequence limit, the KV blocks vLLM reports). Median TTFT and median per-request ITL must agree within 15%, their
+95th percentiles within 50%.
+
+Why those bounds: 15% is the issue's target, and it sits above the noise of medians here. The profile is measured
+in the same run (the CPU's speed cancels), the replay keeps the engine busy without saturating it (past
+saturation a small step-time error grows into an unbounded queue, which no tolerance covers), and in repeated
+runs of this test the fitted constants agreed within a few percent and the medians within 10%. The tails do
+not: on two cores shared by the clients, the agent, vLLM's API server and its engine loop, the real engine's own
+p95 ITL came out 15 ms in one run and 30 ms in the next, with the simulated one 18 ms both times. 50% still
+catches what matters, a scheduler rule missing or a cost left out, which moves the tail by multiples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import math
+import os
+import statistics
+import subprocess
+import time
+from array import array
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from kvfleet.engines import EngineArgs
+from kvfleet.sim.fleet import FleetSpec, Scaling, simulate
+from kvfleet.sim.replica import EngineLimits, LinearStepModel
+from kvfleet.workload.traces import Trace, read_trace
+from tests.agent.harness import running, settings
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = Path(os.environ.get("KVFLEET_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
+
+if not VLLM_PYTHON.exists():
+    if os.environ.get("KVFLEET_REQUIRE_VLLM") == "1":
+        raise RuntimeError(f"the vLLM test virtualenv is missing ({VLLM_PYTHON}); `make test` creates it")
+    pytest.skip("the vLLM CPU virtualenv is created by `make test`", allow_module_level=True)
+
+TRACE = REPO / "traces/azure2023/AzureLLMInferenceTrace_conv.csv"
+WINDOW_S = 40.0
+RATE_SCALE = 1.0  # half the recorded rate: busy, below saturation on two cores (see the module docstring)
+# The tiny model's context is 1,024 tokens: prompts and outputs are the trace's divided by these, within bounds.
+PROMPT_DIV, PROMPT_MIN, PROMPT_MAX = 4, 8, 480
+OUTPUT_DIV, OUTPUT_MIN, OUTPUT_MAX = 4, 4, 96
+TOLERANCE = {50: 0.15, 95: 0.50}  # by percentile; see the module docstring
+
+MAX_NUM_SEQS = 32
+MAX_NUM_BATCHED_TOKENS = 512
+ENGINE_ARGS = EngineArgs(
+    max_model_len=1024,
+    max_num_seqs=MAX_NUM_SEQS,
+    max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+    enforce_eager=True,
+    kv_cache_memory_bytes=16 * 1024 * 1024,
+    served_model_name="tiny",
+    enable_prefix_caching=False,  # the trace has no prefix hashes: every prompt is computed in full
+)
+
+
+@dataclass(frozen=True)
+class Timed:
+    sent_s: float
+    first_s: float
+    last_s: float
+    tokens: int
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_s - self.sent_s
+
+    @property
+    def itl_s(self) -> float:
+        return (self.last_s - self.first_s) / (self.tokens - 1)
+
+
+def prompt_ids(rid: int, n: int) -> list[int]:
+    # Token ids, so the prompt is exactly n tokens; different per request (no two share a block).
+    return [3 + (rid * 131 + i * 17) % 1000 for i in range(n)]
+
+
+async def generate(http: aiohttp.ClientSession, url: str, rid: int, prompt: int, output: int) -> Timed:
+    body = {
+        "model": "tiny",
+        "prompt": prompt_ids(rid, prompt),
+        "max_tokens": output,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    sent = time.perf_counter()
+    first = last = math.nan
+    tokens = 0
+    async with http.post(url + "/v1/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        buf = b""
+        async for chunk in r.content.iter_any():
+            now = time.perf_counter()
+            buf += chunk
+            *events, buf = buf.split(b"\n\n")
+            for raw in events:
+                if not raw.startswith(b"data: {"):
+                    continue
+                event = json.loads(raw[len(b"data: ") :])
+                if event.get("choices"):
+                    first = now if math.isnan(first) else first
+                    last = now
+                if event.get("usage"):
+                    tokens = int(event["usage"]["completion_tokens"])
+    assert tokens == output, (rid, tokens, output)
+    return Timed(sent, first, last, tokens)
+
+
+async def steady_decode_s(http: aiohttp.ClientSession, url: str, batch: int, prompt: int) -> float:
+    """Seconds per decode step with ``batch`` sequences: the same batch run to two lengths, the difference of their
+    durations (sent to last token) over the difference of their tokens. The prefill, the engine's per-request time
+    and the first event's delivery are in both and cancel; single token gaps would not do, since a client on a
+    busy core reads several events at once."""
+
+    async def duration(out: int, base: int) -> float:
+        runs = await asyncio.gather(*(generate(http, url, base + i, prompt, out) for i in range(batch)))
+        return statistics.median(t.last_s - t.sent_s for t in runs)
+
+    short, long = DECODE_PROBE_TOKENS
+    base = 10_000 + batch * 1000 + prompt
+    return (await duration(long, base) - await duration(short, base + 500)) / (long - short)
+
+
+async def prefill_s(http: aiohttp.ClientSession, url: str, prompt: int) -> float:
+    """Time to the first token of one request alone: one prefill step plus the engine's per-request path."""
+    samples = []
+    for k in range(5):
+        t = await generate(http, url, 20_000 + prompt * 10 + k, prompt, 2)
+        samples.append(t.ttft_s)
+    return statistics.median(samples)
+
+
+@dataclass(frozen=True)
+class Profile:
+    model: LinearStepModel
+    request_overhead_s: float
+    decode: list[tuple[int, int, float]]  # batch, KV tokens per step, seconds
+    prefill: list[tuple[int, float]]  # prompt tokens, seconds to first token
+
+
+def fit(decode: list[tuple[int, int, float]], prefill: list[tuple[int, float]]) -> Profile:
+    """The step model from the measured points. Short-prompt decode batches give the fixed part and the cost per
+    sequence (a line through them); the long-context batch, against the short one of the same size, the cost per
+    KV token read; single prefills the cost per prompt token (their slope, less the KV read: a chunk reads its
+    own context). The engine's per-request time outside the steps is what the shortest prefill took beyond its
+    step."""
+    long_b, long_kv, long_s = max(decode, key=lambda d: d[1] / d[0])
+    short = [d for d in decode if d[1] / d[0] < long_kv / long_b]
+    per_seq, fixed = statistics.linear_regression([float(b) for b, _, _ in short], [t for *_, t in short])
+    same = next(d for d in short if d[0] == long_b)
+    per_kv = max((long_s - same[2]) / (long_kv - same[1]), 0.0)
+    slope, _ = statistics.linear_regression([float(p) for p, _ in prefill], [t for _, t in prefill])
+    model = LinearStepModel(
+        fixed_s=max(fixed, 0.0),
+        per_prefill_token_s=max(slope - per_kv, 0.0),
+        per_decode_seq_s=max(per_seq, 0.0),
+        per_kv_token_s=per_kv,
+    )
+    p0, t0 = min(prefill)
+    # The prefill step also samples the request's first token (one sequence).
+    overhead = t0 - model.step_s(prefill=[(p0, 0)], decode_seqs=1, decode_kv_tokens=0)
+    return Profile(model=model, request_overhead_s=max(overhead, 0.0), decode=decode, prefill=prefill)
+
+
+def trace_slice() -> Trace:
+    t = read_trace(TRACE, duration_s=WINDOW_S, rate_scale=RATE_SCALE)
+    inputs = array("q", (min(max(x // PROMPT_DIV, PROMPT_MIN), PROMPT_MAX) for x in t.input_tokens))
+    outputs = array("q", (min(max(x // OUTPUT_DIV, OUTPUT_MIN), OUTPUT_MAX) for x in t.output_tokens))
+    return Trace(source=t.source, fmt=t.fmt, arrival_s=t.arrival_s, input_tokens=inputs, output_tokens=outputs)
+
+
+async def replay(http: aiohttp.ClientSession, url: str, trace: Trace) -> list[Timed]:
+    """Open loop: each request is sent at its arrival time, whatever the engine is doing."""
+    start = time.perf_counter() + 0.5
+
+    async def at(i: int) -> Timed:
+        await asyncio.sleep(max(0.0, start + trace.arrival_s[i] - time.perf_counter()))
+        return await generate(http, url, i, trace.input_tokens[i], trace.output_tokens[i])
+
+    return list(await asyncio.gather(*(at(i) for i in range(len(trace)))))
+
+
+def simulated(trace: Trace, profile: Profile, kv_blocks: int, block_tokens: int) -> list[tuple[float, float]]:
+    spec = FleetSpec(
+        limits=EngineLimits(
+            max_num_seqs=MAX_NUM_SEQS,
+            max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+            kv_blocks=kv_blocks,
+            block_tokens=block_tokens,
+            prefix_caching=False,
+        ),
+        model=profile.model,
+        scaling=Scaling(kind="none", min_replicas=1, max_replicas=1, kv_cache_target=1.0, queue_target=1.0),
+        initial_replicas=1,
+        cold_start_s=0.0,
+        usd_per_replica_hour=None,
+        exact_steps=True,  # a few hundred requests: every step on its own costs nothing here
+    )
+    result = simulate(trace, spec)
+    assert len(result.stats.finished) == len(trace)
+    return [
+        (
+            r.first_token_s - r.arrival_s + profile.request_overhead_s,
+            (r.last_token_s - r.first_token_s) / (r.generated - 1),
+        )
+        for r in sorted(result.stats.finished, key=lambda r: r.rid)
+        if r.generated > 1
+    ]
+
+
+async def engine_cache(http: aiohttp.ClientSession, engine_url: str) -> tuple[int, int]:
+    """The KV blocks and block size the engine allocated, from its own metrics (vllm:cache_config_info)."""
+    async with http.get(engine_url + "/metrics") as r:
+        text = await r.text()
+    line = next(x for x in text.splitlines() if x.startswith("vllm:cache_config_info{"))
+    labels = dict(kv.split("=", 1) for kv in line[line.index("{") + 1 : line.index("}")].split(","))
+    return int(labels["num_gpu_blocks"].strip('"')), int(labels["block_size"].strip('"'))
+
+
+def pct(xs: list[float], q: float) -> float:
+    return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1]
+
+
+async def scenario(model_dir: Path) -> dict[str, Any]:
+    s = settings(
+        engine_command=None,
+        engine_python=str(VLLM_PYTHON),
+        model=str(model_dir),
+        engine_args=ENGINE_ARGS,
+        admission=False,
+        engine_ready_timeout_s=240.0,
+        request_log=False,
+        # The product's interval: each scrape of vLLM's /metrics costs its API server tens of milliseconds, and
+        # at the other tests' 0.2 s it held streams back by hundreds.
+        publish_interval_s=10.0,
+    )
+    trace = trace_slice()
+    async with running(s, ready_timeout=240) as r:
+        http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=600))
+        async with http:
+            kv_blocks, block_tokens = await engine_cache(http, f"http://127.0.0.1:{s.engine_port}")
+            await prefill_s(http, r.url, 64)  # warm-up
+            # Each probe twice, interleaved, and the median kept: one slow batch must not bend the whole line.
+            runs: dict[tuple[int, int], list[float]] = {}
+            for _ in range(PROBE_REPEATS):
+                for b, p in DECODE_PROBES:
+                    runs.setdefault((b, p), []).append(await steady_decode_s(http, r.url, b, p))
+            # KV read per step over the difference: the prompt and the middle of the extra tokens, per sequence.
+            kv = {(b, p): b * (p + sum(DECODE_PROBE_TOKENS) // 2) for b, p in DECODE_PROBES}
+            decode = [(b, kv[b, p], statistics.median(runs[b, p])) for b, p in DECODE_PROBES]
+            prefill = [(p, await prefill_s(http, r.url, p)) for p in PREFILL_PROBES]
+            profile = fit(decode, prefill)
+            real = await replay(http, r.url, trace)
+    return {"trace": trace, "profile": profile, "real": real, "kv_blocks": kv_blocks, "block_tokens": block_tokens}
+
+
+# (batch, prompt tokens): the KV read grows with both; one long-context batch separates the two.
+DECODE_PROBES = ((1, 16), (4, 16), (8, 16), (16, 16), (32, 16), (8, 400))
+DECODE_PROBE_TOKENS = (16, 128)  # two lengths; their difference is pure decode
+PROBE_REPEATS = 2
+PREFILL_PROBES = (32, 128, 256, 384, 512)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("real-engine") / "tiny-llama"
+    subprocess.run([str(VLLM_PYTHON), str(REPO / "tests/agent/make_tiny_llama.py"), str(out)], check=True)
+    return out
+
+
+def test_simulated_ttft_and_itl_match_the_real_engine_on_a_trace_slice(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The forward pass on its own core, as on a GPU host (see benchmarks/agent_overhead.py): vLLM's OpenMP threads
+    # spin at their barriers, and the API server, the agent and the clients starved beside them.
+    cores = sorted(os.sched_getaffinity(0))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", str(cores[-1]) if len(cores) > 1 else "auto")
+    out = asyncio.run(asyncio.wait_for(scenario(tiny_model), 900))
+    trace: Trace = out["trace"]
+    profile: Profile = out["profile"]
+    real = [t for t in out["real"] if t.tokens > 1]
+    sim = simulated(trace, profile, out["kv_blocks"], out["block_tokens"])
+    assert len(sim) == len(real)
+    # Under load, not one request at a time: generations overlapped (continuous batching had a batch to form).
+    edges = sorted([(t.sent_s, 1) for t in real] + [(t.last_s, -1) for t in real])
+    in_flight = max(itertools.accumulate(step for _, step in edges))
+    assert in_flight >= 5, in_flight
+    rows = []
+    for name, r_xs, s_xs in (
+        ("TTFT", [t.ttft_s for t in real], [x[0] for x in sim]),
+        ("ITL", [t.itl_s for t in real], [x[1] for x in sim]),
+    ):
+        for q in (50, 95):
+            rv, sv = pct(r_xs, q), pct(s_xs, q)
+            rows.append((name, q, rv, sv, sv / rv - 1))
+    report = "\n".join(
+        f"{n} p{q}: real {rv * 1e3:.1f} ms, simulated {sv * 1e3:.1f} ms ({e:+.1%})" for n, q, rv, sv, e in rows
+    )
+    print(f"\n{len(trace)} requests, at most {in_flight} in flight; profile {profile}\n{report}")
+    assert all(abs(e) <= TOLERANCE[q] for _, q, _, _, e in rows), report
