@@ -13,9 +13,9 @@ sequence limit, the KV blocks vLLM reports). Median TTFT and median per-request 
 Why those bounds, and not the issue's 15%: on two cores shared by the clients, the agent, vLLM's API server and
 its engine loop, the comparison itself is that noisy. The profile is measured in the same run (the CPU's speed
 cancels) and the replay keeps the engine busy without saturating it (past saturation a small step-time error
-grows into an unbounded queue, which no tolerance covers). Over eight runs of this design the median errors
-were within 15% in most runs and reached -18% (TTFT) and +25% (ITL) in the worst; the real engine's own p95 ITL
-was 15 ms in one run and 30 ms in the next. The bounds hold every run seen with margin, and still catch what
+grows into an unbounded queue, which no tolerance covers). In four runs of this design the median TTFT was off
+by -1% to -18% and the median ITL by +5% to +25%, the p95s by -27% to +18%; in earlier runs the real engine's
+own p95 ITL was 15 ms in one and 30 ms in the next. The bounds hold every run seen, and still catch what
 matters: a scheduler rule missing or a cost left out moves these figures by multiples.
 """
 
