@@ -739,7 +739,7 @@ def _synthetic_trace(r: ResolvedDeployment) -> Trace:
     out = w.avg_output_tokens or w.max_output_tokens
     return Trace(
         source=f"Poisson arrivals at {w.peak_requests_per_s:g}/s",
-        fmt="azure",
+        fmt="poisson",
         arrival_s=times,
         input_tokens=array("q", [inp] * n),
         output_tokens=array("q", [out] * n),

@@ -34,6 +34,8 @@ from kvfleet.errors import KvfleetError
 
 TraceFormat = Literal["azure", "mooncake", "burstgpt", "kvfleet"]
 FORMATS: tuple[TraceFormat, ...] = ("azure", "mooncake", "burstgpt", "kvfleet")
+# A trace kvfleet generated rather than read (the simulator's Poisson replay): never a file format.
+TraceOrigin = TraceFormat | Literal["poisson"]
 
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 BURSTGPT_COLUMNS = ("Timestamp", "Request tokens", "Response tokens")
@@ -58,7 +60,7 @@ class Trace:
     """
 
     source: str
-    fmt: TraceFormat
+    fmt: TraceOrigin
     arrival_s: array[float]
     input_tokens: array[int]
     output_tokens: array[int]
