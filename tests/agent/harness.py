@@ -6,13 +6,17 @@ import asyncio
 import contextlib
 import io
 import json
+import os
 import socket
+import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import aiohttp
+import pytest
 
 from kvfleet import contract
 from kvfleet.agent.server import Agent
@@ -20,6 +24,26 @@ from kvfleet.agent.settings import AgentSettings
 from kvfleet.engines import EngineArgs
 
 T = TypeVar("T")
+
+REPO = Path(__file__).resolve().parents[2]
+# The real vLLM (CPU build) that `make test` installs in its own virtualenv.
+VLLM_PYTHON = Path(os.environ.get("KVFLEET_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
+
+
+def require_vllm() -> None:
+    """Skips the calling test module without the vLLM virtualenv; under `make test` (KVFLEET_REQUIRE_VLLM=1) its
+    absence is an error instead, so the real-engine tests can never be skipped silently."""
+    if VLLM_PYTHON.exists():
+        return
+    if os.environ.get("KVFLEET_REQUIRE_VLLM") == "1":
+        raise RuntimeError(f"the vLLM test virtualenv is missing ({VLLM_PYTHON}); `make test` creates it")
+    pytest.skip("the vLLM CPU virtualenv is created by `make test`", allow_module_level=True)
+
+
+def make_tiny_model(out: Path) -> Path:
+    """A tiny Llama checkpoint at ``out`` (built offline under the vLLM virtualenv)."""
+    subprocess.run([str(VLLM_PYTHON), str(REPO / "tests/agent/make_tiny_llama.py"), str(out)], check=True)
+    return out
 
 
 def free_port() -> int:

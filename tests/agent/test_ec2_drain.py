@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -36,15 +35,17 @@ from kvfleet.agent import lifecycle
 from kvfleet.agent.lifecycle import Imds, LifecycleWatcher
 from kvfleet.engines import EngineArgs
 from tests.agent.fake_imds import COMPLETE, GROUP, HEARTBEAT, HOOK, REGION, FakeImds
-from tests.agent.harness import Running, running, settings, stream_completion
+from tests.agent.harness import (
+    VLLM_PYTHON,
+    Running,
+    make_tiny_model,
+    require_vllm,
+    running,
+    settings,
+    stream_completion,
+)
 
-REPO = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = Path(os.environ.get("KVFLEET_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
-
-if not VLLM_PYTHON.exists():
-    if os.environ.get("KVFLEET_REQUIRE_VLLM") == "1":
-        raise RuntimeError(f"the vLLM test virtualenv is missing ({VLLM_PYTHON}); `make test` creates it")
-    pytest.skip("the vLLM CPU virtualenv is created by `make test`", allow_module_level=True)
+require_vllm()
 
 HB_OP = "record_lifecycle_action_heartbeat"
 COMPLETE_OP = "complete_lifecycle_action"
@@ -172,8 +173,7 @@ class Stream:
 @pytest.fixture
 def tiny_model(tmp_path: Path) -> Path:
     out = tmp_path / "tiny-llama"
-    subprocess.run([str(VLLM_PYTHON), str(REPO / "tests/agent/make_tiny_llama.py"), str(out)], check=True)
-    return out
+    return make_tiny_model(out)
 
 
 async def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:

@@ -28,19 +28,15 @@ import pytest
 
 from kvfleet import contract
 from kvfleet.engines import EngineArgs
-from tests.agent.harness import free_ports, stream_completion
+from tests.agent.harness import VLLM_PYTHON, free_ports, make_tiny_model, require_vllm, stream_completion
 
 REPO = Path(__file__).resolve().parents[2]
 AGENT = Path(sys.executable).parent / contract.AGENT_COMMAND
-VLLM_PYTHON = Path(os.environ.get("KVFLEET_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
 DRAIN_BUDGET_S = 120
 STREAM_TOKENS = 380  # ten of these and their prompts fit the cache, so none is preempted
 CACHE_BYTES = 4 * 1024 * 1024  # 4,096 tokens of the tiny model: 32 concurrent requests saturate it
 
-if not VLLM_PYTHON.exists():
-    if os.environ.get("KVFLEET_REQUIRE_VLLM") == "1":
-        raise RuntimeError(f"the vLLM test virtualenv is missing ({VLLM_PYTHON}); `make test` creates it")
-    pytest.skip("the vLLM CPU virtualenv is created by `make test`", allow_module_level=True)
+require_vllm()
 
 
 @dataclass
@@ -99,8 +95,7 @@ def running(tree: dict[int, tuple[int, str]]) -> list[str]:
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny-llama")
-    subprocess.run([str(VLLM_PYTHON), str(REPO / "tests/agent/make_tiny_llama.py"), str(out)], check=True)
-    return out
+    return make_tiny_model(out)
 
 
 def wait_ready(url: str, timeout: float) -> None:

@@ -4,29 +4,16 @@ from __future__ import annotations
 
 import itertools
 import json
-from array import array
 from pathlib import Path
 
 import pytest
 
 from kvfleet.cli import main
 from kvfleet.sim.fleet import TT_OUT_DATAPOINTS, TT_PERIOD_S, FleetSpec, Scaling, simulate
-from kvfleet.sim.replica import EngineLimits, LinearStepModel
-from kvfleet.workload.traces import Trace
+from kvfleet.sim.replica import EngineLimits
+from tests.sim.synthetic import MODEL, steady
 
 REPO = Path(__file__).resolve().parents[2]
-MODEL = LinearStepModel(fixed_s=0.01, per_prefill_token_s=5e-5, per_decode_seq_s=1e-4, per_kv_token_s=1e-8)
-
-
-def steady(rate_per_s: float, seconds: float, *, prompt: int = 500, output: int = 200) -> Trace:
-    n = int(rate_per_s * seconds)
-    return Trace(
-        source="steady",
-        fmt="azure",
-        arrival_s=array("d", [i / rate_per_s for i in range(n)]),
-        input_tokens=array("q", [prompt] * n),
-        output_tokens=array("q", [output] * n),
-    )
 
 
 def spec(kind: str, *, initial: int, kv_blocks: int = 2_000, **scaling: float) -> FleetSpec:

@@ -27,7 +27,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import time
 from array import array
 from dataclasses import dataclass
@@ -41,15 +40,11 @@ from kvfleet.engines import EngineArgs
 from kvfleet.sim.fleet import FleetSpec, Scaling, simulate
 from kvfleet.sim.replica import EngineLimits, LinearStepModel
 from kvfleet.workload.traces import Trace, read_trace
-from tests.agent.harness import running, settings
+from tests.agent.harness import VLLM_PYTHON, make_tiny_model, require_vllm, running, settings
 
 REPO = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = Path(os.environ.get("KVFLEET_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
 
-if not VLLM_PYTHON.exists():
-    if os.environ.get("KVFLEET_REQUIRE_VLLM") == "1":
-        raise RuntimeError(f"the vLLM test virtualenv is missing ({VLLM_PYTHON}); `make test` creates it")
-    pytest.skip("the vLLM CPU virtualenv is created by `make test`", allow_module_level=True)
+require_vllm()
 
 TRACE = REPO / "traces/azure2023/AzureLLMInferenceTrace_conv.csv"
 WINDOW_S = 40.0
@@ -286,8 +281,7 @@ PREFILL_PROBES = (32, 64, 128, 192, 256, 320, 384, 448, 512)
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("real-engine") / "tiny-llama"
-    subprocess.run([str(VLLM_PYTHON), str(REPO / "tests/agent/make_tiny_llama.py"), str(out)], check=True)
-    return out
+    return make_tiny_model(out)
 
 
 def test_simulated_ttft_and_itl_match_the_real_engine_on_a_trace_slice(

@@ -7,7 +7,6 @@ import os
 import struct
 import subprocess
 import sys
-from array import array
 from dataclasses import fields
 from pathlib import Path
 
@@ -16,26 +15,15 @@ import yaml
 
 from kvfleet.cli import main
 from kvfleet.sim.fleet import FleetResult, FleetSpec, Scaling, simulate
-from kvfleet.sim.replica import EngineLimits, LinearStepModel
+from kvfleet.sim.replica import EngineLimits
 from kvfleet.sim.report import summarize
 from kvfleet.sim.timeline import DPI, FIGURE_INCHES, Timeline, render_png, timeline
 from kvfleet.workload.traces import Trace
+from tests.sim.synthetic import MODEL, steady
 
 REPO = Path(__file__).resolve().parents[2]
 TRACE = REPO / "traces" / "azure2023" / "AzureLLMInferenceTrace_conv.csv"
-MODEL = LinearStepModel(fixed_s=0.01, per_prefill_token_s=5e-5, per_decode_seq_s=1e-4, per_kv_token_s=1e-8)
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
-def steady(rate_per_s: float, seconds: float, *, prompt: int = 500, output: int = 200) -> Trace:
-    n = int(rate_per_s * seconds)
-    return Trace(
-        source="steady",
-        fmt="azure",
-        arrival_s=array("d", [i / rate_per_s for i in range(n)]),
-        input_tokens=array("q", [prompt] * n),
-        output_tokens=array("q", [output] * n),
-    )
 
 
 def fleet(*, initial: int, admission_tokens: int | None = None, kind: str = "target_tracking") -> FleetSpec:
