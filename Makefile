@@ -58,6 +58,7 @@ bench: $(BIN)/kvfleet $(VLLM_VENV)/.installed
 	$(BIN)/pytest benchmarks --benchmark-only --benchmark-enable -p no:cacheprovider
 	$(BIN)/python benchmarks/cli_startup.py
 	$(BIN)/python benchmarks/sim_speed.py
+	$(BIN)/python benchmarks/agent_overhead.py --engine fake
 	KVFLEET_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python benchmarks/agent_overhead.py --engine vllm
 
 clean:

@@ -4,8 +4,12 @@ One agent process (which starts the engine) serves both paths in the same run: t
 alternates rounds against the engine's own port and the agent's port, so drift hits both equally.
 Targets: the agent keeps at least 97% of the throughput and adds at most 2 ms to the median TTFT.
 
-Two phases: a burst (16 concurrent streams) for throughput and TTFT under load, and one request at a time for
-the hop alone. The agent's own CPU time per request and per streamed event is read from /proc.
+Phases: a burst (16 concurrent streams) for throughput and TTFT under load, and one request at a time for the
+hop alone. The agent's own CPU time per request and per streamed event is read from /proc. With the fake engine,
+bursts that send every other stream through the agent as well: on a 2-core host the burst TTFT of separate rounds
+moves by a few ms from one run to the next (the noise floor line), more than the 2 ms it is held to, and within one
+burst that noise is common to both halves. With vLLM that comparison is biased (see ``mixed_round``), so its TTFT
+target is read from the separate rounds, whose noise floor there is tens of ms: read it with that floor.
 
 Core layout (vLLM): on a GPU host the forward pass runs on the GPU, and the agent, the engine's API server and
 the clients share the host's cores. vLLM's CPU build instead runs the forward pass on OpenMP threads that
@@ -39,9 +43,7 @@ sys.path.insert(0, str(REPO))
 
 from kvfleet import contract  # noqa: E402
 from kvfleet.engines import EngineArgs  # noqa: E402
-from tests.agent.harness import fake_engine_command, free_port  # noqa: E402
-
-VLLM_PYTHON = Path(os.environ.get("KVFLEET_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
+from tests.agent.harness import VLLM_PYTHON, VLLM_VERSION, fake_engine_command, free_port  # noqa: E402
 
 
 async def one(http: aiohttp.ClientSession, url: str, model: str, max_tokens: int) -> tuple[float, int, float]:
@@ -78,6 +80,18 @@ async def round_(url: str, model: str, *, concurrency: int, requests: int, max_t
     }
 
 
+async def mixed_round(urls: tuple[str, str], model: str, *, streams: int, max_tokens: int) -> tuple[float, float]:
+    """One burst, every other stream through the agent: the difference of the halves' median TTFTs is what the hop
+    adds, without the round-to-round noise. Only where the engine takes requests in parallel (the fake engine): vLLM's
+    API server takes a burst one request at a time, so a half that arrives a millisecond later queues behind the
+    whole other half, and the difference measures queue position instead."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        results = await asyncio.gather(*(one(http, urls[i % 2], model, max_tokens) for i in range(streams)))
+    direct = [r[0] for i, r in enumerate(results) if i % 2 == 0]
+    proxied = [r[0] for i, r in enumerate(results) if i % 2 == 1]
+    return statistics.median(direct) * 1e3, statistics.median(proxied) * 1e3
+
+
 def host_cores(layout: str) -> tuple[set[int], int | None]:
     """The cores the agent, its clients and the engine's API server run on, and the one vLLM's forward pass gets."""
     cores = sorted(os.sched_getaffinity(0))
@@ -96,6 +110,7 @@ def start_agent(engine: str, workdir: Path, layout: str) -> tuple[subprocess.Pop
         contract.ENV_PORT: str(port),
         contract.ENV_ENGINE_PORT: str(engine_port),
         contract.ENV_DEPLOYMENT: "bench",
+        contract.ENV_ENGINE_VERSION: VLLM_VERSION,  # the fake engine stands in for the same release
         contract.ENV_PUBLISH_INTERVAL_S: "10",
         contract.ENV_ADMISSION: "0",
     }
@@ -221,6 +236,10 @@ async def bench(args: argparse.Namespace) -> int:
             await round_(engine_url, model, **kw)  # warm-up (both paths share the engine)
             await round_(agent_url, model, **kw)
             burst = await phase(proc, engine_url, agent_url, model, rounds=args.rounds, **kw)
+            mixed = [
+                await mixed_round((engine_url, agent_url), model, streams=args.concurrency, max_tokens=args.max_tokens)
+                for _ in range(args.rounds * 4 if args.engine == "fake" else 0)
+            ]
             alone = await phase(
                 proc, engine_url, agent_url, model, rounds=args.rounds, concurrency=1, requests=8, max_tokens=8
             )
@@ -240,9 +259,25 @@ async def bench(args: argparse.Namespace) -> int:
         f"{args.concurrency} at a time",
         burst,
     )
+    if mixed:
+        paired = statistics.median(a - d for d, a in mixed)
+        print(
+            f"mixed: {len(mixed)} bursts of {args.concurrency} streams x {args.max_tokens} tokens, "
+            "every other one through the agent:"
+        )
+        print(
+            f"  median TTFT direct {statistics.median(d for d, _ in mixed):.2f} ms, through the agent "
+            f"{statistics.median(a for _, a in mixed):.2f}: {paired:+.2f} ms (median of the bursts' differences)"
+        )
     report(f"alone: {args.rounds} rounds of 8 streams x 8 tokens, one at a time", alone)
-    ok = ratio >= 0.97 and added <= 2.0
-    print("targets under the burst (ratio >= 0.97, added TTFT <= 2 ms):", "met" if ok else "NOT met")
+    # The TTFT target is read from the same bursts where they are valid (see mixed_round), else from the rounds.
+    ttft, how = (paired, "same bursts") if mixed else (added, "separate rounds")
+    ok = ratio >= 0.97 and ttft <= 2.0
+    print(
+        f"targets under the burst (throughput ratio >= 0.97, added median TTFT <= 2 ms): {ratio:.3f}, "
+        f"{ttft:+.2f} ms ({how}):",
+        "met" if ok else "NOT met",
+    )
     return 0 if ok else 1
 
 

