@@ -35,6 +35,24 @@ def test_ping_and_streaming_and_plain_completions() -> None:
     run(go)
 
 
+def test_a_method_a_route_does_not_take_is_405_with_allow_and_head_is_a_get() -> None:
+    async def go() -> None:
+        async with running(settings()) as r:
+            for method, path, allow in (
+                ("GET", contract.DRAIN_ROUTE, "POST"),
+                ("DELETE", contract.HEALTH_ROUTE, "GET, HEAD, POST"),
+                ("POST", contract.METRICS_ROUTE, "GET, HEAD"),
+                ("GET", "/v1/completions", "POST"),
+            ):
+                async with r.http.request(method, r.url + path) as c:
+                    assert c.status == 405 and c.headers["Allow"] == allow, (method, path)
+                    assert path in (await c.json())["error"]["message"]
+            async with r.http.head(r.url + contract.HEALTH_ROUTE) as h:
+                assert h.status == 200 and await h.read() == b""
+
+    run(go)
+
+
 def test_sagemaker_invocations_route_by_body_shape() -> None:
     async def go() -> None:
         async with running(settings()) as r:

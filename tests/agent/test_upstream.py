@@ -147,3 +147,28 @@ def test_a_connection_refused_is_an_engine_error() -> None:
             await pool.request("GET", "/v1/models", b"", {})
 
     _run(go)
+
+
+def test_an_idle_connection_is_reused_only_inside_the_engines_keep_alive() -> None:
+    """The reuse window follows the engine's keep-alive as the agent set it, less a margin for a close in flight."""
+
+    async def go() -> None:
+        for keep_alive, reused_after, closed_after in ((5.0, 2.5, 3.5), (75.0, 60.0, 74.0)):
+            pool = upstream.EnginePool("127.0.0.1", 1, keep_alive_s=keep_alive)
+            for idle, expect_reuse in ((reused_after, True), (closed_after, False)):
+                conn = upstream.Connection(pool)
+                conn.connection_made(_Transport())  # type: ignore[arg-type]
+                conn.start("GET", b"request")
+                conn.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+                pool.release(conn)
+                conn.idle_since = pool.loop.time() - idle
+                if expect_reuse:
+                    got, reused = await pool._acquire()
+                    assert got is conn and reused, (keep_alive, idle)
+                    pool.release(got)  # mid-exchange: closed, not pooled
+                else:  # closed, and a new connection is tried (here, to a port nobody listens on)
+                    with pytest.raises(upstream.EngineError, match="cannot connect"):
+                        await pool._acquire()
+                    assert conn.closed, (keep_alive, idle)
+
+    _run(go)

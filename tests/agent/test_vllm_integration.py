@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -28,7 +29,7 @@ import pytest
 
 from kvfleet import contract
 from kvfleet.engines import EngineArgs
-from tests.agent.harness import VLLM_PYTHON, free_ports, make_tiny_model, require_vllm, stream_completion
+from tests.agent.harness import VLLM_PYTHON, VLLM_VERSION, free_ports, make_tiny_model, require_vllm, stream_completion
 
 REPO = Path(__file__).resolve().parents[2]
 AGENT = Path(sys.executable).parent / contract.AGENT_COMMAND
@@ -127,7 +128,7 @@ def started_agent(tiny_model: Path, logs: Path) -> Iterator[AgentProcess]:
         **os.environ,
         contract.ENV_CONTRACT_VERSION: str(contract.CONTRACT_VERSION),
         contract.ENV_ENGINE: "vllm",
-        contract.ENV_ENGINE_VERSION: "0.32.0",
+        contract.ENV_ENGINE_VERSION: VLLM_VERSION,
         contract.ENV_MODEL: str(tiny_model),
         contract.ENV_ENGINE_ARGS: EngineArgs(
             max_model_len=1024,
@@ -178,9 +179,24 @@ def run(coro: Any) -> Any:
 
 def test_the_agent_started_under_the_contract_with_the_adapters_command(agent: AgentProcess) -> None:
     log = agent.stderr.read_text(errors="replace")
-    assert f"contract {contract.CONTRACT_VERSION}; engine vllm 0.32.0" in log
+    assert f"contract {contract.CONTRACT_VERSION}; engine vllm {VLLM_VERSION}" in log
     # EngineArgs rendered by the vLLM adapter: snake_case settings became vLLM's flags.
     assert "--kv-cache-memory-bytes 4194304" in log and "--served-model-name tiny" in log and "--enforce-eager" in log
+
+
+def test_an_idle_connection_to_the_real_engine_outlives_uvicorns_default(agent: AgentProcess) -> None:
+    """vLLM's uvicorn closes an idle connection after 5 s unless VLLM_HTTP_TIMEOUT_KEEP_ALIVE says otherwise; the
+    agent sets it and reuses pooled connections for almost that long, so the real server must honour it."""
+    with socket.create_connection(("127.0.0.1", agent.engine_port), timeout=10) as sock:
+        request = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{agent.engine_port}\r\n\r\n".encode()
+        for _ in range(2):
+            sock.sendall(request)
+            head = sock.recv(4096)
+            assert head.startswith(b"HTTP/1.1 200"), head[:80]
+            time.sleep(6.5)  # past the 5 s default
+        # Still open: a closed connection reads EOF (or resets) here.
+        sock.sendall(request)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
 
 
 GENERATION_LIMITS = {"max_tokens", "max_completion_tokens", "max_output_tokens", "max_new_tokens", "sampling_params"}

@@ -126,3 +126,15 @@ def test_metric_names_per_release(version: str, since: tuple[int, int, int], kv_
     assert set(itl) == {"vllm:time_per_output_token_seconds", "vllm:inter_token_latency_seconds"}
     assert names[contract.PREEMPTIONS.name] == ("vllm:num_preemptions_total", "vllm:num_preemptions")
     assert names[contract.OUTPUT_TOKENS.name] == ("vllm:generation_tokens_total",)
+
+
+def test_the_api_servers_keep_alive_is_raised_where_the_release_reads_the_variable() -> None:
+    """VLLM_HTTP_TIMEOUT_KEEP_ALIVE from 0.9.2 (vllm-project/vllm#18472); before it uvicorn's 5 s stands, and the
+    agent's pool must not count on more."""
+    from kvfleet.engines import vllm
+
+    assert VLLM.server_environment((0, 9, 2)) == {vllm.KEEP_ALIVE_ENV: str(vllm.KEEP_ALIVE_S)}
+    assert VLLM.keep_alive_s((0, 32, 0)) == vllm.KEEP_ALIVE_S
+    assert VLLM.server_environment((0, 9, 1)) == {} and VLLM.keep_alive_s((0, 9, 1)) == 5.0
+    trtllm = ENGINES["trtllm"]
+    assert trtllm.server_environment((1, 0, 0)) == {} and trtllm.keep_alive_s((1, 0, 0)) == 5.0
