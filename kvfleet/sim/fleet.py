@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
@@ -33,7 +34,11 @@ from kvfleet import contract
 from kvfleet.sim.replica import EngineLimits, Replica, Request, Stats, StepModel
 from kvfleet.workload.traces import Trace
 
-Router = Literal["round_robin", "least_outstanding"]
+# The strings of kvfleet.sizing.hosting.Routing (a test checks they agree): least_outstanding sends each arrival to
+# a replica with the fewest requests in flight; random to any serving replica alike (seeded: a replay repeats);
+# round_robin to each in turn.
+Router = Literal["least_outstanding", "random", "round_robin"]
+ROUTER_SEED = 0
 AutoscalerKind = Literal["target_tracking", "ec2", "hpa", "none"]
 
 # Application Auto Scaling / EC2 target tracking: alarm periods and datapoints (see the module docstring).
@@ -114,6 +119,7 @@ class Fleet:
         self.samples: list[Sample] = []
         self.events: list[tuple[float, int, str]] = []
         self._rr = 0
+        self._random = random.Random(ROUTER_SEED)
         self._next_id = 0
         self._last_out_s = -math.inf
         self._last_in_s = -math.inf
@@ -158,6 +164,8 @@ class Fleet:
         if self.spec.router == "round_robin":
             self._rr = (self._rr + 1) % len(serving)
             target = serving[self._rr]
+        elif self.spec.router == "random":
+            target = self._random.choice(serving)
         else:
             target = min(serving, key=lambda r: (r.outstanding, r.rid))
         if not target.admit(req, t):

@@ -1,16 +1,18 @@
-"""The fleet: each autoscaler's documented timing, draining on scale-in, and `kvfleet simulate`."""
+"""The fleet: each autoscaler's documented timing, draining on scale-in, the routers, and `kvfleet simulate`."""
 
 from __future__ import annotations
 
 import itertools
 import json
 from pathlib import Path
+from typing import get_args
 
 import pytest
 
 from kvfleet.cli import main
-from kvfleet.sim.fleet import TT_OUT_DATAPOINTS, TT_PERIOD_S, FleetSpec, Scaling, simulate
+from kvfleet.sim.fleet import TT_OUT_DATAPOINTS, TT_PERIOD_S, FleetResult, FleetSpec, Router, Scaling, simulate
 from kvfleet.sim.replica import EngineLimits
+from kvfleet.sizing.hosting import Routing
 from tests.sim.synthetic import MODEL, steady
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,6 +62,44 @@ def test_scale_in_drains_in_flight_generations_within_the_budget(budget: float, 
     assert (result.stats.aborted > 0) is aborted
     if not aborted:
         assert len(result.stats.finished) == len(long)
+
+
+def test_the_routers_are_the_hostings_routing_values() -> None:
+    assert sorted(get_args(Router)) == sorted(r.value for r in Routing)
+
+
+def routed(router: Router) -> FleetResult:
+    """Four fixed replicas of 4 slots (about 1.8 requests/s each on MODEL at 500 + 200 tokens) at 6 requests/s:
+    about 80% of the fleet's slots busy."""
+    fixed = FleetSpec(
+        limits=EngineLimits(max_num_seqs=4, max_num_batched_tokens=4096, kv_blocks=2_000),
+        model=MODEL,
+        scaling=Scaling(kind="none", min_replicas=4, max_replicas=4, kv_cache_target=0.5, queue_target=2.0),
+        initial_replicas=4,
+        cold_start_s=0,
+        usd_per_replica_hour=None,
+        router=router,
+    )
+    return simulate(steady(6, 300), fixed)
+
+
+def p95_ttft_s(result: FleetResult) -> float:
+    ttft = sorted(r.first_token_s - r.arrival_s for r in result.stats.finished)
+    return ttft[int(0.95 * len(ttft))]
+
+
+def test_random_routing_queues_where_least_outstanding_does_not() -> None:
+    # The same arrivals: least outstanding sends each to a free slot while the fleet has one (pooled servers);
+    # random leaves each replica an independent queue, so some queue while others have slots free.
+    pooled, random = routed("least_outstanding"), routed("random")
+    assert len(pooled.stats.finished) == len(random.stats.finished) == 1800
+    # Requests queued at the replicas, sampled every publish interval: none pooled, more than one on average random.
+    assert sum(s.waiting for s in pooled.samples) == 0
+    assert sum(s.waiting for s in random.samples) > len(random.samples)
+    assert p95_ttft_s(random) > 10 * p95_ttft_s(pooled)
+    # Seeded: a replay repeats.
+    again = routed("random")
+    assert [s.waiting for s in again.samples] == [s.waiting for s in random.samples]
 
 
 def test_kvfleet_simulate_replays_a_trace_slice(capsys: pytest.CaptureFixture[str]) -> None:

@@ -41,6 +41,7 @@ from kvfleet.infra.metrics import PERIOD, PlatformMetrics
 from kvfleet.infra.nag import acknowledge, logical_id
 from kvfleet.infra.network import ServingNetwork
 from kvfleet.infra.scaling import scale_group
+from kvfleet.sizing.hosting import Routing
 from kvfleet.sizing.startup import DOWNLOAD_BYTES_PER_S
 from kvfleet.sizing.units import GiB, MiB
 
@@ -63,6 +64,22 @@ INTERNAL_RULE_PRIORITY = 1
 RULE_MAX_VALUES = 5
 RULE_MAX_WILDCARDS = 5
 PATH_PATTERN_MAX_CHARS = 128
+
+# The target group's load_balancing.algorithm.type for each way kvfleet.targets may declare EC2 routes
+# (TARGETS["ec2"].hosting.routing, which the planner sizes for). Weighted random with anomaly mitigation off (the
+# default) spreads requests evenly in a random order. Slow start ramps a new target's share up, which only round
+# robin has: "You can't enable slow start mode when using the least outstanding requests or weighted random routing
+# algorithms." Source: ELB User Guide, "Edit target group attributes for your Application Load Balancer", sections
+# Routing algorithm and Slow start mode
+# (https://docs.aws.amazon.com/elasticloadbalancing/latest/application/edit-target-group-attributes.html):
+# load_balancing.algorithm.type round_robin (the default) | least_outstanding_requests | weighted_random.
+ALGORITHMS: dict[Routing, elbv2.TargetGroupLoadBalancingAlgorithmType] = {
+    Routing.LEAST_OUTSTANDING: elbv2.TargetGroupLoadBalancingAlgorithmType.LEAST_OUTSTANDING_REQUESTS,
+    Routing.RANDOM: elbv2.TargetGroupLoadBalancingAlgorithmType.WEIGHTED_RANDOM,
+    Routing.ROUND_ROBIN: elbv2.TargetGroupLoadBalancingAlgorithmType.ROUND_ROBIN,
+}
+SLOW_START_MAX_S = 900  # slow_start.duration_seconds: 30-900, 0 for off (same page)
+SLOW_START_MIN_S = 30
 
 LIFECYCLE_HOOK = "kvfleet-drain"  # named: the instances read it at boot, before the hook's id is known
 WARM_HOOK = "kvfleet-warm"  # with a warm pool: held until the image and weights are on the instance
@@ -552,8 +569,10 @@ class Ec2Fleet(Construct):
         )
 
     def _target_group(self, listener: elbv2.ApplicationListener) -> elbv2.ApplicationTargetGroup:
-        """The group's instances on the agent's port, healthy when the agent's health route answers."""
+        """The group's instances on the agent's port, healthy when the agent's health route answers, routed as the
+        target's hosting declares (ALGORITHMS)."""
         s = self._scaling
+        algorithm = ALGORITHMS[self._target.hosting.routing]
         return listener.add_targets(
             "Replicas",
             port=contract.SERVING_PORT,
@@ -569,9 +588,22 @@ class Ec2Fleet(Construct):
             ),
             # A deregistered instance keeps its open streams this long: the drain budget.
             deregistration_delay=Duration.seconds(min(3600, s.drain_budget_s)),
-            # A replica that just loaded its model gets traffic gradually (cold caches, first compiles).
-            slow_start=Duration.seconds(min(900, max(30, math.ceil(self._resolved.startup.engine_init_s)))),
+            load_balancing_algorithm_type=algorithm,
+            slow_start=self._slow_start(algorithm),
         )
+
+    def _slow_start(self, algorithm: elbv2.TargetGroupLoadBalancingAlgorithmType) -> Duration | None:
+        """Round robin: a replica that just loaded its model gets traffic gradually (cold caches, first compiles).
+        Least outstanding requests cannot have slow start (ALGORITHMS): a new, empty replica takes the next
+        arrivals until it holds as many as the others (the burst slow start would have spread out), then as many
+        as it answers, so a slow one gets fewer. It is set to 0 (off), not left out, so that an update from a
+        round-robin group turns it off in the same change."""
+        if algorithm == elbv2.TargetGroupLoadBalancingAlgorithmType.ROUND_ROBIN:
+            warm_s = math.ceil(self._resolved.startup.engine_init_s)
+            return Duration.seconds(min(SLOW_START_MAX_S, max(SLOW_START_MIN_S, warm_s)))
+        if algorithm == elbv2.TargetGroupLoadBalancingAlgorithmType.WEIGHTED_RANDOM:
+            return None  # aws-cdk-lib refuses any slow start with weighted random, 0 included
+        return Duration.seconds(0)
 
     # ---- what the fleet reports ----------------------------------------------------------------------------
 

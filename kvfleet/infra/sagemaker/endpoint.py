@@ -20,6 +20,7 @@ from kvfleet.infra.images import serving_image, serving_image_cuda
 from kvfleet.infra.metrics import PERIOD, PlatformMetrics
 from kvfleet.infra.nag import acknowledge
 from kvfleet.infra.scaling import scale_scalable_target
+from kvfleet.sizing.hosting import Routing
 
 VARIANT = "AllTraffic"
 
@@ -33,6 +34,16 @@ REGION_VARIABLE = contract.REGION_VARIABLE
 # Source: SageMaker API Reference, UpdateEndpoint and VariantProperty; botocore shape VariantPropertyType.
 RETAINED_WHEN_SCALING = ("DesiredInstanceCount",)
 VARIANT_PROPERTIES = ("DesiredInstanceCount", "DesiredWeight", "DataCaptureConfig")
+
+# The variant's RoutingConfig RoutingStrategy for each way kvfleet.targets may declare SageMaker routes
+# (TARGETS["sagemaker"].hosting.routing, which the planner sizes for). Without a RoutingConfig SageMaker routes at
+# random. Source: SageMaker API Reference, ProductionVariantRoutingConfig
+# (https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_ProductionVariantRoutingConfig.html):
+# RoutingStrategy LEAST_OUTSTANDING_REQUESTS | RANDOM. SageMaker has no round robin.
+ROUTING_STRATEGIES: dict[Routing, str] = {
+    Routing.LEAST_OUTSTANDING: "LEAST_OUTSTANDING_REQUESTS",
+    Routing.RANDOM: "RANDOM",
+}
 
 # SageMaker developer guide, "Update endpoints that use auto scaling"
 # (https://docs.aws.amazon.com/sagemaker/latest/dg/endpoint-scaling-update.html): an update that changes the
@@ -89,7 +100,7 @@ class SageMakerEndpoint(Construct):
             if gpu
             else None
         )
-        self._endpoint_config(r, local_storage=local_storage, host=self.host)
+        self._endpoint_config(r, target, local_storage=local_storage, host=self.host)
         self._endpoint(r, target, rollback_alarms=list(context.rollback_alarms))
         self.platform_metrics = PlatformMetrics(
             errors_4xx=self._endpoint_metric("Invocation4XXErrors", "4xx (SageMaker)"),
@@ -214,9 +225,12 @@ class SageMakerEndpoint(Construct):
         # CreateModel checks that the role can pull the image: the policy must exist first.
         self.model.node.add_dependency(policy)
 
-    def _endpoint_config(self, r: ResolvedDeployment, *, local_storage: bool, host: HostChoice | None) -> None:
+    def _endpoint_config(
+        self, r: ResolvedDeployment, target: SageMakerTarget, *, local_storage: bool, host: HostChoice | None
+    ) -> None:
         """One variant on the plan's instance type, on the inference AMI whose NVIDIA driver runs the image's
-        CUDA (SageMaker's default hosts run driver 470 or 535), with timeouts from the startup estimate."""
+        CUDA (SageMaker's default hosts run driver 470 or 535), with timeouts from the startup estimate, routing
+        as the target's hosting declares."""
         variant = sagemaker.CfnEndpointConfig.ProductionVariantProperty(
             variant_name=VARIANT,
             model_name=self.model.attr_model_name,
@@ -228,6 +242,9 @@ class SageMakerEndpoint(Construct):
             volume_size_in_gb=None if local_storage else r.disk_gib,
             model_data_download_timeout_in_seconds=r.download_timeout_s,
             container_startup_health_check_timeout_in_seconds=r.startup_timeout_s,
+            routing_config=sagemaker.CfnEndpointConfig.RoutingConfigProperty(
+                routing_strategy=routing_strategy(target.hosting.routing)
+            ),
         )
         self.endpoint_config = sagemaker.CfnEndpointConfig(
             self,
@@ -283,6 +300,14 @@ class SageMakerEndpoint(Construct):
             period=PERIOD,
             label=label,
         )
+
+
+def routing_strategy(routing: Routing) -> str:
+    """The variant's RoutingStrategy for the declared routing (ROUTING_STRATEGIES)."""
+    try:
+        return ROUTING_STRATEGIES[routing]
+    except KeyError:
+        raise ValueError(f"SageMaker cannot route {routing.value}; it routes {', '.join(ROUTING_STRATEGIES)}") from None
 
 
 def _scales(r: ResolvedDeployment) -> bool:

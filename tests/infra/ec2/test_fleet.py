@@ -9,13 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aws_cdk import aws_elasticloadbalancingv2 as elbv2
 from aws_cdk.assertions import Template
 
 from kvfleet import contract
 from kvfleet.deployments import LOAD_PADDING
 from kvfleet.errors import ConfigError
 from kvfleet.infra.app import build_app
-from kvfleet.infra.ec2 import lifecycle
+from kvfleet.infra.ec2 import fleet, lifecycle
 from kvfleet.infra.ec2.fleet import (
     GP3,
     LIFECYCLE_HOOK,
@@ -30,6 +31,7 @@ from kvfleet.infra.ec2.fleet import (
 from kvfleet.infra.ec2.user_data import HOST_MODEL_DIR
 from kvfleet.sizing.startup import DOWNLOAD_BYTES_PER_S
 from kvfleet.sizing.units import GiB, MiB
+from kvfleet.targets import TARGETS
 from tests.infra.ec2.envs import EC2_ENV, HF_TOKEN_SECRET, MODEL_S3_URI, from_hugging_face, resolved, without_warm_pool
 from tests.infra.helpers import environment, make_app, only, props
 
@@ -64,9 +66,32 @@ def test_internal_load_balancer_with_a_drain_aware_target_group(template: Templa
     assert (tg["Port"], tg["Protocol"], tg["HealthCheckPath"]) == (contract.SERVING_PORT, "HTTP", contract.HEALTH_ROUTE)
     tattrs = {a["Key"]: a["Value"] for a in tg["TargetGroupAttributes"]}
     assert tattrs["deregistration_delay.timeout_seconds"] == "420"  # the drain budget
-    assert 30 <= int(tattrs["slow_start.duration_seconds"]) <= 900
+    # Least outstanding requests, which TARGETS["ec2"] declares; slow start is off, as that algorithm requires.
+    assert tattrs["load_balancing.algorithm.type"] == "least_outstanding_requests"
+    assert tattrs["slow_start.duration_seconds"] == "0"
     [listener] = props(template, "AWS::ElasticLoadBalancingV2::Listener")
     assert (listener["Port"], listener["Protocol"]) == (80, "HTTP")
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "slow_start"),
+    [
+        (elbv2.TargetGroupLoadBalancingAlgorithmType.ROUND_ROBIN, True),
+        (elbv2.TargetGroupLoadBalancingAlgorithmType.WEIGHTED_RANDOM, False),
+    ],
+)
+def test_slow_start_only_with_round_robin(
+    algorithm: elbv2.TargetGroupLoadBalancingAlgorithmType, slow_start: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The other algorithms a declaration could map to: slow start where the ELB allows it (round robin), none else.
+    monkeypatch.setitem(fleet.ALGORITHMS, TARGETS["ec2"].hosting.routing, algorithm)
+    [tg] = props(only(EC2_ENV), "AWS::ElasticLoadBalancingV2::TargetGroup")
+    tattrs = {a["Key"]: a["Value"] for a in tg["TargetGroupAttributes"]}
+    assert tattrs["load_balancing.algorithm.type"] == algorithm.value.lower()
+    if slow_start:
+        assert 30 <= int(tattrs["slow_start.duration_seconds"]) <= 900
+    else:
+        assert "slow_start.duration_seconds" not in tattrs
 
 
 def test_https_when_a_certificate_is_configured() -> None:
@@ -556,8 +581,6 @@ def test_the_amis_driver_runs_the_images_cuda(monkeypatch: pytest.MonkeyPatch) -
     assert host.cuda >= (13, 0)
     old = dataclasses.replace(host, driver_branch=550, cuda=(12, 4))
     monkeypatch.setattr(cuda, "hosts", lambda platform: (old,) if platform == "ec2" else ())
-    from kvfleet.infra.ec2 import fleet
-
     monkeypatch.setattr(fleet, "hosts", cuda.hosts)
     with pytest.raises(KvfleetError, match=r"CUDA 13\.0"):
         only(EC2_ENV)

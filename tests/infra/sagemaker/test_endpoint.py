@@ -17,7 +17,9 @@ from kvfleet.config.targets import SageMakerTarget
 from kvfleet.deployments import ResolvedDeployment, resolve_environment
 from kvfleet.engines import EngineArgs
 from kvfleet.infra.app import build_app
+from kvfleet.infra.sagemaker.endpoint import routing_strategy
 from kvfleet.infra.stack import DeploymentStack
+from kvfleet.sizing.hosting import Routing
 from tests.infra.helpers import REPO, SAGEMAKER_ENV, environment, make_app, only, props, synth
 
 
@@ -79,6 +81,15 @@ def test_variant_takes_the_plan() -> None:
     assert variant["ModelDataDownloadTimeoutInSeconds"] == r.download_timeout_s
     assert variant["ContainerStartupHealthCheckTimeoutInSeconds"] == r.startup_timeout_s
     assert 600 <= r.startup_timeout_s <= 3600
+    # Least outstanding requests, which TARGETS["sagemaker"] declares (SageMaker's default is RANDOM).
+    assert variant["RoutingConfig"] == {"RoutingStrategy": "LEAST_OUTSTANDING_REQUESTS"}
+
+
+def test_sagemaker_has_no_round_robin() -> None:
+    # A declaration SageMaker cannot carry out fails synth instead of deploying its default.
+    assert routing_strategy(Routing.RANDOM) == "RANDOM"
+    with pytest.raises(ValueError, match="SageMaker cannot route round_robin"):
+        routing_strategy(Routing.ROUND_ROBIN)
 
 
 def test_container_environment_carries_the_engine_settings(template: Template) -> None:
