@@ -370,6 +370,9 @@ def _candidate_json(c: Candidate) -> dict[str, Any]:
             "output_tokens_per_s": round(c.under_load.output_tokens_per_s, 1),
         },
         "alone": {"ttft_s": round(c.alone.ttft_s, 4), "itl_s": round(c.alone.itl_s, 5)},
+        # The planned load: Poisson arrivals at peak_requests_per_s spread over the replicas as the target routes
+        # them (else the under_load batch), with queueing; percentiles of the step model (`kvfleet simulate` checks).
+        "planned_load": _planned_json(c),
         "decode_bound": c.perf.bound,
         "requests_per_s_per_replica": round(c.requests_per_s_per_replica, 3),
         "output_tokens_per_s_per_replica": round(c.output_tokens_per_s_per_replica, 1),
@@ -377,6 +380,27 @@ def _candidate_json(c: Candidate) -> dict[str, Any]:
         "engine_settings": _engine_line(c)[1],
         "notes": list(c.notes),
     }
+
+
+def _planned_json(c: Candidate) -> dict[str, Any]:
+    from kvfleet.sizing.step import latency_percentiles
+
+    q = latency_percentiles(c.planned_load)
+
+    def finite(d: dict[str, float]) -> dict[str, float | None]:
+        return {k: (v if math.isfinite(v) else None) for k, v in d.items()}  # JSON has no Infinity
+
+    return {
+        "requests_per_s_per_replica": None if c.planned_requests_per_s is None else round(c.planned_requests_per_s, 4),
+        "routing": c.hosting.routing.value,
+        "running": round(c.planned_load.running, 2),
+        "ttft_s": finite(q.ttft.as_dict()),
+        "itl_s": finite(q.itl.as_dict(5)),
+    }
+
+
+def _ms(v: float, digits: int = 0) -> str:
+    return f"{v * 1e3:,.{digits}f}" if math.isfinite(v) else "inf"
 
 
 def _plan_json(name: str, target: str, p: Plan, top: int) -> dict[str, Any]:
@@ -401,6 +425,7 @@ def _plan_json(name: str, target: str, p: Plan, top: int) -> dict[str, Any]:
 def _print_plan(name: str, target: str, p: Plan, top: int, all_rejections: bool) -> None:
     from rich.table import Table
 
+    from kvfleet.sizing.step import latency_percentiles
     from kvfleet.sizing.units import GiB
 
     console = _console()
@@ -420,14 +445,15 @@ def _print_plan(name: str, target: str, p: Plan, top: int, all_rejections: bool)
         "instances",
         "$/h fleet",
         "$/M tok",
-        "TTFT ms",
-        "ITL ms",
+        "TTFT p50/95 ms",
+        "ITL p50/95 ms",
         "wts GiB",
         "KV GiB",
     ):
         t.add_column(col, justify="right" if col not in ("instance", "limited by") else "left")
     for n, c in enumerate(p.candidates[:top], 1):
         cap = c.capacity
+        q = latency_percentiles(c.planned_load)
         t.add_row(
             str(n),
             c.name,
@@ -440,8 +466,8 @@ def _print_plan(name: str, target: str, p: Plan, top: int, all_rejections: bool)
             str(c.instance_count),
             f"{c.fleet_usd_per_hour:.2f}",
             f"{c.usd_per_million_output_tokens:.3f}",
-            f"{c.under_load.ttft_s * 1e3:.0f}",
-            f"{c.under_load.itl_s * 1e3:.1f}",
+            f"{_ms(q.ttft.p50_s)}/{_ms(q.ttft.p95_s)}",
+            f"{_ms(q.itl.p50_s, 1)}/{_ms(q.itl.p95_s, 1)}",
             f"{cap.weights_bytes_per_gpu / GiB:.2f}",
             f"{cap.kv_cache_bytes_per_gpu / GiB:.2f}",
         )
@@ -457,6 +483,20 @@ def _print_plan(name: str, target: str, p: Plan, top: int, all_rejections: bool)
         f"speed with {best.concurrency_per_replica} running (batch step model): TTFT {u.ttft_s * 1e3:,.0f} ms, "
         f"ITL {u.itl_s * 1e3:.1f} ms, {u.output_tokens_per_s:,.0f} output tokens/s per replica; one request alone: "
         f"TTFT {best.alone.ttft_s * 1e3:,.0f} ms, ITL {best.alone.itl_s * 1e3:.1f} ms",
+        markup=False,
+    )
+    q = latency_percentiles(best.planned_load)
+    if best.planned_requests_per_s is not None:
+        load = (
+            f"{wl.peak_requests_per_s:g} requests/s (Poisson) over {best.replicas} replica(s), "
+            f"{best.hosting.routing.value.replace('_', ' ')} routing"
+        )
+    else:
+        load = f"{best.concurrency_per_replica} sequences running per replica"
+    console.print(
+        f"under the planned load ({load}; average lengths): TTFT p50 {_ms(q.ttft.p50_s)} / p95 {_ms(q.ttft.p95_s)} / "
+        f"p99 {_ms(q.ttft.p99_s)} ms, ITL p50 {_ms(q.itl.p50_s, 1)} / p95 {_ms(q.itl.p95_s, 1)} ms "
+        "(`kvfleet simulate` replays it)",
         markup=False,
     )
     console.print(_engine_line(best)[0], markup=False)

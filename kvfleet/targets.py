@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvfleet.sizing.hosting import Hosting, PriceList
+from kvfleet.sizing.hosting import Hosting, PriceList, Routing
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -22,11 +22,13 @@ class Target:
 
 # EC2 instances in a Kubernetes node group: any EC2 GPU type, several engines (pods) per instance when the model
 # needs fewer GPUs than the instance has.
-_FLEET = Hosting(price_list=PriceList.EC2)
+# A ClusterIP Service: kube-proxy (iptables mode, EKS's default) picks an endpoint at random for each connection.
+_FLEET = Hosting(price_list=PriceList.EC2, routing=Routing.RANDOM)
 # An Auto Scaling group behind a load balancer: one engine per instance, so that the group's capacity, its
 # scaling policies' steps and each instance's drain hook all count replicas; packing engines would need a
 # port and a target group per engine (a forward action takes at most 5) and one drain across them.
-_EC2 = Hosting(price_list=PriceList.EC2, one_engine_per_instance=True)
+# The target group's load_balancing.algorithm.type is least_outstanding_requests (kvfleet.infra.ec2.fleet).
+_EC2 = Hosting(price_list=PriceList.EC2, one_engine_per_instance=True, routing=Routing.LEAST_OUTSTANDING)
 
 TARGETS: Mapping[str, Target] = {
     t.name: t
@@ -42,6 +44,8 @@ TARGETS: Mapping[str, Target] = {
                 # InvokeEndpoint (API reference): "A customer's model containers must respond to requests within 60
                 # seconds." Streamed answers (InvokeEndpointWithResponseStream) are not bound by it.
                 buffered_response_limit_s=60,
+                # ProductionVariant RoutingConfig LEAST_OUTSTANDING_REQUESTS (kvfleet.infra.sagemaker.endpoint).
+                routing=Routing.LEAST_OUTSTANDING,
                 wider=_FLEET,
                 wider_label="platform ec2 or eks (more instance types)",
             ),

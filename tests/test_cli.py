@@ -649,3 +649,21 @@ def test_nothing_fits_speaks_of_what_the_file_says(capsys: pytest.CaptureFixture
     line = one_error_line(code, err, "no candidate fits", "max_position_embeddings")
     assert line.startswith(f"kvfleet: error: {f}:{_line_of(text, '- name: chat')}: deployments[0]: "), line
     assert "exceeds max_input_tokens" not in line
+
+
+def test_plan_shows_percentiles_under_the_planned_load(capsys: pytest.CaptureFixture[str]) -> None:
+    """With a peak rate: Poisson arrivals over the planned replicas, queued as the target routes them."""
+    for platform, routing in (("sagemaker", "least_outstanding"), ("eks", "random")):
+        plans = run_json(capsys, *PLAN_8B, "--platform", platform, "--peak-rps", "3")
+        for c in plans[0]["candidates"]:
+            load = c["planned_load"]
+            assert load["routing"] == routing
+            assert load["requests_per_s_per_replica"] == pytest.approx(3 / c["replicas"], rel=1e-3)
+            ttft, itl = load["ttft_s"], load["itl_s"]
+            assert ttft["p50"] <= ttft["p95"] <= ttft["p99"] and itl["p50"] <= itl["p95"] <= itl["p99"]
+            assert ttft["p50"] >= c["alone"]["ttft_s"] * 0.9  # never better than a request alone
+    code, out, _ = run(capsys, *PLAN_8B, "--peak-rps", "3")
+    assert code == 0 and "under the planned load (3 requests/s (Poisson) over" in out and "p95" in out
+    # Without a rate: the batch the plan runs, and the percentiles of that.
+    plans = run_json(capsys, *PLAN_8B)
+    assert plans[0]["candidates"][0]["planned_load"]["requests_per_s_per_replica"] is None

@@ -16,6 +16,15 @@ class PriceList(StrEnum):
     EC2 = "ec2"
 
 
+class Routing(StrEnum):
+    """How the host spreads requests over replicas: what the fleet's queueing looks like."""
+
+    # To the replica with the fewest requests in flight: the fleet queues almost as one (pooled servers).
+    LEAST_OUTSTANDING = "least_outstanding"
+    RANDOM = "random"  # each replica an independent queue with its share of the arrivals
+    ROUND_ROBIN = "round_robin"  # independent queues too, with smoother arrivals than random
+
+
 @dataclass(frozen=True, kw_only=True)
 class Hosting:
     price_list: PriceList
@@ -28,6 +37,7 @@ class Hosting:
     max_volume_gib: int | None = None
     # Seconds a buffered (non-streamed) request may take before the host gives up on it; None: no such limit.
     buffered_response_limit_s: float | None = None
+    routing: Routing = Routing.RANDOM
     # A shape with more instance types that the nothing-fits message may suggest, and how to ask for it.
     wider: Hosting | None = None
     wider_label: str = ""

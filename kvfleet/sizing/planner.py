@@ -20,7 +20,7 @@ from kvfleet.errors import NothingFitsError, SizingError
 from kvfleet.sizing.capacity import Capacity, EngineSettings, capacity
 from kvfleet.sizing.engines import EngineName, engine_profile
 from kvfleet.sizing.hardware import AcceleratorKind, InstanceType, instance, instances, offered_in_region
-from kvfleet.sizing.hosting import Hosting, PriceList
+from kvfleet.sizing.hosting import Hosting, PriceList, Routing
 from kvfleet.sizing.models import ModelSpec
 from kvfleet.sizing.perf import PerfEstimate, estimate, missing_perf_data
 from kvfleet.sizing.precision import KvDtype, Part, WeightScheme, weight_scheme
@@ -123,6 +123,10 @@ class Candidate:
     cache_concurrency: int  # what the cache alone would hold
     perf: PerfEstimate  # one request alone (the roofline)
     under_load: SteadyState  # the batch step model with concurrency_per_replica sequences running
+    # The planned load on one replica: Poisson arrivals at peak_requests_per_s / replicas where the workload has a
+    # rate (with the queueing that brings), else under_load; ``latency_percentiles`` reads p50/p95/p99 from it.
+    planned_load: SteadyState
+    planned_requests_per_s: float | None
     alone: SteadyState  # the same model with one sequence: what a request sees on an idle replica
     requests_per_s_per_replica: float
     output_tokens_per_s_per_replica: float
@@ -318,6 +322,22 @@ class _Option:
             limits=Limits(max_num_batched_tokens=cap.max_num_batched_tokens, max_running=batch),
         )
 
+    def at_rate(self, cap: Capacity, batch: int, requests_per_s: float, replicas: int) -> SteadyState:
+        """Poisson arrivals at ``requests_per_s`` per replica, each running at most ``batch`` sequences, at the
+        workload's average lengths (what ``kvfleet simulate`` replays without a trace), queued as the host routes."""
+        wl = self.req.workload
+        pooled = replicas if self.req.hosting.routing is Routing.LEAST_OUTSTANDING else 1
+        return steady_state(
+            self.step_replica(),
+            StepWorkload(
+                input_tokens=wl.input_tokens,
+                output_tokens=wl.output_tokens,
+                arrival_rate_per_s=requests_per_s,
+                pooled_replicas=pooled,
+            ),
+            limits=Limits(max_num_batched_tokens=cap.max_num_batched_tokens, max_running=batch),
+        )
+
     def perf(self, cap: Capacity, batch: int) -> PerfEstimate:
         wl = self.req.workload
         weights = cap.weights
@@ -445,16 +465,39 @@ def _requests_per_s(load: SteadyState) -> float:
     return load.requests_per_s
 
 
-def _replicas(o: _Option, rps: float) -> int | Rejection:
+def _replicas(
+    o: _Option, cap: Capacity, batch: int, rps: float, load: SteadyState
+) -> tuple[int, SteadyState] | Rejection:
+    """Replicas for the peak rate, and the planned load on each. Enough replicas to complete the peak's requests is
+    not enough: Poisson arrivals at 100% of a replica's throughput queue without bound, so replicas are added while
+    the planned load's slot queue is unstable or its TTFT misses the target (the figure ``kvfleet plan`` shows)."""
     req, wl = o.req, o.req.workload
     replicas = req.min_replicas
-    if wl.peak_requests_per_s is not None:
-        replicas = max(replicas, math.ceil(wl.peak_requests_per_s / rps))
+    if wl.peak_requests_per_s is None:
+        return replicas, load
+    replicas = max(replicas, math.ceil(wl.peak_requests_per_s / rps))
+    most = req.max_replicas if req.max_replicas is not None else 2 * replicas + 4
+    n = replicas
+    while True:
+        state = o.at_rate(cap, batch, wl.peak_requests_per_s / n, n)
+        if math.isfinite(state.ttft_s) and (wl.ttft_target_s is None or state.ttft_s <= wl.ttft_target_s):
+            return n, state
+        if n >= most:
+            break
+        n += 1
     if req.max_replicas is not None and replicas > req.max_replicas:
         return o.reject(
             f"needs {replicas} replicas for {wl.peak_requests_per_s} requests/s, max_replicas is {req.max_replicas}",
         )
-    return replicas
+    if not math.isfinite(state.ttft_s):
+        why = "requests queue without bound"
+    else:
+        assert wl.ttft_target_s is not None
+        why = f"time to first token is {state.ttft_s * 1e3:,.0f} ms, target {wl.ttft_target_s * 1e3:,.0f} ms"
+    return o.reject(
+        f"at {n} replicas and {wl.peak_requests_per_s} requests/s (Poisson), {why}"
+        + (f"; max_replicas is {req.max_replicas}" if req.max_replicas is not None else ""),
+    )
 
 
 def _evaluate(req: PlanRequest, it: InstanceType, tp: int, scheme: WeightScheme, kv: KvDtype) -> Candidate | Rejection:
@@ -476,13 +519,15 @@ def _evaluate(req: PlanRequest, it: InstanceType, tp: int, scheme: WeightScheme,
     if isinstance(answer, Rejection):
         return answer
     rps = _requests_per_s(load)
-    replicas = _replicas(o, rps)
-    if isinstance(replicas, Rejection):
-        return replicas
+    sized_fleet = _replicas(o, cap, batch, rps, load)
+    if isinstance(sized_fleet, Rejection):
+        return sized_fleet
+    replicas, planned = sized_fleet
     price = _price(it, req.hosting)
     if price is None:
         return o.reject("the catalog has no on-demand price for this type; pin it to plan anyway")
     per_instance = 1 if req.hosting.one_engine_per_instance else it.accelerator_count // tp
+    rate = req.workload.peak_requests_per_s / replicas if req.workload.peak_requests_per_s else None
     cand = Candidate(
         instance=it,
         hosting=req.hosting,
@@ -497,6 +542,8 @@ def _evaluate(req: PlanRequest, it: InstanceType, tp: int, scheme: WeightScheme,
         cache_concurrency=cap.concurrent_sequences,
         perf=perf,
         under_load=load,
+        planned_load=planned,
+        planned_requests_per_s=rate,
         alone=o.under_load(cap, 1),
         requests_per_s_per_replica=rps,
         output_tokens_per_s_per_replica=rps * req.workload.output_tokens,

@@ -629,6 +629,9 @@ class Workload:
     concurrency: float | None = None  # closed loop: this many clients, each sends again on completion
     arrival_rate_per_s: float | None = None  # open loop: Poisson arrivals (used when concurrency is None)
     service_cv2: float = 0.0  # squared coefficient of variation of service time (0: fixed lengths)
+    # Replicas whose slots one queue shares: a least-outstanding router sends each arrival to a replica with a slot
+    # free while any has one, so the fleet waits like one M/G/(n c) queue, not n separate M/G/c ones.
+    pooled_replicas: int = 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -651,10 +654,93 @@ class SteadyState:
     output_tokens_per_s: float
     requests_per_s: float
     notes: tuple[str, ...] = field(default=())
+    # What the percentiles (``latency_percentiles``) are drawn from: the share of steps that carry a prompt chunk,
+    # the token-budget queue (busy share and mean wait, inside ttft_service_s), and the slot queue: waited for with
+    # probability slot_wait_probability, exponentially (Poisson arrivals) or for a fixed time (a closed loop).
+    prefill_step_share: float = 0.0
+    # The prefill steps' times and their shares of them (whole chunks, a remainder), and one prompt's own.
+    prefill_chunk_steps: tuple[tuple[float, float], ...] = ()
+    own_chunks_s: float = 0.0
+    budget_busy: float = 0.0
+    budget_wait_s: float = 0.0
+    slot_wait_probability: float = 0.0
+    slot_wait_fixed: bool = False
 
     @property
     def ttft_s(self) -> float:
         return self.ttft_service_s + self.queue_wait_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class Quantiles:
+    p50_s: float
+    p95_s: float
+    p99_s: float
+
+    def as_dict(self, digits: int = 4) -> dict[str, float]:
+        return {"p50": round(self.p50_s, digits), "p95": round(self.p95_s, digits), "p99": round(self.p99_s, digits)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LatencyQuantiles:
+    ttft: Quantiles
+    itl: Quantiles
+
+
+_QUANTILE_SAMPLES = 2000  # p99 from the 20 slowest: steady to a few percent, and a plan prints in milliseconds
+
+
+@cache
+def latency_percentiles(s: SteadyState) -> LatencyQuantiles:
+    """TTFT and ITL p50/p95/p99 of a steady state (``kvfleet simulate`` checks them, tests/sim/test_percentiles.py).
+
+    ITL: a step either decodes only or also carries a prompt chunk (``prefill_step_share`` of the steps), so the
+    gaps between a sequence's tokens are those two step times in that mix. TTFT: what is left of the step in flight
+    (uniform), the token-budget queue (busy with probability ``budget_busy``, then exponential), the prompt's own
+    chunk steps (fixed), and the slot queue; drawn with a fixed seed, so a plan prints the same figures every run.
+    """
+    import random
+
+    f = s.prefill_step_share
+    chunks = s.prefill_chunk_steps or ((s.prefill_step_s, 1.0),)
+    steps = sorted([(s.decode_step_s, 1 - f), *((t, f * share) for t, share in chunks)])
+
+    def itl_q(q: float) -> float:
+        seen = 0.0
+        for t, share in steps:
+            seen += share
+            if seen >= q - 1e-12:
+                return t
+        return steps[-1][0]
+
+    itl = Quantiles(p50_s=itl_q(0.5), p95_s=itl_q(0.95), p99_s=itl_q(0.99))
+    if math.isinf(s.queue_wait_s):
+        inf = Quantiles(p50_s=math.inf, p95_s=math.inf, p99_s=math.inf)
+        return LatencyQuantiles(ttft=inf, itl=itl)
+    rng = random.Random(20261202)
+    fixed = s.own_chunks_s or s.prefill_steps * s.prefill_step_s
+    budget_mean = s.budget_wait_s / s.budget_busy if s.budget_busy > 0 else 0.0
+    slot_mean = s.queue_wait_s / s.slot_wait_probability if s.slot_wait_probability > 0 else 0.0
+    # An arrival lands in a step with a chance that grows with the step's length (the inspection paradox): a long
+    # mixed step is in flight more often than its share of the steps says.
+    landing = [share * t for t, share in steps]
+    draws = []
+    for _ in range(_QUANTILE_SAMPLES):
+        t = fixed + rng.random() * rng.choices(steps, weights=landing)[0][0]
+        if budget_mean and rng.random() < s.budget_busy:
+            t += rng.expovariate(1.0 / budget_mean)
+        if slot_mean:
+            if s.slot_wait_fixed:
+                t += slot_mean
+            elif rng.random() < s.slot_wait_probability:
+                t += rng.expovariate(1.0 / slot_mean)
+        draws.append(t)
+    draws.sort()
+
+    def at(q: float) -> float:
+        return draws[min(len(draws) - 1, int(q * len(draws)))]
+
+    return LatencyQuantiles(ttft=Quantiles(p50_s=at(0.5), p95_s=at(0.95), p99_s=at(0.99)), itl=itl)
 
 
 def _erlang_c(servers: int, offered: float) -> float:
@@ -688,27 +774,48 @@ def _service(rep: Replica, wl: Workload, lim: Limits, b: float, c: StepConstants
     ctx = isl + dec_steps / 2  # mean KV a decoding sequence reads
     dec_kv = int(d * ctx)
     pure = step_time(rep, StepBatch(decode_seqs=round(d), decode_kv_tokens=dec_kv), c).step_s
-    chunk = min(float(isl), room)
-    chunk_start = max(0.0, (isl - chunk) / 2)
-    mixed = step_time(
-        rep,
-        StepBatch(
-            prefill=(PrefillChunk(tokens=max(1, round(chunk)), start=round(chunk_start)),),
+    # A prompt goes in chunks of what the budget leaves (``room``): whole ones and a remainder, each priced as the
+    # step it rides (3,000 tokens with 2,048 of room are a 2,048-token step and a 952-token one, not two of 2,048).
+    whole = int(isl // room)
+    rest = isl - whole * room
+    if rest < 1:
+        rest = 0.0
+
+    def mixed_at(tokens: float, start: float) -> float:
+        batch = StepBatch(
+            prefill=(PrefillChunk(tokens=max(1, round(tokens)), start=round(start)),),
             decode_seqs=round(d),
             decode_kv_tokens=dec_kv,
-        ),
-        c,
-    ).step_s
-    # A step carries prefill with probability f: p tokens per step on average, `chunk` when it does.
-    f = min(1.0, p / chunk) if chunk > 0 else 0.0
+        )
+        return step_time(rep, batch, c).step_s
+
+    chunk_steps: list[tuple[float, float]] = []  # (step time, chunks of a prompt that take it)
+    if whole:
+        chunk_steps.append((mixed_at(room, (whole - 1) * room / 2), float(whole)))  # at the whole chunks' mean start
+    if rest:
+        chunk_steps.append((mixed_at(rest, whole * room), 1.0))
+    per_prompt = sum(n for _, n in chunk_steps)
+    own = sum(t * n for t, n in chunk_steps)  # this prompt's own chunk steps
+    mixed = own / per_prompt
+    # A step carries a chunk with probability f (x prompts start per step, each over per_prompt steps).
+    f = min(1.0, x * per_prompt)
     itl = (1 - f) * pure + f * mixed
     req_per_s = x / itl if itl > 0 else 0.0
-    # TTFT with a slot free: half the step in flight, the prefill-token queue (M/D/1 on the budget),
-    # then k steps that carry this prompt's chunks.
+    # TTFT with a slot free: the rest of the step in flight, the prefill-token queue (M/D/1 on the budget),
+    # then the steps that carry this prompt's chunks.
     u = min(0.95, p / room)  # past this the budget bounds the batch and the wait is a slot queue
-    budget_wait_steps = u / (2 * (1 - u)) * (isl / room)
-    ttft_service = itl / 2 + budget_wait_steps * itl + k * mixed
+    budget_wait = u / (2 * (1 - u)) * (isl / room) * itl
+    # What is left of the step in flight: an arrival lands in a long (mixed) step more often than its share of the
+    # steps (the inspection paradox), so the mean residual is E[step^2] / (2 E[step]), not half the mean step.
+    second = (1 - f) * pure * pure + f * sum(t * t * n for t, n in chunk_steps) / per_prompt
+    residual = second / (2 * itl) if itl > 0 else 0.0
+    ttft_service = residual + budget_wait + own
     return SteadyState(
+        prefill_chunk_steps=tuple((t, n / per_prompt) for t, n in chunk_steps),
+        own_chunks_s=own,
+        prefill_step_share=f,
+        budget_busy=u,
+        budget_wait_s=budget_wait,
         running=x * (k + dec_steps),
         decodes_per_step=d,
         prefill_tokens_per_step=p,
@@ -736,7 +843,13 @@ def steady_state(rep: Replica, wl: Workload, *, limits: Limits, constants: StepC
         r = s.ttft_service_s + max(0, wl.output_tokens - 1) * s.itl_s
         queued = wl.concurrency - s.running
         wait = queued * r / s.running
-        return replace(s, queue_wait_s=wait, notes=(f"{queued:.0f} requests queue for a slot",))
+        return replace(
+            s,
+            queue_wait_s=wait,
+            slot_wait_probability=1.0,
+            slot_wait_fixed=True,
+            notes=(f"{queued:.0f} requests queue for a slot",),
+        )
     lam = wl.arrival_rate_per_s or 0.0
     # Open loop: the batch size is what the arrivals keep running, b = lambda x R(b) (fixed point).
     b = 1.0
@@ -752,10 +865,13 @@ def steady_state(rep: Replica, wl: Workload, *, limits: Limits, constants: StepC
     offered = lam * r
     if offered >= cap:
         return replace(s, queue_wait_s=math.inf, notes=(f"overloaded: {lam:g} req/s offers {offered:.0f} > {cap}",))
+    n = max(1, wl.pooled_replicas)
+    offered, cap = offered * n, cap * n  # the fleet's slots and load, where one queue feeds them all
     pw = _erlang_c(cap, offered)
-    # M/G/c (Allen-Cunneen): the M/M/c wait scaled by (1 + cs^2) / 2.
+    # M/G/c (Allen-Cunneen): the M/M/c wait scaled by (1 + cs^2) / 2. The scale goes to the conditional wait: with
+    # fixed lengths as many arrivals wait as with exponential ones, for a shorter time (an M/D/c queue shows both).
     wait = pw * r / (cap - offered) * (1 + wl.service_cv2) / 2
-    return replace(s, queue_wait_s=wait)
+    return replace(s, queue_wait_s=wait, slot_wait_probability=pw)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,139 @@
+"""The planner's latency percentiles under load (``kvfleet.sizing.step.latency_percentiles``) against the fleet
+simulator replaying the same load: Poisson arrivals at the plan's rate, the plan's replicas, its engine limits.
+
+The closed form was shaped on five cases of Llama-3.1-8B on ml.g6e.xlarge and ml.p5.4xlarge (0.56-0.75 of a
+replica's capacity, 1-3 replicas, least-outstanding routing), where it stands at TTFT p50 within 2%, p95 -14%
+to +5%; ITL p50 within 1%, p95 -7% to 0%. The cases below are held apart from those (other models,
+accelerators, lengths and loads), and gave when this was written: TTFT p50 0% to -1%, p95 -24% to +0%; ITL p50
+within 1%, p95 -7% to +1%; except Mistral-7B on one g5.2xlarge at 0.90 of its capacity, where the slot queue
+dominates and the closed form is optimistic: TTFT p50 -19%, p95 -30% (5.3 s against 7.6 s). Bounds: medians
+within 10% (25% in that busy case), p95 within 35%; the p95s lean optimistic, which the bound lets through and
+the issue's note reports.
+"""
+
+from __future__ import annotations
+
+import random
+from array import array
+
+import pytest
+
+from kvfleet.sim.fleet import FleetSpec, Scaling, simulate
+from kvfleet.sim.replica import EngineLimits
+from kvfleet.sim.report import summarize
+from kvfleet.sim.steps import RooflineSteps
+from kvfleet.sizing.catalog import catalog_model
+from kvfleet.sizing.planner import Candidate, PlanRequest, Workload, plan
+from kvfleet.sizing.step import latency_percentiles, replica
+from kvfleet.targets import TARGETS
+from kvfleet.workload.traces import Trace
+
+SECONDS = 1200.0  # simulated: enough arrivals for a steady p95 at these rates
+
+
+def _poisson(rate: float, prompt: int, output: int) -> Trace:
+    rng = random.Random(1)
+    t, times = 0.0, array("d")
+    while t < SECONDS:
+        times.append(t)
+        t += rng.expovariate(rate)
+    n = len(times)
+    return Trace(
+        source="poisson",
+        fmt="poisson",
+        arrival_s=times,
+        input_tokens=array("q", [prompt] * n),
+        output_tokens=array("q", [output] * n),
+    )
+
+
+def _simulated(c: Candidate, req: PlanRequest, rate: float) -> tuple[float, float, float, float]:
+    cap = c.capacity
+    steps = RooflineSteps(
+        replica(
+            model=req.model,
+            accelerator=c.instance.accelerator,
+            tp=c.tensor_parallel_size,
+            nvlink=c.instance.nvlink,
+            scheme=c.weight_scheme,
+            kv_dtype=c.kv_cache_dtype,
+        )
+    )
+    spec = FleetSpec(
+        limits=EngineLimits(
+            max_num_seqs=cap.max_num_seqs,
+            max_num_batched_tokens=cap.max_num_batched_tokens,
+            kv_blocks=cap.num_blocks,
+            block_tokens=cap.block_size,
+            prefix_caching=False,
+        ),
+        model=steps,
+        # The plan's replicas, held: the question is what the planned fleet does under the planned load.
+        scaling=Scaling(
+            kind="target_tracking",
+            min_replicas=c.replicas,
+            max_replicas=c.replicas,
+            kv_cache_target=0.99,
+            queue_target=1e9,
+        ),
+        initial_replicas=c.replicas,
+        cold_start_s=0.0,
+        usd_per_replica_hour=None,
+        router="least_outstanding",
+    )
+    wl = req.workload
+    report = summarize(simulate(_poisson(rate, wl.input_tokens, wl.output_tokens), spec), spec)
+    assert report.ttft_s is not None and report.itl_s is not None
+    return report.ttft_s.p50, report.ttft_s.p95, report.itl_s.p50, report.itl_s.p95
+
+
+# model, instance, prompt, output, concurrency per replica, requests/s for the fleet, median bound
+CHECK = [
+    ("Qwen/Qwen2.5-7B", "g6.xlarge", 1000, 200, 16, 1.2, 0.10),
+    ("mistralai/Mistral-7B-Instruct-v0.3", "g5.2xlarge", 600, 300, 24, 1.5, 0.25),  # 0.90 of capacity
+    ("meta-llama/Llama-3.1-70B", "p5.48xlarge", 2000, 400, 32, 3.0, 0.10),
+    ("Qwen/Qwen3-8B", "g6e.xlarge", 3000, 150, 16, 2.5, 0.10),
+    ("meta-llama/Llama-3.2-3B", "g6.xlarge", 400, 600, 48, 2.0, 0.10),
+]
+
+
+@pytest.mark.parametrize("case", CHECK, ids=[f"{c[0].split('/')[1]}-{c[1]}" for c in CHECK])
+def test_planned_percentiles_agree_with_the_simulated_fleet(case: tuple[str, str, int, int, int, float, float]) -> None:
+    model, instance, prompt, output, concurrency, rate, median = case
+    req = PlanRequest(
+        model=catalog_model(model),
+        workload=Workload(
+            max_input_tokens=prompt,
+            max_output_tokens=output,
+            concurrency_per_replica=concurrency,
+            peak_requests_per_s=rate,
+        ),
+        hosting=TARGETS["ec2"].hosting,  # least-outstanding routing, which the simulated router does
+        instance_types=(instance,),
+    )
+    c = plan(req).best
+    assert c.planned_requests_per_s == pytest.approx(rate / c.replicas)
+    q = latency_percentiles(c.planned_load)
+    ttft50, ttft95, itl50, itl95 = _simulated(c, req, rate)
+    label = f"{model} on {instance} x{c.replicas}"
+    assert q.ttft.p50_s == pytest.approx(ttft50, rel=median), label
+    assert q.ttft.p95_s == pytest.approx(ttft95, rel=0.35), label
+    assert q.itl.p50_s == pytest.approx(itl50, rel=0.10), label
+    assert q.itl.p95_s == pytest.approx(itl95, rel=0.35), label
+
+
+def test_percentiles_are_ordered_and_an_overloaded_replica_has_no_finite_tail() -> None:
+    req = PlanRequest(
+        model=catalog_model("meta-llama/Llama-3.1-8B"),
+        workload=Workload(max_input_tokens=2000, max_output_tokens=500, concurrency_per_replica=16),
+        hosting=TARGETS["eks"].hosting,
+        instance_types=("g6e.xlarge",),
+    )
+    c = plan(req).best
+    q = latency_percentiles(c.planned_load)  # no rate: the under-load batch, with no slot queue
+    assert q.ttft.p50_s <= q.ttft.p95_s <= q.ttft.p99_s and q.itl.p50_s <= q.itl.p95_s <= q.itl.p99_s
+    assert q.ttft.p50_s > c.planned_load.prefill_step_s  # at least the prompt's own step
+    from dataclasses import replace
+
+    over = latency_percentiles(replace(c.planned_load, queue_wait_s=float("inf")))
+    assert over.ttft.p95_s == float("inf") and over.itl.p50_s == q.itl.p50_s
