@@ -11,7 +11,7 @@ import json
 import math
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 from kvfleet import contract
 from kvfleet.engines import ENGINES
@@ -20,7 +20,7 @@ from kvfleet.targets import TARGETS
 
 if TYPE_CHECKING:
     from kvfleet.deployments import ResolvedDeployment
-    from kvfleet.sim.fleet import AutoscalerKind, FleetResult, FleetSpec
+    from kvfleet.sim.fleet import FleetResult, FleetSpec, Router
     from kvfleet.sizing.capacity import Capacity
     from kvfleet.sizing.planner import Candidate, Plan, PlanRequest
     from kvfleet.workload.traces import Trace
@@ -145,7 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     si.add_argument("--start-s", type=float, default=0.0, help="skip this many seconds of the trace")
     si.add_argument("--duration-s", type=_positive_float, help="keep this many seconds of the trace")
     si.add_argument("--rate-scale", type=_positive_float, default=1.0, help="replay at this multiple of the rate")
-    si.add_argument("--router", choices=["least_outstanding", "round_robin"], default="least_outstanding")
+    si.add_argument(
+        "--router",
+        choices=["least_outstanding", "random", "round_robin"],
+        help="how requests reach replicas (default: what the deployment's target does)",
+    )
     si.add_argument(
         "--png",
         metavar="FILE",
@@ -705,7 +709,7 @@ def cmd_workload(a: argparse.Namespace) -> int:
     return 0
 
 
-def _fleet_spec(r: ResolvedDeployment, router: str) -> FleetSpec:
+def _fleet_spec(r: ResolvedDeployment, router: str | None) -> FleetSpec:
     from kvfleet.sim.fleet import FleetSpec, Scaling
     from kvfleet.sim.replica import EngineLimits
     from kvfleet.sim.steps import RooflineSteps
@@ -732,10 +736,9 @@ def _fleet_spec(r: ResolvedDeployment, router: str) -> FleetSpec:
         prefix_caching=r.engine_args.enable_prefix_caching,
         admission_tokens=int(r.kv_cache_tokens * contract.ADMISSION_FACTOR),
     )
-    kinds: dict[str, AutoscalerKind] = {"eks": "hpa", "ec2": "ec2"}
-    kind = kinds.get(r.deployment.target.platform, "target_tracking")
+    target = TARGETS[r.deployment.target.platform]
     scaling = Scaling(
-        kind=kind,
+        kind=target.autoscaler,
         min_replicas=max(1, s.min_replicas),
         max_replicas=s.max_replicas,
         kv_cache_target=s.kv_cache_utilization_target,
@@ -751,7 +754,7 @@ def _fleet_spec(r: ResolvedDeployment, router: str) -> FleetSpec:
         initial_replicas=r.initial_instance_count * c.engines_per_instance,
         cold_start_s=r.startup.ready_s,
         usd_per_replica_hour=c.usd_per_hour_per_instance / c.engines_per_instance,
-        router=router,  # type: ignore[arg-type]
+        router=cast("Router", router or target.hosting.routing.value),
     )
 
 
@@ -863,20 +866,28 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         )
         fleet = (
             f"{dr.deployment.name}: {r.instance_type} x{spec.initial_replicas} "
-            f"({spec.scaling.min_replicas}-{spec.scaling.max_replicas}, {spec.scaling.kind})"
+            f"({spec.scaling.min_replicas}-{spec.scaling.max_replicas}, {spec.scaling.kind}, {spec.router} routing)"
         )
         head = f"{fleet}, {replay.source}"
         if dr.deployment.name in pngs:
             _write_timeline(result, replay, spec, pngs[dr.deployment.name], title=f"{fleet}\n{replay.source}")
-        out.append((head, report))
+        out.append((head, report, spec))
     if a.json:
         rows = []
-        for h, rep in out:
+        for h, rep, spec in out:
             name = h.split(":", 1)[0]
-            rows.append({"deployment": name, **rep.as_dict(), **({"png": pngs[name]} if name in pngs else {})})
+            rows.append(
+                {
+                    "deployment": name,
+                    "router": spec.router,
+                    "autoscaler": spec.scaling.kind,
+                    **rep.as_dict(),
+                    **({"png": pngs[name]} if name in pngs else {}),
+                }
+            )
         print(json.dumps(rows, indent=2))
     else:
-        print("\n\n".join(f"{h}\n{render(rep)}" for h, rep in out))
+        print("\n\n".join(f"{h}\n{render(rep)}" for h, rep, _ in out))
         for path in pngs.values():
             print(f"timeline written to {path}")
     return 0

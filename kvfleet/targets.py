@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 from kvfleet.sizing.hosting import Hosting, PriceList, Routing
+
+Autoscaler = Literal["target_tracking", "ec2", "hpa"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -18,6 +21,9 @@ class Target:
     name: str
     summary: str
     hosting: Hosting
+    # The autoscaler the target's stacks deploy (kvfleet.infra.scaling), as the fleet simulator models it:
+    # Application Auto Scaling target tracking (SageMaker), EC2 Auto Scaling policies (EC2), KEDA's HPA (EKS).
+    autoscaler: Autoscaler
 
 
 # EC2 instances in a Kubernetes node group: any EC2 GPU type, several engines (pods) per instance when the model
@@ -49,9 +55,15 @@ TARGETS: Mapping[str, Target] = {
                 wider=_FLEET,
                 wider_label="platform ec2 or eks (more instance types)",
             ),
+            autoscaler="target_tracking",
         ),
-        Target(name="ec2", summary="an EC2 GPU Auto Scaling group behind a load balancer", hosting=_EC2),
-        Target(name="eks", summary="a GPU node group and Deployment on EKS", hosting=_FLEET),
+        Target(
+            name="ec2",
+            summary="an EC2 GPU Auto Scaling group behind a load balancer",
+            hosting=_EC2,
+            autoscaler="ec2",
+        ),
+        Target(name="eks", summary="a GPU node group and Deployment on EKS", hosting=_FLEET, autoscaler="hpa"),
     )
 }
 

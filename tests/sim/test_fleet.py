@@ -113,6 +113,27 @@ def test_kvfleet_simulate_replays_a_trace_slice(capsys: pytest.CaptureFixture[st
     assert report["ttft_s"]["p50"] > 0 and report["usd"] > 0
 
 
+@pytest.mark.parametrize(
+    ("env", "router", "autoscaler"),
+    [
+        ("dev", "least_outstanding", "target_tracking"),
+        ("staging", "least_outstanding", "ec2"),
+        ("platform", "random", "hpa"),
+    ],
+)
+def test_kvfleet_simulate_routes_and_scales_as_the_target_does(
+    capsys: pytest.CaptureFixture[str], env: str, router: str, autoscaler: str
+) -> None:
+    """The deployed router and autoscaler by default (kvfleet.targets); --router replays another."""
+    trace = REPO / "traces" / "azure2023" / "AzureLLMInferenceTrace_conv.csv"
+    args = ["simulate", env, "--trace", str(trace), "--duration-s", "120", "--json"]
+    assert main(args) == 0
+    reports = json.loads(capsys.readouterr().out)
+    assert reports and all(r["router"] == router and r["autoscaler"] == autoscaler for r in reports)
+    assert main([*args, "--router", "round_robin"]) == 0
+    assert all(r["router"] == "round_robin" for r in json.loads(capsys.readouterr().out))
+
+
 def test_kvfleet_simulate_without_a_trace_uses_the_workload(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "dev"]) == 0
     out = capsys.readouterr().out
