@@ -741,7 +741,7 @@ def _fleet_spec(r: ResolvedDeployment, router: str | None) -> FleetSpec:
         kind=target.autoscaler,
         min_replicas=max(1, s.min_replicas),
         max_replicas=s.max_replicas,
-        kv_cache_target=s.kv_cache_utilization_target,
+        kv_cache_target=s.saturation_target,
         queue_target=s.queue_depth_target,
         scale_in_cooldown_s=s.scale_in_wait_s,
         stabilization_s=s.scale_in_wait_s,

@@ -140,6 +140,22 @@ KV_CACHE_UTILIZATION = Signal(
     prometheus_name="kvfleet_kv_cache_utilization",
     description="Fraction (0-1) of the replica's KV-cache blocks in use.",
 )
+# What autoscaling holds at a target: vLLM's cache-usage figure counts only the blocks of running sequences, which
+# max_num_seqs caps, so where the planner sizes the cache for more sequences than max_num_seqs lets run (prod's plan:
+# 156 fit, 32 run) KV use can never reach a target of 0.75. The larger of the two fractions reaches 1 whichever
+# limit binds. The agent derives it from the engine's KV use, its running sequences and the max_num_seqs it was
+# started with (TensorRT-LLM: max_batch_size).
+REPLICA_SATURATION = Signal(
+    name="ReplicaSaturation",
+    unit="None",
+    kind=Kind.GAUGE,
+    statistic="Average",
+    prometheus_name="kvfleet_replica_saturation",
+    description=(
+        "Fraction (0-1) of the replica's binding limit in use: the larger of KV-cache blocks in use and running "
+        "sequences over max_num_seqs. Reaches 1 whichever of the two binds."
+    ),
+)
 REQUESTS_WAITING = Signal(
     name="RequestsWaiting",
     unit="Count",
@@ -215,6 +231,7 @@ CLIENT_CANCELLED = Signal(
 )
 
 SIGNALS: tuple[Signal, ...] = (
+    REPLICA_SATURATION,
     KV_CACHE_UTILIZATION,
     REQUESTS_WAITING,
     REQUESTS_RUNNING,
@@ -232,8 +249,9 @@ SIGNALS: tuple[Signal, ...] = (
 # SIGNALS, which the stacks scale, alarm and chart on.
 PUBLISHED_SIGNALS: tuple[Signal, ...] = SIGNALS
 
-# The two signals every target scales on.
-SCALING_SIGNALS: tuple[Signal, ...] = (KV_CACHE_UTILIZATION, REQUESTS_WAITING)
+# The two signals every target scales on: saturation (not raw KV use, which may be unable to reach its target) and
+# the queue.
+SCALING_SIGNALS: tuple[Signal, ...] = (REPLICA_SATURATION, REQUESTS_WAITING)
 
 
 # ---- the request log -------------------------------------------------------------------------------------------

@@ -54,7 +54,11 @@ MAX_REQUEST_BYTES: Final = 512_000
 # Counters the agent itself keeps (admission, proxy); every other signal comes from the engine.
 AGENT_SIGNALS: Final[tuple[Signal, ...]] = (contract.REQUESTS_SHED, contract.SERVER_ERRORS, contract.CLIENT_CANCELLED)
 _AGENT_SIGNAL_NAMES: Final = frozenset(s.name for s in AGENT_SIGNALS)
-_ENGINE_SIGNAL_NAMES: Final = frozenset(s.name for s in contract.PUBLISHED_SIGNALS) - _AGENT_SIGNAL_NAMES
+# Signals the agent derives from others in the same scrape, never read from the engine.
+DERIVED_SIGNALS: Final[tuple[Signal, ...]] = (contract.REPLICA_SATURATION,)
+_ENGINE_SIGNAL_NAMES: Final = (
+    frozenset(s.name for s in contract.PUBLISHED_SIGNALS) - _AGENT_SIGNAL_NAMES - {s.name for s in DERIVED_SIGNALS}
+)
 
 Distribution = tuple[tuple[float, ...], tuple[float, ...]]  # (values, counts), CloudWatch's "values and counts"
 
@@ -343,10 +347,17 @@ class SignalCollector:
     Not thread-safe: ``update``, ``record`` and ``prometheus_text`` are meant for one event loop.
     """
 
-    def __init__(self, *, engine: str, engine_version: str, counters_from_zero: bool = False) -> None:
+    def __init__(
+        self, *, engine: str, engine_version: str, counters_from_zero: bool = False, max_num_seqs: int | None = None
+    ) -> None:
         """``counters_from_zero``: the engine process is the agent's own child, so its counters started at 0
         with it and everything counted before the first successful scrape belongs to the first interval.
-        Otherwise (an engine that was already running) the first scrape is only the baseline."""
+        Otherwise (an engine that was already running) the first scrape is only the baseline.
+        ``max_num_seqs``: the engine's limit on running sequences (TensorRT-LLM: max_batch_size), for the
+        saturation signal; None where it was left to the engine (saturation is then the KV-cache use alone)."""
+        if max_num_seqs is not None and max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
+        self._max_num_seqs = max_num_seqs
         self._map = metric_map(engine, engine_version)
         # Every sample name a scrape is read for: the gauges' and counters' names, the histograms' series.
         self._wanted = frozenset(
@@ -422,6 +433,9 @@ class SignalCollector:
                 hist = scrape.histogram(names)
                 if hist is not None:
                     histograms[sig.name] = hist
+        saturation = self._saturation(gauges)
+        if saturation is not None:
+            gauges[contract.REPLICA_SATURATION.name] = saturation
         primed = self._primed
 
         deltas: dict[str, float] = {}
@@ -460,6 +474,17 @@ class SignalCollector:
         found = bool(gauges or counters or histograms)
         self._primed = self._primed or found
         return found, gauges, deltas, distributions
+
+    def _saturation(self, gauges: Mapping[str, float]) -> float | None:
+        """The larger of KV-cache use and running sequences over max_num_seqs (contract.REPLICA_SATURATION):
+        the engine's cache-usage figure counts only running sequences' blocks, so where max_num_seqs binds first
+        it stays low however loaded the replica is."""
+        kv = gauges.get(contract.KV_CACHE_UTILIZATION.name)
+        running = gauges.get(contract.REQUESTS_RUNNING.name)
+        parts = [] if kv is None else [kv]
+        if running is not None and self._max_num_seqs is not None:
+            parts.append(running / self._max_num_seqs)
+        return min(1.0, max(0.0, *parts)) if parts else None
 
     def prometheus_text(self, *, deployment: str) -> str:
         """The Prometheus re-export of the latest Sample's gauges and the running totals."""

@@ -118,7 +118,10 @@ class Agent:
         # The agent starts the engine, so the engine's counters begin at zero with it: nothing is lost to
         # a baseline taken while the first requests are already running.
         self.collector = metrics.SignalCollector(
-            engine=settings.engine, engine_version=settings.engine_version, counters_from_zero=True
+            engine=settings.engine,
+            engine_version=settings.engine_version,
+            counters_from_zero=True,
+            max_num_seqs=settings.engine_args.max_num_seqs,
         )
         self.publisher = publisher
         self.stdout = stdout or sys.stdout

@@ -230,6 +230,15 @@ _PATTERN_FIELDS: dict[str, str] = {
 }
 
 
+# Keys an earlier release took, with what replaces them.
+_RENAMED = {
+    "kv_cache_utilization_target": (
+        "renamed to saturation_target, which scales on the larger of KV-cache use and running sequences over "
+        "max_num_seqs (KV use alone may never reach its target)"
+    ),
+}
+
+
 def _allowed(err: Any) -> str:
     """One plain sentence per pydantic error type that a file can cause: no regular expressions, no pydantic
     type words (tuple, dictionary, instance of)."""
@@ -237,6 +246,8 @@ def _allowed(err: Any) -> str:
     ctx = err.get("ctx", {})
     field = next((p for p in reversed(err["loc"]) if isinstance(p, str)), "")
     if kind == "extra_forbidden":
+        if field in _RENAMED:
+            return _RENAMED[field]
         return "unknown key; remove it or check its spelling"
     if kind == "missing":
         if field in ("max_input_tokens", "max_output_tokens"):

@@ -305,9 +305,9 @@ class ScalingConfig(Frozen):
     """Autoscaling on the two signals that run out under LLM traffic.
 
     Two target-tracking policies run side by side; the one asking for more replicas wins, so the fleet
-    grows when either the cache fills or the queue builds. Scale-out reacts within a minute; scale-in
-    waits at least 15 minutes (and twice the drain budget) because a replica takes minutes to load a
-    model and every removed replica first drains its generations.
+    grows when either the replica saturates (its cache or its sequence slots) or the queue builds.
+    Scale-out reacts within a minute; scale-in waits at least 15 minutes (and twice the drain budget)
+    because a replica takes minutes to load a model and every removed replica first drains its generations.
     """
 
     min_replicas: Int = Field(
@@ -318,15 +318,16 @@ class ScalingConfig(Frozen):
     max_replicas: Int = Field(
         default=4, ge=1, description="Upper bound for autoscaling (and for the plan's replica count)."
     )
-    kv_cache_utilization_target: Float = Field(
+    saturation_target: Float = Field(
         default=0.75,
         gt=0,
         lt=1,
         description=(
-            "Average fraction of KV-cache blocks in use to hold the fleet at. The cache is sized for "
-            "max_num_seqs full-length sequences, so typical traffic sits well below 1; past about 0.9 new "
-            "sequences wait for blocks or running ones are preempted and recomputed. 0.75 leaves room for the "
-            "minutes a new replica takes to load; lower it for spiky traffic or slow-loading models."
+            "Average replica saturation to hold the fleet at: the larger of the fraction of KV-cache blocks in use "
+            "and running sequences over max_num_seqs (contract signal ReplicaSaturation), so the target is "
+            "reachable whichever limit binds (the planner often sizes the cache for more sequences than "
+            "max_num_seqs runs, and KV use alone then never gets near 0.75). 0.75 leaves room for the minutes a "
+            "new replica takes to load; lower it for spiky traffic or slow-loading models."
         ),
     )
     queue_depth_target: Float = Field(
@@ -365,7 +366,7 @@ class ScalingConfig(Frozen):
     def signal_targets(self) -> tuple[tuple[contract.Signal, float], ...]:
         """Each scaling signal with the per-replica value to hold the fleet at, in the contract's order."""
         targets = {
-            contract.KV_CACHE_UTILIZATION.name: self.kv_cache_utilization_target,
+            contract.REPLICA_SATURATION.name: self.saturation_target,
             contract.REQUESTS_WAITING.name: self.queue_depth_target,
         }
         return tuple((s, targets[s.name]) for s in contract.SCALING_SIGNALS)

@@ -27,6 +27,7 @@ from kvfleet.engines import ENGINES
 KV = contract.KV_CACHE_UTILIZATION.name
 WAITING = contract.REQUESTS_WAITING.name
 RUNNING = contract.REQUESTS_RUNNING.name
+SAT = contract.REPLICA_SATURATION.name
 TTFT = contract.TIME_TO_FIRST_TOKEN.name
 ITL = contract.INTER_TOKEN_LATENCY.name
 TOKENS = contract.OUTPUT_TOKENS.name
@@ -360,7 +361,7 @@ def test_unknown_engine_or_version_is_a_configuration_error() -> None:
 
 def test_vllm_first_scrape_is_the_baseline() -> None:
     sample = collector().update(VLLM_0_32)
-    assert sample.gauges == {KV: 0.4127, WAITING: 3.0, RUNNING: 17.0}
+    assert sample.gauges == {SAT: 0.4127, KV: 0.4127, WAITING: 3.0, RUNNING: 17.0}
     assert sample.deltas == {TOKENS: 0.0, PREEMPTIONS: 0.0, SHED: 0.0, ERRORS: 0.0}
     assert sample.distributions == {}
     assert sample.problem is None
@@ -404,7 +405,7 @@ def test_engine_restart_counts_the_new_values_as_the_increase() -> None:
 def test_old_vllm_names() -> None:
     c = collector("0.6.3")
     first = c.update(VLLM_0_6)
-    assert first.gauges == {KV: 0.083, WAITING: 0.0, RUNNING: 4.0}
+    assert first.gauges == {SAT: 0.083, KV: 0.083, WAITING: 0.0, RUNNING: 4.0}
     text = observe(VLLM_0_6, "vllm:time_per_output_token_seconds", 0.03, 10)  # (0.025, 0.05]: 37.5 ms
     text = add(text, 'vllm:generation_tokens_total{model_name="meta-llama/Llama-3.1-8B-Instruct"}', 10)
     sample = c.update(text)
@@ -438,7 +439,7 @@ def test_when_both_cache_gauges_exist_the_version_decides(version: str, expected
 def test_trtllm() -> None:
     c = collector("1.0.0", engine="trtllm")
     first = c.update(TRTLLM)
-    assert first.gauges == {KV: 0.62, RUNNING: 9.0, WAITING: 2.0}
+    assert first.gauges == {SAT: 0.62, KV: 0.62, RUNNING: 9.0, WAITING: 2.0}
     assert first.deltas == {SHED: 0.0, ERRORS: 0.0}  # no engine counters to normalize
     text = observe(TRTLLM, "trtllm_time_to_first_token_seconds", 0.05, 4)  # (0.04, 0.06]: 50 ms
     text = observe(text, "trtllm_time_per_output_token_seconds", 0.015, 40)  # (0.01, 0.025]: 17.5 ms
@@ -447,12 +448,41 @@ def test_trtllm() -> None:
     assert PREEMPTIONS not in sample.deltas and TOKENS not in sample.deltas
 
 
+@pytest.mark.parametrize(
+    ("kv", "running", "max_num_seqs", "expected"),
+    [
+        (0.2, 16, 16, 1.0),  # max_num_seqs binds: KV use stays low however loaded the replica is
+        (0.9, 3, 16, 0.9),  # the cache binds
+        (0.2, 16, None, 0.2),  # max_num_seqs left to the engine: KV use alone
+        (0.5, 40, 16, 1.0),  # never above 1
+    ],
+)
+def test_saturation_is_whichever_limit_binds(
+    kv: float, running: float, max_num_seqs: int | None, expected: float
+) -> None:
+    c = SignalCollector(engine="vllm", engine_version="0.32.0", max_num_seqs=max_num_seqs)
+    text = set_value(VLLM_0_32, 'vllm:kv_cache_usage_perc{engine="0",model_name="m"}', kv)
+    text = set_value(text, 'vllm:num_requests_running{engine="0",model_name="m"}', running)
+    sample = c.update(text)
+    assert sample.gauges[SAT] == pytest.approx(expected)
+    exported = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(c.prometheus_text(deployment="d"))
+        for sample in family.samples
+    }
+    assert exported[contract.REPLICA_SATURATION.prometheus_name] == pytest.approx(expected)
+    # No engine gauges at all: no saturation either, rather than a made-up 0.
+    assert SAT not in SignalCollector(engine="vllm", engine_version="0.32.0", max_num_seqs=16).update("").gauges
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        SignalCollector(engine="vllm", engine_version="0.32.0", max_num_seqs=0)
+
+
 def test_several_series_are_combined() -> None:
     text = second_model(VLLM_0_32)
     text = set_value(text, 'vllm:kv_cache_usage_perc{engine="0",model_name="m2"}', 0.9)
     c = collector()
     first = c.update(text)
-    assert first.gauges == {KV: 0.9, WAITING: 6.0, RUNNING: 34.0}  # utilization: max; request counts: sum
+    assert first.gauges == {SAT: 0.9, KV: 0.9, WAITING: 6.0, RUNNING: 34.0}  # utilization: max; counts: sum
     text = add(text, 'vllm:generation_tokens_total{engine="0",model_name="m"}', 10)
     text = add(text, 'vllm:generation_tokens_total{engine="0",model_name="m2"}', 5)
     text = observe(text, "vllm:time_to_first_token_seconds", 0.03, where='model_name="m"')
@@ -574,6 +604,7 @@ def test_emf_record_declares_present_signals_with_contract_units() -> None:
     assert directive["Dimensions"] == [["Deployment"], ["Deployment", "Replica"]]
     declared = [(m["Name"], m["Unit"]) for m in directive["Metrics"]]
     assert declared == [
+        (SAT, "None"),
         (KV, "None"),
         (WAITING, "Count"),
         (RUNNING, "Count"),

@@ -7,7 +7,7 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from kvfleet.config.loader import load_environment, parse_environment
+from kvfleet.config.loader import load_environment, load_located, parse_environment
 from kvfleet.config.schema import Environment
 from kvfleet.deployments import plan_requests
 from kvfleet.errors import ConfigError, KvfleetError
@@ -72,7 +72,7 @@ def test_base_text_parses() -> None:
     assert d.workload.max_input_tokens == 4096
     assert d.sizing.kv_cache_dtypes == ("auto", "fp8")
     assert d.scaling.min_replicas == 1
-    assert d.scaling.kv_cache_utilization_target == 0.75  # default
+    assert d.scaling.saturation_target == 0.75  # default
     assert d.target.platform == "sagemaker"
 
 
@@ -461,3 +461,13 @@ def test_image_tags_for_this_contract_are_accepted(image: str) -> None:
 def test_engine_names_come_from_the_engine_registry() -> None:
     [line] = problems(BASE.replace("name: vllm", "name: sglang"))
     assert "engine.name" in line and "'vllm' or 'trtllm'" in line
+
+
+def test_the_renamed_kv_target_says_what_replaced_it(tmp_path: Path) -> None:
+    text = (REPO / "environments" / "dev.yaml").read_text()
+    assert "scaling:" in text
+    f = tmp_path / "old.yaml"
+    f.write_text(text.replace("scaling:", "scaling:\n      kv_cache_utilization_target: 0.75", 1))
+    with pytest.raises(KvfleetError) as err:
+        load_located(f)
+    assert "renamed to saturation_target" in str(err.value) and f"{f}:" in str(err.value)
