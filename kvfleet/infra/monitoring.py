@@ -1,9 +1,14 @@
 """Dashboard and alarms for one deployment, on the shared signals; every target reuses this construct.
 
 Thresholds follow the scaling targets from the config: an alarm fires when autoscaling is not keeping
-up (cache still saturated, queue still long after scale-out had time to act), when the cache is too
+up (replicas still saturated, queue still long after scale-out had time to act), when the cache is too
 small for the admitted concurrency (preemptions), on the share of requests answered 5xx, and when the
 signals stop arriving (then autoscaling is blind).
+
+Saturation (``contract.REPLICA_SATURATION``) is what scales and what the saturation alarm reads: the larger of
+KV-cache use and running sequences over max_num_seqs. KV-cache use alone counts only the blocks of running
+sequences, which max_num_seqs caps, so where the plan's cache holds more sequences than max_num_seqs runs it never
+reaches the target (dev's plan: at most about 0.20); the dashboard still charts it beside saturation.
 
 Updates roll back on the 5xx *rate* only (``rollback_alarms``): a SageMaker endpoint update
 (AutoRollbackConfiguration) and an EC2 instance refresh (AlarmSpecification) take the names of CloudWatch
@@ -37,7 +42,9 @@ from kvfleet import contract
 from kvfleet.config.schema import ScalingConfig
 from kvfleet.infra.metrics import PERIOD, PlatformMetrics, signal_metric
 
-CACHE_SATURATED = 0.95  # above this the engine preempts or queues: scale-out should have prevented it
+# Saturation above this: the engine preempts (cache full) or queues (every sequence slot taken); scale-out should
+# have prevented it.
+CACHE_SATURATED = 0.95
 SUSTAINED_MIN = 10  # minutes a saturation or queue must last: longer than scale-out plus model load
 QUEUE_ALARM_FACTOR = 4.0  # queue depth per replica this many times the scaling target
 
@@ -73,13 +80,14 @@ class ServingMonitoring(Construct):
         self.rollback_alarms: list[cw.Alarm] = []
 
         if signals_published:
-            self.cache_saturated = self._alarm(
-                "CacheSaturated",
-                m.cache,
+            self.saturated = self._alarm(
+                "Saturated",
+                m.saturation,
                 threshold=CACHE_SATURATED,
                 periods=SUSTAINED_MIN,
                 op=cw.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
-                what=f"KV cache above {CACHE_SATURATED:.0%} for {SUSTAINED_MIN} min: scale-out is not keeping up "
+                what=f"replicas on average {CACHE_SATURATED:.0%} saturated or more for {SUSTAINED_MIN} min (KV cache "
+                f"or sequence slots, max_num_seqs, full): scale-out is not keeping up "
                 f"(at max_replicas {scaling.max_replicas}?)",
             )
             queue_limit = QUEUE_ALARM_FACTOR * scaling.queue_depth_target
@@ -113,12 +121,12 @@ class ServingMonitoring(Construct):
             )
             self.signals_missing = self._alarm(
                 "SignalsMissing",
-                signal_metric(deployment_id, contract.KV_CACHE_UTILIZATION, statistic="SampleCount"),
+                signal_metric(deployment_id, contract.REPLICA_SATURATION, statistic="SampleCount"),
                 threshold=1,
                 periods=5,
                 op=cw.ComparisonOperator.LESS_THAN_THRESHOLD,
                 missing=cw.TreatMissingData.BREACHING,
-                what="no KV-cache signal for 5 min: autoscaling is blind (agent down or metrics not delivered)",
+                what="no saturation signal for 5 min: autoscaling is blind (agent down or metrics not delivered)",
             )
             self.rollback_alarms = [self.server_error_rate]
 
@@ -138,7 +146,7 @@ class ServingMonitoring(Construct):
 
         instances = platform.instances or cw.MathExpression(
             expression=f"n / (PERIOD(n) / {contract.PUBLISH_INTERVAL_S})",
-            using_metrics={"n": signal_metric(deployment_id, contract.KV_CACHE_UTILIZATION, statistic="SampleCount")},
+            using_metrics={"n": signal_metric(deployment_id, contract.REPLICA_SATURATION, statistic="SampleCount")},
             label="replicas publishing",
             period=PERIOD,
         )
@@ -149,9 +157,10 @@ class ServingMonitoring(Construct):
         self.dashboard = cw.Dashboard(self, "Dashboard", default_interval=Duration.hours(3))
         self.dashboard.add_widgets(
             cw.TextWidget(
-                markdown=f"## kvfleet {deployment_id}\nScales on KV-cache utilization "
-                f"(target {scaling.kv_cache_utilization_target:.0%}) and requests waiting per replica "
-                f"(target {scaling.queue_depth_target:g}); {scaling.min_replicas}-{scaling.max_replicas} replicas.",
+                markdown=f"## kvfleet {deployment_id}\nScales on replica saturation, the larger of KV-cache use "
+                f"and running sequences over max_num_seqs (target {scaling.saturation_target:.0%}), and requests "
+                f"waiting per replica (target {scaling.queue_depth_target:g}); "
+                f"{scaling.min_replicas}-{scaling.max_replicas} replicas.",
                 width=24,
                 height=2,
             )
@@ -163,9 +172,9 @@ class ServingMonitoring(Construct):
         )
         self.dashboard.add_widgets(
             _graph(
-                "KV-cache utilization",
-                [m.cache, m.cache_max],
-                hline=scaling.kv_cache_utilization_target,
+                "Replica saturation (KV cache or sequence slots)",
+                [m.saturation, m.saturation_max, m.cache],
+                hline=scaling.saturation_target,
                 left=cw.YAxisProps(min=0, max=1),
             ),
             _graph("Requests waiting per replica", [m.waiting, m.waiting_max], hline=scaling.queue_depth_target),
@@ -211,8 +220,12 @@ class _Metrics:
     def __init__(self, deployment_id: str) -> None:
         d = deployment_id
         s = contract
-        self.cache = signal_metric(d, s.KV_CACHE_UTILIZATION, label="average")
-        self.cache_max = signal_metric(d, s.KV_CACHE_UTILIZATION, statistic="Maximum", label="hottest replica")
+        self.saturation = signal_metric(d, s.REPLICA_SATURATION, label="saturation (average)")
+        self.saturation_max = signal_metric(
+            d, s.REPLICA_SATURATION, statistic="Maximum", label="most saturated replica"
+        )
+        # Still published, and charted beside saturation: where it stays well under it, sequence slots bind.
+        self.cache = signal_metric(d, s.KV_CACHE_UTILIZATION, label="KV-cache use (average)")
         self.waiting = signal_metric(d, s.REQUESTS_WAITING, label="average")
         self.waiting_max = signal_metric(d, s.REQUESTS_WAITING, statistic="Maximum", label="longest queue")
         self.running = signal_metric(d, s.REQUESTS_RUNNING)

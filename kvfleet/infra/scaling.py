@@ -1,10 +1,11 @@
 """Autoscaling on the contract's two signals, shared by every target that CloudWatch scales.
 
-Each target tracks KV-cache utilization and requests waiting side by side (the policy asking for more
-replicas wins), scales out within a minute, and acts on a scale-in only after ``ScalingConfig.scale_in_wait_s``
-(15 minutes, or twice the drain budget): a replica takes minutes to load a model, and every removed replica
-first drains its generations. EKS gets the same pair and the same wait as a KEDA ScaledObject
-(``kvfleet.infra.eks.manifests``).
+Each target tracks replica saturation (the larger of KV-cache use and running sequences over max_num_seqs:
+``contract.REPLICA_SATURATION``; raw KV use may never reach its target where the cache holds more sequences than
+max_num_seqs runs) and requests waiting side by side (the policy asking for more replicas wins), scales out within
+a minute, and acts on a scale-in only after ``ScalingConfig.scale_in_wait_s`` (15 minutes, or twice the drain
+budget): a replica takes minutes to load a model, and every removed replica first drains its generations. EKS
+gets the same pair and the same wait as a KEDA ScaledObject (``kvfleet.infra.eks.manifests``).
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def scale_group(
         treat_missing_data=cw.TreatMissingData.NOT_BREACHING,
         alarm_description=(
             f"scale in by one: for {scaling.scale_in_wait_s // 60} min the fleet with one instance fewer would "
-            "still hold KV-cache use and queue depth under their targets"
+            "still hold saturation and queue depth under their targets"
         ),
     )
     alarm.add_alarm_action(_PolicyAction(action))

@@ -17,8 +17,11 @@ Autoscalers (the rules as AWS and Kubernetes document them):
   recommendation of the stabilization window (kubernetes.io, "Horizontal Pod Autoscaling", algorithm details
   and `--horizontal-pod-autoscaler-sync-period`, default 15 s).
 
-The metrics are those the agent publishes (kvfleet.contract): KV cache use (the fraction of blocks held) and
-requests waiting, averaged over the serving replicas, sampled every publish interval.
+The metrics are those the agent publishes and the stacks scale on (kvfleet.contract.SCALING_SIGNALS): replica
+saturation and requests waiting, averaged over the serving replicas, sampled every publish interval. A replica's
+saturation is the larger of its KV cache use (the fraction of blocks its running sequences hold) and its running
+sequences over max_num_seqs (``saturation``): KV use alone never reaches its target where the cache holds many more
+sequences than max_num_seqs lets run, so a policy on it would never ask for replicas however busy every slot is.
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ class Scaling:
     kind: AutoscalerKind
     min_replicas: int
     max_replicas: int
+    # The saturation target (ScalingConfig.saturation_target; contract.REPLICA_SATURATION), not a target on raw
+    # KV-cache use: the name is the one the CLI and the tests construct it with.
     kv_cache_target: float
     queue_target: float
     scale_out_cooldown_s: float = 60.0
@@ -84,8 +89,9 @@ class Sample:
     draining: int
     outstanding: int
     waiting: int
-    kv_utilization: float  # mean over the serving replicas (the autoscaler's signal)
+    kv_utilization: float  # KV-cache use, mean over the serving replicas (charted; the autoscaler reads saturation)
     kv_max: float  # the fullest serving replica's
+    saturation: float  # mean over the serving replicas of ``saturation`` (the autoscaler's signal)
     # Running totals: the timeline turns them into refusals per interval without a record per request.
     rejected_429: int
     rejected_503: int
@@ -99,6 +105,11 @@ class FleetResult:
     end_s: float
     requests: int
     scale_events: list[tuple[float, int, str]] = field(default_factory=list)
+
+
+def saturation(replica: Replica) -> float:
+    """What the agent publishes as ReplicaSaturation: the larger of KV-cache use and running over max_num_seqs."""
+    return max(replica.kv_utilization, len(replica.running) / replica.limits.max_num_seqs)
 
 
 class _Member:
@@ -125,7 +136,7 @@ class Fleet:
         self._last_in_s = -math.inf
         wait_minutes = math.ceil(spec.scaling.scale_in_cooldown_s / TT_PERIOD_S)
         keep = max(TT_IN_DATAPOINTS, wait_minutes)
-        self._minutes: deque[tuple[float, float]] = deque(maxlen=keep)  # (kv, queue) per minute
+        self._minutes: deque[tuple[float, float]] = deque(maxlen=keep)  # (saturation, queue) per minute
         self._window: list[tuple[float, float]] = []  # samples within the current minute
         self._hpa_recs: deque[tuple[float, int]] = deque()
         for _ in range(spec.initial_replicas):
@@ -195,6 +206,7 @@ class Fleet:
         n = len(serving)
         kvs = [r.kv_utilization for r in serving]
         kv = sum(kvs) / n if n else 0.0
+        sat = sum(saturation(r) for r in serving) / n if n else 0.0
         waiting = sum(len(r.waiting) for r in serving)
         self.samples.append(
             Sample(
@@ -206,12 +218,13 @@ class Fleet:
                 waiting=waiting,
                 kv_utilization=kv,
                 kv_max=max(kvs, default=0.0),
+                saturation=sat,
                 rejected_429=self.stats.rejected_429,
                 rejected_503=self.stats.rejected_503,
             )
         )
         if n:
-            self._window.append((kv, waiting / n))
+            self._window.append((sat, waiting / n))
 
     def _scale_to(self, t: float, desired: int, why: str) -> None:
         s = self.spec.scaling
@@ -245,10 +258,10 @@ class Fleet:
         s = self.spec.scaling
         if not self._window:
             return
-        kv = sum(w[0] for w in self._window) / len(self._window)
+        sat = sum(w[0] for w in self._window) / len(self._window)
         q = sum(w[1] for w in self._window) / len(self._window)
         self._window.clear()
-        self._minutes.append((kv, q))
+        self._minutes.append((sat, q))
         n = len(self._serving(t)) or 1
         recent = list(self._minutes)
         out_votes = []
@@ -264,11 +277,11 @@ class Fleet:
             self._one_fewer(t, n, recent)
             return
         recent = recent[-TT_IN_DATAPOINTS:]
-        low_kv, low_q = TT_IN_FRACTION * s.kv_cache_target, TT_IN_FRACTION * s.queue_target
+        low_sat, low_q = TT_IN_FRACTION * s.kv_cache_target, TT_IN_FRACTION * s.queue_target
         if (
             len(recent) == TT_IN_DATAPOINTS
             and t - self._last_in_s >= s.scale_in_cooldown_s
-            and all(m[0] < low_kv and m[1] < low_q for m in recent)
+            and all(m[0] < low_sat and m[1] < low_q for m in recent)
         ):
             # The capacity that would put the last minute at the target, as the out side computes it.
             desired = max(
@@ -283,7 +296,7 @@ class Fleet:
         need = math.ceil(s.scale_in_cooldown_s / TT_PERIOD_S)
         if n < 2 or len(recent) < need or t - self._last_in_s < s.scale_in_cooldown_s:
             return
-        if all(max(kv / s.kv_cache_target, q / s.queue_target) * n / (n - 1) < 1 for kv, q in recent[-need:]):
+        if all(max(sat / s.kv_cache_target, q / s.queue_target) * n / (n - 1) < 1 for sat, q in recent[-need:]):
             self._scale_to(t, self._desired_count() - 1, "scale-in")
             self._minutes.clear()
 
@@ -291,12 +304,12 @@ class Fleet:
         s = self.spec.scaling
         if not self._window:
             return
-        kv = self._window[-1][0]
+        sat = self._window[-1][0]
         q = self._window[-1][1]
         self._window.clear()
         n = len(self._serving(t)) or 1
         recs = []
-        for value, target in ((kv, s.kv_cache_target), (q, s.queue_target)):
+        for value, target in ((sat, s.kv_cache_target), (q, s.queue_target)):
             ratio = value / target
             recs.append(n if abs(ratio - 1) <= HPA_TOLERANCE else math.ceil(n * ratio))
         rec = max(recs)

@@ -1,4 +1,5 @@
-"""A simulated run over time, and its picture: requests, queue, KV-cache use and replicas on one time axis.
+"""A simulated run over time, and its picture: requests, queue, saturation and KV-cache use, and replicas on one
+time axis.
 
 The series are the fleet's own samples (one per publish interval, what the agent publishes and the autoscaler
 reads) plus the trace's arrivals and the finished requests, counted per interval between two samples. An
@@ -43,11 +44,12 @@ class Timeline:
     running: tuple[int, ...]
     kv_mean: tuple[float, ...]
     kv_max: tuple[float, ...]
+    saturation: tuple[float, ...]  # mean over the serving replicas: what the autoscaler holds at its target
     replicas: tuple[int, ...]  # serving
     starting: tuple[int, ...]
     draining: tuple[int, ...]
     scale_events: tuple[tuple[float, int, str], ...]  # (time, desired replicas, scale-out | scale-in)
-    kv_target: float | None  # the autoscaler's targets; None when nothing scales
+    saturation_target: float | None  # the autoscaler's targets; None when nothing scales
     queue_target: float | None  # per serving replica
 
 
@@ -88,11 +90,12 @@ def timeline(result: FleetResult, trace: Trace, spec: FleetSpec) -> Timeline:
         running=tuple(x.outstanding - x.waiting for x in samples),
         kv_mean=tuple(x.kv_utilization for x in samples),
         kv_max=tuple(x.kv_max for x in samples),
+        saturation=tuple(x.saturation for x in samples),
         replicas=tuple(x.replicas for x in samples),
         starting=tuple(x.starting for x in samples),
         draining=tuple(x.draining for x in samples),
         scale_events=tuple(result.scale_events),
-        kv_target=scaling.kv_cache_target if scales else None,
+        saturation_target=scaling.kv_cache_target if scales else None,  # Scaling.kv_cache_target: on saturation
         queue_target=scaling.queue_target if scales else None,
     )
 
@@ -149,13 +152,14 @@ def render_png(tl: Timeline, path: str | Path, *, title: str) -> None:
     queue.set_ylabel("requests")
     queue.set_title("queue depth")
 
-    _steps(kv, minutes, tl.kv_mean, label="mean of serving replicas", color="tab:purple")
-    _steps(kv, minutes, tl.kv_max, label="fullest replica", color="tab:pink", width=1.0)
-    if tl.kv_target is not None:
-        kv.axhline(tl.kv_target, color="tab:purple", linestyle="--", linewidth=1, label="autoscaler target")
+    _steps(kv, minutes, tl.saturation, label="saturation, mean of serving replicas", color="tab:purple")
+    _steps(kv, minutes, tl.kv_mean, label="KV-cache use, mean", color="tab:cyan", width=1.0)
+    _steps(kv, minutes, tl.kv_max, label="KV-cache use, fullest replica", color="tab:pink", width=1.0)
+    if tl.saturation_target is not None:
+        kv.axhline(tl.saturation_target, color="tab:purple", linestyle="--", linewidth=1, label="autoscaler target")
     kv.set_ylim(0, 1.05)
-    kv.set_ylabel("fraction of KV blocks")
-    kv.set_title("KV-cache use")
+    kv.set_ylabel("fraction")
+    kv.set_title("saturation (KV blocks or sequence slots) and KV-cache use")
 
     _steps(reps, minutes, tl.replicas, label="in service", color="tab:blue")
     _steps(reps, minutes, tl.starting, label="starting", color="tab:gray", width=1.0)

@@ -1,18 +1,29 @@
-"""The alarms updates roll back on: the 5xx rate with a minimum-traffic guard, evaluated as CloudWatch would."""
+"""The alarms updates roll back on: the 5xx rate with a minimum-traffic guard, evaluated as CloudWatch would; the
+saturation alarm and the dashboard's saturation graph."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Any
 
+import aws_cdk as cdk
 import pytest
 from aws_cdk.assertions import Template
 
 from kvfleet import contract
-from kvfleet.infra.monitoring import ERROR_RATE_CEILING, ERROR_RATE_MIN_ERRORS, error_rate_threshold, min_requests
+from kvfleet.infra.metrics import PlatformMetrics
+from kvfleet.infra.monitoring import (
+    CACHE_SATURATED,
+    ERROR_RATE_CEILING,
+    ERROR_RATE_MIN_ERRORS,
+    ServingMonitoring,
+    error_rate_threshold,
+    min_requests,
+)
 from tests.envs import SAGEMAKER_ENV
-from tests.infra.helpers import only
+from tests.infra.helpers import environment, make_app, only
 
 
 @pytest.fixture(scope="module")
@@ -101,11 +112,85 @@ def test_a_quiet_minute_never_trips_it(template: Template) -> None:
 
 @pytest.mark.parametrize(("max_replicas", "expected"), [(1, 0.05), (10, 0.05), (20, 0.025), (64, 1 / 128)])
 def test_the_threshold_catches_one_failing_instance_among_max_replicas(max_replicas: int, expected: float) -> None:
-    from tests.infra.helpers import environment
-
     text = SAGEMAKER_ENV.replace("max_replicas: 4", f"max_replicas: {max_replicas}")
     [d] = environment(text).deployments
     threshold = error_rate_threshold(d.scaling)
     assert threshold == pytest.approx(expected)
     # A new instance failing half its requests, as one of max_replicas equally loaded ones, exceeds it.
     assert 0.5 / max_replicas >= threshold
+
+
+# ---- saturation: what scales, what alarms, what the dashboard holds against the target ----------------------
+
+
+def monitoring_template(saturation_target: float) -> Template:
+    """The monitoring construct alone in a stack, with its dashboard (the replicas counted from the agent's data)."""
+    text = SAGEMAKER_ENV.replace(
+        "      drain_budget_s: 420\n", f"      drain_budget_s: 420\n      saturation_target: {saturation_target}\n"
+    )
+    [d] = environment(text).deployments
+    stack = cdk.Stack(make_app(), "Monitored")
+    ServingMonitoring(stack, "Monitoring", deployment_id="test-chat", scaling=d.scaling).add_dashboard(
+        PlatformMetrics()
+    )
+    return Template.from_stack(stack)
+
+
+def dashboard(t: Template) -> dict[str, Any]:
+    [dash] = [r["Properties"]["DashboardBody"] for r in t.find_resources("AWS::CloudWatch::Dashboard").values()]
+    if isinstance(dash, dict):  # the region is a reference
+        [sep, parts] = dash["Fn::Join"]
+        dash = sep.join(p if isinstance(p, str) else "<token>" for p in parts)
+    out: dict[str, Any] = json.loads(dash)
+    return out
+
+
+def metric_names(widget: dict[str, Any]) -> list[tuple[str, str]]:
+    """(metric name, statistic) of each plain metric a graph draws."""
+    rows = [m for m in widget["properties"]["metrics"] if isinstance(m[0], str)]
+    return [(m[1], m[-1].get("stat", "Average") if isinstance(m[-1], dict) else "Average") for m in rows]
+
+
+def alarm_stat(alarm: dict[str, Any]) -> tuple[str, str] | None:
+    """(metric name, statistic) of a single-metric alarm, whichever shape CDK rendered; None for metric math."""
+    if "Metrics" in alarm:
+        if len(alarm["Metrics"]) != 1:
+            return None
+        stat = alarm["Metrics"][0]["MetricStat"]
+        return stat["Metric"]["MetricName"], stat["Stat"]
+    return alarm["MetricName"], alarm["Statistic"]
+
+
+def test_the_saturation_alarm_reads_saturation_not_kv_use() -> None:
+    alarms = {k: r["Properties"] for k, r in monitoring_template(0.6).find_resources("AWS::CloudWatch::Alarm").items()}
+    [saturated] = [a for k, a in alarms.items() if k.startswith("MonitoringSaturated")]
+    assert alarm_stat(saturated) == (contract.REPLICA_SATURATION.name, "Average")
+    assert saturated["Threshold"] == CACHE_SATURATED
+    assert "KV cache" in saturated["AlarmDescription"] and "sequence slots" in saturated["AlarmDescription"]
+    assert not [k for k in alarms if "CacheSaturated" in k]
+    # Blind autoscaling is no saturation data: it is published at the same interval as every gauge.
+    [missing] = [a for k, a in alarms.items() if k.startswith("MonitoringSignalsMissing")]
+    assert alarm_stat(missing) == (contract.REPLICA_SATURATION.name, "SampleCount")
+    # No alarm on raw KV use: its ceiling may sit far under any threshold.
+    assert contract.KV_CACHE_UTILIZATION.name not in json.dumps(alarms)
+
+
+def test_the_dashboard_charts_saturation_at_its_target_beside_kv_use() -> None:
+    widgets = dashboard(monitoring_template(0.6))["widgets"]
+    [text] = [w for w in widgets if w["type"] == "text"]
+    assert "saturation" in text["properties"]["markdown"] and "target 60%" in text["properties"]["markdown"]
+    [graph] = [w for w in widgets if w["properties"].get("title", "").startswith("Replica saturation")]
+    assert graph["properties"]["annotations"]["horizontal"][0]["value"] == 0.6
+    assert metric_names(graph) == [
+        (contract.REPLICA_SATURATION.name, "Average"),
+        (contract.REPLICA_SATURATION.name, "Maximum"),
+        (contract.KV_CACHE_UTILIZATION.name, "Average"),  # still published: charted, not scaled on
+    ]
+    # No other graph holds KV use against a target.
+    for w in widgets:
+        if w["type"] == "metric" and w is not graph and "annotations" in w["properties"]:
+            assert contract.KV_CACHE_UTILIZATION.name not in {n for n, _ in metric_names(w)}
+    # Replicas counted from the agent's data points, on the saturation signal.
+    [instances] = [w for w in widgets if w["properties"].get("title") == "Instances"]
+    counted = [m for m in instances["properties"]["metrics"] if isinstance(m[0], str)]
+    assert [(m[1], m[-1]["stat"]) for m in counted] == [(contract.REPLICA_SATURATION.name, "SampleCount")]

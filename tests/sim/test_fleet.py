@@ -4,14 +4,24 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from pathlib import Path
 from typing import get_args
 
 import pytest
 
 from kvfleet.cli import main
-from kvfleet.sim.fleet import TT_OUT_DATAPOINTS, TT_PERIOD_S, FleetResult, FleetSpec, Router, Scaling, simulate
-from kvfleet.sim.replica import EngineLimits
+from kvfleet.sim.fleet import (
+    TT_OUT_DATAPOINTS,
+    TT_PERIOD_S,
+    FleetResult,
+    FleetSpec,
+    Router,
+    Scaling,
+    saturation,
+    simulate,
+)
+from kvfleet.sim.replica import EngineLimits, Replica, Request, Stats
 from kvfleet.sizing.hosting import Routing
 from tests.sim.synthetic import MODEL, steady
 
@@ -62,6 +72,51 @@ def test_scale_in_drains_in_flight_generations_within_the_budget(budget: float, 
     assert (result.stats.aborted > 0) is aborted
     if not aborted:
         assert len(result.stats.finished) == len(long)
+
+
+def test_saturation_is_the_larger_of_kv_use_and_sequence_slots() -> None:
+    # 4 slots and a cache for far more: two running sequences hold a sliver of the cache and half the slots.
+    slots = Replica(
+        0, EngineLimits(max_num_seqs=4, max_num_batched_tokens=4096, kv_blocks=10_000), MODEL, Stats(), ready_s=0
+    )
+    for i in range(2):
+        slots.admit(Request(i, 0.0, 500, 200), 0.0)
+    slots.advance(0.05)  # one step: both prompts prefilled, both running
+    assert len(slots.running) == 2
+    assert slots.kv_utilization < 0.01
+    assert saturation(slots) == 0.5
+    # A small cache: its blocks bind first.
+    cache = Replica(
+        1, EngineLimits(max_num_seqs=64, max_num_batched_tokens=4096, kv_blocks=40), MODEL, Stats(), ready_s=0
+    )
+    cache.admit(Request(0, 0.0, 500, 200), 0.0)
+    cache.advance(0.05)
+    assert saturation(cache) == cache.kv_utilization > len(cache.running) / 64
+
+
+@pytest.mark.parametrize("kind", ["target_tracking", "ec2", "hpa"])
+def test_a_cache_larger_than_max_num_seqs_runs_scales_out_on_saturation(kind: str) -> None:
+    """8 sequence slots and a cache for about 450 such sequences: raw KV use tops out near 0.02, far under the 0.5
+    target, so a fleet scaled on it would never grow however long its queue. Saturation reaches 1 when every slot
+    is taken. The queue target is out of reach here, so only saturation can ask for replicas."""
+    busy = FleetSpec(
+        limits=EngineLimits(max_num_seqs=8, max_num_batched_tokens=4096, kv_blocks=20_000),
+        model=MODEL,
+        scaling=Scaling(kind=kind, min_replicas=1, max_replicas=4, kv_cache_target=0.5, queue_target=1e9),  # type: ignore[arg-type]
+        initial_replicas=1,
+        cold_start_s=120,
+        usd_per_replica_hour=None,
+    )
+    result = simulate(steady(6, 900), busy)  # about 3.6 requests/s fill 8 slots on MODEL at 500 + 200 tokens
+    before = [x for x in result.samples if x.t_s < (result.scale_events[0][0] if result.scale_events else math.inf)]
+    # On the old signal nothing would breach: KV use stays far under the target the whole run.
+    assert max(x.kv_max for x in result.samples) < 0.1 < busy.scaling.kv_cache_target
+    # Saturation does: every slot taken on the one replica.
+    assert max(x.saturation for x in before) == 1.0
+    outs = [e for e in result.scale_events if e[2] == "scale-out"]
+    assert outs and outs[0][1] >= 2
+    assert max(x.replicas for x in result.samples) > 1
+    assert all(x.kv_utilization <= x.saturation <= 1.0 for x in result.samples)
 
 
 def test_the_routers_are_the_hostings_routing_values() -> None:

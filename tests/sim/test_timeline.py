@@ -63,7 +63,7 @@ def test_the_series_add_up_to_the_report_and_follow_the_samples() -> None:
     assert report.rejected_429 > 0 and result.scale_events
     n = len(result.samples)
     assert n > 0
-    whole_run = ("scale_events", "kv_target", "queue_target")
+    whole_run = ("scale_events", "saturation_target", "queue_target")
     per_sample = [getattr(tl, f.name) for f in fields(tl) if f.name not in whole_run]
     assert all(len(series) == n for series in per_sample)
     assert all(dt > 0 for dt in tl.interval_s) and sum(tl.interval_s) == pytest.approx(tl.t_s[-1])
@@ -80,7 +80,10 @@ def test_the_series_add_up_to_the_report_and_follow_the_samples() -> None:
     first_more = next(t for t, r in zip(tl.t_s, tl.replicas, strict=True) if r > 1)
     assert first_more >= out_s + spec.cold_start_s
     assert all(0.0 <= m <= x <= 1.0 for m, x in zip(tl.kv_mean, tl.kv_max, strict=True))
-    assert (tl.kv_target, tl.queue_target) == (0.5, 2.0)
+    # Saturation (what the autoscaler holds at the target) is never below KV use, the larger of it and the slots.
+    assert list(tl.saturation) == [x.saturation for x in result.samples]
+    assert all(0.0 <= k <= s <= 1.0 for k, s in zip(tl.kv_mean, tl.saturation, strict=True))
+    assert (tl.saturation_target, tl.queue_target) == (0.5, 2.0)
 
 
 def test_arrivals_after_the_last_sample_land_in_the_last_interval() -> None:
@@ -102,7 +105,7 @@ def test_a_horizon_counts_only_the_requests_replayed() -> None:
 
 def test_no_autoscaler_draws_no_target() -> None:
     _, tl = run(steady(1, 60), fleet(initial=1, kind="none"))
-    assert tl.kv_target is None and tl.queue_target is None
+    assert tl.saturation_target is None and tl.queue_target is None
 
 
 def test_the_png_is_a_png_of_the_figure_size(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from kvfleet.infra.eks.manifests import CONTAINER_NAME, STARTUP_ESTIMATE_ANNOTAT
 
 MIN_ENGINE_STOP_S = 30  # the least time the grace period leaves the engine after the drain
 # How each scaling signal is compared (see manifests.scaled_object): an average as a Value, a sum per replica.
-TRIGGER_METRIC_TYPES = {contract.KV_CACHE_UTILIZATION.name: "Value", contract.REQUESTS_WAITING.name: "AverageValue"}
+TRIGGER_METRIC_TYPES = {contract.REPLICA_SATURATION.name: "Value", contract.REQUESTS_WAITING.name: "AverageValue"}
 
 
 def check_consistency(

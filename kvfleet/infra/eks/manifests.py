@@ -41,7 +41,7 @@ STARTUP_PERIOD_S = 10
 # After preStop returns, SIGTERM stops the agent and the engine frees GPU memory: allow this much.
 ENGINE_STOP_S = 60
 MIN_SCALE_DOWN_STABILIZATION_S = SCALE_IN_MIN_S
-TRIGGER_CACHE = "kv-cache-utilization"
+TRIGGER_SATURATION = "replica-saturation"
 TRIGGER_QUEUE = "requests-waiting"
 
 
@@ -375,8 +375,10 @@ def _number(x: float) -> str:
     return format(x, "g")  # KEDA's trigger metadata is map[string]string
 
 
-def cache_query(r: ResolvedDeployment) -> str:
-    return f'avg({contract.KV_CACHE_UTILIZATION.prometheus_name}{{deployment="{r.deployment_id}"}})'
+def saturation_query(r: ResolvedDeployment) -> str:
+    """The fleet's mean saturation: the larger of KV-cache use and running over max_num_seqs, per pod (KV use alone
+    may never reach its target where the cache holds more sequences than max_num_seqs runs)."""
+    return f'avg({contract.REPLICA_SATURATION.prometheus_name}{{deployment="{r.deployment_id}"}})'
 
 
 def queue_query(r: ResolvedDeployment) -> str:
@@ -453,8 +455,8 @@ def scaled_object(r: ResolvedDeployment, opts: WorkloadOptions) -> Manifest:
             "triggers": [
                 # The query already averages over the pods, so it is compared as a Value: the HPA scales by
                 # current/target. As an AverageValue KEDA would divide it by the replica count again, and a
-                # fleet at 90 % cache use across 4 pods would read as 22 %.
-                trigger(TRIGGER_CACHE, cache_query(r), s.kv_cache_utilization_target, "Value"),
+                # fleet 90 % saturated across 4 pods would read as 22 %.
+                trigger(TRIGGER_SATURATION, saturation_query(r), s.saturation_target, "Value"),
                 # The query sums the fleet's queue; AverageValue divides by the replica count, which is the
                 # per-pod queue the target is written in. Desired replicas = ceil(total / target).
                 trigger(TRIGGER_QUEUE, queue_query(r), s.queue_depth_target, "AverageValue"),

@@ -1,4 +1,4 @@
-"""SageMaker real-time endpoint for one planned deployment, scaling on KV-cache use and queue depth."""
+"""SageMaker real-time endpoint for one planned deployment, scaling on replica saturation and queue depth."""
 
 from __future__ import annotations
 
@@ -275,7 +275,7 @@ class SageMakerEndpoint(Construct):
     # ---- autoscaling on the signals ---------------------------------------------------------------------
 
     def _autoscaling(self, r: ResolvedDeployment) -> None:
-        """The variant's instance count tracks the KV-cache and queue signals (none for a fixed size)."""
+        """The variant's instance count tracks the saturation and queue signals (none for a fixed size)."""
         self.scalable_target = None
         s = r.deployment.scaling
         if not _scales(r):

@@ -367,6 +367,7 @@ def test_target_tracking_scales_out_on_the_signals_and_never_in(template: Templa
         assert spec["Statistic"] == "Average"
         names.add(spec["MetricName"])
     assert names == {s.name for s in contract.SCALING_SIGNALS}
+    assert contract.REPLICA_SATURATION.name in names and contract.KV_CACHE_UTILIZATION.name not in names
 
 
 def test_one_policy_scales_in_by_one_after_the_wait_and_then_waits_again(template: Template) -> None:

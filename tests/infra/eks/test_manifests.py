@@ -279,8 +279,14 @@ def test_the_other_checks_fail_when_broken(small: ResolvedDeployment) -> None:
     def wrong_target(ms: list[dict[str, Any]]) -> None:
         by_kind(ms, "ScaledObject")["spec"]["scaleTargetRef"]["name"] = "chat"
 
-    def summed_cache(ms: list[dict[str, Any]]) -> None:
-        triggers(ms)[k8s.TRIGGER_CACHE]["metricType"] = "AverageValue"
+    def summed_saturation(ms: list[dict[str, Any]]) -> None:
+        triggers(ms)[k8s.TRIGGER_SATURATION]["metricType"] = "AverageValue"
+
+    def raw_kv_use(ms: list[dict[str, Any]]) -> None:
+        t = triggers(ms)[k8s.TRIGGER_SATURATION]["metadata"]
+        t["query"] = t["query"].replace(
+            contract.REPLICA_SATURATION.prometheus_name, contract.KV_CACHE_UTILIZATION.prometheus_name
+        )
 
     def other_deployment(ms: list[dict[str, Any]]) -> None:
         t = triggers(ms)[k8s.TRIGGER_QUEUE]["metadata"]
@@ -296,7 +302,9 @@ def test_the_other_checks_fail_when_broken(small: ResolvedDeployment) -> None:
     assert any("startup probe allows 300 s" in p for p in broken(short_startup))
     assert any(p.startswith("preStop runs ['sleep', '30']") for p in broken(no_drain))
     assert any("scales Deployment/chat, not test-chat" in p for p in broken(wrong_target))
-    assert any("is AverageValue, expected Value" in p for p in broken(summed_cache))
+    assert any("is AverageValue, expected Value" in p for p in broken(summed_saturation))
+    # A trigger on raw KV use (the old signal, which may never reach its target) is no trigger on saturation.
+    assert f"no trigger scales on {contract.REPLICA_SATURATION.prometheus_name}" in broken(raw_kv_use)
     assert any("does not select deployment='test-chat'" in p for p in broken(other_deployment))
     found = broken(renamed_metric)
     assert any("not exactly one of the contract's signals" in p for p in found)
@@ -513,27 +521,29 @@ def test_min_replicas_zero_keeps_one_replica() -> None:
 def test_triggers_use_the_contracts_signals_and_the_configs_targets(small: ResolvedDeployment) -> None:
     s = small.deployment.scaling
     ts = triggers(k8s.manifests(small, OPTS))
-    cache, queue = ts[k8s.TRIGGER_CACHE], ts[k8s.TRIGGER_QUEUE]
-    assert (
-        cache["metadata"]["query"] == f'avg({contract.KV_CACHE_UTILIZATION.prometheus_name}{{deployment="test-chat"}})'
-    )
+    assert set(ts) == {k8s.TRIGGER_SATURATION, k8s.TRIGGER_QUEUE}
+    sat, queue = ts[k8s.TRIGGER_SATURATION], ts[k8s.TRIGGER_QUEUE]
+    assert sat["metadata"]["query"] == f'avg({contract.REPLICA_SATURATION.prometheus_name}{{deployment="test-chat"}})'
     assert queue["metadata"]["query"] == f'sum({contract.REQUESTS_WAITING.prometheus_name}{{deployment="test-chat"}})'
-    assert {contract.KV_CACHE_UTILIZATION, contract.REQUESTS_WAITING} == set(contract.SCALING_SIGNALS)
-    assert (cache["metricType"], queue["metricType"]) == ("Value", "AverageValue")
-    assert cache["metadata"]["threshold"] == "0.75"
-    assert float(cache["metadata"]["threshold"]) == s.kv_cache_utilization_target
+    assert {contract.REPLICA_SATURATION, contract.REQUESTS_WAITING} == set(contract.SCALING_SIGNALS)
+    assert (sat["metricType"], queue["metricType"]) == ("Value", "AverageValue")
+    assert sat["metadata"]["threshold"] == "0.75"
+    assert float(sat["metadata"]["threshold"]) == s.saturation_target
     assert isinstance(queue["metadata"]["threshold"], str)
     assert float(queue["metadata"]["threshold"]) == s.queue_depth_target
-    for t in (cache, queue):
+    for t in (sat, queue):
         assert t["type"] == "prometheus"
         assert t["metadata"]["serverAddress"] == OPTS.prometheus_server_address
         assert all(isinstance(v, str) for v in t["metadata"].values())
     tuned = resolve(
         SAGEMAKER_ENV.replace(
-            "      drain_budget_s: 420\n", "      drain_budget_s: 420\n      queue_depth_target: 3.5\n"
+            "      drain_budget_s: 420\n",
+            "      drain_budget_s: 420\n      queue_depth_target: 3.5\n      saturation_target: 0.6\n",
         )
     )
-    assert triggers(k8s.manifests(tuned, OPTS))[k8s.TRIGGER_QUEUE]["metadata"]["threshold"] == "3.5"
+    tuned_triggers = triggers(k8s.manifests(tuned, OPTS))
+    assert tuned_triggers[k8s.TRIGGER_QUEUE]["metadata"]["threshold"] == "3.5"
+    assert tuned_triggers[k8s.TRIGGER_SATURATION]["metadata"]["threshold"] == "0.6"
 
 
 def test_manifests_are_plain_json_data(small: ResolvedDeployment) -> None:

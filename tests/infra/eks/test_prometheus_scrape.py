@@ -179,7 +179,11 @@ def test_kedas_queries_match_the_series_the_agent_exports(resolved: ResolvedDepl
     env = {e["name"]: e["value"] for e in serving["env"] if "value" in e}
     agent = agent_settings.from_env(env)
     sample = Sample(
-        gauges={contract.KV_CACHE_UTILIZATION.name: 0.82, contract.REQUESTS_WAITING.name: 5.0},
+        gauges={
+            contract.REPLICA_SATURATION.name: 0.82,
+            contract.KV_CACHE_UTILIZATION.name: 0.2,
+            contract.REQUESTS_WAITING.name: 5.0,
+        },
         deltas={},
     )
     exposition = prometheus_text(sample, totals={}, deployment=agent.deployment)
@@ -191,7 +195,7 @@ def test_kedas_queries_match_the_series_the_agent_exports(resolved: ResolvedDepl
         for family in text_string_to_metric_families(exposition)
         for s in family.samples
     ]
-    for query, expected in ((k8s.cache_query(resolved), 0.82), (k8s.queue_query(resolved), 5.0)):
+    for query, expected in ((k8s.saturation_query(resolved), 0.82), (k8s.queue_query(resolved), 5.0)):
         name, matchers = query_selector(query)
         matched = [v for n, labels, v in series if n == name and all(labels.get(k) == v2 for k, v2 in matchers.items())]
         assert matched == [expected], (query, series)

@@ -151,7 +151,8 @@ def test_workload_manifests_with_drain_hooks_and_keda(template: Template) -> Non
     assert EngineArgs.from_json(env[contract.ENV_ENGINE_ARGS]) == r.engine_args
     assert c["image"] == "<token>.dkr.ecr.us-east-1.<token>/kvfleet-vllm:" + contract.image_tag("0.30.0")
     scaled = manifest(template, "ScaledObject")
-    assert contract.KV_CACHE_UTILIZATION.prometheus_name in scaled
+    assert contract.REPLICA_SATURATION.prometheus_name in scaled
+    assert contract.KV_CACHE_UTILIZATION.prometheus_name not in scaled
     assert contract.REQUESTS_WAITING.prometheus_name in scaled
     assert scaled.count('\\"type\\":\\"prometheus\\"') == 2
     resources = template.find_resources("Custom::AWSCDK-EKS-KubernetesResource")

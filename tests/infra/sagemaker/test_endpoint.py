@@ -304,7 +304,7 @@ def test_scalable_target_on_the_variant(template: Template) -> None:
     assert rid[1]["Fn::GetAtt"][1] == "EndpointName"
 
 
-def test_two_target_tracking_policies_on_cache_and_queue(template: Template) -> None:
+def test_two_target_tracking_policies_on_saturation_and_queue(template: Template) -> None:
     policies = props(template, "AWS::ApplicationAutoScaling::ScalingPolicy")
     assert len(policies) == 2
     by_metric = {}
@@ -317,7 +317,8 @@ def test_two_target_tracking_policies_on_cache_and_queue(template: Template) -> 
         assert spec["Statistic"] == "Average"
         by_metric[spec["MetricName"]] = cfg
     assert set(by_metric) == {s.name for s in contract.SCALING_SIGNALS}
-    assert by_metric[contract.KV_CACHE_UTILIZATION.name]["TargetValue"] == 0.75
+    assert by_metric[contract.REPLICA_SATURATION.name]["TargetValue"] == 0.75
+    assert contract.KV_CACHE_UTILIZATION.name not in by_metric  # published and charted, not scaled on
     assert by_metric[contract.REQUESTS_WAITING.name]["TargetValue"] == 2
     for cfg in by_metric.values():
         # Fast out, slow in: scale-in waits at least 15 min and twice the drain budget.
@@ -329,7 +330,7 @@ def test_two_target_tracking_policies_on_cache_and_queue(template: Template) -> 
 def test_targets_come_from_the_config() -> None:
     text = SAGEMAKER_ENV.replace(
         "      drain_budget_s: 420\n",
-        "      drain_budget_s: 600\n      kv_cache_utilization_target: 0.6\n      queue_depth_target: 5\n",
+        "      drain_budget_s: 600\n      saturation_target: 0.6\n      queue_depth_target: 5\n",
     )
     values = {
         p["TargetTrackingScalingPolicyConfiguration"]["CustomizedMetricSpecification"]["MetricName"]: p[
@@ -337,7 +338,7 @@ def test_targets_come_from_the_config() -> None:
         ]
         for p in props(only(text), "AWS::ApplicationAutoScaling::ScalingPolicy")
     }
-    assert values["KvCacheUtilization"]["TargetValue"] == 0.6
+    assert values["ReplicaSaturation"]["TargetValue"] == 0.6
     assert values["RequestsWaiting"]["TargetValue"] == 5
     assert values["RequestsWaiting"]["ScaleInCooldown"] == 1200
 
@@ -365,7 +366,7 @@ def test_dashboard_shows_every_signal_and_the_platform(template: Template) -> No
         "Time to first token",
         "Inter-token latency",
         "Output tokens/s",
-        "KV-cache utilization",
+        "Replica saturation",
         "Requests waiting",
         "Requests running",
         "Preemptions",
@@ -400,20 +401,22 @@ def alarms_by_id(t: Template) -> dict[str, dict[str, Any]]:
 def test_alarms(template: Template) -> None:
     alarms = alarms_by_id(template)
     names = {k.split("Monitoring")[1].rstrip("0123456789ABCDEF") for k in alarms}
-    assert {"CacheSaturated", "QueueGrowing", "Preempting", "ServerErrorRate", "SignalsMissing", "Platform5xx"} <= names
+    assert {"Saturated", "QueueGrowing", "Preempting", "ServerErrorRate", "SignalsMissing", "Platform5xx"} <= names
 
     def find(prefix: str) -> dict[str, Any]:
         [a] = [v for k, v in alarms.items() if k.startswith("Monitoring" + prefix)]
         return a
 
-    cache = find("CacheSaturated")
-    assert alarm_metric(cache)["MetricName"] == "KvCacheUtilization"
-    assert cache["Threshold"] == 0.95
-    assert cache["EvaluationPeriods"] >= 10  # sustained, not a spike
+    saturated = find("Saturated")
+    assert alarm_metric(saturated)["MetricName"] == contract.REPLICA_SATURATION.name
+    assert saturated["Threshold"] == 0.95
+    assert saturated["EvaluationPeriods"] >= 10  # sustained, not a spike
+    assert "sequence slots" in saturated["AlarmDescription"]
     assert find("QueueGrowing")["Threshold"] == 4 * 2.0
     missing = find("SignalsMissing")
     assert missing["TreatMissingData"] == "breaching"
     assert alarm_metric(missing)["Stat"] == "SampleCount"
+    assert alarm_metric(missing)["MetricName"] == contract.REPLICA_SATURATION.name
     for a in alarms.values():
         if len(a.get("Metrics", ())) > 1:  # metric math: every metric it reads
             metrics = [
