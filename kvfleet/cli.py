@@ -13,7 +13,6 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, cast
 
-from kvfleet import contract
 from kvfleet.engines import ENGINES
 from kvfleet.errors import KvfleetError
 from kvfleet.targets import TARGETS
@@ -22,7 +21,7 @@ if TYPE_CHECKING:
     from kvfleet.deployments import ResolvedDeployment
     from kvfleet.sim.fleet import FleetResult, FleetSpec, Router
     from kvfleet.sizing.capacity import Capacity
-    from kvfleet.sizing.planner import Candidate, Plan, PlanRequest
+    from kvfleet.sizing.planner import Candidate, Plan, PlanRequest, Workload
     from kvfleet.workload.traces import Trace
 
 EXIT_USAGE = 2
@@ -344,7 +343,10 @@ def _engine_line(c: Candidate) -> tuple[str, dict[str, Any]]:
     return a.describe(args), a.settings_json(args)
 
 
-def _candidate_json(c: Candidate) -> dict[str, Any]:
+def _candidate_json(c: Candidate, wl: Workload) -> dict[str, Any]:
+    from kvfleet.sizing.planner import admission
+
+    adm = admission(c, wl)
     return {
         "instance_type": c.name,
         "tensor_parallel_size": c.tensor_parallel_size,
@@ -377,6 +379,13 @@ def _candidate_json(c: Candidate) -> dict[str, Any]:
         # The planned load: Poisson arrivals at peak_requests_per_s spread over the replicas as the target routes
         # them (else the under_load batch), with queueing; percentiles of the step model (`kvfleet simulate` checks).
         "planned_load": _planned_json(c),
+        "admission": {
+            "tokens": adm.tokens,
+            "running": adm.running,
+            "queued": adm.queued,
+            "request_tokens": adm.request_tokens,
+            "reason": adm.reason,
+        },
         "decode_bound": c.perf.bound,
         "requests_per_s_per_replica": round(c.requests_per_s_per_replica, 3),
         "output_tokens_per_s_per_replica": round(c.output_tokens_per_s_per_replica, 1),
@@ -412,7 +421,7 @@ def _plan_json(name: str, target: str, p: Plan, top: int) -> dict[str, Any]:
         "deployment": name,
         "model": p.request.model.model_id,
         "platform": target,
-        "candidates": [_candidate_json(c) for c in p.candidates[:top]],
+        "candidates": [_candidate_json(c, p.request.workload) for c in p.candidates[:top]],
         "rejections": [
             {
                 "instance_type": r.instance_type,
@@ -429,6 +438,7 @@ def _plan_json(name: str, target: str, p: Plan, top: int) -> dict[str, Any]:
 def _print_plan(name: str, target: str, p: Plan, top: int, all_rejections: bool) -> None:
     from rich.table import Table
 
+    from kvfleet.sizing.planner import admission
     from kvfleet.sizing.step import latency_percentiles
     from kvfleet.sizing.units import GiB
 
@@ -501,6 +511,12 @@ def _print_plan(name: str, target: str, p: Plan, top: int, all_rejections: bool)
         f"under the planned load ({load}; average lengths): TTFT p50 {_ms(q.ttft.p50_s)} / p95 {_ms(q.ttft.p95_s)} / "
         f"p99 {_ms(q.ttft.p99_s)} ms, ITL p50 {_ms(q.itl.p50_s, 1)} / p95 {_ms(q.itl.p95_s, 1)} ms "
         "(`kvfleet simulate` replays it)",
+        markup=False,
+    )
+    adm = admission(best, wl)
+    console.print(
+        f"admission: {adm.tokens:,} tokens per replica, prompt + generation limit reserved per request ({adm.reason}); "
+        "past it the agent answers 429 with Retry-After",
         markup=False,
     )
     console.print(_engine_line(best)[0], markup=False)
@@ -734,7 +750,7 @@ def _fleet_spec(r: ResolvedDeployment, router: str | None) -> FleetSpec:
         kv_blocks=cap.num_blocks,
         block_tokens=cap.block_size,
         prefix_caching=r.engine_args.enable_prefix_caching,
-        admission_tokens=int(r.kv_cache_tokens * contract.ADMISSION_FACTOR),
+        admission_tokens=r.admission.tokens,
     )
     target = TARGETS[r.deployment.target.platform]
     scaling = Scaling(

@@ -83,8 +83,9 @@ ENV_ENGINE_READY_TIMEOUT_S = "KVFLEET_ENGINE_READY_TIMEOUT_S"
 ENV_GPU_RELEASE_TIMEOUT_S = "KVFLEET_GPU_RELEASE_TIMEOUT_S"  # a restart's wait for the old engine's GPU memory
 ENV_ADMISSION = "KVFLEET_ADMISSION"
 ENV_ADMISSION_FACTOR = "KVFLEET_ADMISSION_FACTOR"
-# The agent admits up to this multiple of the plan's KV tokens (queued work included) unless told otherwise;
-# the fleet simulator models the same rule.
+# The agent admits up to this multiple of the KV tokens it is given (queued work included) unless told otherwise.
+# The stacks always tell it: the plan's admission (kvfleet.sizing.planner.admission) as a factor on the KV tokens,
+# which the fleet simulator admits too.
 ADMISSION_FACTOR = 2.0
 ENV_RETRY_AFTER_S = "KVFLEET_RETRY_AFTER_S"
 ENV_PUBLISH_INTERVAL_S = "KVFLEET_PUBLISH_INTERVAL_S"

@@ -21,7 +21,7 @@ from kvfleet.sizing.catalog import resolve_model
 from kvfleet.sizing.engines import EngineName
 from kvfleet.sizing.memory import weight_bytes
 from kvfleet.sizing.models import ModelSpec
-from kvfleet.sizing.planner import Candidate, PlanRequest, Workload, plan
+from kvfleet.sizing.planner import Admission, Candidate, PlanRequest, Workload, admission, plan
 from kvfleet.sizing.precision import kv_dtype
 from kvfleet.sizing.startup import StartupEstimate, startup_estimate
 from kvfleet.sizing.units import GiB
@@ -179,6 +179,7 @@ class ResolvedDeployment:
     engine_args: EngineArgs
     checkpoint_bytes: int  # the checkpoint as stored (what is downloaded and read from disk)
     startup: StartupEstimate
+    workload: Workload  # what the plan was made for (averages and targets in the planner's units)
 
     @property
     def model_id(self) -> str:
@@ -212,6 +213,16 @@ class ResolvedDeployment:
     @property
     def kv_cache_tokens(self) -> int:
         return self.candidate.capacity.kv_cache_tokens
+
+    @property
+    def admission(self) -> Admission:
+        """The agent's token budget from the plan: what runs plus what can start within the TTFT target."""
+        return admission(self.candidate, self.workload)
+
+    @property
+    def admission_factor(self) -> float:
+        """``admission.tokens`` as the agent's multiple of the KV tokens it is given (rounded up)."""
+        return math.ceil(self.admission.tokens / self.kv_cache_tokens * 1e6) / 1e6
 
     @property
     def model_location(self) -> str:
@@ -260,6 +271,7 @@ class ResolvedDeployment:
             contract.ENV_NAMESPACE: contract.NAMESPACE,
             contract.ENV_DRAIN_BUDGET_S: str(self.deployment.scaling.drain_budget_s),
             contract.ENV_TOKEN_BUDGET: str(self.kv_cache_tokens),
+            contract.ENV_ADMISSION_FACTOR: f"{self.admission_factor:.6f}",
             # EMF lines on stdout become metrics through the container's log stream, which also works with
             # no network; PutMetricData on top would count every data point twice.
             contract.ENV_PUT_METRIC_DATA: "0",
@@ -307,6 +319,7 @@ def resolve(env: Environment, dr: DeploymentRequest) -> ResolvedDeployment:
         engine_args=engine_args(result.best),
         checkpoint_bytes=ckpt,
         startup=startup_estimate(checkpoint_bytes=ckpt),
+        workload=dr.request.workload,
     )
     _check_disk(r, dr.index)
     return r

@@ -179,3 +179,27 @@ def test_buffered_workloads_reach_the_planner() -> None:
     [dr] = plan_requests(env)
     assert dr.request.workload.streaming is False
     assert plan_requests(environment())[0].request.workload.streaming is True
+
+
+def test_the_agent_admits_what_runs_plus_what_can_start_within_the_ttft_target() -> None:
+    """The agent's own settings, read from the container environment the stacks set, admit the plan's figure."""
+    from kvfleet.agent.settings import from_env
+
+    r = resolve()
+    adm = r.admission
+    c, wl = r.candidate, r.workload
+    agent = from_env({**r.container_environment(), contract.ENV_MODEL: "m", contract.ENV_REPLICA: "r"})
+    assert agent.admitted_tokens is not None
+    assert adm.tokens <= agent.admitted_tokens <= adm.tokens + 1  # the factor is rounded up, to a millionth
+    assert adm.running == c.concurrency_per_replica and adm.request_tokens == wl.input_tokens + wl.max_output_tokens
+    # A batch of the longest requests always fits, whatever the queue.
+    assert adm.tokens >= c.concurrency_per_replica * c.capacity.max_model_len
+    # Far below what admitting on the KV cache let queue (twice the cache: hundreds of requests behind 16 running).
+    assert adm.tokens < r.kv_cache_tokens
+    # With a TTFT target, the queue that starts within it at the replica's rate.
+    from kvfleet.sizing.planner import admission
+
+    target = replace(wl, ttft_target_s=c.under_load.ttft_s + 3.0)
+    queued = admission(c, target).queued
+    assert queued == int(3.0 * c.requests_per_s_per_replica)
+    assert admission(c, replace(wl, ttft_target_s=c.under_load.ttft_s / 2)).queued == 0

@@ -162,6 +162,44 @@ class Candidate:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Admission:
+    """What the agent admits per replica (prompt + generation limit reserved per request, 429 past it)."""
+
+    tokens: int
+    running: int  # requests the engine runs at once (max_num_seqs)
+    queued: int  # requests that may wait for a slot
+    request_tokens: int  # the reservation of a typical request: average prompt + max_output_tokens
+    reason: str
+
+
+def admission(c: Candidate, wl: Workload) -> Admission:
+    """Admit what the engine runs plus the queue that can still start within the TTFT target.
+
+    A replica completes ``requests_per_s_per_replica`` with its batch full, so a request queued behind q others
+    waits about q / that rate for a slot: q = (TTFT target - TTFT under load) x rate. Without a target, one
+    batch may wait. Requests reserve their prompt and generation limit: at the workload's average prompt and
+    max_output_tokens, never below max_num_seqs requests of max_model_len (a batch of the longest always runs).
+    Admitting on the KV cache instead (the cache's tokens times 2) let hundreds of requests queue behind the
+    batch where the cache holds far more than max_num_seqs sequences (dev: 160 admitted, 16 running)."""
+    running = c.concurrency_per_replica
+    rate = c.requests_per_s_per_replica
+    per_request = wl.input_tokens + wl.max_output_tokens
+    if wl.ttft_target_s is not None:
+        room_s = max(0.0, wl.ttft_target_s - c.under_load.ttft_s)
+        queued = int(room_s * rate)
+        why = (
+            f"{running} running and {queued} queued: at {rate:.2f} requests/s a queue of {queued} starts within "
+            f"the {wl.ttft_target_s * 1e3:,.0f} ms TTFT target ({c.under_load.ttft_s * 1e3:,.0f} ms of it is the "
+            "prefill under load)"
+        )
+    else:
+        queued = running
+        why = f"{running} running and {queued} queued (one batch; no TTFT target to derive the queue from)"
+    tokens = max((running + queued) * per_request, running * c.capacity.max_model_len)
+    return Admission(tokens=tokens, running=running, queued=queued, request_tokens=per_request, reason=why)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     request: PlanRequest
     candidates: tuple[Candidate, ...]  # ranked, best first
