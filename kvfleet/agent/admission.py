@@ -3,14 +3,17 @@
 Every admitted request reserves the tokens it can occupy in the KV cache (prompt + the most it may
 generate) until it finishes. A request that would push reservations past the budget is refused with
 429 and Retry-After, so clients back off or go to another replica instead of waiting in a queue that
-only grows. The budget is the plan's KV-cache tokens times an admission factor (queued work included).
+only grows. The budget comes from the plan (what runs plus what can start within the TTFT target), given as a
+factor on the KV-cache tokens; Retry-After is how long the recent release rate takes to free the difference.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 # Without the tokenizer the agent estimates: about 4 bytes of text per token for BPE vocabularies on
@@ -103,12 +106,39 @@ def request_tokens(body: Mapping[str, Any], *, max_model_len: int | None, prompt
     return prompt + n * limit
 
 
+# Retry-After from how fast reservations are being released: over this window, and never more than the cap (a
+# client told to wait minutes goes elsewhere anyway, and the estimate is only as good as the recent past).
+RELEASE_WINDOW_S = 60.0
+MAX_RETRY_AFTER_S = 60
+
+
 @dataclass
 class Admission:
     budget_tokens: int | None  # None: admit everything
     reserved_tokens: int = 0
     admitted: int = 0
     shed: int = 0
+    clock: Callable[[], float] = time.monotonic
+    _released: deque[tuple[float, int]] = field(default_factory=deque, repr=False)  # (when, tokens)
+    _released_tokens: int = 0
+
+    def retry_after_s(self, tokens: int, *, default: int) -> int:
+        """Seconds until ``tokens`` more fit, at the rate reservations were released over the last minute: the
+        queue's drain rate, as the agent sees it. ``default`` where nothing was released lately."""
+        if self.budget_tokens is None:
+            return default
+        now = self.clock()
+        self._forget(now)
+        if not self._released:
+            return default
+        span = max(now - self._released[0][0], 5.0)  # a burst of releases is not a rate
+        rate = self._released_tokens / span
+        deficit = self.reserved_tokens + tokens - self.budget_tokens
+        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(deficit / rate)))
+
+    def _forget(self, now: float) -> None:
+        while self._released and now - self._released[0][0] > RELEASE_WINDOW_S:
+            self._released_tokens -= self._released.popleft()[1]
 
     def try_reserve(self, tokens: int) -> bool:
         if self.budget_tokens is None:
@@ -125,3 +155,7 @@ class Admission:
     def release(self, tokens: int) -> None:
         if self.budget_tokens is not None:
             self.reserved_tokens = max(0, self.reserved_tokens - tokens)
+            now = self.clock()
+            self._released.append((now, tokens))
+            self._released_tokens += tokens
+            self._forget(now)

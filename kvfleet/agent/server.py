@@ -410,7 +410,7 @@ class Agent:
                 429,
                 f"replica at its token budget ({self.admission.budget_tokens} tokens reserved or queued); retry",
                 "rate_limit_exceeded",
-                retry_after=s.retry_after_s,
+                retry_after=self.admission.retry_after_s(tokens, default=s.retry_after_s),
             )
         try:
             data = json.dumps(body).encode() if changed else raw

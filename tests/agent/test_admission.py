@@ -41,3 +41,22 @@ def test_responses_messages_and_batch_bodies_are_counted() -> None:
     assert request_tokens(anthropic, max_model_len=None) == 1 + (4 + 1) + 5
     batch = {"messages": [[{"role": "user", "content": "abcd"}], [{"role": "user", "content": "abcd"}]]}
     assert request_tokens({**batch, "max_tokens": 1}, max_model_len=None) == 2 * (4 + 1) + 1
+
+
+def test_retry_after_is_the_time_the_release_rate_takes_to_free_the_difference() -> None:
+    now = [0.0]
+    a = Admission(budget_tokens=1000, clock=lambda: now[0])
+    assert a.retry_after_s(500, default=2) == 2  # nothing released yet: no rate to go by
+    for _ in range(10):  # 10 requests of 100 tokens, one finishing every second
+        assert a.try_reserve(100)
+    for _ in range(10):
+        now[0] += 1.0
+        a.release(100)
+        assert a.try_reserve(100)
+    # 100 tokens/s released; full, so 500 more tokens wait for 500 to be freed: 5 s.
+    assert a.retry_after_s(500, default=2) == 5
+    assert a.retry_after_s(10, default=2) == 1  # never 0
+    assert a.retry_after_s(10**9, default=2) == 60  # capped
+    now[0] += 120.0  # a minute with no release: the old rate says nothing
+    assert a.retry_after_s(500, default=2) == 2
+    assert Admission(budget_tokens=None).retry_after_s(500, default=3) == 3
