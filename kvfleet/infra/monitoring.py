@@ -47,6 +47,8 @@ from kvfleet.infra.metrics import PERIOD, PlatformMetrics, signal_metric
 CACHE_SATURATED = 0.95
 SUSTAINED_MIN = 10  # minutes a saturation or queue must last: longer than scale-out plus model load
 QUEUE_ALARM_FACTOR = 4.0  # queue depth per replica this many times the scaling target
+# The binding limit is not the planned one: the cache full while fewer than this share of the sequence slots run.
+SLOTS_IDLE_FRACTION = 0.75
 
 # The 5xx rate. A healthy replica answers 5xx only when its engine dies under a request (the agent counts every
 # 5xx it sends, drain's 503 excepted: contract.SERVER_ERRORS), so any sustained share is a fault; 5% is the
@@ -68,8 +70,12 @@ class ServingMonitoring(Construct):
         deployment_id: str,
         scaling: ScalingConfig,
         signals_published: bool = True,
+        max_num_seqs: int | None = None,
+        slots_bind: bool = False,
     ) -> None:
-        """The signal alarms. ``add_dashboard`` adds the target's own metrics and the dashboard."""
+        """The signal alarms. ``add_dashboard`` adds the target's own metrics and the dashboard. ``max_num_seqs``
+        and ``slots_bind`` (the plan expects the sequence slots, not the cache, to fill first) add the alarm for
+        a replica whose cache fills first instead."""
         super().__init__(scope, id)
         self._deployment_id = deployment_id
         self._scaling = scaling
@@ -108,6 +114,25 @@ class ServingMonitoring(Construct):
                 op=cw.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
                 what="sequences preempted in 3 of 5 min: admitted concurrency exceeds the KV cache",
             )
+            self.cache_binds_first: cw.Alarm | None = None
+            if slots_bind and max_num_seqs is not None:
+                slots = SLOTS_IDLE_FRACTION * max_num_seqs
+                self.cache_binds_first = self._alarm(
+                    "CacheBindsFirst",
+                    cw.MathExpression(
+                        expression=f"IF(kv >= {CACHE_SATURATED}, IF(running < {slots:g}, 1, 0), 0)",
+                        using_metrics={"kv": m.cache, "running": m.running},
+                        label="cache full with sequence slots free",
+                        period=PERIOD,
+                    ),
+                    threshold=1,
+                    periods=SUSTAINED_MIN,
+                    op=cw.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
+                    what=f"the KV cache above {CACHE_SATURATED:.0%} with fewer than {slots:g} of {max_num_seqs} "
+                    f"sequences running for {SUSTAINED_MIN} min: the plan has the sequence slots binding first, so "
+                    "requests are longer than it assumed; re-plan with the measured lengths (kvfleet workload on "
+                    "the agent's request log)",
+                )
             rate_limit = error_rate_threshold(scaling)
             self.server_error_rate = self._alarm(
                 "ServerErrorRate",

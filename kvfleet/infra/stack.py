@@ -76,6 +76,8 @@ class DeploymentStack(Stack):
             deployment_id=r.deployment_id,
             scaling=r.deployment.scaling,
             signals_published=r.deployment.image.source != "dlc",
+            max_num_seqs=r.engine_args.max_num_seqs,
+            slots_bind=r.candidate.limited_by != "kv-cache",
         )
         context = ServingContext(
             resolved=r,

@@ -194,3 +194,32 @@ def test_the_dashboard_charts_saturation_at_its_target_beside_kv_use() -> None:
     [instances] = [w for w in widgets if w["properties"].get("title") == "Instances"]
     counted = [m for m in instances["properties"]["metrics"] if isinstance(m[0], str)]
     assert [(m[1], m[-1]["stat"]) for m in counted] == [(contract.REPLICA_SATURATION.name, "SampleCount")]
+
+
+def test_an_alarm_when_the_cache_fills_where_the_plan_has_the_slots_binding(template: Template) -> None:
+    """The SageMaker example's plan runs max_num_seqs sequences well inside its cache; a full cache with slots free
+    means requests longer than planned. The alarm reads KV use only in that conjunction."""
+    from kvfleet.deployments import resolve_environment
+    from kvfleet.infra.monitoring import SLOTS_IDLE_FRACTION
+
+    [r] = resolve_environment(environment(SAGEMAKER_ENV))
+    assert r.candidate.limited_by != "kv-cache" and r.engine_args.max_num_seqs is not None
+    n = r.engine_args.max_num_seqs
+    alarms = {k: a["Properties"] for k, a in template.find_resources("AWS::CloudWatch::Alarm").items()}
+    [alarm] = [a for k, a in alarms.items() if "CacheBindsFirst" in k]
+    kv, running = f"{contract.KV_CACHE_UTILIZATION.name}/Average", f"{contract.REQUESTS_RUNNING.name}/Average"
+    assert evaluate(alarm, {kv: 0.97, running: n * SLOTS_IDLE_FRACTION / 2}) == 1  # cache full, slots free
+    assert evaluate(alarm, {kv: 0.97, running: float(n)}) == 0  # both full: saturation's alarm, not this one
+    assert evaluate(alarm, {kv: 0.3, running: 2.0}) == 0  # quiet
+    assert alarm["EvaluationPeriods"] == alarm["DatapointsToAlarm"] >= 10
+    assert "re-plan" in alarm["AlarmDescription"]
+    # Where the plan has the cache binding first, a full cache is the plan working: no such alarm.
+    bound = ServingMonitoring(
+        cdk.Stack(make_app(), "CacheBound"),
+        "Monitoring",
+        deployment_id="d",
+        scaling=r.deployment.scaling,
+        max_num_seqs=n,
+        slots_bind=False,
+    )
+    assert bound.cache_binds_first is None
