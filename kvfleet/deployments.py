@@ -278,6 +278,12 @@ class ResolvedDeployment:
         }
         if self.deployment.model.hf_token_secret and not isolated:
             env[contract.ENV_HF_TOKEN_SECRET_ARN] = self.deployment.model.hf_token_secret
+        serving = self.deployment.serving
+        if serving.tenant_header is not None and serving.tenant_secret is not None:
+            env[contract.ENV_TENANT_HEADER] = serving.tenant_header
+            env[contract.ENV_TENANT_SECRET_ARN] = serving.tenant_secret
+        if not serving.admission:
+            env[contract.ENV_ADMISSION] = "0"
         return env
 
 

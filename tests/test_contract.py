@@ -36,8 +36,10 @@ def test_units_and_kinds_fit_each_other() -> None:
     assert contract.KV_CACHE_UTILIZATION.unit == "None"  # a 0-1 fraction, not Percent
 
 
-def test_scaling_signals_are_the_cache_and_the_queue() -> None:
-    assert [s.name for s in contract.SCALING_SIGNALS] == ["KvCacheUtilization", "RequestsWaiting"]
+def test_scaling_signals_are_saturation_and_the_queue() -> None:
+    # Saturation, not raw KV use: KV use alone tops out under its target where max_num_seqs binds first.
+    assert [s.name for s in contract.SCALING_SIGNALS] == ["ReplicaSaturation", "RequestsWaiting"]
+    assert contract.KV_CACHE_UTILIZATION in contract.PUBLISHED_SIGNALS  # still published, and charted
 
 
 def test_the_issue_lists_every_signal() -> None:
@@ -60,7 +62,7 @@ def test_dimension_sets_start_with_the_deployment() -> None:
 
 def test_lookup_by_name() -> None:
     assert contract.signal("Preemptions") is contract.PREEMPTIONS
-    with pytest.raises(KeyError, match="known: KvCacheUtilization"):
+    with pytest.raises(KeyError, match="known: ReplicaSaturation, KvCacheUtilization"):
         contract.signal("GPUUtilization")
 
 

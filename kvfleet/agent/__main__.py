@@ -8,6 +8,7 @@ runs the same ``main``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -44,10 +45,37 @@ async def _hf_token(settings: AgentSettings) -> dict[str, str]:
     return {"HF_TOKEN": value, "HUGGING_FACE_HUB_TOKEN": value}
 
 
+async def _tenant_secret(settings: AgentSettings) -> AgentSettings | None:
+    """The tenant salt key from Secrets Manager, where the stacks named one. None when it cannot be read: serving
+    without isolation would let one tenant probe another's prefix cache, so the agent does not serve at all."""
+    arn = settings.tenant_secret_arn
+    if not arn or settings.tenant_secret is not None:
+        return settings
+    from kvfleet.agent import aws
+
+    try:
+        client = await asyncio.to_thread(aws.client, "secretsmanager", settings.region)
+        answer = await aws.call(
+            lambda: client.get_secret_value(SecretId=arn), what="GetSecretValue", retry=aws.Retry(), log=log
+        )
+        value = str(answer["SecretString"]).strip()
+    except Exception as err:
+        log.error("cannot read the tenant salt key from %s (%s): not serving without tenant isolation", arn, err)
+        return None
+    if not value:
+        log.error("the tenant salt key in %s is empty: not serving without tenant isolation", arn)
+        return None
+    return dataclasses.replace(settings, tenant_secret=value.encode())
+
+
 async def serve(settings: AgentSettings) -> int:
     from kvfleet.agent import aws, engine, lifecycle, metrics
     from kvfleet.agent.server import Agent
 
+    isolated = await _tenant_secret(settings)
+    if isolated is None:
+        return 2
+    settings = isolated
     # The engine's orphans (vLLM's EngineCore after its API server died) are re-parented here, to be killed
     # and reaped, instead of to PID 1 where they would keep the accelerator's memory.
     engine.become_subreaper()

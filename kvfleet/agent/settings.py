@@ -50,6 +50,8 @@ class AgentSettings:
     tenant_header: str | None = None  # isolation on when set together with the secret
     tenant_secret: bytes | None = field(default=None, repr=False)
     hf_token_secret_arn: str | None = None
+    # Where the tenant salt key is read from at start-up (Secrets Manager), when it is not given directly.
+    tenant_secret_arn: str | None = None
     engine_ready_timeout_s: float = 3600.0
     restart_backoff_s: tuple[float, ...] = (1.0, 2.0, 5.0, 10.0, 30.0)
     engine_kill_grace_s: float = 10.0  # what an engine left behind gets between SIGTERM and SIGKILL
@@ -189,10 +191,11 @@ def _tenant(env: Mapping[str, str]) -> tuple[str | None, bytes | None]:
     elif env.get(contract.ENV_TENANT_SECRET):
         secret = env[contract.ENV_TENANT_SECRET].encode()
     header = env.get(contract.ENV_TENANT_HEADER) or None
-    if (header is None) != (not secret):
+    from_secrets_manager = bool(env.get(contract.ENV_TENANT_SECRET_ARN))
+    if (header is None) != (not secret and not from_secrets_manager):
         raise SettingsError(
-            f"{contract.ENV_TENANT_HEADER} and {contract.ENV_TENANT_SECRET} (or {contract.ENV_TENANT_SECRET_FILE}): "
-            "set both to isolate prefix caching per tenant"
+            f"{contract.ENV_TENANT_HEADER} and {contract.ENV_TENANT_SECRET} (or {contract.ENV_TENANT_SECRET_FILE}, or "
+            f"{contract.ENV_TENANT_SECRET_ARN}): set both to isolate prefix caching per tenant"
         )
     return header, secret or None
 
@@ -243,6 +246,7 @@ def from_env(env: Mapping[str, str] | None = None) -> AgentSettings:
         tenant_header=header,
         tenant_secret=secret,
         hf_token_secret_arn=env.get(contract.ENV_HF_TOKEN_SECRET_ARN) or None,
+        tenant_secret_arn=None if secret else env.get(contract.ENV_TENANT_SECRET_ARN) or None,
         engine_ready_timeout_s=_float(env, contract.ENV_ENGINE_READY_TIMEOUT_S, 3600.0),
         gpu_release_timeout_s=_float(env, contract.ENV_GPU_RELEASE_TIMEOUT_S, 120.0),
     )

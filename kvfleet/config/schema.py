@@ -372,6 +372,51 @@ class ScalingConfig(Frozen):
         return tuple((s, targets[s.name]) for s in contract.SCALING_SIGNALS)
 
 
+class ServingConfig(Frozen):
+    """What the serving agent does with requests: tenant isolation of the prefix cache, token-aware admission."""
+
+    tenant_header: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}$",
+        description=(
+            "Request header naming the tenant. With tenant_secret, the agent salts each tenant's prefix cache with "
+            "HMAC(secret, tenant), drops salts clients send, and answers 400 to a generation request without it."
+        ),
+    )
+    tenant_secret: str | None = Field(
+        default=None,
+        description=(
+            "Secrets Manager secret name or ARN holding the salt key, read by the agent at start-up (it refuses to "
+            "serve if it cannot read it, rather than serve without isolation)."
+        ),
+    )
+    admission: bool = Field(
+        default=True,
+        description=(
+            "Token-aware admission: 429 with Retry-After past the plan's budget (what runs plus what can start "
+            "within the TTFT target). false admits everything, and queues form in the engine."
+        ),
+    )
+
+    @field_validator("tenant_secret")
+    @classmethod
+    def _secret(cls, v: str | None) -> str | None:
+        if v is not None and (problem := aws.secret_problem(v)) is not None:
+            raise ValueError(problem)
+        return v
+
+    @model_validator(mode="after")
+    def _paired(self) -> ServingConfig:
+        if (self.tenant_header is None) != (self.tenant_secret is None):
+            missing = "tenant_secret" if self.tenant_secret is None else "tenant_header"
+            raise ValueError(f"{missing}: set both tenant_header and tenant_secret to isolate tenants, or neither")
+        return self
+
+    @property
+    def isolated(self) -> bool:
+        return self.tenant_header is not None
+
+
 class Deployment(Frozen):
     name: str = Field(
         pattern=r"^[a-z]([a-z0-9-]{0,29}[a-z0-9])?$",
@@ -384,6 +429,7 @@ class Deployment(Frozen):
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     sizing: SizingConfig = Field(default_factory=SizingConfig)
     image: ImageConfig = Field(default_factory=ImageConfig)
+    serving: ServingConfig = Field(default_factory=ServingConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> Deployment:
@@ -423,6 +469,17 @@ class Deployment(Frozen):
                     "model.hf_token_secret: image.source dlc cannot read it at start-up; set model.s3_uri, or use "
                     "image.source kvfleet"
                 )
+            if self.serving.isolated or not self.serving.admission:
+                what = "serving.tenant_header" if self.serving.isolated else "serving.admission"
+                problems.append(
+                    f"{what}: image.source dlc runs the engine without the kvfleet agent, which isolates tenants and "
+                    "admits requests; use image.source kvfleet"
+                )
+        if self.serving.isolated and isinstance(t, SageMakerTarget) and t.network_isolation:
+            problems.append(
+                "serving.tenant_secret: target.network_isolation leaves the container no network to read it from "
+                "Secrets Manager; turn network_isolation off to isolate tenants"
+            )
         if problems:
             raise ValueError("\n".join(problems))
         return self

@@ -42,11 +42,12 @@ def grant_model_read(policy: iam.Policy, s3_uri: str) -> str:
     return f"s3://{bucket}/{prefix}"
 
 
-def grant_token_read(scope: Construct, policy: iam.Policy, secret_ref: str) -> None:
-    """Read access to the Hugging Face token's secret (by name or ARN)."""
+def grant_token_read(scope: Construct, policy: iam.Policy, secret_ref: str, *, id: str = "HfToken") -> None:
+    """Read access to a secret the agent reads at start-up (by name or ARN): the Hugging Face token, the tenant
+    salt key."""
     secret = (
-        secretsmanager.Secret.from_secret_complete_arn(scope, "HfToken", secret_ref)
+        secretsmanager.Secret.from_secret_complete_arn(scope, id, secret_ref)
         if secret_ref.startswith("arn:")
-        else secretsmanager.Secret.from_secret_name_v2(scope, "HfToken", secret_ref)
+        else secretsmanager.Secret.from_secret_name_v2(scope, id, secret_ref)
     )
     secret.grant_read(policy)

@@ -233,3 +233,38 @@ def test_the_command_and_the_module_run_the_same_main(argv: list[str]) -> None:
         f"{contract.AGENT_COMMAND}: {contract.ENV_CONTRACT_VERSION}: the stack speaks contract '0', this image "
         f"contract {contract.CONTRACT_VERSION}; deploy an image built for contract 0 (tag *-kvfleet0)"
     ]
+
+
+def test_the_tenant_key_may_come_from_secrets_manager_at_start_up() -> None:
+    base = {contract.ENV_MODEL: "m", contract.ENV_TENANT_HEADER: "X-Tenant"}
+    s = from_env({**base, contract.ENV_TENANT_SECRET_ARN: "kvfleet/tenant-salt"})
+    assert s.tenant_secret_arn == "kvfleet/tenant-salt" and s.tenant_secret is None and not s.tenant_isolation
+    given = from_env({**base, contract.ENV_TENANT_SECRET: "k", contract.ENV_TENANT_SECRET_ARN: "kvfleet/t"})
+    assert given.tenant_secret == b"k" and given.tenant_secret_arn is None  # a key given directly wins
+    with pytest.raises(SettingsError, match="KVFLEET_TENANT_SECRET_ARN"):
+        from_env({contract.ENV_MODEL: "m", contract.ENV_TENANT_SECRET_ARN: "kvfleet/t"})  # no header
+
+
+def test_the_agent_reads_the_tenant_key_or_does_not_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Serving without isolation would let one tenant probe another's prefix cache: a key that cannot be read
+    stops the agent (exit 2) before the engine starts."""
+    import asyncio
+
+    import boto3
+    from botocore.stub import Stubber  # type: ignore[import-untyped]
+
+    from kvfleet.agent import aws
+
+    sm = boto3.client("secretsmanager", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
+    stub = Stubber(sm)
+    arn = "kvfleet/tenant-salt"
+    stub.add_response("get_secret_value", {"SecretString": "s3cret\n", "Name": arn}, {"SecretId": arn})
+    stub.add_client_error("get_secret_value", "ResourceNotFoundException", http_status_code=400)
+    monkeypatch.setattr(aws, "client", lambda service, region: sm)
+    env = {contract.ENV_MODEL: "m", contract.ENV_TENANT_HEADER: "X-Tenant", contract.ENV_TENANT_SECRET_ARN: arn}
+    settings = from_env(env)
+    with stub:
+        read = asyncio.run(agent_main._tenant_secret(settings))
+        assert read is not None and read.tenant_secret == b"s3cret" and read.tenant_isolation
+        assert asyncio.run(agent_main.serve(settings)) == 2  # not found: no serving, no engine
+    assert asyncio.run(agent_main._tenant_secret(from_env({contract.ENV_MODEL: "m"}))) is not None  # none asked

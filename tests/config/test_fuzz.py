@@ -223,6 +223,14 @@ _deployment = st.fixed_dictionaries(
             },
         ),
         "image": st.fixed_dictionaries({"source": _maybe(st.sampled_from(["kvfleet", "dlc", "uri"]))}),
+        "serving": st.fixed_dictionaries(
+            {},
+            optional={
+                "tenant_header": _maybe(st.sampled_from(["X-Tenant", "X Tenant", ""])),
+                "tenant_secret": _maybe(st.sampled_from(["kvfleet/tenant-salt", "bad secret"])),
+                "admission": _maybe(st.booleans()),
+            },
+        ),
     },
 )
 _documents = st.fixed_dictionaries(

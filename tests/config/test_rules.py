@@ -216,3 +216,46 @@ def test_derived_kubernetes_names_are_dns_labels() -> None:
     )
     parse_environment(text, source="f")
     assert aws.DNS_LABEL.fullmatch(f"{env_name}-{dep_name}")
+
+
+TENANCY = "    serving:\n      tenant_header: X-Tenant\n      tenant_secret: kvfleet/tenant-salt\n"
+
+
+def test_tenant_isolation_and_admission_are_set_in_the_file() -> None:
+    from kvfleet.deployments import resolve_environment
+
+    [r] = resolve_environment(parse_environment(SAGEMAKER_ENV + TENANCY, source="f.yaml"))
+    env = r.container_environment()
+    assert env["KVFLEET_TENANT_HEADER"] == "X-Tenant" and env["KVFLEET_TENANT_SECRET_ARN"] == "kvfleet/tenant-salt"
+    assert "KVFLEET_TENANT_SECRET" not in env  # the key itself never leaves Secrets Manager but for the agent
+    assert "KVFLEET_ADMISSION" not in env
+    [off] = resolve_environment(parse_environment(SAGEMAKER_ENV + "    serving:\n      admission: false\n", source="f"))
+    assert off.container_environment()["KVFLEET_ADMISSION"] == "0"
+    assert "KVFLEET_TENANT_HEADER" not in off.container_environment()
+
+
+@pytest.mark.parametrize(
+    ("serving", "expect"),
+    [
+        ("    serving:\n      tenant_header: X-Tenant\n", "tenant_secret: set both"),
+        ("    serving:\n      tenant_secret: kvfleet/tenant-salt\n", "tenant_header: set both"),
+        ("    serving:\n      tenant_header: 'X Tenant'\n      tenant_secret: kvfleet/t\n", "tenant_header"),
+        ("    serving:\n      tenant_header: X-Tenant\n      tenant_secret: 'bad secret'\n", "tenant_secret"),
+    ],
+)
+def test_tenant_isolation_needs_a_header_name_and_a_secret(serving: str, expect: str) -> None:
+    assert expect in one(SAGEMAKER_ENV + serving)
+
+
+def test_tenant_isolation_needs_the_agent_and_a_network() -> None:
+    dlc_env = (
+        SAGEMAKER_ENV.replace("      max_replicas: 4\n", "      max_replicas: 1\n").replace(
+            "hf_token_secret: kvfleet/hf-token", "s3_uri: s3://models-bucket/llama"
+        )
+        + "    image:\n      source: dlc\n"
+    )
+    assert "without the kvfleet agent" in one(dlc_env + TENANCY)
+    isolated = SAGEMAKER_ENV.replace("hf_token_secret: kvfleet/hf-token", "s3_uri: s3://models-bucket/llama").replace(
+        "      platform: sagemaker\n", "      platform: sagemaker\n      network_isolation: true\n"
+    )
+    assert "network_isolation" in one(isolated + TENANCY)

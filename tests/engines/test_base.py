@@ -108,11 +108,17 @@ def test_every_adapter_is_complete(name: str) -> None:
     # Rows from 0.0.0 up, ascending, onto the contract's engine signals (the agent keeps the other counters).
     since = [parse_version(v) for v, _ in a.metric_rows]
     assert since[0] == (0, 0, 0) and since == sorted(set(since))
-    engine_signals = {s.name for s in contract.SIGNALS} - {contract.REQUESTS_SHED.name, contract.SERVER_ERRORS.name}
+    # The agent keeps its own counters and derives saturation: no engine metric maps onto those.
+    engine_signals = {s.name for s in contract.SIGNALS} - {
+        contract.REQUESTS_SHED.name,
+        contract.SERVER_ERRORS.name,
+        contract.REPLICA_SATURATION.name,
+    }
     for _, names in a.metric_rows:
         assert set(names) <= engine_signals and all(names.values())
-        # Both scaling signals, in every release.
-        assert {s.name for s in contract.SCALING_SIGNALS} <= set(names)
+        # What both scaling signals are made of, in every release: saturation from KV use and running sequences.
+        inputs = {contract.KV_CACHE_UTILIZATION.name, contract.REQUESTS_RUNNING.name, contract.REQUESTS_WAITING.name}
+        assert inputs <= set(names)
 
 
 @pytest.mark.parametrize(

@@ -262,6 +262,8 @@ class Ec2Fleet(Construct):
             grant_model_read(policy, model.s3_uri)
         if model.hf_token_secret:
             grant_token_read(self, policy, model.hf_token_secret)
+        if (tenant_secret := self._resolved.deployment.serving.tenant_secret) is not None:
+            grant_token_read(self, policy, tenant_secret, id="TenantSecret")
         policy.add_statements(
             iam.PolicyStatement(
                 actions=["logs:CreateLogStream", "logs:PutLogEvents", "logs:DescribeLogStreams"],

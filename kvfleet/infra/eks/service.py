@@ -363,6 +363,8 @@ class EksService(Construct):
             grant_model_read(access, d.model.s3_uri)
         if d.model.hf_token_secret:
             grant_token_read(self, access, d.model.hf_token_secret)
+        if d.serving.tenant_secret is not None:
+            grant_token_read(self, access, d.serving.tenant_secret, id="TenantSecret")
         access.add_statements(put_metric_data())
         acknowledge(
             access,

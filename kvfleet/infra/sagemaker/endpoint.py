@@ -182,6 +182,8 @@ class SageMakerEndpoint(Construct):
             )
         if d.model.hf_token_secret and not target.network_isolation:
             grant_token_read(self, policy, d.model.hf_token_secret)
+        if d.serving.tenant_secret is not None:  # the config refuses it with network isolation
+            grant_token_read(self, policy, d.serving.tenant_secret, id="TenantSecret")
         return model_data
 
     def _storage_key(self, r: ResolvedDeployment) -> kms.Key:

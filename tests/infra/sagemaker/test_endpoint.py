@@ -249,6 +249,17 @@ def test_role_reads_only_the_token_secret(template: Template) -> None:
     assert "secret:kvfleet/hf-token-??????" in json.dumps(s["Resource"])
 
 
+def test_role_reads_the_tenant_key_where_the_file_isolates_tenants() -> None:
+    text = SAGEMAKER_ENV + "    serving:\n      tenant_header: X-Tenant\n      tenant_secret: kvfleet/tenant-salt\n"
+    t = only(text)
+    reads = json.dumps([s for s in execution_policy(t) if "secretsmanager:GetSecretValue" in s["Action"]])
+    assert "secret:kvfleet/hf-token-??????" in reads and "secret:kvfleet/tenant-salt-??????" in reads
+    [model] = [r["Properties"] for r in t.find_resources("AWS::SageMaker::Model").values()]
+    env = model["PrimaryContainer"]["Environment"]
+    assert env[contract.ENV_TENANT_HEADER] == "X-Tenant"
+    assert env[contract.ENV_TENANT_SECRET_ARN] == "kvfleet/tenant-salt"
+
+
 def test_metrics_limited_to_the_kvfleet_namespace(template: Template) -> None:
     [s] = [s for s in execution_policy(template) if s["Action"] == "cloudwatch:PutMetricData"]
     assert s["Condition"] == {"StringEquals": {"cloudwatch:namespace": contract.NAMESPACE}}
