@@ -344,9 +344,10 @@ def _engine_line(c: Candidate) -> tuple[str, dict[str, Any]]:
 
 
 def _candidate_json(c: Candidate, wl: Workload) -> dict[str, Any]:
-    from kvfleet.sizing.planner import admission
+    from kvfleet.sizing.planner import admission, binding
 
     adm = admission(c, wl)
+    bound = binding(c, wl)
     return {
         "instance_type": c.name,
         "tensor_parallel_size": c.tensor_parallel_size,
@@ -379,6 +380,12 @@ def _candidate_json(c: Candidate, wl: Workload) -> dict[str, Any]:
         # The planned load: Poisson arrivals at peak_requests_per_s spread over the replicas as the target routes
         # them (else the under_load batch), with queueing; percentiles of the step model (`kvfleet simulate` checks).
         "planned_load": _planned_json(c),
+        "binding": {
+            "limit": bound.limit,
+            "kv_at_full_slots": round(bound.kv_at_full_slots, 4),
+            "kv_ceiling": round(bound.kv_ceiling, 4),
+            "reason": bound.reason,
+        },
         "admission": {
             "tokens": adm.tokens,
             "running": adm.running,
@@ -438,7 +445,7 @@ def _plan_json(name: str, target: str, p: Plan, top: int) -> dict[str, Any]:
 def _print_plan(name: str, target: str, p: Plan, top: int, all_rejections: bool) -> None:
     from rich.table import Table
 
-    from kvfleet.sizing.planner import admission
+    from kvfleet.sizing.planner import admission, binding
     from kvfleet.sizing.step import latency_percentiles
     from kvfleet.sizing.units import GiB
 
@@ -513,6 +520,8 @@ def _print_plan(name: str, target: str, p: Plan, top: int, all_rejections: bool)
         "(`kvfleet simulate` replays it)",
         markup=False,
     )
+    bound = binding(best, wl)
+    console.print(f"binding limit at the planned load: {bound.limit} ({bound.reason})", markup=False)
     adm = admission(best, wl)
     console.print(
         f"admission: {adm.tokens:,} tokens per replica, prompt + generation limit reserved per request ({adm.reason}); "

@@ -667,3 +667,17 @@ def test_plan_shows_percentiles_under_the_planned_load(capsys: pytest.CaptureFix
     # Without a rate: the batch the plan runs, and the percentiles of that.
     plans = run_json(capsys, *PLAN_8B)
     assert plans[0]["candidates"][0]["planned_load"]["requests_per_s_per_replica"] is None
+
+
+def test_plan_states_the_binding_limit(capsys: pytest.CaptureFixture[str]) -> None:
+    """Which limit fills first on a full replica (what saturation reaches 1 on): here the sequence slots, the cache
+    holding far more than max_num_seqs sequences of the average lengths."""
+    plans = run_json(capsys, *PLAN_8B)
+    for c in plans[0]["candidates"]:
+        b = c["binding"]
+        assert 0 < b["kv_at_full_slots"] <= b["kv_ceiling"] <= 1
+        assert b["limit"] == ("sequence slots" if b["kv_at_full_slots"] < 1 else "KV cache")
+        ceiling = c["concurrency_per_replica"] * c["memory"]["max_model_len"] / c["memory"]["kv_cache_tokens"]
+        assert b["kv_ceiling"] == pytest.approx(min(1.0, ceiling), abs=1e-4)
+    code, out, _ = run(capsys, *PLAN_8B)
+    assert code == 0 and "binding limit at the planned load: " in out

@@ -200,6 +200,41 @@ def admission(c: Candidate, wl: Workload) -> Admission:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Binding:
+    """Which limit fills first on a full replica: what the saturation signal (contract.REPLICA_SATURATION) reaches 1
+    on, and so what autoscaling, admission and the alarms are about."""
+
+    limit: str  # "sequence slots" or "KV cache"
+    kv_at_full_slots: float  # KV use with max_num_seqs sequences at the workload's average lengths, mid-generation
+    kv_ceiling: float  # KV use with max_num_seqs sequences of max_model_len (at most 1)
+    reason: str
+
+
+def binding(c: Candidate, wl: Workload) -> Binding:
+    """The limit that binds at the planned load. A sequence mid-generation holds its prompt and about half its
+    output; max_num_seqs of those against the cache's tokens is the KV use when every slot is taken."""
+    n, cap = c.concurrency_per_replica, c.capacity
+    typical = n * (wl.input_tokens + wl.output_tokens / 2) / cap.kv_cache_tokens
+    ceiling = min(1.0, n * cap.max_model_len / cap.kv_cache_tokens)
+    if typical < 1.0:
+        return Binding(
+            limit="sequence slots",
+            kv_at_full_slots=typical,
+            kv_ceiling=ceiling,
+            reason=(
+                f"{n} sequences at the average lengths hold about {typical:.0%} of the KV cache ({ceiling:.0%} at "
+                f"{cap.max_model_len} tokens each), so max_num_seqs fills first; saturation reaches 1 on the slots"
+            ),
+        )
+    return Binding(
+        limit="KV cache",
+        kv_at_full_slots=min(1.0, typical),
+        kv_ceiling=ceiling,
+        reason=f"{n} sequences at the average lengths would need {typical:.0%} of the KV cache, so it fills first",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     request: PlanRequest
     candidates: tuple[Candidate, ...]  # ranked, best first
