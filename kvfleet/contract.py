@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 # Bump on any change an already-built image would not understand (a renamed variable, route or signal).
-CONTRACT_VERSION = 1
+# 2: the stacks scale on ReplicaSaturation, which only the agent of contract 2 publishes, and name the tenant salt key
+#    by KVFLEET_TENANT_SECRET_ARN, which an older agent would ignore (serving without isolation).
+CONTRACT_VERSION = 2
 
 NAMESPACE = "Kvfleet"
 
@@ -104,7 +106,7 @@ ENV_REQUEST_LOG = "KVFLEET_REQUEST_LOG"  # "0": no request log lines (see REQUES
 REGION_VARIABLE = "AWS_REGION"
 
 # ---- image tags ----------------------------------------------------------------------------------------------
-# `<engine release>-kvfleet<contract version>`, optionally followed by `-<build id>`: 0.30.0-kvfleet1-20261201.
+# `<engine release>-kvfleet<contract version>`, optionally followed by `-<build id>`: 0.30.0-kvfleet2-20261201.
 _TAG = re.compile(r"^(?P<engine>[0-9][0-9A-Za-z.+_]*)-kvfleet(?P<contract>[0-9]+)(?:-[A-Za-z0-9_.]+)?$")
 
 

@@ -130,7 +130,10 @@ def test_every_agent_variable_is_read_by_its_contract_name(tmp_path: Path) -> No
         ({**M, contract.ENV_TENANT_HEADER: "X-T", contract.ENV_TENANT_SECRET_FILE: "/nonexistent"}, "cannot read"),
         ({**M, contract.ENV_PORT: str(contract.ENGINE_PORT)}, f"{contract.ENV_ENGINE_PORT}: must differ"),
         ({**M, contract.ENV_PORT: "70000"}, f"{contract.ENV_PORT}: must be at most 65535"),
-        ({**M, contract.ENV_CONTRACT_VERSION: "2"}, f"{contract.ENV_CONTRACT_VERSION}: the stack speaks contract '2'"),
+        (
+            {**M, contract.ENV_CONTRACT_VERSION: str(contract.CONTRACT_VERSION + 1)},
+            f"{contract.ENV_CONTRACT_VERSION}: the stack speaks contract '{contract.CONTRACT_VERSION + 1}'",
+        ),
     ],
 )
 def test_bad_environment_is_one_line_naming_the_variable(env: dict[str, str], message: str) -> None:
@@ -180,7 +183,8 @@ def _main(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], argv: list[str])
 def test_main_refuses_another_contract_with_one_line_and_exit_2(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, served = _main(monkeypatch, {**M, contract.ENV_CONTRACT_VERSION: "2"}, [contract.SERVE_ARG])
+    other = str(contract.CONTRACT_VERSION + 1)
+    code, served = _main(monkeypatch, {**M, contract.ENV_CONTRACT_VERSION: other}, [contract.SERVE_ARG])
     assert code == 2 and served == []
     [line] = capsys.readouterr().err.splitlines()
     assert line.startswith(f"{contract.AGENT_COMMAND}: {contract.ENV_CONTRACT_VERSION}: ")

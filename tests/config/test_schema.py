@@ -7,6 +7,7 @@ from pathlib import Path
 import pydantic
 import pytest
 
+from kvfleet import contract
 from kvfleet.config.loader import load_environment, load_located, parse_environment
 from kvfleet.config.schema import Environment
 from kvfleet.deployments import plan_requests
@@ -426,6 +427,7 @@ def test_scale_in_waits_fifteen_minutes_or_twice_the_drain_budget() -> None:
 # ---- the image speaks this kvfleet's contract ---------------------------------------------------------
 
 DIGEST = "@sha256:" + "0" * 64
+CV = contract.CONTRACT_VERSION
 ECR = "123456789012.dkr.ecr.eu-west-1.amazonaws.com/kvfleet-vllm"
 
 
@@ -434,7 +436,8 @@ ECR = "123456789012.dkr.ecr.eu-west-1.amazonaws.com/kvfleet-vllm"
     [
         ("{tag: v1}", "tag v1 does not say which contract the image speaks"),
         ("{tag: 0.11.0-kvfleet999}", "the image speaks contract 999, this kvfleet speaks"),
-        ("{tag: 0.10.0-kvfleet1}", "the image runs vllm 0.10.0, engine.version is 0.11.0"),
+        (f"{{tag: 0.10.0-kvfleet{CV}}}", "the image runs vllm 0.10.0, engine.version is 0.11.0"),
+        ("{tag: 0.11.0-kvfleet1}", f"the image speaks contract 1, this kvfleet speaks {CV}"),  # before the bump
         (f"{{source: uri, uri: {ECR}:latest}}", "tag latest does not say which contract"),
         (f"{{source: uri, uri: {ECR}{DIGEST}}}", "expected an ECR image URI"),  # a digest alone has no tag
     ],
@@ -448,9 +451,9 @@ def test_image_tags_must_name_this_contract_and_the_engine_release(image: str, m
 @pytest.mark.parametrize(
     "image",
     [
-        "{tag: 0.11.0-kvfleet1}",
-        "{tag: 0.11.0-kvfleet1-build42}",
-        f"{{source: uri, uri: {ECR}:0.11.0-kvfleet1{DIGEST}}}",
+        f"{{tag: 0.11.0-kvfleet{CV}}}",
+        f"{{tag: 0.11.0-kvfleet{CV}-build42}}",
+        f"{{source: uri, uri: {ECR}:0.11.0-kvfleet{CV}{DIGEST}}}",
     ],
 )
 def test_image_tags_for_this_contract_are_accepted(image: str) -> None:
