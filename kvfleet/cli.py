@@ -738,21 +738,11 @@ def _fleet_spec(r: ResolvedDeployment, router: str | None) -> FleetSpec:
     from kvfleet.sim.fleet import FleetSpec, Scaling
     from kvfleet.sim.replica import EngineLimits
     from kvfleet.sim.steps import RooflineSteps
-    from kvfleet.sizing.step import replica
 
     c = r.candidate
     cap = c.capacity
     s = r.deployment.scaling
-    steps = RooflineSteps(
-        replica(
-            model=r.model,
-            accelerator=c.instance.accelerator,
-            tp=c.tensor_parallel_size,
-            nvlink=c.instance.nvlink,
-            scheme=c.weight_scheme,
-            kv_dtype=c.kv_cache_dtype,
-        )
-    )
+    steps = RooflineSteps.for_candidate(c, r.model)
     limits = EngineLimits(
         max_num_seqs=r.engine_args.max_num_seqs or cap.max_num_seqs,
         max_num_batched_tokens=r.engine_args.max_num_batched_tokens or cap.max_num_batched_tokens,

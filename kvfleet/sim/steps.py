@@ -4,11 +4,27 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvfleet.sizing.step import PrefillChunk, Replica, StepBatch, StepConstants, step_time
+from kvfleet.sizing.models import ModelSpec
+from kvfleet.sizing.planner import Candidate
+from kvfleet.sizing.step import PrefillChunk, Replica, StepBatch, StepConstants, replica, step_time
 
 
 class RooflineSteps:
     """Step times of one engine on its hardware, priced by ``kvfleet.sizing.step.step_time``."""
+
+    @classmethod
+    def for_candidate(cls, c: Candidate, model: ModelSpec) -> RooflineSteps:
+        """The step times of a plan's candidate: its accelerator, tensor parallelism and precisions."""
+        return cls(
+            replica(
+                model=model,
+                accelerator=c.instance.accelerator,
+                tp=c.tensor_parallel_size,
+                nvlink=c.instance.nvlink,
+                scheme=c.weight_scheme,
+                kv_dtype=c.kv_cache_dtype,
+            )
+        )
 
     def __init__(self, replica: Replica, constants: StepConstants | None = None) -> None:
         self.replica = replica

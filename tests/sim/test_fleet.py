@@ -123,6 +123,14 @@ def test_the_routers_are_the_hostings_routing_values() -> None:
     assert sorted(get_args(Router)) == sorted(r.value for r in Routing)
 
 
+def test_every_targets_autoscaler_is_one_the_simulator_models() -> None:
+    from kvfleet.sim.fleet import AutoscalerKind
+    from kvfleet.targets import TARGETS, Autoscaler
+
+    assert set(get_args(Autoscaler)) <= set(get_args(AutoscalerKind))
+    assert {t.autoscaler for t in TARGETS.values()} == set(get_args(Autoscaler))
+
+
 def routed(router: Router) -> FleetResult:
     """Four fixed replicas of 4 slots (about 1.8 requests/s each on MODEL at 500 + 200 tokens) at 6 requests/s:
     about 80% of the fleet's slots busy."""

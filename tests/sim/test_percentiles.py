@@ -24,7 +24,7 @@ from kvfleet.sim.report import summarize
 from kvfleet.sim.steps import RooflineSteps
 from kvfleet.sizing.catalog import catalog_model
 from kvfleet.sizing.planner import Candidate, PlanRequest, Workload, plan
-from kvfleet.sizing.step import latency_percentiles, replica
+from kvfleet.sizing.step import latency_percentiles
 from kvfleet.targets import TARGETS
 from kvfleet.workload.traces import Trace
 
@@ -49,16 +49,7 @@ def _poisson(rate: float, prompt: int, output: int) -> Trace:
 
 def _simulated(c: Candidate, req: PlanRequest, rate: float) -> tuple[float, float, float, float]:
     cap = c.capacity
-    steps = RooflineSteps(
-        replica(
-            model=req.model,
-            accelerator=c.instance.accelerator,
-            tp=c.tensor_parallel_size,
-            nvlink=c.instance.nvlink,
-            scheme=c.weight_scheme,
-            kv_dtype=c.kv_cache_dtype,
-        )
-    )
+    steps = RooflineSteps.for_candidate(c, req.model)
     spec = FleetSpec(
         limits=EngineLimits(
             max_num_seqs=cap.max_num_seqs,
