@@ -11,15 +11,17 @@ import json
 import math
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NoReturn, cast
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from kvfleet.engines import ENGINES
 from kvfleet.errors import KvfleetError
 from kvfleet.targets import TARGETS
 
 if TYPE_CHECKING:
-    from kvfleet.deployments import ResolvedDeployment
-    from kvfleet.sim.fleet import FleetResult, FleetSpec, Router
+    from kvfleet.config.loader import LoadedEnvironment
+    from kvfleet.deployments import DeploymentRequest
+    from kvfleet.sim.fleet import FleetResult, FleetSpec
+    from kvfleet.sim.policy import Outcome
     from kvfleet.sizing.capacity import Capacity
     from kvfleet.sizing.planner import Candidate, Plan, PlanRequest, Workload
     from kvfleet.workload.traces import Trace
@@ -114,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--max-usd-per-hour", type=_positive_float, help="fleet price ceiling")
     pl.add_argument("--top", type=_positive_int, default=5, help="candidates to show (default 5)")
     pl.add_argument("--rejections", action="store_true", help="list every rejected candidate")
+    pl.add_argument(
+        "--derive",
+        action="store_true",
+        help="derive the scaling thresholds on the workload even where the file has scaling.derive false, and say "
+        "what the file's values cost against them",
+    )
     pl.add_argument("--json", action="store_true")
 
     sy = sub.add_parser(
@@ -319,20 +327,134 @@ def cmd_plan(a: argparse.Namespace) -> int:
         except KvfleetError as err:
             raise loaded.problem(err) from None
         results = []
+        scalings: list[dict[str, Any] | None] = []
         for dr in drs:
             try:
                 results.append((dr.deployment.name, dr.deployment.target.platform, plan(dr.request)))
+                scalings.append(_scaling_section(loaded, dr, derive=a.derive))
             except KvfleetError as err:
                 # The file's line and key path of what to change, not the planner's own field names.
                 raise loaded.problem(config_error(err, dr.index)) from None
     else:
         results = [("plan", a.platform, plan(_request_from_flags(a)))]
+        scalings = [None]
     if a.json:
-        print(json.dumps([_plan_json(name, target, p, a.top) for name, target, p in results], indent=2))
+        rows = []
+        for (name, target, p), scaling in zip(results, scalings, strict=True):
+            rows.append({**_plan_json(name, target, p, a.top), **({"scaling": scaling} if scaling else {})})
+        print(json.dumps(rows, indent=2))
     else:
-        for name, target, p in results:
+        for (name, target, p), scaling in zip(results, scalings, strict=True):
             _print_plan(name, target, p, a.top, a.rejections)
+            if scaling:
+                for line in scaling["lines"]:
+                    print(line)  # whole lines: a reason is one sentence, and tests and pipelines grep them
     return 0
+
+
+_SETTING_NAMES = {
+    "saturation_target": "saturation_target",
+    "queue_target": "queue_depth_target",
+    "min_replicas": "min_replicas",
+}
+
+
+def _outcome_json(o: Outcome) -> dict[str, Any]:
+    return {
+        "saturation_target": o.policy.saturation_target,
+        "queue_depth_target": o.policy.queue_target,
+        "min_replicas": o.policy.min_replicas,
+        "meets_goal": o.meets,
+        "ttft_attainment": round(o.attainment, 4),
+        "stopped_at_s": o.stopped_s,
+        "cost": round(o.cost, 2),
+        "cost_unit": "usd" if o.priced else "replica_hours",
+    }
+
+
+def _scaling_section(loaded: LoadedEnvironment, dr: DeploymentRequest, *, derive: bool) -> dict[str, Any] | None:
+    """The thresholds the deployment scales on, and with scaling.derive (or --derive) how the replay chose them."""
+    from kvfleet.deployments import resolve
+    from kvfleet.tuning import decide, derivation
+
+    d = dr.deployment
+    s = d.scaling
+    w = d.workload
+    values = f"saturation_target {s.saturation_target:g}, queue_depth_target {s.queue_depth_target:g}, " + (
+        f"min_replicas {s.min_replicas}"
+    )
+    if not s.derive and not derive:
+        return {
+            "derived": False,
+            "lines": [
+                f"scaling: {values} as the file sets them (or their defaults); scaling.derive: true derives them on "
+                "the workload (kvfleet plan --derive shows what that would choose)"
+            ],
+        }
+    if w.ttft_ms is None or w.peak_requests_per_s is None:
+        return {
+            "derived": False,
+            "lines": [f"scaling: {values}; nothing to derive them on without workload.ttft_ms and an arrival rate"],
+        }
+    r = resolve(loaded.environment, dr)
+    trace = loaded.traces.get(dr.index)
+    if s.derive:
+        decision = decide(r, trace)
+        assert decision.derivation is not None
+        found, replay = decision.derivation, decision.replay or ""
+        head = "scaling (derived, deployed by synth)"
+    else:
+        found, replay = derivation(r, trace, pin_all=True)
+        head = "scaling (the file's values; --derive: what each costs against the best value alone)"
+    goal = found.goal
+    slo = found.ttft_slo_s
+    lines = [f"{head}: replaying {replay}, goal TTFT <= {slo:g} s for {goal:.0%} of requests"]
+    for c in found.choices:
+        name = _SETTING_NAMES[c.setting]
+        value = f"{int(c.value)}" if c.setting == "min_replicas" else f"{c.value:g}"
+        reason = c.reason
+        if c.pinned:
+            reason = "set in the file" if name in s.pinned else "the default (the file does not set it)"
+        lines.append(f"  {name} {value}: {reason}")
+    for pc in found.pin_costs:
+        name = _SETTING_NAMES[pc.setting]
+        if pc.best is None:
+            lines.append(f"  {name}: no value of it alone meets the goal; raise max_replicas or re-plan")
+        elif pc.best.policy == pc.pinned.policy:
+            lines.append(f"  {name}: no other value of it alone costs less over the replay")
+        elif not pc.pinned.meets:
+            lines.append(
+                f"  {name}: the file's value misses the goal ({pc.pinned.describe(slo, goal)}); "
+                f"{pc.best.policy.value(pc.setting):g} meets it at {pc.best.cost_text()}"
+            )
+        else:
+            delta = pc.pinned.cost - pc.best.cost
+            unit = f"${delta:,.2f}" if pc.best.priced else f"{delta:,.2f} replica-hours"
+            lines.append(
+                f"  {name}: the file's value costs {unit} more over the replay than "
+                f"{pc.best.policy.value(pc.setting):g} ({pc.best.attainment:.1%} in time there)"
+            )
+    o = found.outcome
+    verdict = "meets the goal" if found.feasible else "no policy within max_replicas meets the goal"
+    lines.append(
+        f"  replay: TTFT within {slo:g} s for {o.attainment:.1%} of {o.offered:,} requests, {o.cost_text()} "
+        f"({verdict}; {found.evaluated} replays)"
+    )
+    return {
+        "derived": bool(s.derive),
+        "replay": replay,
+        "ttft_target_s": slo,
+        "goal": goal,
+        "feasible": found.feasible,
+        "policy": _outcome_json(o),
+        "reasons": {_SETTING_NAMES[c.setting]: {"pinned": c.pinned, "reason": c.reason} for c in found.choices},
+        "pins": [
+            {"setting": _SETTING_NAMES[pc.setting], "pinned": _outcome_json(pc.pinned)}
+            | ({"best": _outcome_json(pc.best)} if pc.best else {})
+            for pc in found.pin_costs
+        ],
+        "lines": lines,
+    }
 
 
 def _engine_line(c: Candidate) -> tuple[str, dict[str, Any]]:
@@ -734,76 +856,6 @@ def cmd_workload(a: argparse.Namespace) -> int:
     return 0
 
 
-def _fleet_spec(r: ResolvedDeployment, router: str | None) -> FleetSpec:
-    from kvfleet.sim.fleet import FleetSpec, Scaling
-    from kvfleet.sim.replica import EngineLimits
-    from kvfleet.sim.steps import RooflineSteps
-
-    c = r.candidate
-    cap = c.capacity
-    s = r.deployment.scaling
-    steps = RooflineSteps.for_candidate(c, r.model)
-    limits = EngineLimits(
-        max_num_seqs=r.engine_args.max_num_seqs or cap.max_num_seqs,
-        max_num_batched_tokens=r.engine_args.max_num_batched_tokens or cap.max_num_batched_tokens,
-        kv_blocks=cap.num_blocks,
-        block_tokens=cap.block_size,
-        prefix_caching=r.engine_args.enable_prefix_caching,
-        admission_tokens=r.admission.tokens,
-    )
-    target = TARGETS[r.deployment.target.platform]
-    scaling = Scaling(
-        kind=target.autoscaler,
-        min_replicas=max(1, s.min_replicas),
-        max_replicas=s.max_replicas,
-        kv_cache_target=s.saturation_target,
-        queue_target=s.queue_depth_target,
-        scale_in_cooldown_s=s.scale_in_wait_s,
-        stabilization_s=s.scale_in_wait_s,
-        drain_budget_s=s.drain_budget_s,
-    )
-    return FleetSpec(
-        limits=limits,
-        model=steps,
-        scaling=scaling,
-        initial_replicas=r.initial_instance_count * c.engines_per_instance,
-        cold_start_s=r.startup.ready_s,
-        usd_per_replica_hour=c.usd_per_hour_per_instance / c.engines_per_instance,
-        router=cast("Router", router or target.hosting.routing.value),
-    )
-
-
-def _synthetic_trace(r: ResolvedDeployment) -> Trace:
-    """Without a trace: Poisson arrivals at the workload's peak rate for half an hour, at its average lengths."""
-    import random
-    from array import array
-
-    from kvfleet.workload.traces import Trace
-
-    w = r.deployment.workload
-    if w.peak_requests_per_s is None:
-        raise KvfleetError(
-            "nothing to replay; give --trace FILE, workload.trace, or workload.peak_requests_per_s for Poisson "
-            "arrivals",
-            field=f"deployments.{r.deployment.name}.workload",
-        )
-    rng = random.Random(0)  # the same arrivals every run: plans compare, not draws
-    t, times = 0.0, array("d")
-    while t < 1800:
-        times.append(t)
-        t += rng.expovariate(w.peak_requests_per_s)
-    n = len(times)
-    inp = w.avg_input_tokens or w.max_input_tokens
-    out = w.avg_output_tokens or w.max_output_tokens
-    return Trace(
-        source=f"Poisson arrivals at {w.peak_requests_per_s:g}/s",
-        fmt="poisson",
-        arrival_s=times,
-        input_tokens=array("q", [inp] * n),
-        output_tokens=array("q", [out] * n),
-    )
-
-
 def _png_paths(png: str, names: list[str]) -> dict[str, str]:
     """Each deployment's timeline file: FILE for one, FILE-<name>.png for several. Checked before the replay, so a
     path that cannot be written costs no simulation."""
@@ -839,6 +891,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     from kvfleet.deployments import config_error, plan_requests, resolve
     from kvfleet.sim.fleet import simulate
     from kvfleet.sim.report import render, summarize
+    from kvfleet.tuning import fleet_spec, poisson_trace
     from kvfleet.workload.traces import read_trace
 
     loaded = load_located(environment_path(a.environment))
@@ -866,11 +919,11 @@ def cmd_simulate(a: argparse.Namespace) -> int:
             r = resolve(env, dr)
         except KvfleetError as err:
             raise loaded.problem(config_error(err, dr.index)) from None
-        spec = _fleet_spec(r, a.router)
+        spec = fleet_spec(r, a.router)
         # --trace wins; else the deployment's own workload.trace, read when the file was loaded (its window and
         # rate scale applied); else Poisson arrivals at the workload's peak.
         own = loaded.traces.get(dr.index)
-        replay = trace if trace is not None else own if own is not None else _synthetic_trace(r)
+        replay = trace if trace is not None else own if own is not None else poisson_trace(r)
         w = r.deployment.workload
         result = simulate(replay, spec)
         report = summarize(

@@ -28,6 +28,8 @@ ALLOWED: dict[str, set[str]] = {
     "deployments": {"config", "sizing", "engines", "targets", "contract", "errors", "versions"},
     "workload": {"contract", "errors"},
     "sim": {"sizing", "workload", "contract", "errors"},
+    # The bridge from a resolved deployment to the simulator (fleet, replay, derived thresholds).
+    "tuning": {"config", "deployments", "sim", "workload", "sizing", "targets", "errors"},
     "cli": {
         "config",
         "deployments",
@@ -39,8 +41,20 @@ ALLOWED: dict[str, set[str]] = {
         "versions",
         "workload",
         "sim",
+        "tuning",
     },
-    "infra": {"config", "deployments", "sizing", "engines", "targets", "contract", "errors", "versions"},
+    "infra": {
+        "config",
+        "deployments",
+        "tuning",
+        "workload",
+        "sizing",
+        "engines",
+        "targets",
+        "contract",
+        "errors",
+        "versions",
+    },
     "agent": {"contract", "engines", "versions"},
 }
 # Third-party packages a layer may import (None: any). The agent's are the image's requirements.
@@ -53,6 +67,7 @@ THIRD_PARTY: dict[str, set[str] | None] = {
     "targets": set(),
     "config": {"pydantic", "yaml"},
     "deployments": set(),
+    "tuning": set(),
     "workload": set(),
     # matplotlib only in sim/timeline.py, imported inside the function that draws: the simulator itself and the
     # CLI's start-up stay standard library.

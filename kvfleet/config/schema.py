@@ -301,6 +301,10 @@ class NetworkConfig(Frozen):
 SCALE_IN_MIN_S = 900
 
 
+# The settings scaling.derive derives where the file does not set them.
+DERIVED_SCALING = frozenset({"saturation_target", "queue_depth_target", "min_replicas"})
+
+
 class ScalingConfig(Frozen):
     """Autoscaling on the two signals that run out under LLM traffic.
 
@@ -339,6 +343,25 @@ class ScalingConfig(Frozen):
             "catches what the cache signal misses: requests held back by max_num_seqs while blocks are free."
         ),
     )
+    derive: Bool = Field(
+        default=False,
+        description=(
+            "Derive saturation_target, queue_depth_target and min_replicas (those this file does not set) by replaying "
+            "the workload through the fleet simulator with this target's autoscaler and the replica's cold start: the "
+            "cheapest policy that gets slo_attainment of the requests a first token within workload.ttft_ms. The "
+            "replay is workload.trace, or without one 20 minutes at 40% of peak_requests_per_s and 20 at the peak. "
+            "`kvfleet plan` prints the values and why; synth deploys them. Needs workload.ttft_ms."
+        ),
+    )
+    slo_attainment: Float = Field(
+        default=0.95,
+        ge=0.5,
+        le=0.999,
+        description=(
+            "Fraction of requests that must get their first token within workload.ttft_ms in the replay that derives "
+            "the thresholds (refused requests miss it). 0.95 is the p95 the plan's TTFT check holds."
+        ),
+    )
     drain_budget_s: Int = Field(
         default=300,
         ge=0,
@@ -361,6 +384,11 @@ class ScalingConfig(Frozen):
         """How long every target waits before acting on a scale-in: at least 15 minutes and twice the drain
         budget, so a scale-in decision outlives the drain it starts."""
         return max(SCALE_IN_MIN_S, 2 * self.drain_budget_s)
+
+    @property
+    def pinned(self) -> frozenset[str]:
+        """The thresholds this file sets (derive leaves them as written)."""
+        return frozenset(self.model_fields_set & DERIVED_SCALING)
 
     @property
     def signal_targets(self) -> tuple[tuple[contract.Signal, float], ...]:
@@ -446,6 +474,15 @@ class Deployment(Frozen):
                     "model.s3_uri: required with target.network_isolation, which leaves the container no network to "
                     "download the model"
                 )
+        if self.scaling.derive and self.workload.ttft_ms is None:
+            problems.append(
+                "scaling.derive: the thresholds are derived for a TTFT target; set workload.ttft_ms, or derive: false"
+            )
+        if self.scaling.derive and self.workload.peak_requests_per_s is None:
+            problems.append(
+                "scaling.derive: nothing to replay; set workload.trace or workload.peak_requests_per_s, or "
+                "derive: false"
+            )
         if (tag_problem := self._image_tag_problem()) is not None:
             problems.append(tag_problem)
         if self.image.source == "dlc":

@@ -16,7 +16,7 @@ import os
 import re
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,8 @@ from kvfleet.deployments import resolve_environment
 from kvfleet.errors import EXIT_USER_ERROR, SYNTH_STATUS_ENV, ConfigError, KvfleetError
 from kvfleet.infra.alerts import AlertsStack, alerts_stack_name
 from kvfleet.infra.stack import DeploymentStack
+from kvfleet.tuning import decide, with_decision
+from kvfleet.workload.traces import Trace
 
 DEFAULT_ENV = "dev"
 
@@ -50,12 +52,21 @@ def _in_deployment(err: KvfleetError, index: int, name: str) -> KvfleetError:
     return KvfleetError(f"{field}: {err.message}", field=f"deployments[{index}].target")
 
 
-def build_app(env: Environment, *, app: cdk.App | None = None, nag: bool = True) -> cdk.App:
+def build_app(
+    env: Environment,
+    *,
+    app: cdk.App | None = None,
+    nag: bool = True,
+    traces: Mapping[int, Trace] | None = None,
+) -> cdk.App:
+    """The app of an environment. ``traces`` are the deployments' workload traces as the loader read them (by
+    deployment index): ``scaling.derive`` replays them, and without one a step at the workload's peak."""
     app = app or cdk.App()
     if nag:
         # Findings fail synth; each accepted one is acknowledged beside its cause, with a reason.
         cdk.Validations.of(app).add_plugins(AwsSolutionsChecks(app, verbose=True))
-    resolved = resolve_environment(env)
+    # The thresholds the file leaves to scaling.derive are those `kvfleet plan` prints (the same search, cached).
+    resolved = [with_decision(r, decide(r, (traces or {}).get(i))) for i, r in enumerate(resolve_environment(env))]
     alerts = (
         None
         if env.notifications.topic_arn is not None
@@ -104,7 +115,8 @@ def main() -> None:
     try:
         loaded = load_located(environment_path(str(name), environments_dir=directory))
         env = loaded.environment
-        _cleaned_on_failure(Path(app.outdir), lambda: build_app(env, app=app))
+        traces = loaded.traces
+        _cleaned_on_failure(Path(app.outdir), lambda: build_app(env, app=app, traces=traces))
     except ConfigError as err:
         _exit(err.lines)
     except KvfleetError as err:

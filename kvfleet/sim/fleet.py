@@ -30,6 +30,7 @@ import heapq
 import math
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -105,6 +106,7 @@ class FleetResult:
     end_s: float
     requests: int
     scale_events: list[tuple[float, int, str]] = field(default_factory=list)
+    stopped_s: float | None = None  # where ``stop`` ended the replay early (the rest of the trace was not offered)
 
 
 def saturation(replica: Replica) -> float:
@@ -325,8 +327,17 @@ class Fleet:
                 self._scale_to(t, stable, "scale-in")
 
 
-def simulate(trace: Trace, spec: FleetSpec, *, horizon_s: float | None = None) -> FleetResult:
-    """Replay ``trace`` through the fleet; after the last arrival, run until every request has ended."""
+def simulate(
+    trace: Trace,
+    spec: FleetSpec,
+    *,
+    horizon_s: float | None = None,
+    stop: Callable[[Stats, float], bool] | None = None,
+) -> FleetResult:
+    """Replay ``trace`` through the fleet; after the last arrival, run until every request has ended.
+
+    ``stop(stats, t)``, asked at every sample, ends the replay at once when it says so (a policy search drops a
+    candidate as soon as it has missed more requests than its goal allows); the result then says where."""
     fleet = Fleet(spec)
     publish = float(contract.PUBLISH_INTERVAL_S)
     scale_every = HPA_SYNC_S if spec.scaling.kind == "hpa" else TT_PERIOD_S
@@ -346,6 +357,8 @@ def simulate(trace: Trace, spec: FleetSpec, *, horizon_s: float | None = None) -
             fleet.advance(tt)
             if kind == "sample":
                 fleet.sample(tt)
+                if stop is not None and stop(fleet.stats, tt):
+                    return _result(fleet, tt, i, stopped_s=tt)
                 heapq.heappush(timers, (tt + publish, order, kind))
             else:
                 fleet.autoscale(tt)
@@ -361,16 +374,20 @@ def simulate(trace: Trace, spec: FleetSpec, *, horizon_s: float | None = None) -
         fleet.sample(t)
         if t - end > 24 * 3600:  # a fleet that cannot finish its queue in a day: stop and say so
             break
-    last = max([t, *(m.replica.clock for m in fleet.members)])
+    return _result(fleet, max([t, *(m.replica.clock for m in fleet.members)]), i)
+
+
+def _result(fleet: Fleet, last: float, offered: int, *, stopped_s: float | None = None) -> FleetResult:
     replica_s = 0.0
     for m in fleet.members:
-        stop = m.gone_s if m.gone_s is not None else last
-        replica_s += max(0.0, stop - m.started_s)
+        end = m.gone_s if m.gone_s is not None else last
+        replica_s += max(0.0, end - m.started_s)
     return FleetResult(
         stats=fleet.stats,
         samples=fleet.samples,
         replica_seconds=replica_s,
         end_s=last,
-        requests=i,
+        requests=offered,
         scale_events=fleet.events,
+        stopped_s=stopped_s,
     )

@@ -474,3 +474,21 @@ def test_the_renamed_kv_target_says_what_replaced_it(tmp_path: Path) -> None:
     with pytest.raises(KvfleetError) as err:
         load_located(f)
     assert "renamed to saturation_target" in str(err.value) and f"{f}:" in str(err.value)
+
+
+def test_derive_needs_a_ttft_target_and_arrivals() -> None:
+    """scaling.derive searches for the cheapest policy meeting a TTFT goal on a replay: without a target or an
+    arrival rate there is nothing to search for, which the file hears at load, not at synth."""
+    text = BASE.replace("      max_replicas: 3\n", "      max_replicas: 3\n      derive: true\n")
+    [line] = problems(text)
+    assert line == (
+        f"{SOURCE}:{line_of(text, 'derive: true')}: deployments[0].scaling.derive: nothing to replay; set "
+        "workload.trace or workload.peak_requests_per_s, or derive: false"
+    )
+    no_ttft = text.replace("      ttft_ms: 2500\n", "      peak_requests_per_s: 2\n")
+    [line] = problems(no_ttft)
+    assert "scaling.derive: the thresholds are derived for a TTFT target; set workload.ttft_ms" in line
+    ok = no_ttft.replace("      peak_requests_per_s: 2\n", "      peak_requests_per_s: 2\n      ttft_ms: 2500\n")
+    s = parse_environment(ok, source=SOURCE).deployments[0].scaling
+    assert s.derive and s.pinned == frozenset({"min_replicas"})  # what the file sets, not what defaults fill
+    assert s.slo_attainment == 0.95

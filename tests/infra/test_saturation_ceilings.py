@@ -17,9 +17,10 @@ import pytest
 from aws_cdk.assertions import Template
 
 from kvfleet import contract
-from kvfleet.config.loader import load_environment
+from kvfleet.config.loader import load_environment, load_located
 from kvfleet.deployments import ResolvedDeployment, resolve_environment
 from kvfleet.infra.app import build_app
+from kvfleet.tuning import decide, with_decision
 from tests.infra.helpers import REPO, make_app, props
 
 ENV_FILES = sorted((REPO / "environments").glob("*.yaml"))  # schema.json is not an environment
@@ -67,10 +68,13 @@ def scaling_targets(t: Template) -> list[tuple[str, float]]:
 
 
 def synthesized(env_file: Path) -> tuple[tuple[ResolvedDeployment, ...], dict[str, Template]]:
-    env = load_environment(env_file)
-    app = build_app(env, app=make_app(), nag=False)
+    """The resolved deployments as synth deploys them (scaling.derive applied) and their templates."""
+    loaded = load_located(env_file)
+    env = loaded.environment
+    app = build_app(env, app=make_app(), nag=False, traces=loaded.traces)
     stacks = {s.stack_name: Template.from_stack(s) for s in app.node.children if isinstance(s, cdk.Stack)}
-    return resolve_environment(env), stacks
+    resolved = tuple(with_decision(r, decide(r, loaded.traces.get(i))) for i, r in enumerate(resolve_environment(env)))
+    return resolved, stacks
 
 
 def docstring_ceilings(doc: str) -> dict[str, float]:

@@ -1,0 +1,333 @@
+"""Scaling thresholds derived on a trace: the cheapest policy whose replay meets the TTFT goal.
+
+A policy is the saturation target, the queue target and the minimum replica count (what an environment file's
+``scaling:`` section sets). Each candidate is replayed through the fleet simulator with the target's real
+autoscaler (its metric period, datapoints, cooldowns or the HPA's sync and stabilization, and the replica's cold
+start), and it *meets the goal* when at least ``goal`` of the requests offered get their first token within the
+TTFT target (a refused or aborted request misses it).
+
+The search walks from the most eager policy (lowest targets, smallest minimum that meets the goal) towards cheaper
+ones, one setting at a time: it raises the saturation target, then the queue target, along their grids while the
+goal holds, then lowers the minimum. Higher targets and fewer replicas are never dearer, so the walk stops at the
+first value that misses; that value is the reason printed beside the one chosen ("at 0.9 TTFT within 2 s for
+93.1% < 95%"). A pinned setting is held where the file puts it, and the search reports what the pin costs
+against the best value along that setting alone.
+
+A candidate is dropped as soon as it has missed more requests than the goal allows (``simulate(stop=...)``):
+failing policies cost a fraction of a replay, which is most of what makes the search affordable at synth.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from kvfleet.sim.fleet import FleetSpec, Scaling, simulate
+from kvfleet.sim.replica import Stats
+from kvfleet.workload.traces import Trace
+
+# Grids the search walks. The saturation grid stops at 0.9: above it a replica runs out of slots or blocks
+# before the 3-minute alarm has fired, whatever the trace. The queue grid is requests waiting per replica.
+SATURATION_GRID: tuple[float, ...] = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9)
+QUEUE_GRID: tuple[float, ...] = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0)
+WINDOW_S = 300.0  # the burst a reason names: the 5-minute window of arrivals with the slowest p95 TTFT
+
+Setting = Literal["saturation_target", "queue_target", "min_replicas"]
+SETTINGS: tuple[Setting, ...] = ("saturation_target", "queue_target", "min_replicas")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Policy:
+    saturation_target: float
+    queue_target: float
+    min_replicas: int
+
+    def with_(self, setting: Setting, value: float) -> Policy:
+        if setting == "min_replicas":
+            return replace(self, min_replicas=int(value))
+        if setting == "queue_target":
+            return replace(self, queue_target=value)
+        return replace(self, saturation_target=value)
+
+    def value(self, setting: Setting) -> float:
+        return float(getattr(self, setting))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Outcome:
+    """One policy's replay."""
+
+    policy: Policy
+    meets: bool
+    offered: int  # the trace's requests
+    missed: int  # first token later than the target, refused or aborted (a lower bound when ``stopped_s``)
+    cost: float  # dollars when the spec has a price, else replica-hours
+    priced: bool
+    stopped_s: float | None  # the replay was dropped here: it had already missed more than the goal allows
+    worst_window: tuple[float, float] | None  # (start s, p95 TTFT s) of the slowest 5-minute window
+
+    @property
+    def attainment(self) -> float:
+        """Requests with their first token in time over those offered (an upper bound when stopped early)."""
+        return 1 - self.missed / self.offered if self.offered else 1.0
+
+    def cost_text(self) -> str:
+        return f"${self.cost:,.2f}" if self.priced else f"{self.cost:,.2f} replica-hours"
+
+    def describe(self, ttft_slo_s: float, goal: float) -> str:
+        if self.stopped_s is not None:
+            text = (
+                f"more than {1 - goal:.0%} of requests miss TTFT {ttft_slo_s:g} s ({self.missed:,} of "
+                f"{self.offered:,} by minute {self.stopped_s / 60:.0f})"
+            )
+        else:
+            text = f"TTFT within {ttft_slo_s:g} s for {self.attainment:.1%}" + (" < " if not self.meets else " >= ")
+            text += f"{goal:.0%}"
+        if self.worst_window is not None:
+            start, p95 = self.worst_window
+            text += f"; p95 {p95:.1f} s for arrivals in minutes {start / 60:.0f}-{(start + WINDOW_S) / 60:.0f}"
+        return text
+
+
+@dataclass(frozen=True, kw_only=True)
+class Choice:
+    setting: Setting
+    value: float
+    pinned: bool
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class PinCost:
+    """What a pinned setting costs against the best value of that setting alone (the others as chosen)."""
+
+    setting: Setting
+    pinned: Outcome
+    best: Outcome | None  # None: no value along the setting meets the goal
+
+
+@dataclass(frozen=True, kw_only=True)
+class Derivation:
+    policy: Policy
+    outcome: Outcome
+    feasible: bool  # some policy within max_replicas meets the goal
+    choices: tuple[Choice, ...]
+    pin_costs: tuple[PinCost, ...]
+    compared: Outcome | None  # the policy asked to be compared (the hand-set defaults), replayed the same way
+    evaluated: int  # replays run (each at most once per policy)
+    ttft_slo_s: float
+    goal: float
+
+
+def _worst_window(stats: Stats) -> tuple[float, float] | None:
+    buckets: dict[int, list[float]] = {}
+    for r in stats.finished:
+        buckets.setdefault(int(r.arrival_s // WINDOW_S), []).append(r.first_token_s - r.arrival_s)
+    worst: tuple[float, float] | None = None
+    for b, ttfts in buckets.items():
+        if len(ttfts) < 20:  # a window of a few requests says nothing about a burst
+            continue
+        ttfts.sort()
+        p95 = ttfts[max(0, math.ceil(0.95 * len(ttfts)) - 1)]
+        if worst is None or p95 > worst[1]:
+            worst = (b * WINDOW_S, p95)
+    return worst
+
+
+class _Evaluator:
+    def __init__(self, trace: Trace, base: FleetSpec, ttft_slo_s: float, goal: float) -> None:
+        self.trace = trace
+        self.base = base
+        self.ttft_slo_s = ttft_slo_s
+        self.goal = goal
+        self.allowed = math.floor((1 - goal) * len(trace))  # misses the goal tolerates
+        self.stop_after = self.allowed  # misses after which a replay is dropped
+        self.cache: dict[Policy, Outcome] = {}
+
+    def spec(self, p: Policy) -> FleetSpec:
+        scaling: Scaling = replace(
+            self.base.scaling,
+            kv_cache_target=p.saturation_target,
+            queue_target=p.queue_target,
+            min_replicas=p.min_replicas,
+        )
+        # The fleet starts at its planned size, or at the minimum where that is larger.
+        return replace(self.base, scaling=scaling, initial_replicas=max(self.base.initial_replicas, p.min_replicas))
+
+    def __call__(self, p: Policy) -> Outcome:
+        hit = self.cache.get(p)
+        if hit is not None:
+            return hit
+        slo = self.ttft_slo_s
+        seen = [0, 0]  # finished requests looked at, late ones among them
+
+        def stop(stats: Stats, _t: float) -> bool:
+            done = stats.finished
+            for r in done[seen[0] :]:
+                if r.first_token_s - r.arrival_s > slo:
+                    seen[1] += 1
+            seen[0] = len(done)
+            return seen[1] + stats.rejected_429 + stats.rejected_503 + stats.aborted > self.stop_after
+
+        spec = self.spec(p)
+        result = simulate(self.trace, spec, stop=stop)
+        s = result.stats
+        on_time = sum(1 for r in s.finished if r.first_token_s - r.arrival_s <= slo)
+        offered = len(self.trace)
+        if result.stopped_s is None:
+            missed = offered - on_time
+        else:  # what had missed by the stop (the rest of the trace was never offered)
+            missed = len(s.finished) - on_time + s.rejected_429 + s.rejected_503 + s.aborted
+        hours = result.replica_seconds / 3600
+        priced = spec.usd_per_replica_hour is not None
+        cost = hours * spec.usd_per_replica_hour if spec.usd_per_replica_hour is not None else hours
+        out = Outcome(
+            policy=p,
+            meets=result.stopped_s is None and missed <= self.allowed,
+            offered=offered,
+            missed=missed,
+            cost=cost,
+            priced=priced,
+            stopped_s=result.stopped_s,
+            worst_window=_worst_window(s),
+        )
+        self.cache[p] = out
+        return out
+
+
+def _grid(setting: Setting, floor_min: int, max_replicas: int) -> tuple[float, ...]:
+    if setting == "saturation_target":
+        return SATURATION_GRID
+    if setting == "queue_target":
+        return QUEUE_GRID
+    return tuple(float(m) for m in range(floor_min, max_replicas + 1))
+
+
+def _cheaper(setting: Setting, grid: tuple[float, ...], current: float) -> list[float]:
+    """The values of a setting that cost no more than ``current``, nearest first: higher targets, fewer replicas."""
+    if setting == "min_replicas":
+        return sorted((v for v in grid if v < current), reverse=True)
+    return sorted(v for v in grid if v > current)
+
+
+def derive(
+    trace: Trace,
+    base: FleetSpec,
+    *,
+    ttft_slo_s: float,
+    goal: float,
+    pinned: dict[Setting, float] | None = None,
+    floor_min: int = 1,
+    compare: Policy | None = None,
+) -> Derivation:
+    """The cheapest policy on ``trace`` that gets ``goal`` of its requests a first token within ``ttft_slo_s``."""
+    if not trace.arrival_s:
+        raise ValueError("an empty trace has nothing to derive from")
+    pins = dict(pinned or {})
+    max_r = base.scaling.max_replicas
+    ev = _Evaluator(trace, base, ttft_slo_s, goal)
+    grids = {s: _grid(s, floor_min, max_r) for s in SETTINGS}
+    start = {s: pins.get(s, grids[s][0]) for s in SETTINGS}
+    cur = Policy(
+        saturation_target=start["saturation_target"],
+        queue_target=start["queue_target"],
+        min_replicas=int(start["min_replicas"]),
+    )
+    reasons: dict[Setting, str] = {}
+    # Most eager first; where even that misses, a larger minimum (the fleet cannot grow in time on its own).
+    if not ev(cur).meets and "min_replicas" not in pins:
+        first_fail = ev(cur)
+        for m in range(cur.min_replicas + 1, max_r + 1):
+            cur = cur.with_("min_replicas", m)
+            if ev(cur).meets:
+                reasons["min_replicas"] = f"at {m - 1} {first_fail.describe(ttft_slo_s, goal)}"
+                break
+            first_fail = ev(cur)
+    feasible = ev(cur).meets
+    walk: tuple[Setting, ...] = ("saturation_target", "queue_target", "min_replicas")
+    if feasible:
+        for setting in walk:
+            if setting in pins:
+                continue
+            best = ev(cur)
+            why = None
+            for v in _cheaper(setting, grids[setting], cur.value(setting)):
+                o = ev(best.policy.with_(setting, v))
+                if not o.meets:
+                    why = f"at {_fmt(setting, v)} {o.describe(ttft_slo_s, goal)}"
+                    break
+                if o.cost < best.cost - 1e-9:
+                    best = o
+            cur = best.policy
+            if setting not in reasons or why is not None:
+                reasons[setting] = why or _no_cheaper(setting, cur, grids[setting], floor_min)
+    else:
+        for setting in walk:
+            if setting not in pins and setting not in reasons:
+                reasons[setting] = "the most eager value tried: no policy meets the goal"
+    choices = tuple(
+        Choice(
+            setting=s,
+            value=cur.value(s),
+            pinned=s in pins,
+            reason="pinned in the file" if s in pins else reasons.get(s, ""),
+        )
+        for s in SETTINGS
+    )
+    pin_costs = tuple(_pin_cost(ev, cur, s, grids[s]) for s in SETTINGS if s in pins and feasible)
+    compared = None
+    if compare is not None:
+        # Replayed in full: a comparison reports the attainment, not just that it falls short.
+        ev.stop_after = len(trace)
+        if (hit := ev.cache.get(compare)) is not None and hit.stopped_s is not None:
+            del ev.cache[compare]
+        compared = ev(compare)
+    return Derivation(
+        policy=cur,
+        outcome=ev(cur),
+        feasible=feasible,
+        choices=choices,
+        pin_costs=pin_costs,
+        compared=compared,
+        evaluated=len(ev.cache),
+        ttft_slo_s=ttft_slo_s,
+        goal=goal,
+    )
+
+
+def _pin_cost(ev: Callable[[Policy], Outcome], cur: Policy, setting: Setting, grid: tuple[float, ...]) -> PinCost:
+    pinned = ev(cur)
+    best: Outcome | None = pinned if pinned.meets else None
+    # Cheaper values while they meet the goal; where the pin misses, dearer ones until one meets it.
+    if pinned.meets:
+        for v in _cheaper(setting, grid, cur.value(setting)):
+            o = ev(cur.with_(setting, v))
+            if not o.meets:
+                break
+            if best is None or o.cost < best.cost - 1e-9:
+                best = o
+    else:
+        dearer = [v for v in grid if v not in _cheaper(setting, grid, cur.value(setting)) and v != cur.value(setting)]
+        dearer.sort(reverse=setting != "min_replicas")
+        for v in dearer:
+            o = ev(cur.with_(setting, v))
+            if o.meets:
+                best = o
+                break
+    return PinCost(setting=setting, pinned=pinned, best=best)
+
+
+def _fmt(setting: Setting, v: float) -> str:
+    if setting == "min_replicas":
+        return f"{int(v)} replicas"
+    return f"{v:g}"
+
+
+def _no_cheaper(setting: Setting, cur: Policy, grid: tuple[float, ...], floor_min: int) -> str:
+    if setting == "min_replicas" and cur.min_replicas == floor_min:
+        return f"the floor ({floor_min} on this target)"
+    if _cheaper(setting, grid, cur.value(setting)):
+        return "higher values meet the goal too but cost no less over the replay; the lowest keeps the most headroom"
+    return "the highest value searched, and the goal holds there"
