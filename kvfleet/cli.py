@@ -53,6 +53,13 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _int_list(text: str) -> list[int]:
+    out = [_positive_int(part.strip()) for part in text.split(",") if part.strip()]
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}")
+    return out
+
+
 def _positive_float(text: str) -> float:
     try:
         v = float(text)
@@ -131,6 +138,22 @@ def build_parser() -> argparse.ArgumentParser:
     sy.add_argument("environment", nargs="?", default="dev", help="environments/<name>.yaml or a path (default dev)")
     sy.add_argument("cdk_args", nargs="*", help="for cdk synth, after --: e.g. -- --quiet -o out")
     sy.add_argument("--cdk", help="the CDK CLI (default: node_modules/.bin/cdk here, else cdk on PATH)")
+
+    be = sub.add_parser(
+        "bench",
+        help="load-test a live OpenAI-compatible endpoint (the agent, vLLM, trtllm-serve, a load balancer) with "
+        "streaming timing: TTFT, ITL, TPOT, throughput per concurrency",
+    )
+    be.add_argument("url", help="the endpoint's base URL, e.g. http://127.0.0.1:8080")
+    be.add_argument("--model", help="model id to request (default: the first /v1/models lists)")
+    be.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (default: $KVFLEET_BENCH_API_KEY)")
+    be.add_argument("--header", action="append", default=[], help="extra request header NAME:VALUE (repeatable)")
+    be.add_argument("--concurrency", type=_int_list, default=[1, 4, 16], help="comma-separated levels (default 1,4,16)")
+    be.add_argument("--requests", type=_positive_int, default=32, help="requests per level (default 32)")
+    be.add_argument("--input-tokens", type=_positive_int, default=512, help="prompt length in tokens (default 512)")
+    be.add_argument("--output-tokens", type=_positive_int, default=128, help="tokens to generate (default 128)")
+    be.add_argument("--timeout-s", type=_positive_float, default=600.0, help="per request (default 600)")
+    be.add_argument("--json", action="store_true")
 
     sc = sub.add_parser("schema", help="JSON Schema of environment files (committed as environments/schema.json)")
     sc.add_argument("--output", "-o", help="write to this file instead of stdout")
@@ -828,6 +851,104 @@ def cmd_synth(a: argparse.Namespace) -> int:
     return int(app_status) if app_status.isdigit() else rc.returncode
 
 
+def cmd_bench(a: argparse.Namespace) -> int:
+    import asyncio
+    import os
+    from urllib.parse import urlsplit
+
+    from kvfleet.bench.client import Endpoint, run_concurrency, summarize
+
+    parts = urlsplit(a.url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise KvfleetError(f"{a.url!r} is not an http(s) URL; e.g. http://127.0.0.1:8080", field="url")
+    headers = []
+    for h in a.header:
+        name, sep, value = h.partition(":")
+        if not sep or not name.strip():
+            raise KvfleetError(f"{h!r} is not NAME:VALUE", field="header")
+        headers.append((name.strip(), value.strip()))
+    ep = Endpoint(
+        url=a.url,
+        model=a.model,
+        api_key=a.api_key or os.environ.get("KVFLEET_BENCH_API_KEY"),
+        headers=tuple(headers),
+    )
+    model, levels = asyncio.run(
+        run_concurrency(
+            ep,
+            concurrencies=a.concurrency,
+            requests_per_level=a.requests,
+            prompt_tokens=a.input_tokens,
+            output_tokens=a.output_tokens,
+            timeout_s=a.timeout_s,
+        )
+    )
+    rows = [summarize(level) for level in levels]
+    failed = sum(r["requests"] - r["completed"] for r in rows)
+    if a.json:
+        print(
+            json.dumps(
+                {
+                    "url": a.url,
+                    "model": model,
+                    "input_tokens": a.input_tokens,
+                    "output_tokens": a.output_tokens,
+                    "levels": rows,
+                },
+                indent=2,
+            )
+        )
+    else:
+        _print_bench(a.url, model, a.input_tokens, a.output_tokens, rows)
+    return 1 if failed else 0
+
+
+def _print_bench(url: str, model: str, inp: int, out: int, rows: list[dict[str, Any]]) -> None:
+    from rich.table import Table
+
+    def ms(p: dict[str, float] | None, key: str, digits: int = 0) -> str:
+        return "-" if p is None else f"{p[key] * 1e3:,.{digits}f}"
+
+    t = Table(title=f"{url}: {model}, {inp} prompt + {out} generated tokens per request")
+    for col in (
+        "concurrency",
+        "ok",
+        "failed",
+        "TTFT p50/p95 ms",
+        "ITL p50/p95 ms",
+        "TPOT p50 ms",
+        "req/s",
+        "out tok/s",
+        "client lag p99 ms",
+    ):
+        t.add_column(col, justify="right")
+    for r in rows:
+        failed = ", ".join(f"{n} x {k}" for k, n in sorted(r["failed"].items())) or "0"
+        t.add_row(
+            str(r["concurrency"]),
+            str(r["completed"]),
+            failed,
+            f"{ms(r['ttft_s'], 'p50')}/{ms(r['ttft_s'], 'p95')}",
+            f"{ms(r['itl_s'], 'p50', 1)}/{ms(r['itl_s'], 'p95', 1)}",
+            ms(r["tpot_s"], "p50", 1),
+            f"{r['requests_per_s']:.2f}",
+            f"{r['output_tokens_per_s']:,.0f}",
+            f"{r['client_loop_lag_p99_s'] * 1e3:.1f}",
+        )
+    console = _console()
+    console.print(t)
+    worst = max(r["client_loop_lag_p99_s"] for r in rows)
+    if worst > 0.005:
+        console.print(
+            f"note: the client's event loop lagged {worst * 1e3:.1f} ms (p99): timings at that level include the "
+            "client's own delay; run it from a machine with more CPU or fewer concurrent streams",
+            markup=False,
+        )
+    for r in rows:
+        for e in r["first_errors"]:
+            console.print(f"error at concurrency {r['concurrency']}: {e}", markup=False)
+
+
 def cmd_schema(a: argparse.Namespace) -> int:
     from kvfleet.config.loader import environment_schema_json
 
@@ -962,6 +1083,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
 
 
 COMMANDS = {
+    "bench": cmd_bench,
     "simulate": cmd_simulate,
     "workload": cmd_workload,
     "capacity": cmd_capacity,

@@ -28,6 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "deployments": {"config", "sizing", "engines", "targets", "contract", "errors", "versions"},
     "workload": {"contract", "errors"},
     "sim": {"sizing", "workload", "contract", "errors"},
+    "bench": {"errors"},
     # The bridge from a resolved deployment to the simulator (fleet, replay, derived thresholds).
     "tuning": {"config", "deployments", "sim", "workload", "sizing", "targets", "errors"},
     "cli": {
@@ -42,6 +43,7 @@ ALLOWED: dict[str, set[str]] = {
         "workload",
         "sim",
         "tuning",
+        "bench",
     },
     "infra": {
         "config",
@@ -68,6 +70,7 @@ THIRD_PARTY: dict[str, set[str] | None] = {
     "config": {"pydantic", "yaml"},
     "deployments": set(),
     "tuning": set(),
+    "bench": {"aiohttp"},
     "workload": set(),
     # matplotlib only in sim/timeline.py, imported inside the function that draws: the simulator itself and the
     # CLI's start-up stay standard library.

@@ -199,6 +199,28 @@ def test_an_idle_connection_to_the_real_engine_outlives_uvicorns_default(agent: 
         assert sock.recv(4096).startswith(b"HTTP/1.1 200")
 
 
+def test_bench_sweep_against_the_real_engine_through_the_agent(agent: AgentProcess) -> None:
+    """`kvfleet bench`'s client in front of the real vLLM: token-id prompts arrive at their exact length (the
+    engine's usage says so), ignore_eos makes every answer max_tokens long, and every token is timed."""
+    from kvfleet.bench.client import Endpoint, run_concurrency, summarize
+
+    model, levels = run(
+        run_concurrency(
+            Endpoint(url=agent.url), concurrencies=[1, 4], requests_per_level=4, prompt_tokens=48, output_tokens=12
+        )
+    )
+    assert model == "tiny"
+    for lv in levels:
+        assert all(r.ok for r in lv.results), [r.error for r in lv.results]
+        for r in lv.results:
+            assert r.usage_prompt_tokens == 48 and r.output_tokens == 12
+            # vLLM streams one chunk per decode step: 12 tokens, 11 gaps (a chunk may carry two after a stall).
+            assert 6 <= len(r.itl_s) <= 11
+        row = summarize(lv)
+        assert row["completed"] == 4 and row["ttft_s"] is not None and row["itl_s"] is not None
+        assert row["client_loop_lag_p99_s"] < 0.05  # the client kept up (2 cores, the engine beside it)
+
+
 GENERATION_LIMITS = {"max_tokens", "max_completion_tokens", "max_output_tokens", "max_new_tokens", "sampling_params"}
 
 

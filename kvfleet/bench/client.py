@@ -1,0 +1,305 @@
+"""Streaming requests against an OpenAI-compatible endpoint (the agent, vLLM, trtllm-serve, a load balancer).
+
+Why our own client rather than `vllm bench serve`, GuideLLM or inference-perf: each of those pulls in its engine's
+or its own dependency tree (torch and transformers for the tokenizer, or a Kubernetes-oriented runner), none knows
+the plan it should be checked against, and none speaks SageMaker's runtime API. What they agree on is kept: the
+prompt is sent as token ids (exact input length with no tokenizer), generation runs to ``max_tokens`` with
+``ignore_eos`` (exact output length), TTFT is send to first streamed token, ITL is the gap between streamed chunks,
+TPOT is (end - first token) / (tokens - 1), and the usage block the server returns counts the tokens.
+
+Timing is taken on the client's monotonic clock as each network chunk is read, before any JSON is parsed; a ticker
+measures the event loop's own lag during the run, so a report can say when the client, not the server, was slow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import math
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from kvfleet.errors import KvfleetError
+
+# Token ids to build prompts from: well inside every vocabulary (Llama, Qwen, Mistral, tiny test models) and
+# past the special tokens at the start of most vocabularies.
+PROMPT_TOKEN_IDS = range(1000, 2000)
+TICK_S = 0.01  # the loop-lag ticker's period
+CONNECT_TIMEOUT_S = 10.0
+
+
+class BenchError(KvfleetError):
+    """The endpoint cannot be benchmarked: unreachable, refusing the credentials, or not an OpenAI endpoint."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Endpoint:
+    url: str  # base URL: http(s)://host[:port]
+    model: str | None = None  # None: the first model /v1/models lists
+    api_key: str | None = None
+    headers: tuple[tuple[str, str], ...] = ()
+
+    def request_headers(self) -> dict[str, str]:
+        h = dict(self.headers)
+        if self.api_key:
+            h["Authorization"] = f"Bearer {self.api_key}"
+        return h
+
+
+@dataclass(kw_only=True)
+class Result:
+    """One request as the client saw it. Times are seconds on the client's monotonic clock."""
+
+    prompt_tokens: int
+    max_tokens: int
+    sent_s: float
+    status: int | None = None  # None: no HTTP response (connection refused, reset, timed out)
+    error: str | None = None
+    first_token_s: float | None = None
+    chunk_s: list[float] = field(default_factory=list)  # arrival of every chunk that carried text
+    done_s: float | None = None
+    output_tokens: int = 0  # from the usage block, else the chunks counted
+    usage_prompt_tokens: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.error is None and self.first_token_s is not None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.sent_s
+
+    @property
+    def itl_s(self) -> list[float]:
+        c = self.chunk_s
+        return [b - a for a, b in itertools.pairwise(c)]
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.first_token_s is None or self.done_s is None or self.output_tokens < 2:
+            return None
+        return (self.done_s - self.first_token_s) / (self.output_tokens - 1)
+
+
+def prompt_ids(n: int, rng: random.Random) -> list[int]:
+    return [rng.choice(PROMPT_TOKEN_IDS) for _ in range(n)]
+
+
+async def discover_model(http: aiohttp.ClientSession, ep: Endpoint) -> str:
+    """The endpoint's model id (its /v1/models), checking on the way that it answers and accepts the credentials."""
+    url = ep.url.rstrip("/") + "/v1/models"
+    try:
+        async with http.get(url, headers=ep.request_headers()) as r:
+            text = await r.text()
+            if r.status in (401, 403):
+                raise BenchError(f"{url} refused the credentials ({r.status}); pass --api-key or --header", field="url")
+            if r.status != 200:
+                raise BenchError(f"{url} answered {r.status}: {text[:120]!r}; is this an OpenAI endpoint?", field="url")
+            data = json.loads(text)
+    except aiohttp.ClientError as err:
+        raise BenchError(f"cannot reach {url}: {err}", field="url") from None
+    except TimeoutError:
+        raise BenchError(f"cannot reach {url}: no answer in {CONNECT_TIMEOUT_S:g} s", field="url") from None
+    except (ValueError, UnicodeDecodeError):
+        raise BenchError(f"{url} did not answer JSON; is this an OpenAI endpoint?", field="url") from None
+    if ep.model is not None:
+        return ep.model
+    models = [m.get("id") for m in data.get("data", []) if isinstance(m, dict)] if isinstance(data, dict) else []
+    if not models or not isinstance(models[0], str):
+        raise BenchError(f"{url} lists no model; pass --model", field="model")
+    return models[0]
+
+
+async def one_request(
+    http: aiohttp.ClientSession, ep: Endpoint, model: str, prompt: list[int], *, max_tokens: int, timeout_s: float
+) -> Result:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "min_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0.0,
+    }
+    res = Result(prompt_tokens=len(prompt), max_tokens=max_tokens, sent_s=time.perf_counter())
+    url = ep.url.rstrip("/") + "/v1/completions"
+    try:
+        async with http.post(
+            url, json=body, headers=ep.request_headers(), timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as r:
+            res.status = r.status
+            if r.status != 200:
+                res.error = f"HTTP {r.status}: {(await r.text())[:200]}"
+                res.done_s = time.perf_counter()
+                return res
+            buf = b""
+            chunks = 0
+            async for data in r.content.iter_any():
+                now = time.perf_counter()
+                buf += data
+                while b"\n\n" in buf:
+                    block, buf = buf.split(b"\n\n", 1)
+                    chunks += _event(res, block, now)
+            if buf.strip():
+                chunks += _event(res, buf, time.perf_counter())
+            res.done_s = time.perf_counter()
+            if not res.output_tokens:
+                res.output_tokens = chunks
+            if res.first_token_s is None and res.error is None:
+                res.error = "the stream ended without a token"
+    except TimeoutError:
+        res.error = f"no complete answer in {timeout_s:g} s"
+        res.done_s = time.perf_counter()
+    except aiohttp.ClientError as err:
+        res.error = f"{type(err).__name__}: {err}"
+        res.done_s = time.perf_counter()
+    return res
+
+
+def _event(res: Result, block: bytes, now: float) -> int:
+    """One server-sent event; returns 1 when it carried text."""
+    for line in block.split(b"\n"):
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return 0
+        try:
+            ev = json.loads(data)
+        except ValueError:
+            res.error = f"a malformed stream event: {data[:80]!r}"
+            return 0
+        if not isinstance(ev, dict):
+            res.error = f"a malformed stream event: {data[:80]!r}"
+            return 0
+        if "error" in ev:
+            res.error = f"the stream ended with an error: {str(ev['error'])[:160]}"
+            return 0
+        usage = ev.get("usage")
+        if isinstance(usage, dict):
+            res.output_tokens = int(usage.get("completion_tokens") or 0)
+            res.usage_prompt_tokens = usage.get("prompt_tokens")
+        choices = ev.get("choices") or []
+        if choices and isinstance(choices[0], dict) and choices[0].get("text"):
+            if res.first_token_s is None:
+                res.first_token_s = now
+            res.chunk_s.append(now)
+            return 1
+    return 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Level:
+    """One run at a fixed concurrency: every result and what the client's own loop lagged."""
+
+    concurrency: int
+    results: tuple[Result, ...]
+    wall_s: float
+    loop_lag_p99_s: float
+    loop_lag_max_s: float
+
+
+async def _ticker(lags: list[float], stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        t = time.perf_counter()
+        await asyncio.sleep(TICK_S)
+        lags.append(max(0.0, time.perf_counter() - t - TICK_S))
+
+
+async def run_concurrency(
+    ep: Endpoint,
+    *,
+    concurrencies: Sequence[int],
+    requests_per_level: int,
+    prompt_tokens: int,
+    output_tokens: int,
+    timeout_s: float = 600.0,
+    seed: int = 0,
+) -> tuple[str, list[Level]]:
+    """``requests_per_level`` requests at each concurrency in turn (``c`` always in flight until the last)."""
+    rng = random.Random(seed)
+    conn = aiohttp.TCPConnector(limit=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as http:
+        model = await discover_model(http, ep)
+        levels = []
+        for c in concurrencies:
+            prompts = [prompt_ids(prompt_tokens, rng) for _ in range(requests_per_level)]
+            queue: asyncio.Queue[list[int]] = asyncio.Queue()
+            for p in prompts:
+                queue.put_nowait(p)
+            results: list[Result] = []
+
+            async def worker(q: asyncio.Queue[list[int]] = queue, out: list[Result] = results) -> None:
+                while True:
+                    try:
+                        p = q.get_nowait()
+                    except asyncio.QueueEmpty:
+                        return
+                    out.append(await one_request(http, ep, model, p, max_tokens=output_tokens, timeout_s=timeout_s))
+
+            lags: list[float] = []
+            stop = asyncio.Event()
+            tick = asyncio.create_task(_ticker(lags, stop))
+            start = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(c)))
+            wall = time.perf_counter() - start
+            stop.set()
+            await tick
+            lags.sort()
+            p99 = lags[max(0, int(0.99 * len(lags)) - 1)] if lags else 0.0
+            levels.append(
+                Level(
+                    concurrency=c,
+                    results=tuple(results),
+                    wall_s=wall,
+                    loop_lag_p99_s=p99,
+                    loop_lag_max_s=lags[-1] if lags else 0.0,
+                )
+            )
+        return model, levels
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    v = sorted(values)
+
+    def q(p: float) -> float:  # nearest rank, as the simulator's report takes them
+        return v[max(0, math.ceil(p * len(v)) - 1)]
+
+    return {"p50": q(0.50), "p95": q(0.95), "p99": q(0.99), "mean": sum(v) / len(v)}
+
+
+def summarize(level: Level) -> dict[str, Any]:
+    rs = level.results
+    ok = [r for r in rs if r.ok]
+    failed: dict[str, int] = {}
+    for r in rs:
+        if not r.ok:
+            key = str(r.status) if r.status is not None and r.status != 200 else "stream" if r.status else "connection"
+            failed[key] = failed.get(key, 0) + 1
+    out_tokens = sum(r.output_tokens for r in ok)
+    return {
+        "concurrency": level.concurrency,
+        "requests": len(rs),
+        "completed": len(ok),
+        "failed": failed,
+        "first_errors": sorted({r.error for r in rs if r.error})[:3],
+        "ttft_s": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "itl_s": percentiles([g for r in ok for g in r.itl_s]),
+        "tpot_s": percentiles([t for r in ok if (t := r.tpot_s) is not None]),
+        "requests_per_s": len(ok) / level.wall_s if level.wall_s else 0.0,
+        "output_tokens_per_s": out_tokens / level.wall_s if level.wall_s else 0.0,
+        "wall_s": level.wall_s,
+        "client_loop_lag_p99_s": level.loop_lag_p99_s,
+        "client_loop_lag_max_s": level.loop_lag_max_s,
+    }
