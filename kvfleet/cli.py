@@ -18,6 +18,7 @@ from kvfleet.errors import KvfleetError
 from kvfleet.targets import TARGETS
 
 if TYPE_CHECKING:
+    from kvfleet.bench.client import KvCapacity
     from kvfleet.config.loader import LoadedEnvironment
     from kvfleet.deployments import DeploymentRequest
     from kvfleet.sim.fleet import FleetResult, FleetSpec
@@ -153,6 +154,16 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--input-tokens", type=_positive_int, default=512, help="prompt length in tokens (default 512)")
     be.add_argument("--output-tokens", type=_positive_int, default=128, help="tokens to generate (default 128)")
     be.add_argument("--timeout-s", type=_positive_float, default=600.0, help="per request (default 600)")
+    be.add_argument(
+        "--expect-kv-tokens",
+        type=_positive_int,
+        help="KV-cache tokens per replica the plan expects; fail when the endpoint reports fewer (past --tolerance)",
+    )
+    be.add_argument("--env", help="take --expect-kv-tokens from this environment file's plan (with --deployment)")
+    be.add_argument("--deployment", help="the deployment of --env")
+    be.add_argument(
+        "--tolerance", type=_fraction, default=0.05, help="allowed shortfall of the KV cache (default 0.05)"
+    )
     be.add_argument("--json", action="store_true")
 
     sc = sub.add_parser("schema", help="JSON Schema of environment files (committed as environments/schema.json)")
@@ -873,7 +884,12 @@ def cmd_bench(a: argparse.Namespace) -> int:
         api_key=a.api_key or os.environ.get("KVFLEET_BENCH_API_KEY"),
         headers=tuple(headers),
     )
-    model, levels = asyncio.run(
+    expected = a.expect_kv_tokens
+    if a.env is not None:
+        expected = _planned_kv_tokens(a.env, a.deployment)
+    elif a.deployment is not None:
+        raise KvfleetError("--deployment names a deployment of --env; give --env FILE too", field="deployment")
+    model, levels, capacity = asyncio.run(
         run_concurrency(
             ep,
             concurrencies=a.concurrency,
@@ -885,22 +901,79 @@ def cmd_bench(a: argparse.Namespace) -> int:
     )
     rows = [summarize(level) for level in levels]
     failed = sum(r["requests"] - r["completed"] for r in rows)
+    drift = _kv_drift(capacity, expected, a.tolerance)
     if a.json:
-        print(
-            json.dumps(
-                {
-                    "url": a.url,
-                    "model": model,
-                    "input_tokens": a.input_tokens,
-                    "output_tokens": a.output_tokens,
-                    "levels": rows,
-                },
-                indent=2,
-            )
-        )
+        report: dict[str, Any] = {
+            "url": a.url,
+            "model": model,
+            "input_tokens": a.input_tokens,
+            "output_tokens": a.output_tokens,
+            "levels": rows,
+            "kv_cache": None
+            if capacity is None
+            else {"blocks": capacity.blocks, "block_tokens": capacity.block_tokens, "tokens": capacity.tokens},
+            "expected_kv_tokens": expected,
+            "drift": drift,
+        }
+        print(json.dumps(report, indent=2))
     else:
         _print_bench(a.url, model, a.input_tokens, a.output_tokens, rows)
-    return 1 if failed else 0
+        if capacity is not None:
+            print(
+                f"engine KV cache: {capacity.blocks:,} blocks of {capacity.block_tokens} tokens = "
+                f"{capacity.tokens:,} tokens per replica ({capacity.source})"
+            )
+        if expected is not None and drift is None:
+            print(f"plan check: {expected:,} KV tokens expected; the engine has them (tolerance {a.tolerance:.0%})")
+    if drift is not None:
+        print(f"kvfleet: plan check: {drift}", file=sys.stderr)
+    return 1 if failed or drift is not None else 0
+
+
+def _kv_drift(capacity: KvCapacity | None, expected: int | None, tolerance: float) -> str | None:
+    """Why the endpoint's KV cache fails the plan check, or None when it passes (or nothing was expected)."""
+    from kvfleet import contract
+
+    if expected is None:
+        return None
+    if capacity is None:
+        return (
+            f"the endpoint reports no KV-cache size on {contract.METRICS_ROUTE} (a load balancer that hides it, or "
+            "an agent older than this check); run the check against a replica's agent"
+        )
+    if capacity.tokens < expected * (1 - tolerance):
+        short = 1 - capacity.tokens / expected
+        return (
+            f"the engine allocated {capacity.tokens:,} KV tokens per replica, {short:.0%} fewer than the plan's "
+            f"{expected:,} (tolerance {tolerance:.0%}); the engine release or the memory left to it changed: "
+            "re-plan, or calibrate the plan with this measurement"
+        )
+    return None
+
+
+def _planned_kv_tokens(env_file: str, deployment: str | None) -> int:
+    """The KV-cache tokens per replica of a deployment's plan."""
+    from kvfleet.config.loader import environment_path, load_located
+    from kvfleet.deployments import config_error, plan_requests, resolve
+
+    loaded = load_located(environment_path(env_file))
+    try:
+        drs = plan_requests(loaded.environment)
+    except KvfleetError as err:
+        raise loaded.problem(err) from None
+    names = [dr.deployment.name for dr in drs]
+    if deployment is None and len(drs) == 1:
+        deployment = names[0]
+    matching = [dr for dr in drs if dr.deployment.name == deployment]
+    if not matching:
+        raise KvfleetError(
+            f"no deployment {deployment!r} in {loaded.source}; it has {', '.join(names)}", field="deployment"
+        )
+    try:
+        r = resolve(loaded.environment, matching[0])
+    except KvfleetError as err:
+        raise loaded.problem(config_error(err, matching[0].index)) from None
+    return r.candidate.capacity.kv_cache_tokens
 
 
 def _print_bench(url: str, model: str, inp: int, out: int, rows: list[dict[str, Any]]) -> None:

@@ -259,6 +259,13 @@ PUBLISHED_SIGNALS: tuple[Signal, ...] = SIGNALS
 SCALING_SIGNALS: tuple[Signal, ...] = (REPLICA_SATURATION, REQUESTS_WAITING)
 
 
+# The engine's KV cache as it allocated it, on the agent's /metrics (gauges labelled ``deployment``): what
+# `kvfleet bench` compares with the plan's KV tokens (an engine release or a driver that leaves less memory free
+# allocates less than planned). Not published to CloudWatch: it changes only when the engine restarts.
+PROM_ENGINE_KV_BLOCKS = "kvfleet_engine_kv_cache_blocks"
+PROM_ENGINE_KV_BLOCK_TOKENS = "kvfleet_engine_kv_block_tokens"
+
+
 # ---- the request log -------------------------------------------------------------------------------------------
 # One JSON line per finished request on the agent's stdout (CloudWatch Logs on every target), beside its other
 # output: what `kvfleet workload` and `kvfleet simulate` read back as a measured trace. No prompt text, and the

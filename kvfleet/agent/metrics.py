@@ -221,6 +221,9 @@ class _Scrape:
                 labels = tuple(sorted(sample.labels.items()))
                 self._by_name.setdefault(sample.name, {})[labels] = float(sample.value)
 
+    def label_sets(self, name: str) -> list[dict[str, str]]:
+        return [dict(labels) for labels in self._by_name.get(name, {})]
+
     def gauge(self, names: Sequence[str], combine: Callable[[Iterable[float]], float]) -> float | None:
         for name in names:
             values = [v for v in self._by_name.get(name, {}).values() if math.isfinite(v)]
@@ -366,6 +369,11 @@ class SignalCollector:
             for n in names
             for suffix in ("", "_bucket", "_sum", "_count")
         )
+        self._capacity_metric = adapter(engine).capacity_metric
+        if self._capacity_metric is not None:
+            self._wanted |= {self._capacity_metric[0]}
+        # (blocks, tokens per block) of the engine's KV cache, once a scrape has reported them.
+        self.kv_capacity: tuple[int, int] | None = None
         self._primed = counters_from_zero  # else set by the first scrape with engine metrics: the baseline
         self._counters: dict[str, dict[_SeriesKey, float]] = {}
         self._histograms: dict[str, dict[_SeriesKey, _Histogram]] = {}
@@ -433,6 +441,7 @@ class SignalCollector:
                 hist = scrape.histogram(names)
                 if hist is not None:
                     histograms[sig.name] = hist
+        capacity = self._capacity(scrape)
         saturation = self._saturation(gauges)
         if saturation is not None:
             gauges[contract.REPLICA_SATURATION.name] = saturation
@@ -471,9 +480,27 @@ class SignalCollector:
         for name, hists in histograms.items():
             self._histograms[name] = hists
         self._histogram_totals = histogram_totals
+        if capacity is not None:
+            self.kv_capacity = capacity
         found = bool(gauges or counters or histograms)
         self._primed = self._primed or found
         return found, gauges, deltas, distributions
+
+    def _capacity(self, scrape: _Scrape) -> tuple[int, int] | None:
+        """The engine's KV cache from its info metric's labels; with several engines (data parallel) the smallest,
+        which is what one request can count on."""
+        if self._capacity_metric is None:
+            return None
+        name, blocks_label, size_label = self._capacity_metric
+        found = []
+        for labels in scrape.label_sets(name):
+            try:
+                blocks, size = int(labels[blocks_label]), int(labels[size_label])
+            except (KeyError, ValueError):  # "None" before the engine has profiled memory
+                continue
+            if blocks > 0 and size > 0:
+                found.append((blocks, size))
+        return min(found, key=lambda c: c[0] * c[1]) if found else None
 
     def _saturation(self, gauges: Mapping[str, float]) -> float | None:
         """The larger of KV-cache use and running sequences over max_num_seqs (contract.REPLICA_SATURATION):
@@ -489,7 +516,11 @@ class SignalCollector:
     def prometheus_text(self, *, deployment: str) -> str:
         """The Prometheus re-export of the latest Sample's gauges and the running totals."""
         return prometheus_text(
-            self._latest, totals=self._totals, deployment=deployment, histograms=self._histogram_totals
+            self._latest,
+            totals=self._totals,
+            deployment=deployment,
+            histograms=self._histogram_totals,
+            kv_capacity=self.kv_capacity,
         )
 
 
@@ -559,6 +590,7 @@ def prometheus_text(
     totals: Mapping[str, float],
     deployment: str,
     histograms: Mapping[str, HistogramTotals] | None = None,
+    kv_capacity: tuple[int, int] | None = None,
 ) -> str:
     """Prometheus text exposition under the contract's ``prometheus_name``s, each series labelled ``deployment``.
 
@@ -587,6 +619,14 @@ def prometheus_text(
             histogram = HistogramMetricFamily(sig.prometheus_name, sig.description, labels=["deployment"])
             histogram.add_metric([deployment], buckets, totals_h.sum_seconds)
             families.append(histogram)
+    if kv_capacity is not None:
+        for prom, value, doc in (
+            (contract.PROM_ENGINE_KV_BLOCKS, kv_capacity[0], "KV-cache blocks the engine allocated"),
+            (contract.PROM_ENGINE_KV_BLOCK_TOKENS, kv_capacity[1], "Tokens per KV-cache block"),
+        ):
+            g = GaugeMetricFamily(prom, doc, labels=["deployment"])
+            g.add_metric([deployment], value)
+            families.append(g)
     return generate_latest(_Families(families)).decode("utf-8")
 
 

@@ -18,6 +18,7 @@ import itertools
 import json
 import math
 import random
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from typing import Any
 
 import aiohttp
 
+from kvfleet import contract
 from kvfleet.errors import KvfleetError
 
 # Token ids to build prompts from: well inside every vocabulary (Llama, Qwen, Mistral, tiny test models) and
@@ -197,6 +199,67 @@ def _event(res: Result, block: bytes, now: float) -> int:
 
 
 @dataclass(frozen=True, kw_only=True)
+class KvCapacity:
+    blocks: int
+    block_tokens: int
+    source: str  # which metric said so
+
+    @property
+    def tokens(self) -> int:
+        return self.blocks * self.block_tokens
+
+
+_GAUGE = re.compile(r"^(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
+_LABEL = re.compile(r'(?P<k>[A-Za-z_][A-Za-z0-9_]*)="(?P<v>(?:[^"\\]|\\.)*)"')
+
+
+def parse_capacity(text: str) -> KvCapacity | None:
+    """The KV cache an endpoint reports on its /metrics: the agent's re-export (contract.PROM_ENGINE_KV_*), or vLLM's
+    own ``vllm:cache_config_info`` where the URL is the engine itself."""
+    agent: dict[str, float] = {}
+    engine: list[tuple[int, int]] = []
+    for line in text.splitlines():
+        m = _GAUGE.match(line)
+        if m is None:
+            continue
+        name = m["name"]
+        if name in (contract.PROM_ENGINE_KV_BLOCKS, contract.PROM_ENGINE_KV_BLOCK_TOKENS):
+            try:
+                agent[name] = float(m["value"])
+            except ValueError:
+                continue
+        elif name == "vllm:cache_config_info":
+            labels = {x["k"]: x["v"] for x in _LABEL.finditer(m["labels"] or "")}
+            try:
+                engine.append((int(labels["num_gpu_blocks"]), int(labels["block_size"])))
+            except (KeyError, ValueError):
+                continue
+    if contract.PROM_ENGINE_KV_BLOCKS in agent and contract.PROM_ENGINE_KV_BLOCK_TOKENS in agent:
+        return KvCapacity(
+            blocks=int(agent[contract.PROM_ENGINE_KV_BLOCKS]),
+            block_tokens=int(agent[contract.PROM_ENGINE_KV_BLOCK_TOKENS]),
+            source=contract.PROM_ENGINE_KV_BLOCKS,
+        )
+    if engine:
+        blocks, size = min(engine, key=lambda c: c[0] * c[1])
+        return KvCapacity(blocks=blocks, block_tokens=size, source="vllm:cache_config_info")
+    return None
+
+
+async def read_capacity(http: aiohttp.ClientSession, ep: Endpoint) -> KvCapacity | None:
+    """The endpoint's KV cache from its /metrics; None where it has none (a load balancer that hides /metrics, an
+    engine or agent that does not report it)."""
+    url = ep.url.rstrip("/") + contract.METRICS_ROUTE
+    try:
+        async with http.get(url, headers=ep.request_headers()) as r:
+            if r.status != 200:
+                return None
+            return parse_capacity(await r.text())
+    except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+        return None
+
+
+@dataclass(frozen=True, kw_only=True)
 class Level:
     """One run at a fixed concurrency: every result and what the client's own loop lagged."""
 
@@ -223,8 +286,9 @@ async def run_concurrency(
     output_tokens: int,
     timeout_s: float = 600.0,
     seed: int = 0,
-) -> tuple[str, list[Level]]:
-    """``requests_per_level`` requests at each concurrency in turn (``c`` always in flight until the last)."""
+) -> tuple[str, list[Level], KvCapacity | None]:
+    """``requests_per_level`` requests at each concurrency in turn (``c`` always in flight until the last), and
+    the KV cache the endpoint reports after the run."""
     rng = random.Random(seed)
     conn = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
@@ -265,7 +329,7 @@ async def run_concurrency(
                     loop_lag_max_s=lags[-1] if lags else 0.0,
                 )
             )
-        return model, levels
+        return model, levels, await read_capacity(http, ep)
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float] | None:

@@ -109,6 +109,8 @@ class EngineAdapter(ABC):
     title: ClassVar[str]  # for people
     # The engine's Prometheus endpoint (on its own port, behind the agent).
     metrics_path: ClassVar[str]
+    # The metric whose labels give the KV cache the engine allocated: (name, blocks label, block size label).
+    capacity_metric: ClassVar[tuple[str, str, str] | None] = None
     health_path: ClassVar[str] = "/health"
     # The image the kvfleet serving image is built on by default (containers/Dockerfile, --build-arg BASE_IMAGE).
     default_base_image: ClassVar[str]

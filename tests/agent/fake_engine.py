@@ -114,6 +114,10 @@ class FakeEngine:
             "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
             "# TYPE vllm:kv_cache_usage_perc gauge",
             f"vllm:kv_cache_usage_perc{{{labels}}} {usage}",
+            # As vLLM's info gauge: CacheConfig's fields as labels (here the capacity this fake admits, 16 per block).
+            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+            "# TYPE vllm:cache_config_info gauge",
+            f'vllm:cache_config_info{{block_size="16",engine="0",num_gpu_blocks="{self.capacity * 64}"}} 1.0',
             "# HELP vllm:num_requests_running Number of requests in model execution batches.",
             "# TYPE vllm:num_requests_running gauge",
             f"vllm:num_requests_running{{{labels}}} {float(self.running)}",

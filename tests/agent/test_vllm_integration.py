@@ -204,12 +204,16 @@ def test_bench_sweep_against_the_real_engine_through_the_agent(agent: AgentProce
     engine's usage says so), ignore_eos makes every answer max_tokens long, and every token is timed."""
     from kvfleet.bench.client import Endpoint, run_concurrency, summarize
 
-    model, levels = run(
+    model, levels, capacity = run(
         run_concurrency(
             Endpoint(url=agent.url), concurrencies=[1, 4], requests_per_level=4, prompt_tokens=48, output_tokens=12
         )
     )
     assert model == "tiny"
+    # The cache the engine allocated, from its cache_config_info through the agent: the 4 MiB the test gave it over
+    # the tiny model's 1 KiB per token (K and V x 2 layers x 2 KV heads x 64 dims x 2 bytes).
+    assert capacity is not None and capacity.source == contract.PROM_ENGINE_KV_BLOCKS
+    assert capacity.tokens == CACHE_BYTES // (2 * 2 * 2 * 64 * 2)
     for lv in levels:
         assert all(r.ok for r in lv.results), [r.error for r in lv.results]
         for r in lv.results:
