@@ -28,7 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "deployments": {"config", "sizing", "engines", "targets", "contract", "errors", "versions"},
     "workload": {"contract", "errors"},
     "sim": {"sizing", "workload", "contract", "errors"},
-    "bench": {"contract", "errors"},
+    "bench": {"contract", "engines", "errors"},
     # The bridge from a resolved deployment to the simulator (fleet, replay, derived thresholds).
     "tuning": {"config", "deployments", "sim", "workload", "sizing", "targets", "errors"},
     "cli": {

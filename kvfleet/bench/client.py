@@ -27,6 +27,7 @@ from typing import Any
 import aiohttp
 
 from kvfleet import contract
+from kvfleet.engines import ENGINES
 from kvfleet.errors import KvfleetError
 
 # Token ids to build prompts from: well inside every vocabulary (Llama, Qwen, Mistral, tiny test models) and
@@ -214,10 +215,12 @@ _LABEL = re.compile(r'(?P<k>[A-Za-z_][A-Za-z0-9_]*)="(?P<v>(?:[^"\\]|\\.)*)"')
 
 
 def parse_capacity(text: str) -> KvCapacity | None:
-    """The KV cache an endpoint reports on its /metrics: the agent's re-export (contract.PROM_ENGINE_KV_*), or vLLM's
-    own ``vllm:cache_config_info`` where the URL is the engine itself."""
+    """The KV cache an endpoint reports on its /metrics: the agent's re-export (contract.PROM_ENGINE_KV_*), or the
+    engine's own info metric (its adapter's ``capacity_metric``) where the URL is the engine itself."""
     agent: dict[str, float] = {}
     engine: list[tuple[int, int]] = []
+    source = ""
+    info = {spec[0]: spec for a in ENGINES.values() if (spec := a.capacity_metric) is not None}
     for line in text.splitlines():
         m = _GAUGE.match(line)
         if m is None:
@@ -228,12 +231,14 @@ def parse_capacity(text: str) -> KvCapacity | None:
                 agent[name] = float(m["value"])
             except ValueError:
                 continue
-        elif name == "vllm:cache_config_info":
+        elif name in info:
+            _, blocks_label, size_label = info[name]
             labels = {x["k"]: x["v"] for x in _LABEL.finditer(m["labels"] or "")}
             try:
-                engine.append((int(labels["num_gpu_blocks"]), int(labels["block_size"])))
+                engine.append((int(labels[blocks_label]), int(labels[size_label])))
             except (KeyError, ValueError):
                 continue
+            source = name
     if contract.PROM_ENGINE_KV_BLOCKS in agent and contract.PROM_ENGINE_KV_BLOCK_TOKENS in agent:
         return KvCapacity(
             blocks=int(agent[contract.PROM_ENGINE_KV_BLOCKS]),
@@ -242,7 +247,7 @@ def parse_capacity(text: str) -> KvCapacity | None:
         )
     if engine:
         blocks, size = min(engine, key=lambda c: c[0] * c[1])
-        return KvCapacity(blocks=blocks, block_tokens=size, source="vllm:cache_config_info")
+        return KvCapacity(blocks=blocks, block_tokens=size, source=source)
     return None
 
 
