@@ -18,7 +18,7 @@ from kvfleet.errors import KvfleetError
 from kvfleet.targets import TARGETS
 
 if TYPE_CHECKING:
-    from kvfleet.bench.client import KvCapacity
+    from kvfleet.bench.client import KvCapacity, LevelSpec
     from kvfleet.config.loader import LoadedEnvironment
     from kvfleet.deployments import DeploymentRequest
     from kvfleet.sim.fleet import FleetResult, FleetSpec
@@ -58,6 +58,13 @@ def _int_list(text: str) -> list[int]:
     out = [_positive_int(part.strip()) for part in text.split(",") if part.strip()]
     if not out:
         raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}")
+    return out
+
+
+def _float_list(text: str) -> list[float]:
+    out = [_positive_float(part.strip()) for part in text.split(",") if part.strip()]
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive numbers, got {text!r}")
     return out
 
 
@@ -150,6 +157,24 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (default: $KVFLEET_BENCH_API_KEY)")
     be.add_argument("--header", action="append", default=[], help="extra request header NAME:VALUE (repeatable)")
     be.add_argument("--concurrency", type=_int_list, default=[1, 4, 16], help="comma-separated levels (default 1,4,16)")
+    be.add_argument(
+        "--rate",
+        type=_float_list,
+        help="open loop instead: Poisson arrivals at each of these comma-separated requests/s (a rate sweep)",
+    )
+    be.add_argument(
+        "--trace", help="open loop instead: replay a request trace's arrivals and lengths (the workload formats)"
+    )
+    be.add_argument("--trace-format", choices=["azure", "mooncake", "burstgpt", "kvfleet"])
+    be.add_argument("--start-s", type=float, default=0.0, help="skip this many seconds of the trace")
+    be.add_argument("--duration-s", type=_positive_float, help="trace window length")
+    be.add_argument("--rate-scale", type=_positive_float, default=1.0, help="replay the trace this many times faster")
+    be.add_argument(
+        "--ttft-ms", type=_positive_float, help="TTFT target: report attainment and the best rate meeting it"
+    )
+    be.add_argument(
+        "--slo-attainment", type=_fraction, default=0.95, help="share of requests within --ttft-ms (default 0.95)"
+    )
     be.add_argument("--requests", type=_positive_int, default=32, help="requests per level (default 32)")
     be.add_argument("--input-tokens", type=_positive_int, default=512, help="prompt length in tokens (default 512)")
     be.add_argument("--output-tokens", type=_positive_int, default=128, help="tokens to generate (default 128)")
@@ -867,7 +892,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     import os
     from urllib.parse import urlsplit
 
-    from kvfleet.bench.client import Endpoint, run_concurrency, summarize
+    from kvfleet.bench.client import Endpoint, run_levels, summarize
 
     parts = urlsplit(a.url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
@@ -889,19 +914,22 @@ def cmd_bench(a: argparse.Namespace) -> int:
         expected = _planned_kv_tokens(a.env, a.deployment)
     elif a.deployment is not None:
         raise KvfleetError("--deployment names a deployment of --env; give --env FILE too", field="deployment")
-    model, levels, capacity = asyncio.run(
-        run_concurrency(
-            ep,
-            concurrencies=a.concurrency,
-            requests_per_level=a.requests,
-            prompt_tokens=a.input_tokens,
-            output_tokens=a.output_tokens,
-            timeout_s=a.timeout_s,
-        )
-    )
-    rows = [summarize(level) for level in levels]
+    if a.trace is not None and a.rate is not None:
+        raise KvfleetError("--trace replays the trace's own arrivals; drop --rate (or use --rate-scale)", field="rate")
+    specs = _bench_levels(a)
+    model, levels, capacity = asyncio.run(run_levels(ep, specs, timeout_s=a.timeout_s))
+    slo = a.ttft_ms / 1000 if a.ttft_ms else None
+    rows = [summarize(level, ttft_slo_s=slo) for level in levels]
     failed = sum(r["requests"] - r["completed"] for r in rows)
     drift = _kv_drift(capacity, expected, a.tolerance)
+    meeting = [r for r in rows if r["ttft_attainment"] is not None and r["ttft_attainment"] >= a.slo_attainment]
+    best_rate = max((r["rate_per_s"] or 0.0 for r in meeting if r["rate_per_s"]), default=None)
+    slo_miss = None
+    if slo is not None and not meeting:
+        slo_miss = (
+            f"no level got {a.slo_attainment:.0%} of its requests a first token within {a.ttft_ms:g} ms "
+            f"(best {max(r['ttft_attainment'] or 0.0 for r in rows):.1%})"
+        )
     if a.json:
         report: dict[str, Any] = {
             "url": a.url,
@@ -914,6 +942,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
             else {"blocks": capacity.blocks, "block_tokens": capacity.block_tokens, "tokens": capacity.tokens},
             "expected_kv_tokens": expected,
             "drift": drift,
+            "ttft_target_s": slo,
+            "best_rate_per_s": best_rate,
+            "slo_miss": slo_miss,
         }
         print(json.dumps(report, indent=2))
     else:
@@ -923,11 +954,42 @@ def cmd_bench(a: argparse.Namespace) -> int:
                 f"engine KV cache: {capacity.blocks:,} blocks of {capacity.block_tokens} tokens = "
                 f"{capacity.tokens:,} tokens per replica ({capacity.source})"
             )
+        if best_rate is not None:
+            print(
+                f"highest rate with {a.slo_attainment:.0%} of first tokens within {a.ttft_ms:g} ms: {best_rate:g} req/s"
+            )
         if expected is not None and drift is None:
             print(f"plan check: {expected:,} KV tokens expected; the engine has them (tolerance {a.tolerance:.0%})")
     if drift is not None:
         print(f"kvfleet: plan check: {drift}", file=sys.stderr)
-    return 1 if failed or drift is not None else 0
+    if slo_miss is not None:
+        print(f"kvfleet: TTFT target: {slo_miss}", file=sys.stderr)
+    return 1 if failed or drift is not None or slo_miss is not None else 0
+
+
+def _bench_levels(a: argparse.Namespace) -> list[LevelSpec]:
+    from kvfleet.bench.client import LevelSpec, concurrency_levels, poisson_level
+
+    if a.trace is not None:
+        from kvfleet.workload.traces import read_trace
+
+        t = read_trace(a.trace, fmt=a.trace_format, start_s=a.start_s, duration_s=a.duration_s, rate_scale=a.rate_scale)
+        return [
+            LevelSpec(
+                label=f"trace x{a.rate_scale:g}",
+                arrivals_s=tuple(t.arrival_s),
+                lengths=tuple(zip(t.input_tokens, (max(1, o) for o in t.output_tokens), strict=True)),
+                rate_per_s=len(t) / t.duration_s if t.duration_s > 0 else None,
+            )
+        ]
+    if a.rate is not None:
+        return [
+            poisson_level(r, requests=a.requests, prompt_tokens=a.input_tokens, output_tokens=a.output_tokens)
+            for r in a.rate
+        ]
+    return concurrency_levels(
+        a.concurrency, requests=a.requests, prompt_tokens=a.input_tokens, output_tokens=a.output_tokens
+    )
 
 
 def _kv_drift(capacity: KvCapacity | None, expected: int | None, tolerance: float) -> str | None:
@@ -982,23 +1044,17 @@ def _print_bench(url: str, model: str, inp: int, out: int, rows: list[dict[str, 
     def ms(p: dict[str, float] | None, key: str, digits: int = 0) -> str:
         return "-" if p is None else f"{p[key] * 1e3:,.{digits}f}"
 
-    t = Table(title=f"{url}: {model}, {inp} prompt + {out} generated tokens per request")
-    for col in (
-        "concurrency",
-        "ok",
-        "failed",
-        "TTFT p50/p95 ms",
-        "ITL p50/p95 ms",
-        "TPOT p50 ms",
-        "req/s",
-        "out tok/s",
-        "client lag p99 ms",
-    ):
-        t.add_column(col, justify="right")
+    slo = any(r["ttft_attainment"] is not None for r in rows)
+    t = Table(title=f"{url}: {model}, {inp} prompt + {out} generated tokens per request (trace: its own lengths)")
+    cols = ["level", "ok", "failed", "TTFT p50/p95 ms", "ITL p50/p95 ms", "TPOT p50 ms", "req/s", "out tok/s"]
+    cols += ["TTFT in time"] if slo else []
+    cols += ["client lag p99 ms"]
+    for col in cols:
+        t.add_column(col, justify="left" if col == "level" else "right")
     for r in rows:
         failed = ", ".join(f"{n} x {k}" for k, n in sorted(r["failed"].items())) or "0"
-        t.add_row(
-            str(r["concurrency"]),
+        cells = [
+            r["level"],
             str(r["completed"]),
             failed,
             f"{ms(r['ttft_s'], 'p50')}/{ms(r['ttft_s'], 'p95')}",
@@ -1006,20 +1062,25 @@ def _print_bench(url: str, model: str, inp: int, out: int, rows: list[dict[str, 
             ms(r["tpot_s"], "p50", 1),
             f"{r['requests_per_s']:.2f}",
             f"{r['output_tokens_per_s']:,.0f}",
-            f"{r['client_loop_lag_p99_s'] * 1e3:.1f}",
-        )
+        ]
+        if slo:
+            cells.append("-" if r["ttft_attainment"] is None else f"{r['ttft_attainment']:.1%}")
+        cells.append(f"{r['client_loop_lag_p99_s'] * 1e3:.1f}")
+        t.add_row(*cells)
     console = _console()
     console.print(t)
     worst = max(r["client_loop_lag_p99_s"] for r in rows)
-    if worst > 0.005:
+    late = max(r["late_send_max_s"] for r in rows)
+    if worst > 0.005 or late > 0.05:
         console.print(
-            f"note: the client's event loop lagged {worst * 1e3:.1f} ms (p99): timings at that level include the "
-            "client's own delay; run it from a machine with more CPU or fewer concurrent streams",
+            f"note: the client's event loop lagged {worst * 1e3:.1f} ms (p99) and sent a request up to "
+            f"{late * 1e3:.0f} ms after its time: timings include the client's own delay; run it from a machine "
+            "with more CPU or fewer concurrent streams",
             markup=False,
         )
     for r in rows:
         for e in r["first_errors"]:
-            console.print(f"error at concurrency {r['concurrency']}: {e}", markup=False)
+            console.print(f"error at {r['level']}: {e}", markup=False)
 
 
 def cmd_schema(a: argparse.Namespace) -> int:

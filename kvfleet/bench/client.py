@@ -265,14 +265,37 @@ async def read_capacity(http: aiohttp.ClientSession, ep: Endpoint) -> KvCapacity
 
 
 @dataclass(frozen=True, kw_only=True)
-class Level:
-    """One run at a fixed concurrency: every result and what the client's own loop lagged."""
+class LevelSpec:
+    """One level of a run: a closed loop (``concurrency`` requests always in flight) or an open one (each request
+    sent at its ``arrivals_s`` offset, whatever is still in flight: the way traffic really arrives)."""
 
-    concurrency: int
+    label: str
+    lengths: tuple[tuple[int, int], ...]  # (prompt tokens, output tokens) per request
+    concurrency: int | None = None
+    arrivals_s: tuple[float, ...] | None = None
+    rate_per_s: float | None = None  # the open loop's mean rate, for the report
+
+    def __post_init__(self) -> None:
+        if (self.concurrency is None) == (self.arrivals_s is None):
+            raise ValueError("a level is either a concurrency or a schedule of arrivals")
+        if self.arrivals_s is not None and len(self.arrivals_s) != len(self.lengths):
+            raise ValueError("one arrival per request")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Level:
+    """One level's results and what the client's own loop lagged meanwhile."""
+
+    spec: LevelSpec
     results: tuple[Result, ...]
     wall_s: float
     loop_lag_p99_s: float
     loop_lag_max_s: float
+    late_sends_s: float = 0.0  # open loop: the latest a request left after its scheduled time
+
+    @property
+    def concurrency(self) -> int | None:
+        return self.spec.concurrency
 
 
 async def _ticker(lags: list[float], stop: asyncio.Event) -> None:
@@ -280,6 +303,96 @@ async def _ticker(lags: list[float], stop: asyncio.Event) -> None:
         t = time.perf_counter()
         await asyncio.sleep(TICK_S)
         lags.append(max(0.0, time.perf_counter() - t - TICK_S))
+
+
+async def _run_level(
+    http: aiohttp.ClientSession, ep: Endpoint, model: str, spec: LevelSpec, rng: random.Random, *, timeout_s: float
+) -> Level:
+    prompts = [prompt_ids(n, rng) for n, _ in spec.lengths]
+    results: list[Result] = []
+    late = [0.0]
+    lags: list[float] = []
+    stop = asyncio.Event()
+    tick = asyncio.create_task(_ticker(lags, stop))
+    start = time.perf_counter()
+    if spec.concurrency is not None:
+        queue: asyncio.Queue[int] = asyncio.Queue()
+        for i in range(len(prompts)):
+            queue.put_nowait(i)
+
+        async def worker() -> None:
+            while True:
+                try:
+                    i = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                out = spec.lengths[i][1]
+                results.append(await one_request(http, ep, model, prompts[i], max_tokens=out, timeout_s=timeout_s))
+
+        await asyncio.gather(*(worker() for _ in range(spec.concurrency)))
+    else:
+        assert spec.arrivals_s is not None
+
+        async def send(i: int, at: float) -> None:
+            delay = start + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            late[0] = max(late[0], time.perf_counter() - start - at)
+            out = spec.lengths[i][1]
+            results.append(await one_request(http, ep, model, prompts[i], max_tokens=out, timeout_s=timeout_s))
+
+        await asyncio.gather(*(send(i, at) for i, at in enumerate(spec.arrivals_s)))
+    wall = time.perf_counter() - start
+    stop.set()
+    await tick
+    lags.sort()
+    return Level(
+        spec=spec,
+        results=tuple(results),
+        wall_s=wall,
+        loop_lag_p99_s=lags[max(0, math.ceil(0.99 * len(lags)) - 1)] if lags else 0.0,
+        loop_lag_max_s=lags[-1] if lags else 0.0,
+        late_sends_s=late[0],
+    )
+
+
+async def run_levels(
+    ep: Endpoint, levels: Sequence[LevelSpec], *, timeout_s: float = 600.0, seed: int = 0
+) -> tuple[str, list[Level], KvCapacity | None]:
+    """Each level in turn, then the KV cache the endpoint reports."""
+    rng = random.Random(seed)
+    conn = aiohttp.TCPConnector(limit=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as http:
+        model = await discover_model(http, ep)
+        done = [await _run_level(http, ep, model, spec, rng, timeout_s=timeout_s) for spec in levels]
+        return model, done, await read_capacity(http, ep)
+
+
+def concurrency_levels(
+    concurrencies: Sequence[int], *, requests: int, prompt_tokens: int, output_tokens: int
+) -> list[LevelSpec]:
+    return [
+        LevelSpec(label=f"concurrency {c}", concurrency=c, lengths=((prompt_tokens, output_tokens),) * requests)
+        for c in concurrencies
+    ]
+
+
+def poisson_level(
+    rate_per_s: float, *, requests: int, prompt_tokens: int, output_tokens: int, seed: int = 0
+) -> LevelSpec:
+    """Poisson arrivals at ``rate_per_s`` (seeded: reruns send the same schedule)."""
+    rng = random.Random(seed)
+    t, times = 0.0, []
+    for _ in range(requests):
+        times.append(t)
+        t += rng.expovariate(rate_per_s)
+    return LevelSpec(
+        label=f"{rate_per_s:g} req/s",
+        arrivals_s=tuple(times),
+        lengths=((prompt_tokens, output_tokens),) * requests,
+        rate_per_s=rate_per_s,
+    )
 
 
 async def run_concurrency(
@@ -292,49 +405,11 @@ async def run_concurrency(
     timeout_s: float = 600.0,
     seed: int = 0,
 ) -> tuple[str, list[Level], KvCapacity | None]:
-    """``requests_per_level`` requests at each concurrency in turn (``c`` always in flight until the last), and
-    the KV cache the endpoint reports after the run."""
-    rng = random.Random(seed)
-    conn = aiohttp.TCPConnector(limit=0, force_close=False)
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
-    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as http:
-        model = await discover_model(http, ep)
-        levels = []
-        for c in concurrencies:
-            prompts = [prompt_ids(prompt_tokens, rng) for _ in range(requests_per_level)]
-            queue: asyncio.Queue[list[int]] = asyncio.Queue()
-            for p in prompts:
-                queue.put_nowait(p)
-            results: list[Result] = []
-
-            async def worker(q: asyncio.Queue[list[int]] = queue, out: list[Result] = results) -> None:
-                while True:
-                    try:
-                        p = q.get_nowait()
-                    except asyncio.QueueEmpty:
-                        return
-                    out.append(await one_request(http, ep, model, p, max_tokens=output_tokens, timeout_s=timeout_s))
-
-            lags: list[float] = []
-            stop = asyncio.Event()
-            tick = asyncio.create_task(_ticker(lags, stop))
-            start = time.perf_counter()
-            await asyncio.gather(*(worker() for _ in range(c)))
-            wall = time.perf_counter() - start
-            stop.set()
-            await tick
-            lags.sort()
-            p99 = lags[max(0, int(0.99 * len(lags)) - 1)] if lags else 0.0
-            levels.append(
-                Level(
-                    concurrency=c,
-                    results=tuple(results),
-                    wall_s=wall,
-                    loop_lag_p99_s=p99,
-                    loop_lag_max_s=lags[-1] if lags else 0.0,
-                )
-            )
-        return model, levels, await read_capacity(http, ep)
+    """``requests_per_level`` requests at each concurrency in turn (``c`` always in flight until the last)."""
+    specs = concurrency_levels(
+        concurrencies, requests=requests_per_level, prompt_tokens=prompt_tokens, output_tokens=output_tokens
+    )
+    return await run_levels(ep, specs, timeout_s=timeout_s, seed=seed)
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float] | None:
@@ -348,7 +423,7 @@ def percentiles(values: Sequence[float]) -> dict[str, float] | None:
     return {"p50": q(0.50), "p95": q(0.95), "p99": q(0.99), "mean": sum(v) / len(v)}
 
 
-def summarize(level: Level) -> dict[str, Any]:
+def summarize(level: Level, *, ttft_slo_s: float | None = None) -> dict[str, Any]:
     rs = level.results
     ok = [r for r in rs if r.ok]
     failed: dict[str, int] = {}
@@ -357,8 +432,15 @@ def summarize(level: Level) -> dict[str, Any]:
             key = str(r.status) if r.status is not None and r.status != 200 else "stream" if r.status else "connection"
             failed[key] = failed.get(key, 0) + 1
     out_tokens = sum(r.output_tokens for r in ok)
+    attainment = None
+    if ttft_slo_s is not None and rs:  # a failed request misses the target
+        attainment = sum(1 for r in ok if r.ttft_s is not None and r.ttft_s <= ttft_slo_s) / len(rs)
     return {
+        "level": level.spec.label,
         "concurrency": level.concurrency,
+        "rate_per_s": level.spec.rate_per_s,
+        "ttft_attainment": attainment,
+        "late_send_max_s": level.late_sends_s,
         "requests": len(rs),
         "completed": len(ok),
         "failed": failed,

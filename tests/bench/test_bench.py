@@ -173,3 +173,72 @@ def test_plan_check_options_are_checked_before_any_request(capsys: pytest.Captur
     assert code == 2
     [line] = err.strip().splitlines()
     assert "no deployment 'nope'" in line and "it has chat" in line
+
+
+def _streaming(seen: list[tuple[float, int, int]]) -> Any:
+    """An endpoint streaming max_tokens one-token chunks 5 ms apart; records (arrival, prompt length, max_tokens)."""
+    import time as _time
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        if request.path == "/v1/models":
+            return web.json_response({"data": [{"id": "m"}]})
+        if request.path == "/metrics":
+            return web.Response(status=404)
+        body = await request.json()
+        seen.append((_time.perf_counter(), len(body["prompt"]), body["max_tokens"]))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(body["max_tokens"]):
+            await asyncio.sleep(0.005)
+            await resp.write(b'data: {"choices": [{"text": "x"}]}\n\n')
+        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"]}
+        await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
+        return resp
+
+    return handler
+
+
+def test_a_rate_sweep_reports_the_highest_rate_meeting_the_target(capsys: pytest.CaptureFixture[str]) -> None:
+    seen: list[tuple[float, int, int]] = []
+    with serving(_streaming(seen)) as url:
+        code, out, err = one_line(
+            capsys, url, "--rate", "5,20", "--requests", "10", "--input-tokens", "7", "--output-tokens", "3",
+            "--ttft-ms", "2000", "--json",
+        )  # fmt: skip
+    assert code == 0, err
+    report = json.loads(out)
+    assert [lv["level"] for lv in report["levels"]] == ["5 req/s", "20 req/s"]
+    assert all(lv["completed"] == 10 and lv["ttft_attainment"] == 1.0 for lv in report["levels"])
+    assert report["best_rate_per_s"] == 20
+    assert {(p, m) for _, p, m in seen} == {(7, 3)}
+    assert report["kv_cache"] is None  # this endpoint has no /metrics
+
+
+def test_a_trace_is_replayed_at_its_own_times_and_lengths(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:00:00.000,11,2\n"
+        "2023-11-16 18:00:00.400,12,3\n"
+        "2023-11-16 18:00:00.800,13,4\n"
+        "2023-11-16 18:00:01.600,14,5\n",
+        encoding="utf-8",
+    )
+    seen: list[tuple[float, int, int]] = []
+    with serving(_streaming(seen)) as url:
+        code, out, err = one_line(capsys, url, "--trace", str(trace), "--trace-format", "azure", "--json")
+    assert code == 0, err
+    [level] = json.loads(out)["levels"]
+    assert level["completed"] == 4 and level["level"] == "trace x1"
+    seen.sort()
+    assert [(p, m) for _, p, m in seen] == [(11, 2), (12, 3), (13, 4), (14, 5)]
+    offsets = [t - seen[0][0] for t, _, _ in seen]
+    assert offsets == pytest.approx([0.0, 0.4, 0.8, 1.6], abs=0.1)  # open loop: sent on the trace's schedule
+
+
+def test_a_missed_ttft_target_fails_the_run(capsys: pytest.CaptureFixture[str]) -> None:
+    seen: list[tuple[float, int, int]] = []
+    with serving(_streaming(seen)) as url:
+        code, _, err = one_line(capsys, url, "--concurrency", "2", "--requests", "2", "--ttft-ms", "1")
+    assert code == 1
+    assert "kvfleet: TTFT target: no level got 95% of its requests a first token within 1 ms" in err
