@@ -20,7 +20,7 @@ from kvfleet.targets import TARGETS
 if TYPE_CHECKING:
     from kvfleet.bench.client import KvCapacity, LevelSpec
     from kvfleet.config.loader import LoadedEnvironment
-    from kvfleet.deployments import DeploymentRequest
+    from kvfleet.deployments import DeploymentRequest, ResolvedDeployment
     from kvfleet.sim.fleet import FleetResult, FleetSpec
     from kvfleet.sim.policy import Outcome
     from kvfleet.sizing.capacity import Capacity
@@ -175,6 +175,16 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument(
         "--slo-attainment", type=_fraction, default=0.95, help="share of requests within --ttft-ms (default 0.95)"
     )
+    be.add_argument(
+        "--limits",
+        action="store_true",
+        help="test the limits together: --max-input-tokens + --max-output-tokens at --max-concurrency, then at twice "
+        "it (or the plan's, with --env); passes when nothing fails or is preempted at the planned concurrency and "
+        "what fails above it is refused with 429",
+    )
+    be.add_argument("--max-input-tokens", type=_positive_int)
+    be.add_argument("--max-output-tokens", type=_positive_int)
+    be.add_argument("--max-concurrency", type=_positive_int)
     be.add_argument("--requests", type=_positive_int, default=32, help="requests per level (default 32)")
     be.add_argument("--input-tokens", type=_positive_int, default=512, help="prompt length in tokens (default 512)")
     be.add_argument("--output-tokens", type=_positive_int, default=128, help="tokens to generate (default 128)")
@@ -910,24 +920,33 @@ def cmd_bench(a: argparse.Namespace) -> int:
         headers=tuple(headers),
     )
     expected = a.expect_kv_tokens
+    planned = None
     if a.env is not None:
-        expected = _planned_kv_tokens(a.env, a.deployment)
+        planned = _planned(a.env, a.deployment)
+        expected = expected or planned.candidate.capacity.kv_cache_tokens
     elif a.deployment is not None:
         raise KvfleetError("--deployment names a deployment of --env; give --env FILE too", field="deployment")
+    limits = _limits(a, planned) if a.limits else None
     if a.trace is not None and a.rate is not None:
         raise KvfleetError("--trace replays the trace's own arrivals; drop --rate (or use --rate-scale)", field="rate")
-    specs = _bench_levels(a)
+    if limits is not None and (a.trace is not None or a.rate is not None):
+        raise KvfleetError("--limits runs its own two levels; drop --trace and --rate", field="limits")
+    specs = _limits_levels(*limits) if limits is not None else _bench_levels(a)
     model, levels, capacity = asyncio.run(run_levels(ep, specs, timeout_s=a.timeout_s))
-    slo = a.ttft_ms / 1000 if a.ttft_ms else None
+    ttft_ms = a.ttft_ms or (planned.deployment.workload.ttft_ms if planned is not None else None)
+    slo = ttft_ms / 1000 if ttft_ms else None
     rows = [summarize(level, ttft_slo_s=slo) for level in levels]
     failed = sum(r["requests"] - r["completed"] for r in rows)
     drift = _kv_drift(capacity, expected, a.tolerance)
     meeting = [r for r in rows if r["ttft_attainment"] is not None and r["ttft_attainment"] >= a.slo_attainment]
     best_rate = max((r["rate_per_s"] or 0.0 for r in meeting if r["rate_per_s"]), default=None)
     slo_miss = None
+    verdict = _limits_verdict(rows) if limits is not None else None
+    if limits is not None:
+        slo = None  # --limits judges the planned level alone (below), not every level
     if slo is not None and not meeting:
         slo_miss = (
-            f"no level got {a.slo_attainment:.0%} of its requests a first token within {a.ttft_ms:g} ms "
+            f"no level got {a.slo_attainment:.0%} of its requests a first token within {ttft_ms:g} ms "
             f"(best {max(r['ttft_attainment'] or 0.0 for r in rows):.1%})"
         )
     if a.json:
@@ -945,6 +964,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
             "ttft_target_s": slo,
             "best_rate_per_s": best_rate,
             "slo_miss": slo_miss,
+            "limits": verdict,
         }
         print(json.dumps(report, indent=2))
     else:
@@ -956,7 +976,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
             )
         if best_rate is not None:
             print(
-                f"highest rate with {a.slo_attainment:.0%} of first tokens within {a.ttft_ms:g} ms: {best_rate:g} req/s"
+                f"highest rate with {a.slo_attainment:.0%} of first tokens within {ttft_ms:g} ms: {best_rate:g} req/s"
             )
         if expected is not None and drift is None:
             print(f"plan check: {expected:,} KV tokens expected; the engine has them (tolerance {a.tolerance:.0%})")
@@ -964,7 +984,71 @@ def cmd_bench(a: argparse.Namespace) -> int:
         print(f"kvfleet: plan check: {drift}", file=sys.stderr)
     if slo_miss is not None:
         print(f"kvfleet: TTFT target: {slo_miss}", file=sys.stderr)
+    if verdict is not None:
+        for line in verdict["lines"]:
+            if line.startswith("kvfleet: "):
+                print(line, file=sys.stderr)
+            elif not a.json:
+                print(line)
+        return 0 if verdict["passed"] and drift is None else 1
     return 1 if failed or drift is not None or slo_miss is not None else 0
+
+
+def _limits(a: argparse.Namespace, planned: ResolvedDeployment | None) -> tuple[int, int, int, float | None]:
+    """(max input, max output, planned concurrency, TTFT target s) for --limits: the flags, else the plan's."""
+    w = planned.deployment.workload if planned is not None else None
+    n_in = a.max_input_tokens or (w.max_input_tokens if w else None)
+    n_out = a.max_output_tokens or (w.max_output_tokens if w else None)
+    c = a.max_concurrency or (planned.engine_args.max_num_seqs if planned is not None else None)
+    missing = [
+        f for f, v in (("--max-input-tokens", n_in), ("--max-output-tokens", n_out), ("--max-concurrency", c)) if not v
+    ]
+    if missing:
+        raise KvfleetError(f"--limits needs {', '.join(missing)} (or --env with the plan)", field="limits")
+    assert n_in and n_out and c
+    ttft = a.ttft_ms or (w.ttft_ms if w else None)
+    return n_in, n_out, c, ttft / 1000 if ttft else None
+
+
+def _limits_levels(n_in: int, n_out: int, c: int, _ttft: float | None) -> list[LevelSpec]:
+    from kvfleet.bench.client import LevelSpec
+
+    return [
+        LevelSpec(label=f"limits at {c}", concurrency=c, lengths=((n_in, n_out),) * (2 * c)),
+        LevelSpec(label=f"above, at {2 * c}", concurrency=2 * c, lengths=((n_in, n_out),) * (4 * c)),
+    ]
+
+
+def _limits_verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    at, above = rows
+    problems = []
+    if at["failed"]:
+        problems.append(f"{sum(at['failed'].values())} requests failed ({_failures(at)})")
+    if at["preemptions"]:
+        problems.append(f"the engine preempted {at['preemptions']:g} times (the cache ran short)")
+    if at["ttft_attainment"] is not None and at["ttft_attainment"] < 0.95:  # the plan holds TTFT at p95
+        problems.append(f"TTFT target met by {at['ttft_attainment']:.1%} < 95%")
+    others = {k: n for k, n in above["failed"].items() if k != "429"}
+    lines = []
+    if problems:
+        lines.append(f"kvfleet: limits: at the planned concurrency {at['level']}: " + "; ".join(problems))
+    else:
+        unknown = " (no preemption counter on this endpoint)" if at["preemptions"] is None else ""
+        lines.append(f"limits: {at['level']}: every request completed, none preempted{unknown}")
+    if others:
+        lines.append(
+            f"kvfleet: limits: {above['level']}: {sum(others.values())} failed otherwise than 429 "
+            f"({_failures(above)}): the endpoint falls over above its plan instead of refusing what it cannot admit"
+        )
+    elif above["failed"]:
+        lines.append(f"limits: {above['level']}: {above['failed']['429']} refused with 429 (admission), none failed")
+    else:
+        lines.append(f"limits: {above['level']}: every request completed (admission let them queue)")
+    return {"passed": not problems and not others, "lines": lines}
+
+
+def _failures(row: dict[str, Any]) -> str:
+    return ", ".join(f"{n} x {k}" for k, n in sorted(row["failed"].items()))
 
 
 def _bench_levels(a: argparse.Namespace) -> list[LevelSpec]:
@@ -1013,8 +1097,8 @@ def _kv_drift(capacity: KvCapacity | None, expected: int | None, tolerance: floa
     return None
 
 
-def _planned_kv_tokens(env_file: str, deployment: str | None) -> int:
-    """The KV-cache tokens per replica of a deployment's plan."""
+def _planned(env_file: str, deployment: str | None) -> ResolvedDeployment:
+    """A deployment of an environment file as planned."""
     from kvfleet.config.loader import environment_path, load_located
     from kvfleet.deployments import config_error, plan_requests, resolve
 
@@ -1032,10 +1116,9 @@ def _planned_kv_tokens(env_file: str, deployment: str | None) -> int:
             f"no deployment {deployment!r} in {loaded.source}; it has {', '.join(names)}", field="deployment"
         )
     try:
-        r = resolve(loaded.environment, matching[0])
+        return resolve(loaded.environment, matching[0])
     except KvfleetError as err:
         raise loaded.problem(config_error(err, matching[0].index)) from None
-    return r.candidate.capacity.kv_cache_tokens
 
 
 def _print_bench(url: str, model: str, inp: int, out: int, rows: list[dict[str, Any]]) -> None:

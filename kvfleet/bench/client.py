@@ -21,7 +21,7 @@ import random
 import re
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -251,17 +251,41 @@ def parse_capacity(text: str) -> KvCapacity | None:
     return None
 
 
-async def read_capacity(http: aiohttp.ClientSession, ep: Endpoint) -> KvCapacity | None:
-    """The endpoint's KV cache from its /metrics; None where it has none (a load balancer that hides /metrics, an
-    engine or agent that does not report it)."""
+# The preemption counter: the agent's, else vLLM's own (where the URL is the engine).
+_PREEMPTION_COUNTERS = (contract.PREEMPTIONS.prometheus_name, "vllm:num_preemptions_total")
+
+
+def parse_preemptions(text: str) -> float | None:
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _GAUGE.match(line)
+        if m is not None and m["name"] in _PREEMPTION_COUNTERS:
+            try:
+                totals[m["name"]] = totals.get(m["name"], 0.0) + float(m["value"])
+            except ValueError:
+                continue
+    return next((totals[n] for n in _PREEMPTION_COUNTERS if n in totals), None)
+
+
+async def _metrics_text(http: aiohttp.ClientSession, ep: Endpoint) -> str | None:
     url = ep.url.rstrip("/") + contract.METRICS_ROUTE
     try:
         async with http.get(url, headers=ep.request_headers()) as r:
-            if r.status != 200:
-                return None
-            return parse_capacity(await r.text())
+            return await r.text() if r.status == 200 else None
     except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
         return None
+
+
+async def read_preemptions(http: aiohttp.ClientSession, ep: Endpoint) -> float | None:
+    text = await _metrics_text(http, ep)
+    return None if text is None else parse_preemptions(text)
+
+
+async def read_capacity(http: aiohttp.ClientSession, ep: Endpoint) -> KvCapacity | None:
+    """The endpoint's KV cache from its /metrics; None where it has none (a load balancer that hides /metrics, an
+    engine or agent that does not report it)."""
+    text = await _metrics_text(http, ep)
+    return None if text is None else parse_capacity(text)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -292,6 +316,7 @@ class Level:
     loop_lag_p99_s: float
     loop_lag_max_s: float
     late_sends_s: float = 0.0  # open loop: the latest a request left after its scheduled time
+    preemptions: float | None = None  # the engine's preemption counter over the level (None: not reported)
 
     @property
     def concurrency(self) -> int | None:
@@ -365,7 +390,15 @@ async def run_levels(
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as http:
         model = await discover_model(http, ep)
-        done = [await _run_level(http, ep, model, spec, rng, timeout_s=timeout_s) for spec in levels]
+        done = []
+        for spec in levels:
+            before = await read_preemptions(http, ep)
+            level = await _run_level(http, ep, model, spec, rng, timeout_s=timeout_s)
+            after = await read_preemptions(http, ep)
+            if after is not None:
+                # No counter before the level: the agent had not scraped its engine yet, and counts from 0.
+                level = replace(level, preemptions=max(0.0, after - (before or 0.0)))
+            done.append(level)
         return model, done, await read_capacity(http, ep)
 
 
@@ -441,6 +474,7 @@ def summarize(level: Level, *, ttft_slo_s: float | None = None) -> dict[str, Any
         "rate_per_s": level.spec.rate_per_s,
         "ttft_attainment": attainment,
         "late_send_max_s": level.late_sends_s,
+        "preemptions": level.preemptions,
         "requests": len(rs),
         "completed": len(ok),
         "failed": failed,

@@ -242,3 +242,66 @@ def test_a_missed_ttft_target_fails_the_run(capsys: pytest.CaptureFixture[str]) 
         code, _, err = one_line(capsys, url, "--concurrency", "2", "--requests", "2", "--ttft-ms", "1")
     assert code == 1
     assert "kvfleet: TTFT target: no level got 95% of its requests a first token within 1 ms" in err
+
+
+@contextlib.contextmanager
+def agent_in_thread(**overrides: Any) -> Iterator[str]:
+    """The agent (in front of the fake engine) on its own event loop in a thread, so the CLI's own loop can run."""
+    loop = asyncio.new_event_loop()
+    s = settings(**overrides)
+    ctx = running(s)
+    started = threading.Event()
+    stop: asyncio.Event | None = None
+
+    async def main_() -> None:
+        nonlocal stop
+        stop = asyncio.Event()
+        async with ctx:
+            started.set()
+            await stop.wait()
+
+    t = threading.Thread(target=lambda: loop.run_until_complete(main_()), daemon=True)
+    t.start()
+    assert started.wait(60), "the agent did not start"
+    try:
+        yield f"http://127.0.0.1:{s.port}"
+    finally:
+        assert stop is not None
+        loop.call_soon_threadsafe(stop.set)
+        t.join(60)
+
+
+def test_limits_pass_at_the_plan_and_are_refused_with_429_above(capsys: pytest.CaptureFixture[str]) -> None:
+    """Admission holds 6 requests of 20 + 5 tokens (150 tokens at factor 1): at the planned 4 every request runs,
+    at 8 the ones past the budget are refused with 429, which is the designed break, so --limits passes."""
+    with agent_in_thread(
+        engine_command=fake_engine_command(token_delay=0.02, capacity=8), token_budget=150, admission_factor=1.0
+    ) as url:
+        code, out, err = one_line(
+            capsys, url, "--limits", "--max-input-tokens", "20", "--max-output-tokens", "5",
+            "--max-concurrency", "4", "--json",
+        )  # fmt: skip
+    report = json.loads(out)
+    at, above = report["levels"]
+    assert at["completed"] == 8 and at["failed"] == {} and at["preemptions"] == 0
+    assert above["failed"].get("429", 0) > 0 and set(above["failed"]) == {"429"}, above
+    assert report["limits"]["passed"] and code == 0, err
+    assert "refused with 429 (admission), none failed" in report["limits"]["lines"][1]
+
+
+def test_limits_fail_when_the_planned_level_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    """The same endpoint with a budget too small for the planned concurrency: requests at the plan are refused."""
+    with agent_in_thread(
+        engine_command=fake_engine_command(token_delay=0.02, capacity=8), token_budget=60, admission_factor=1.0
+    ) as url:
+        code, _, err = one_line(
+            capsys, url, "--limits", "--max-input-tokens", "20", "--max-output-tokens", "5", "--max-concurrency", "4"
+        )
+    assert code == 1
+    assert "kvfleet: limits: at the planned concurrency limits at 4:" in err and "x 429" in err
+
+
+def test_limits_need_their_lengths(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = one_line(capsys, f"http://127.0.0.1:{free_port()}", "--limits", "--max-input-tokens", "10")
+    assert code == 2
+    assert "--limits needs --max-output-tokens, --max-concurrency (or --env with the plan)" in err
