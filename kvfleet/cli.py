@@ -152,7 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="load-test a live OpenAI-compatible endpoint (the agent, vLLM, trtllm-serve, a load balancer) with "
         "streaming timing: TTFT, ITL, TPOT, throughput per concurrency",
     )
-    be.add_argument("url", help="the endpoint's base URL, e.g. http://127.0.0.1:8080")
+    be.add_argument(
+        "url",
+        help="the endpoint's base URL (http://127.0.0.1:8080), or sagemaker:<endpoint name> for a SageMaker endpoint "
+        "(InvokeEndpointWithResponseStream with the usual AWS credentials)",
+    )
+    be.add_argument("--region", help="the SageMaker endpoint's region (default: the AWS configuration's)")
+    be.add_argument("--endpoint-url", help="SageMaker runtime URL (a VPC endpoint)")
     be.add_argument("--model", help="model id to request (default: the first /v1/models lists)")
     be.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (default: $KVFLEET_BENCH_API_KEY)")
     be.add_argument("--header", action="append", default=[], help="extra request header NAME:VALUE (repeatable)")
@@ -900,13 +906,28 @@ def cmd_synth(a: argparse.Namespace) -> int:
 def cmd_bench(a: argparse.Namespace) -> int:
     import asyncio
     import os
+    import re
     from urllib.parse import urlsplit
 
-    from kvfleet.bench.client import Endpoint, run_levels, summarize
+    from kvfleet.bench.client import Endpoint, run_levels, run_levels_sagemaker, summarize
 
-    parts = urlsplit(a.url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise KvfleetError(f"{a.url!r} is not an http(s) URL; e.g. http://127.0.0.1:8080", field="url")
+    sagemaker = None
+    if a.url.startswith("sagemaker:"):
+        from kvfleet.bench.sagemaker import SageMakerTarget
+
+        name = a.url.removeprefix("sagemaker:")
+        # SageMaker's EndpointName pattern (CreateEndpoint API reference).
+        if not re.fullmatch(r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}", name):
+            raise KvfleetError(
+                f"{name!r} is not a SageMaker endpoint name (letters, digits, '-', 63 at most)", field="url"
+            )
+        sagemaker = SageMakerTarget(endpoint_name=name, region=a.region, endpoint_url=a.endpoint_url)
+    else:
+        parts = urlsplit(a.url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise KvfleetError(
+                f"{a.url!r} is not an http(s) URL or sagemaker:<endpoint name>; e.g. http://127.0.0.1:8080", field="url"
+            )
     headers = []
     for h in a.header:
         name, sep, value = h.partition(":")
@@ -932,7 +953,11 @@ def cmd_bench(a: argparse.Namespace) -> int:
     if limits is not None and (a.trace is not None or a.rate is not None):
         raise KvfleetError("--limits runs its own two levels; drop --trace and --rate", field="limits")
     specs = _limits_levels(*limits) if limits is not None else _bench_levels(a)
-    model, levels, capacity = asyncio.run(run_levels(ep, specs, timeout_s=a.timeout_s))
+    if sagemaker is not None:
+        run = run_levels_sagemaker(sagemaker, specs, model=a.model, timeout_s=a.timeout_s)
+    else:
+        run = run_levels(ep, specs, timeout_s=a.timeout_s)
+    model, levels, capacity = asyncio.run(run)
     ttft_ms = a.ttft_ms or (planned.deployment.workload.ttft_ms if planned is not None else None)
     slo = ttft_ms / 1000 if ttft_ms else None
     rows = [summarize(level, ttft_slo_s=slo) for level in levels]

@@ -70,7 +70,7 @@ THIRD_PARTY: dict[str, set[str] | None] = {
     "config": {"pydantic", "yaml"},
     "deployments": set(),
     "tuning": set(),
-    "bench": {"aiohttp"},
+    "bench": {"aiohttp", "boto3", "botocore"},
     "workload": set(),
     # matplotlib only in sim/timeline.py, imported inside the function that draws: the simulator itself and the
     # CLI's start-up stay standard library.

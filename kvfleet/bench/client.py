@@ -20,15 +20,18 @@ import math
 import random
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
 from kvfleet import contract
 from kvfleet.engines import ENGINES
 from kvfleet.errors import KvfleetError
+
+if TYPE_CHECKING:
+    from kvfleet.bench.sagemaker import SageMakerTarget
 
 # Token ids to build prompts from: well inside every vocabulary (Llama, Qwen, Mistral, tiny test models) and
 # past the special tokens at the start of most vocabularies.
@@ -119,11 +122,10 @@ async def discover_model(http: aiohttp.ClientSession, ep: Endpoint) -> str:
     return models[0]
 
 
-async def one_request(
-    http: aiohttp.ClientSession, ep: Endpoint, model: str, prompt: list[int], *, max_tokens: int, timeout_s: float
-) -> Result:
-    body = {
-        "model": model,
+def completion_body(model: str | None, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """A streaming completion of exactly ``max_tokens`` tokens for a token-id prompt (vLLM's and TensorRT-LLM's
+    OpenAI servers take token ids as the prompt and ignore_eos/min_tokens as sampling extensions)."""
+    body: dict[str, Any] = {
         "prompt": prompt,
         "max_tokens": max_tokens,
         "min_tokens": max_tokens,
@@ -132,6 +134,24 @@ async def one_request(
         "stream_options": {"include_usage": True},
         "temperature": 0.0,
     }
+    if model is not None:
+        body["model"] = model
+    return body
+
+
+def feed_sse(res: Result, buf: bytes, now: float) -> tuple[bytes, int]:
+    """Parse every complete server-sent event in ``buf`` into ``res``; returns what is left and the text chunks."""
+    chunks = 0
+    while b"\n\n" in buf:
+        block, buf = buf.split(b"\n\n", 1)
+        chunks += _event(res, block, now)
+    return buf, chunks
+
+
+async def one_request(
+    http: aiohttp.ClientSession, ep: Endpoint, model: str, prompt: list[int], *, max_tokens: int, timeout_s: float
+) -> Result:
+    body = completion_body(model, prompt, max_tokens)
     res = Result(prompt_tokens=len(prompt), max_tokens=max_tokens, sent_s=time.perf_counter())
     url = ep.url.rstrip("/") + "/v1/completions"
     try:
@@ -146,11 +166,8 @@ async def one_request(
             buf = b""
             chunks = 0
             async for data in r.content.iter_any():
-                now = time.perf_counter()
-                buf += data
-                while b"\n\n" in buf:
-                    block, buf = buf.split(b"\n\n", 1)
-                    chunks += _event(res, block, now)
+                buf, n = feed_sse(res, buf + data, time.perf_counter())
+                chunks += n
             if buf.strip():
                 chunks += _event(res, buf, time.perf_counter())
             res.done_s = time.perf_counter()
@@ -330,9 +347,10 @@ async def _ticker(lags: list[float], stop: asyncio.Event) -> None:
         lags.append(max(0.0, time.perf_counter() - t - TICK_S))
 
 
-async def _run_level(
-    http: aiohttp.ClientSession, ep: Endpoint, model: str, spec: LevelSpec, rng: random.Random, *, timeout_s: float
-) -> Level:
+Send = Callable[[list[int], int], Awaitable[Result]]  # (prompt ids, output tokens) -> the request's result
+
+
+async def _run_level(send: Send, spec: LevelSpec, rng: random.Random) -> Level:
     prompts = [prompt_ids(n, rng) for n, _ in spec.lengths]
     results: list[Result] = []
     late = [0.0]
@@ -351,22 +369,20 @@ async def _run_level(
                     i = queue.get_nowait()
                 except asyncio.QueueEmpty:
                     return
-                out = spec.lengths[i][1]
-                results.append(await one_request(http, ep, model, prompts[i], max_tokens=out, timeout_s=timeout_s))
+                results.append(await send(prompts[i], spec.lengths[i][1]))
 
         await asyncio.gather(*(worker() for _ in range(spec.concurrency)))
     else:
         assert spec.arrivals_s is not None
 
-        async def send(i: int, at: float) -> None:
+        async def fire(i: int, at: float) -> None:
             delay = start + at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
             late[0] = max(late[0], time.perf_counter() - start - at)
-            out = spec.lengths[i][1]
-            results.append(await one_request(http, ep, model, prompts[i], max_tokens=out, timeout_s=timeout_s))
+            results.append(await send(prompts[i], spec.lengths[i][1]))
 
-        await asyncio.gather(*(send(i, at) for i, at in enumerate(spec.arrivals_s)))
+        await asyncio.gather(*(fire(i, at) for i, at in enumerate(spec.arrivals_s)))
     wall = time.perf_counter() - start
     stop.set()
     await tick
@@ -390,16 +406,41 @@ async def run_levels(
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as http:
         model = await discover_model(http, ep)
+
+        async def send(prompt: list[int], out: int) -> Result:
+            return await one_request(http, ep, model, prompt, max_tokens=out, timeout_s=timeout_s)
+
         done = []
         for spec in levels:
             before = await read_preemptions(http, ep)
-            level = await _run_level(http, ep, model, spec, rng, timeout_s=timeout_s)
+            level = await _run_level(send, spec, rng)
             after = await read_preemptions(http, ep)
             if after is not None:
                 # No counter before the level: the agent had not scraped its engine yet, and counts from 0.
                 level = replace(level, preemptions=max(0.0, after - (before or 0.0)))
             done.append(level)
         return model, done, await read_capacity(http, ep)
+
+
+async def run_levels_sagemaker(
+    target: SageMakerTarget, levels: Sequence[LevelSpec], *, model: str | None, timeout_s: float = 600.0, seed: int = 0
+) -> tuple[str, list[Level], KvCapacity | None]:
+    """Each level against a SageMaker endpoint (no /metrics there: no capacity, no preemption counter)."""
+    from kvfleet.bench.sagemaker import SageMakerTransport
+
+    rng = random.Random(seed)
+    most = max((spec.concurrency or len(spec.lengths)) for spec in levels)
+    transport = SageMakerTransport(target, workers=min(most, 256), timeout_s=timeout_s)
+    try:
+        await transport.probe(model)
+
+        async def send(prompt: list[int], out: int) -> Result:
+            return await transport.send(model, prompt, max_tokens=out)
+
+        done = [await _run_level(send, spec, rng) for spec in levels]
+    finally:
+        transport.close()
+    return model or target.endpoint_name, done, None
 
 
 def concurrency_levels(
