@@ -205,6 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument(
         "--tolerance", type=_fraction, default=0.05, help="allowed shortfall of the KV cache (default 0.05)"
     )
+    be.add_argument(
+        "--speed-tolerance",
+        type=_fraction,
+        default=0.25,
+        help="with --env: how much slower than the plan's step model ITL and output tokens/s may be (default 0.25)",
+    )
     be.add_argument("--json", action="store_true")
 
     sc = sub.add_parser("schema", help="JSON Schema of environment files (committed as environments/schema.json)")
@@ -961,6 +967,13 @@ def cmd_bench(a: argparse.Namespace) -> int:
     ttft_ms = a.ttft_ms or (planned.deployment.workload.ttft_ms if planned is not None else None)
     slo = ttft_ms / 1000 if ttft_ms else None
     rows = [summarize(level, ttft_slo_s=slo) for level in levels]
+    speed_drift: list[str] = []
+    if planned is not None:
+        for row, spec in zip(rows, specs, strict=True):
+            if spec.concurrency is not None and len(set(spec.lengths)) == 1:
+                (n_in, n_out) = spec.lengths[0]
+                row["planned"] = _predicted_speed(planned, n_in, n_out, spec.concurrency)
+                speed_drift += _speed_drift(row, a.speed_tolerance)
     failed = sum(r["requests"] - r["completed"] for r in rows)
     drift = _kv_drift(capacity, expected, a.tolerance)
     meeting = [r for r in rows if r["ttft_attainment"] is not None and r["ttft_attainment"] >= a.slo_attainment]
@@ -990,6 +1003,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
             "best_rate_per_s": best_rate,
             "slo_miss": slo_miss,
             "limits": verdict,
+            "speed_drift": speed_drift,
         }
         print(json.dumps(report, indent=2))
     else:
@@ -999,6 +1013,15 @@ def cmd_bench(a: argparse.Namespace) -> int:
                 f"engine KV cache: {capacity.blocks:,} blocks of {capacity.block_tokens} tokens = "
                 f"{capacity.tokens:,} tokens per replica ({capacity.source})"
             )
+        for row in rows:
+            if p := row.get("planned"):
+                itl = row["itl_s"]
+                measured = f"{itl['mean'] * 1e3:.1f} ms" if itl else "-"
+                print(
+                    f"plan ({p['instance_type']}, one replica) at {row['level']}: ITL {p['itl_s'] * 1e3:.1f} ms "
+                    f"(measured {measured}), {p['output_tokens_per_s']:,.0f} output tokens/s (measured "
+                    f"{row['output_tokens_per_s']:,.0f}), TTFT {p['ttft_s'] * 1e3:,.0f} ms"
+                )
         if best_rate is not None:
             print(
                 f"highest rate with {a.slo_attainment:.0%} of first tokens within {ttft_ms:g} ms: {best_rate:g} req/s"
@@ -1007,6 +1030,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
             print(f"plan check: {expected:,} KV tokens expected; the engine has them (tolerance {a.tolerance:.0%})")
     if drift is not None:
         print(f"kvfleet: plan check: {drift}", file=sys.stderr)
+    for line in speed_drift:
+        print(f"kvfleet: plan check: {line}", file=sys.stderr)
+    if speed_drift:
+        drift = drift or speed_drift[0]
     if slo_miss is not None:
         print(f"kvfleet: TTFT target: {slo_miss}", file=sys.stderr)
     if verdict is not None:
@@ -1017,6 +1044,54 @@ def cmd_bench(a: argparse.Namespace) -> int:
                 print(line)
         return 0 if verdict["passed"] and drift is None else 1
     return 1 if failed or drift is not None or slo_miss is not None else 0
+
+
+def _predicted_speed(r: ResolvedDeployment, n_in: int, n_out: int, concurrency: int) -> dict[str, Any]:
+    """What the plan's step model predicts for one replica at this level: ``concurrency`` clients in a closed loop
+    sending ``n_in`` + ``n_out`` tokens, as many running as max_num_seqs lets."""
+    from kvfleet.sizing.step import Limits, Workload, replica, steady_state
+
+    c = r.candidate
+    rep = replica(
+        model=r.model,
+        accelerator=c.instance.accelerator,
+        tp=c.tensor_parallel_size,
+        nvlink=c.instance.nvlink,
+        scheme=c.weight_scheme,
+        kv_dtype=c.kv_cache_dtype,
+    )
+    seqs = r.engine_args.max_num_seqs or c.capacity.max_num_seqs
+    st = steady_state(
+        rep,
+        Workload(input_tokens=n_in, output_tokens=n_out, concurrency=concurrency),
+        limits=Limits(max_num_batched_tokens=c.capacity.max_num_batched_tokens, max_running=min(concurrency, seqs)),
+    )
+    return {
+        "itl_s": st.itl_s,
+        "ttft_s": st.ttft_service_s + st.queue_wait_s,
+        "output_tokens_per_s": st.output_tokens_per_s,
+        "instance_type": c.name,
+    }
+
+
+def _speed_drift(row: dict[str, Any], tolerance: float) -> list[str]:
+    """A level slower than the plan predicts (faster passes: the plan is a floor, and a fleet behind a load
+    balancer serves more than one replica's tokens)."""
+    p = row["planned"]
+    out = []
+    itl = row["itl_s"]
+    if itl is not None and itl["mean"] > p["itl_s"] * (1 + tolerance):
+        out.append(
+            f"{row['level']}: mean ITL {itl['mean'] * 1e3:.1f} ms against the plan's {p['itl_s'] * 1e3:.1f} ms on "
+            f"{p['instance_type']} ({itl['mean'] / p['itl_s']:.2f}x, tolerance {tolerance:.0%})"
+        )
+    tps = row["output_tokens_per_s"]
+    if row["completed"] and tps < p["output_tokens_per_s"] * (1 - tolerance):
+        out.append(
+            f"{row['level']}: {tps:,.0f} output tokens/s against the plan's {p['output_tokens_per_s']:,.0f} "
+            f"({tps / p['output_tokens_per_s']:.2f}x, tolerance {tolerance:.0%})"
+        )
+    return out
 
 
 def _limits(a: argparse.Namespace, planned: ResolvedDeployment | None) -> tuple[int, int, int, float | None]:

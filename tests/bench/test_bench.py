@@ -305,3 +305,43 @@ def test_limits_need_their_lengths(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = one_line(capsys, f"http://127.0.0.1:{free_port()}", "--limits", "--max-input-tokens", "10")
     assert code == 2
     assert "--limits needs --max-output-tokens, --max-concurrency (or --env with the plan)" in err
+
+
+def _paced(token_delay_s: float) -> Any:
+    """An endpoint streaming each token ``token_delay_s`` after the last (one model, no /metrics)."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        if request.path == "/v1/models":
+            return web.json_response({"data": [{"id": "m"}]})
+        if request.path == "/metrics":
+            return web.Response(status=404)
+        body = await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(body["max_tokens"]):
+            await asyncio.sleep(token_delay_s)
+            await resp.write(b'data: {"choices": [{"text": "x"}]}\n\n')
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    return handler
+
+
+def test_speed_against_the_plan_of_an_environment(capsys: pytest.CaptureFixture[str]) -> None:
+    """The dev example's plan (Llama-3.1-8B, one replica of its instance) predicts its ITL from the step model. An
+    endpoint faster than that passes; one 10x slower fails with both figures. Its KV cache is not reported here, so
+    the KV part of the check says so too."""
+    args = ["--env", "dev", "--concurrency", "2", "--requests", "4", "--input-tokens", "64", "--output-tokens", "8"]
+    with serving(_paced(0.002)) as url:
+        code, out, err = one_line(capsys, url, *args, "--json")
+    report = json.loads(out)
+    [level] = report["levels"]
+    planned = level["planned"]
+    assert 0.002 < planned["itl_s"] < 0.2 and planned["output_tokens_per_s"] > 0
+    assert report["speed_drift"] == []
+    assert code == 1 and "reports no KV-cache size" in err  # the endpoint has no /metrics
+    slow = 12 * planned["itl_s"]
+    with serving(_paced(slow)) as url:
+        code, out, err = one_line(capsys, url, *args, "--expect-kv-tokens", "1", "--tolerance", "0.99")
+    assert code == 1
+    assert "concurrency 2: mean ITL" in err and "against the plan's" in err and "tolerance 25%" in err
