@@ -211,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.25,
         help="with --env: how much slower than the plan's step model ITL and output tokens/s may be (default 0.25)",
     )
+    be.add_argument("--html", help="also write a self-contained HTML report (distributions, levels, checks) here")
     be.add_argument("--json", action="store_true")
 
     sc = sub.add_parser("schema", help="JSON Schema of environment files (committed as environments/schema.json)")
@@ -913,6 +914,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     import asyncio
     import os
     import re
+    from pathlib import Path
     from urllib.parse import urlsplit
 
     from kvfleet.bench.client import Endpoint, run_levels, run_levels_sagemaker, summarize
@@ -959,6 +961,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
     if limits is not None and (a.trace is not None or a.rate is not None):
         raise KvfleetError("--limits runs its own two levels; drop --trace and --rate", field="limits")
     specs = _limits_levels(*limits) if limits is not None else _bench_levels(a)
+    if a.html:  # before the run, which may take long: a report that cannot be written should not cost it
+        folder = Path(a.html).parent
+        if Path(a.html).is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+            raise KvfleetError(f"cannot write {a.html}: no writable directory {folder} to put it in", field="html")
     if sagemaker is not None:
         run = run_levels_sagemaker(sagemaker, specs, model=a.model, timeout_s=a.timeout_s)
     else:
@@ -987,24 +993,31 @@ def cmd_bench(a: argparse.Namespace) -> int:
             f"no level got {a.slo_attainment:.0%} of its requests a first token within {ttft_ms:g} ms "
             f"(best {max(r['ttft_attainment'] or 0.0 for r in rows):.1%})"
         )
+    report: dict[str, Any] = {
+        "url": a.url,
+        "model": model,
+        "input_tokens": a.input_tokens,
+        "output_tokens": a.output_tokens,
+        "levels": rows,
+        "kv_cache": None
+        if capacity is None
+        else {"blocks": capacity.blocks, "block_tokens": capacity.block_tokens, "tokens": capacity.tokens},
+        "expected_kv_tokens": expected,
+        "drift": drift,
+        "ttft_target_s": slo,
+        "best_rate_per_s": best_rate,
+        "slo_miss": slo_miss,
+        "limits": verdict,
+        "speed_drift": speed_drift,
+    }
+    if a.html:
+        from kvfleet.bench.report import render_html
+
+        try:
+            Path(a.html).write_text(render_html(report, levels), encoding="utf-8")
+        except OSError as err:  # checked before the run; a disk that filled since still gets one line
+            print(f"kvfleet: cannot write {a.html}: {err.strerror or err}", file=sys.stderr)
     if a.json:
-        report: dict[str, Any] = {
-            "url": a.url,
-            "model": model,
-            "input_tokens": a.input_tokens,
-            "output_tokens": a.output_tokens,
-            "levels": rows,
-            "kv_cache": None
-            if capacity is None
-            else {"blocks": capacity.blocks, "block_tokens": capacity.block_tokens, "tokens": capacity.tokens},
-            "expected_kv_tokens": expected,
-            "drift": drift,
-            "ttft_target_s": slo,
-            "best_rate_per_s": best_rate,
-            "slo_miss": slo_miss,
-            "limits": verdict,
-            "speed_drift": speed_drift,
-        }
         print(json.dumps(report, indent=2))
     else:
         _print_bench(a.url, model, a.input_tokens, a.output_tokens, rows)

@@ -345,3 +345,20 @@ def test_speed_against_the_plan_of_an_environment(capsys: pytest.CaptureFixture[
         code, out, err = one_line(capsys, url, *args, "--expect-kv-tokens", "1", "--tolerance", "0.99")
     assert code == 1
     assert "concurrency 2: mean ITL" in err and "against the plan's" in err and "tolerance 25%" in err
+
+
+def test_the_html_report_is_self_contained(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from html.parser import HTMLParser
+
+    page = tmp_path / "bench.html"
+    with serving(_paced(0.002)) as url:
+        code, _, err = one_line(capsys, url, "--concurrency", "1,2", "--requests", "4", "--output-tokens", "5",
+                                  "--html", str(page))  # fmt: skip
+    assert code == 0, err
+    text = page.read_text(encoding="utf-8")
+    HTMLParser().feed(text)  # parses
+    assert text.count("<svg") == 3 and "<polyline" in text  # two CDFs and the throughput bars
+    assert "concurrency 1" in text and "concurrency 2" in text
+    assert "http" not in text.replace(url, "").replace('xmlns="http://www.w3.org/2000/svg"', "")  # nothing fetched
+    code, _, err = one_line(capsys, url, "--html", str(tmp_path / "missing" / "r.html"))
+    assert code == 2 and "no writable directory" in err

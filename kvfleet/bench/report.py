@@ -1,0 +1,155 @@
+"""`kvfleet bench --html FILE`: one self-contained page (inline SVG, no scripts, no network) with the run's
+distributions and levels, so a report can be attached to a pipeline run or a ticket and opened anywhere."""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from kvfleet.bench.client import Level
+
+WIDTH, HEIGHT, PAD = 560, 300, 48
+COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
+
+
+def _cdf_svg(title: str, series: Sequence[tuple[str, Sequence[float]]], unit: str) -> str:
+    """Empirical CDFs, one line per series, x in ``unit`` (values are seconds; shown in ms)."""
+    values = [v for _, vs in series for v in vs]
+    if not values:
+        return f"<p>{html.escape(title)}: no data</p>"
+    hi = max(values) * 1e3 or 1.0
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" role="img" '
+        f'aria-label="{html.escape(title)}">',
+        f'<text x="{WIDTH / 2}" y="16" text-anchor="middle" font-size="13">{html.escape(title)}</text>',
+        f'<line x1="{PAD}" y1="{HEIGHT - PAD}" x2="{WIDTH - 10}" y2="{HEIGHT - PAD}" stroke="#333"/>',
+        f'<line x1="{PAD}" y1="{HEIGHT - PAD}" x2="{PAD}" y2="24" stroke="#333"/>',
+    ]
+    plot_w, plot_h = WIDTH - 10 - PAD, HEIGHT - PAD - 24
+    for i in range(5):
+        x = PAD + plot_w * i / 4
+        parts.append(
+            f'<text x="{x:.0f}" y="{HEIGHT - PAD + 16}" text-anchor="middle" font-size="11">{hi * i / 4:,.0f}</text>'
+        )
+        y = HEIGHT - PAD - plot_h * i / 4
+        parts.append(f'<text x="{PAD - 6}" y="{y + 4:.0f}" text-anchor="end" font-size="11">{i * 25}%</text>')
+    parts.append(
+        f'<text x="{WIDTH / 2}" y="{HEIGHT - 8}" text-anchor="middle" font-size="11">{html.escape(unit)}</text>'
+    )
+    for k, (name, vs) in enumerate(series):
+        if not vs:
+            continue
+        v = sorted(vs)
+        step = max(1, len(v) // 400)  # at most ~400 points a line
+        pts = []
+        for j in range(0, len(v), step):
+            x = PAD + plot_w * (v[j] * 1e3) / hi
+            y = HEIGHT - PAD - plot_h * (j + 1) / len(v)
+            pts.append(f"{x:.1f},{y:.1f}")
+        color = COLORS[k % len(COLORS)]
+        parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{" ".join(pts)}"/>')
+        parts.append(
+            f'<text x="{WIDTH - 14}" y="{40 + 14 * k}" text-anchor="end" font-size="11" fill="{color}">'
+            f"{html.escape(name)}</text>"
+        )
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _bars_svg(title: str, bars: Sequence[tuple[str, float]], unit: str) -> str:
+    if not bars:
+        return ""
+    hi = max(v for _, v in bars) or 1.0
+    bw = (WIDTH - PAD - 10) / len(bars)
+    plot_h = HEIGHT - PAD - 24
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" role="img" '
+        f'aria-label="{html.escape(title)}">',
+        f'<text x="{WIDTH / 2}" y="16" text-anchor="middle" font-size="13">{html.escape(title)} ({unit})</text>',
+    ]
+    for i, (name, v) in enumerate(bars):
+        h = plot_h * v / hi
+        x = PAD + i * bw
+        parts.append(
+            f'<rect x="{x + 4:.1f}" y="{HEIGHT - PAD - h:.1f}" width="{bw - 8:.1f}" height="{h:.1f}" fill="#1f77b4"/>'
+        )
+        parts.append(
+            f'<text x="{x + bw / 2:.1f}" y="{HEIGHT - PAD - h - 4:.1f}" text-anchor="middle" font-size="11">'
+            f"{v:,.0f}</text>"
+        )
+        parts.append(
+            f'<text x="{x + bw / 2:.1f}" y="{HEIGHT - PAD + 16}" text-anchor="middle" font-size="11">'
+            f"{html.escape(name)}</text>"
+        )
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _ms(p: dict[str, float] | None, key: str) -> str:
+    return "-" if p is None or not math.isfinite(p[key]) else f"{p[key] * 1e3:,.1f}"
+
+
+def render_html(report: dict[str, Any], levels: Sequence[Level]) -> str:
+    rows = report["levels"]
+    head = (
+        f"{report['url']}: {report['model']}, {report['input_tokens']} prompt + {report['output_tokens']} "
+        "generated tokens per request"
+    )
+    table = [
+        "<table><tr><th>level</th><th>ok</th><th>failed</th><th>TTFT p50 / p95 / p99 ms</th>"
+        "<th>ITL p50 / p95 / p99 ms</th><th>TPOT p50 ms</th><th>req/s</th><th>out tok/s</th>"
+        "<th>plan ITL ms</th><th>plan tok/s</th></tr>"
+    ]
+    for r in rows:
+        failed = ", ".join(f"{n} x {k}" for k, n in sorted(r["failed"].items())) or "0"
+        p = r.get("planned")
+        table.append(
+            "<tr>"
+            + "".join(
+                f"<td>{html.escape(str(c))}</td>"
+                for c in (
+                    r["level"],
+                    r["completed"],
+                    failed,
+                    " / ".join(_ms(r["ttft_s"], q) for q in ("p50", "p95", "p99")),
+                    " / ".join(_ms(r["itl_s"], q) for q in ("p50", "p95", "p99")),
+                    _ms(r["tpot_s"], "p50"),
+                    f"{r['requests_per_s']:.2f}",
+                    f"{r['output_tokens_per_s']:,.0f}",
+                    f"{p['itl_s'] * 1e3:.1f}" if p else "-",
+                    f"{p['output_tokens_per_s']:,.0f}" if p else "-",
+                )
+            )
+            + "</tr>"
+        )
+    table.append("</table>")
+    ttft = [(lv.spec.label, [t for r in lv.results if r.ok and (t := r.ttft_s) is not None]) for lv in levels]
+    itl = [(lv.spec.label, [g for r in lv.results if r.ok for g in r.itl_s]) for lv in levels]
+    checks = [x for x in (report.get("drift"), report.get("slo_miss")) if x]
+    checks += (report.get("limits") or {}).get("lines", [])
+    kv = report.get("kv_cache")
+    kv_line = (
+        f"engine KV cache: {kv['blocks']:,} blocks of {kv['block_tokens']} = {kv['tokens']:,} tokens per replica"
+        if kv
+        else "engine KV cache: not reported by this endpoint"
+    )
+    return "\n".join(
+        [
+            "<!doctype html><html><head><meta charset='utf-8'><title>kvfleet bench</title><style>"
+            "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+            "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}svg{margin:8px}</style></head><body>",
+            f"<h1>kvfleet bench</h1><p>{html.escape(head)}</p>",
+            *table,
+            f"<p>{html.escape(kv_line)}</p>",
+            *(f"<p><b>{html.escape(c)}</b></p>" for c in checks),
+            "<div>",
+            _cdf_svg("TTFT, cumulative share of requests", ttft, "ms"),
+            _cdf_svg("Inter-token gaps, cumulative share", itl, "ms"),
+            _bars_svg(
+                "Output tokens per second by level", [(r["level"], r["output_tokens_per_s"]) for r in rows], "tok/s"
+            ),
+            "</div></body></html>",
+        ]
+    )
