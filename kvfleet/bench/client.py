@@ -33,9 +33,9 @@ from kvfleet.errors import KvfleetError
 if TYPE_CHECKING:
     from kvfleet.bench.sagemaker import SageMakerTarget
 
-# Token ids to build prompts from: well inside every vocabulary (Llama, Qwen, Mistral, tiny test models) and
-# past the special tokens at the start of most vocabularies.
-PROMPT_TOKEN_IDS = range(1000, 2000)
+# Token ids to build prompts from: inside every vocabulary (Llama, Qwen, Mistral have 32k-152k; the tests' tiny
+# model 1,024) and past what some keep at the start (SentencePiece's control and 256 byte-fallback tokens, 0-258).
+PROMPT_TOKEN_IDS = range(300, 1000)
 TICK_S = 0.01  # the loop-lag ticker's period
 CONNECT_TIMEOUT_S = 10.0
 
@@ -72,6 +72,7 @@ class Result:
     done_s: float | None = None
     output_tokens: int = 0  # from the usage block, else the chunks counted
     usage_prompt_tokens: int | None = None
+    ended: bool = False  # the stream's closing "data: [DONE]" arrived
 
     @property
     def ok(self) -> bool:
@@ -175,6 +176,8 @@ async def one_request(
                 res.output_tokens = chunks
             if res.first_token_s is None and res.error is None:
                 res.error = "the stream ended without a token"
+            elif not res.ended and res.error is None:
+                res.error = "the stream ended before its [DONE]: the answer is cut short"
     except TimeoutError:
         res.error = f"no complete answer in {timeout_s:g} s"
         res.done_s = time.perf_counter()
@@ -191,6 +194,7 @@ def _event(res: Result, block: bytes, now: float) -> int:
             continue
         data = line[5:].strip()
         if data == b"[DONE]":
+            res.ended = True
             return 0
         try:
             ev = json.loads(data)

@@ -23,7 +23,7 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, EventStreamError, NoCredentialsError
 
-from kvfleet.bench.client import BenchError, Result, completion_body, feed_sse
+from kvfleet.bench.client import PROMPT_TOKEN_IDS, BenchError, Result, completion_body, feed_sse
 
 SCHEME = "sagemaker:"  # the URL form kvfleet bench takes: sagemaker:<endpoint name>
 
@@ -84,6 +84,8 @@ class SageMakerTransport:
                 res.output_tokens = chunks
             if res.first_token_s is None and res.error is None:
                 res.error = "the stream ended without a token"
+            elif not res.ended and res.error is None:
+                res.error = "the stream ended before its [DONE]: the answer is cut short"
         except EventStreamError as err:  # ModelStreamError, InternalStreamFailure inside the stream
             res.error = f"the stream ended with {err.response.get('Error', {}).get('Code', 'an error')}: {err}"
         except NoCredentialsError:

@@ -225,6 +225,26 @@ def test_bench_sweep_against_the_real_engine_through_the_agent(agent: AgentProce
         assert row["client_loop_lag_p99_s"] < 0.05  # the client kept up (2 cores, the engine beside it)
 
 
+def test_bench_plan_check_and_limits_against_the_real_engine(agent: AgentProcess, capsys: Any) -> None:
+    """The CLI's gates in front of the real engine: the KV check passes on the cache the engine was given and fails
+    on twice it; --limits at max_model_len (900 + 100 tokens) runs every request at the planned concurrency."""
+    from kvfleet.cli import main
+
+    tokens = CACHE_BYTES // (2 * 2 * 2 * 64 * 2)
+    base = ["bench", agent.url, "--concurrency", "2", "--requests", "2", "--input-tokens", "16", "--output-tokens", "4"]
+    assert main([*base, "--expect-kv-tokens", str(tokens)]) == 0
+    out = capsys.readouterr().out
+    assert f"= {tokens:,} tokens per replica (kvfleet_engine_kv_cache_blocks)" in out
+    assert main([*base, "--expect-kv-tokens", str(2 * tokens)]) == 1
+    assert "50% fewer than the plan's" in capsys.readouterr().err
+    limits = ["bench", agent.url, "--limits", "--max-input-tokens", "900", "--max-output-tokens", "100"]
+    assert main([*limits, "--max-concurrency", "2", "--json"]) == 0, capsys.readouterr().err
+    report = json.loads(capsys.readouterr().out)
+    at, above = report["levels"]
+    assert at["completed"] == 4 and at["preemptions"] == 0
+    assert set(above["failed"]) <= {"429"}  # past the plan: refused or served, never failed
+
+
 GENERATION_LIMITS = {"max_tokens", "max_completion_tokens", "max_output_tokens", "max_new_tokens", "sampling_params"}
 
 

@@ -362,3 +362,22 @@ def test_the_html_report_is_self_contained(tmp_path: Any, capsys: pytest.Capture
     assert "http" not in text.replace(url, "").replace('xmlns="http://www.w3.org/2000/svg"', "")  # nothing fetched
     code, _, err = one_line(capsys, url, "--html", str(tmp_path / "missing" / "r.html"))
     assert code == 2 and "no writable directory" in err
+
+
+def test_an_endpoint_that_dies_mid_stream_gives_a_partial_report(capsys: pytest.CaptureFixture[str]) -> None:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        if request.path == "/v1/models":
+            return web.json_response({"data": [{"id": "m"}]})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"text": "a"}]}\n\n')
+        assert request.transport is not None
+        request.transport.close()  # the connection drops before the answer ends
+        return resp
+
+    with serving(handler) as url:
+        code, out, err = one_line(capsys, url, "--concurrency", "2", "--requests", "3", "--json")
+    assert code == 1 and "Traceback" not in err
+    [level] = json.loads(out)["levels"]
+    assert level["completed"] == 0 and sum(level["failed"].values()) == 3
+    assert level["first_errors"]  # each says what broke
