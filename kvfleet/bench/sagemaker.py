@@ -120,4 +120,4 @@ class SageMakerTransport:
             raise BenchError(f"cannot reach SageMaker: {res.error[:200]}", field="url") from None
 
     def _probe(self, model: str | None) -> Result:
-        return self._invoke(model, [1000], 1)
+        return self._invoke(model, [PROMPT_TOKEN_IDS[0]], 1)
