@@ -212,7 +212,9 @@ def _event(res: Result, block: bytes, now: float) -> int:
             res.output_tokens = int(usage.get("completion_tokens") or 0)
             res.usage_prompt_tokens = usage.get("prompt_tokens")
         choices = ev.get("choices") or []
-        if choices and isinstance(choices[0], dict) and choices[0].get("text"):
+        # A chunk per engine step; its text may be "" (the detokenizer holds back an incomplete UTF-8 sequence), and
+        # it is still a token's arrival, as vLLM's own benchmark client counts it.
+        if choices and isinstance(choices[0], dict) and isinstance(choices[0].get("text"), str):
             if res.first_token_s is None:
                 res.first_token_s = now
             res.chunk_s.append(now)
