@@ -154,8 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     be.add_argument(
         "url",
+        nargs="?",
         help="the endpoint's base URL (http://127.0.0.1:8080), or sagemaker:<endpoint name> for a SageMaker endpoint "
-        "(InvokeEndpointWithResponseStream with the usual AWS credentials)",
+        "(InvokeEndpointWithResponseStream with the usual AWS credentials); default, with --env: where the "
+        "deployment's stack says it is",
     )
     be.add_argument("--region", help="the SageMaker endpoint's region (default: the AWS configuration's)")
     be.add_argument("--endpoint-url", help="SageMaker runtime URL (a VPC endpoint)")
@@ -919,6 +921,11 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
     from kvfleet.bench.client import Endpoint, run_levels, run_levels_sagemaker, summarize
 
+    planned = _planned(a.env, a.deployment) if a.env is not None else None
+    if a.url is None:
+        if planned is None:
+            raise KvfleetError("give the endpoint's URL, or --env FILE [--deployment NAME] to read it", field="url")
+        a.url = _deployed_url(planned)
     sagemaker = None
     if a.url.startswith("sagemaker:"):
         from kvfleet.bench.sagemaker import SageMakerTarget
@@ -929,7 +936,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
             raise KvfleetError(
                 f"{name!r} is not a SageMaker endpoint name (letters, digits, '-', 63 at most)", field="url"
             )
-        sagemaker = SageMakerTarget(endpoint_name=name, region=a.region, endpoint_url=a.endpoint_url)
+        region = a.region or (planned.environment.region if planned is not None else None)
+        sagemaker = SageMakerTarget(endpoint_name=name, region=region, endpoint_url=a.endpoint_url)
     else:
         parts = urlsplit(a.url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
@@ -949,9 +957,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         headers=tuple(headers),
     )
     expected = a.expect_kv_tokens
-    planned = None
-    if a.env is not None:
-        planned = _planned(a.env, a.deployment)
+    if planned is not None:
         expected = expected or planned.candidate.capacity.kv_cache_tokens
     elif a.deployment is not None:
         raise KvfleetError("--deployment names a deployment of --env; give --env FILE too", field="deployment")
@@ -1208,6 +1214,29 @@ def _kv_drift(capacity: KvCapacity | None, expected: int | None, tolerance: floa
             "re-plan, or calibrate the plan with this measurement"
         )
     return None
+
+
+def _deployed_url(r: ResolvedDeployment) -> str:
+    """Where the deployment's stack says clients reach it (its CloudFormation outputs)."""
+    from kvfleet.bench.aws import stack_outputs
+
+    key = TARGETS[r.deployment.target.platform].address_output
+    if key is None:
+        raise KvfleetError(
+            f"deployment {r.deployment.name} runs behind a ClusterIP Service with no address outside the cluster; "
+            "port-forward to it (kubectl port-forward) and give http://127.0.0.1:<port>",
+            field="url",
+        )
+    region = r.environment.region
+    if region is None:
+        raise KvfleetError("the environment file names no region to find its stacks in; set region", field="region")
+    outputs = stack_outputs(r.stack_name, region)
+    if key not in outputs:
+        raise KvfleetError(f"stack {r.stack_name} has no output {key}; redeploy it with this kvfleet", field="env")
+    if r.deployment.target.platform == "sagemaker":
+        return f"sagemaker:{outputs[key]}"
+    lb = getattr(r.deployment.target, "load_balancer", None)
+    return f"{'https' if lb is not None and lb.certificate_arn else 'http'}://{outputs[key]}"
 
 
 def _planned(env_file: str, deployment: str | None) -> ResolvedDeployment:

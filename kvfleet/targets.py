@@ -24,6 +24,10 @@ class Target:
     # The autoscaler the target's stacks deploy (kvfleet.infra.scaling), as the fleet simulator models it:
     # Application Auto Scaling target tracking (SageMaker), EC2 Auto Scaling policies (EC2), KEDA's HPA (EKS).
     autoscaler: Autoscaler
+    # The stack output that says where clients reach the deployment (the construct's ``outputs`` key; `kvfleet
+    # bench --env` reads it back from CloudFormation): SageMaker's endpoint name, the EC2 load balancer's DNS name.
+    # None: no address outside the cluster (EKS's Service is ClusterIP).
+    address_output: str | None = None
 
 
 # EC2 instances in a Kubernetes node group: any EC2 GPU type, several engines (pods) per instance when the model
@@ -56,12 +60,14 @@ TARGETS: Mapping[str, Target] = {
                 wider_label="platform ec2 or eks (more instance types)",
             ),
             autoscaler="target_tracking",
+            address_output="EndpointName",
         ),
         Target(
             name="ec2",
             summary="an EC2 GPU Auto Scaling group behind a load balancer",
             hosting=_EC2,
             autoscaler="ec2",
+            address_output="LoadBalancerDns",
         ),
         Target(name="eks", summary="a GPU node group and Deployment on EKS", hosting=_FLEET, autoscaler="hpa"),
     )

@@ -44,6 +44,9 @@ from kvfleet.infra.scaling import scale_group
 from kvfleet.sizing.hosting import Routing
 from kvfleet.sizing.startup import DOWNLOAD_BYTES_PER_S
 from kvfleet.sizing.units import GiB, MiB
+from kvfleet.targets import TARGETS
+
+_ADDRESS = TARGETS["ec2"].address_output or ""  # the stack output `kvfleet bench --env` reads
 
 # Paths the load balancer answers 404 itself, before the forward to the replicas: the agent's own routes that are
 # for the instance and the platform, never a client (contract.METRICS_ROUTE, the Prometheus re-export;
@@ -233,7 +236,7 @@ class Ec2Fleet(Construct):
         if self._scaling.max_replicas > self._scaling.min_replicas:
             scale_group(self, self.group, deployment_id=self._resolved.deployment_id, scaling=self._scaling)
         self.platform_metrics = self._platform_metrics()
-        self.outputs: Mapping[str, str] = {"LoadBalancerDns": self.load_balancer.load_balancer_dns_name}
+        self.outputs: Mapping[str, str] = {_ADDRESS: self.load_balancer.load_balancer_dns_name}
 
     # ---- the instances' identity: least privilege ----------------------------------------------------------
 

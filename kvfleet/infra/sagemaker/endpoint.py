@@ -21,6 +21,9 @@ from kvfleet.infra.metrics import PERIOD, PlatformMetrics
 from kvfleet.infra.nag import acknowledge
 from kvfleet.infra.scaling import scale_scalable_target
 from kvfleet.sizing.hosting import Routing
+from kvfleet.targets import TARGETS
+
+_ADDRESS = TARGETS["sagemaker"].address_output or ""  # the stack output `kvfleet bench --env` reads
 
 VARIANT = "AllTraffic"
 
@@ -107,7 +110,7 @@ class SageMakerEndpoint(Construct):
             errors_5xx=self._endpoint_metric("Invocation5XXErrors", "5xx (SageMaker)"),
         )
         self._autoscaling(r)
-        self.outputs = {"EndpointName": self.endpoint_name}
+        self.outputs = {_ADDRESS: self.endpoint_name}
 
     # ---- the execution role ---------------------------------------------------------------------------
 
