@@ -10,7 +10,7 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from kvfleet.engines import ENGINES
@@ -971,11 +971,14 @@ def cmd_bench(a: argparse.Namespace) -> int:
         folder = Path(a.html).parent
         if Path(a.html).is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
             raise KvfleetError(f"cannot write {a.html}: no writable directory {folder} to put it in", field="html")
+    progress = _progress_line() if not a.json and sys.stderr.isatty() else None
     if sagemaker is not None:
-        run = run_levels_sagemaker(sagemaker, specs, model=a.model, timeout_s=a.timeout_s)
+        run = run_levels_sagemaker(sagemaker, specs, model=a.model, timeout_s=a.timeout_s, progress=progress)
     else:
-        run = run_levels(ep, specs, timeout_s=a.timeout_s)
+        run = run_levels(ep, specs, timeout_s=a.timeout_s, progress=progress)
     model, levels, capacity = asyncio.run(run)
+    if progress is not None:
+        print("\r\033[K", end="", file=sys.stderr)  # clear the live line before the report
     ttft_ms = a.ttft_ms or (planned.deployment.workload.ttft_ms if planned is not None else None)
     slo = ttft_ms / 1000 if ttft_ms else None
     rows = [summarize(level, ttft_slo_s=slo) for level in levels]
@@ -1193,6 +1196,29 @@ def _bench_levels(a: argparse.Namespace) -> list[LevelSpec]:
     return concurrency_levels(
         a.concurrency, requests=a.requests, prompt_tokens=a.input_tokens, output_tokens=a.output_tokens
     )
+
+
+def _progress_line() -> Callable[[LevelSpec, list[Any]], None]:
+    """A live line on the terminal (stderr) for long runs: the level, requests done, failed, tokens so far."""
+    import time
+
+    last = [0.0]
+
+    def show(spec: LevelSpec, results: list[Any]) -> None:
+        now = time.monotonic()
+        if now - last[0] < 0.25 and len(results) < len(spec.lengths):  # a few redraws a second at most
+            return
+        last[0] = now
+        failed = sum(1 for r in results if not r.ok)
+        tokens = sum(r.output_tokens for r in results)
+        print(
+            f"\r\033[K{spec.label}: {len(results)}/{len(spec.lengths)} requests, {failed} failed, {tokens:,} tokens",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return show
 
 
 def _kv_drift(capacity: KvCapacity | None, expected: int | None, tolerance: float) -> str | None:

@@ -356,7 +356,10 @@ async def _ticker(lags: list[float], stop: asyncio.Event) -> None:
 Send = Callable[[list[int], int], Awaitable[Result]]  # (prompt ids, output tokens) -> the request's result
 
 
-async def _run_level(send: Send, spec: LevelSpec, rng: random.Random) -> Level:
+Progress = Callable[[LevelSpec, list["Result"]], None]  # called as results come in (a live display)
+
+
+async def _run_level(send: Send, spec: LevelSpec, rng: random.Random, progress: Progress | None = None) -> Level:
     prompts = [prompt_ids(n, rng) for n, _ in spec.lengths]
     results: list[Result] = []
     late = [0.0]
@@ -376,6 +379,8 @@ async def _run_level(send: Send, spec: LevelSpec, rng: random.Random) -> Level:
                 except asyncio.QueueEmpty:
                     return
                 results.append(await send(prompts[i], spec.lengths[i][1]))
+                if progress is not None:
+                    progress(spec, results)
 
         await asyncio.gather(*(worker() for _ in range(spec.concurrency)))
     else:
@@ -387,6 +392,8 @@ async def _run_level(send: Send, spec: LevelSpec, rng: random.Random) -> Level:
                 await asyncio.sleep(delay)
             late[0] = max(late[0], time.perf_counter() - start - at)
             results.append(await send(prompts[i], spec.lengths[i][1]))
+            if progress is not None:
+                progress(spec, results)
 
         await asyncio.gather(*(fire(i, at) for i, at in enumerate(spec.arrivals_s)))
     wall = time.perf_counter() - start
@@ -404,7 +411,12 @@ async def _run_level(send: Send, spec: LevelSpec, rng: random.Random) -> Level:
 
 
 async def run_levels(
-    ep: Endpoint, levels: Sequence[LevelSpec], *, timeout_s: float = 600.0, seed: int = 0
+    ep: Endpoint,
+    levels: Sequence[LevelSpec],
+    *,
+    timeout_s: float = 600.0,
+    seed: int = 0,
+    progress: Progress | None = None,
 ) -> tuple[str, list[Level], KvCapacity | None]:
     """Each level in turn, then the KV cache the endpoint reports."""
     rng = random.Random(seed)
@@ -419,7 +431,7 @@ async def run_levels(
         done = []
         for spec in levels:
             before = await read_preemptions(http, ep)
-            level = await _run_level(send, spec, rng)
+            level = await _run_level(send, spec, rng, progress)
             after = await read_preemptions(http, ep)
             if after is not None:
                 # No counter before the level: the agent had not scraped its engine yet, and counts from 0.
@@ -429,7 +441,13 @@ async def run_levels(
 
 
 async def run_levels_sagemaker(
-    target: SageMakerTarget, levels: Sequence[LevelSpec], *, model: str | None, timeout_s: float = 600.0, seed: int = 0
+    target: SageMakerTarget,
+    levels: Sequence[LevelSpec],
+    *,
+    model: str | None,
+    timeout_s: float = 600.0,
+    seed: int = 0,
+    progress: Progress | None = None,
 ) -> tuple[str, list[Level], KvCapacity | None]:
     """Each level against a SageMaker endpoint (no /metrics there: no capacity, no preemption counter)."""
     from kvfleet.bench.sagemaker import SageMakerTransport
@@ -443,7 +461,7 @@ async def run_levels_sagemaker(
         async def send(prompt: list[int], out: int) -> Result:
             return await transport.send(model, prompt, max_tokens=out)
 
-        done = [await _run_level(send, spec, rng) for spec in levels]
+        done = [await _run_level(send, spec, rng, progress) for spec in levels]
     finally:
         transport.close()
     return model or target.endpoint_name, done, None

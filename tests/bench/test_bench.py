@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from kvfleet.bench.client import Endpoint, run_concurrency, summarize
+from kvfleet.bench.client import Endpoint, concurrency_levels, run_concurrency, summarize
 from kvfleet.cli import main
 from tests.agent.harness import fake_engine_command, free_port, run, running, settings
 
@@ -381,3 +381,13 @@ def test_an_endpoint_that_dies_mid_stream_gives_a_partial_report(capsys: pytest.
     [level] = json.loads(out)["levels"]
     assert level["completed"] == 0 and sum(level["failed"].values()) == 3
     assert level["first_errors"]  # each says what broke
+
+
+def test_progress_is_reported_as_results_arrive() -> None:
+    from kvfleet.bench.client import run_levels
+
+    seen: list[tuple[str, int]] = []
+    with serving(_paced(0.001)) as url:
+        specs = concurrency_levels([2], requests=5, prompt_tokens=4, output_tokens=2)
+        asyncio.run(run_levels(Endpoint(url=url), specs, progress=lambda spec, rs: seen.append((spec.label, len(rs)))))
+    assert seen == [("concurrency 2", n) for n in range(1, 6)]
