@@ -173,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument(
         "--trace", help="open loop instead: replay a request trace's arrivals and lengths (the workload formats)"
     )
+    be.add_argument(
+        "--planned-load",
+        action="store_true",
+        help="open loop instead, with --env: the plan's own load (Poisson at workload.peak_requests_per_s, the "
+        "average lengths) against its TTFT target",
+    )
     be.add_argument("--trace-format", choices=["azure", "mooncake", "burstgpt", "kvfleet"])
     be.add_argument("--start-s", type=float, default=0.0, help="skip this many seconds of the trace")
     be.add_argument("--duration-s", type=_positive_float, help="trace window length")
@@ -919,7 +925,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from pathlib import Path
     from urllib.parse import urlsplit
 
-    from kvfleet.bench.client import Endpoint, run_levels, run_levels_sagemaker, summarize
+    from kvfleet.bench.client import Endpoint, poisson_level, run_levels, run_levels_sagemaker, summarize
 
     planned = _planned(a.env, a.deployment) if a.env is not None else None
     if a.url is None:
@@ -966,7 +972,29 @@ def cmd_bench(a: argparse.Namespace) -> int:
         raise KvfleetError("--trace replays the trace's own arrivals; drop --rate (or use --rate-scale)", field="rate")
     if limits is not None and (a.trace is not None or a.rate is not None):
         raise KvfleetError("--limits runs its own two levels; drop --trace and --rate", field="limits")
-    specs = _limits_levels(*limits) if limits is not None else _bench_levels(a)
+    if a.planned_load:
+        if planned is None:
+            raise KvfleetError("--planned-load replays the plan of --env; give --env FILE", field="planned_load")
+        if a.trace is not None or a.rate is not None or limits is not None:
+            raise KvfleetError(
+                "--planned-load is its own level; drop --trace, --rate and --limits", field="planned_load"
+            )
+        w = planned.deployment.workload
+        if w.peak_requests_per_s is None:
+            raise KvfleetError(
+                "the plan has no arrival rate; set workload.peak_requests_per_s (or workload.trace)",
+                field="planned_load",
+            )
+        specs = [
+            poisson_level(
+                w.peak_requests_per_s,
+                requests=a.requests,
+                prompt_tokens=w.avg_input_tokens or w.max_input_tokens,
+                output_tokens=w.avg_output_tokens or w.max_output_tokens,
+            )
+        ]
+    else:
+        specs = _limits_levels(*limits) if limits is not None else _bench_levels(a)
     if a.html:  # before the run, which may take long: a report that cannot be written should not cost it
         folder = Path(a.html).parent
         if Path(a.html).is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):

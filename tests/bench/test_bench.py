@@ -391,3 +391,20 @@ def test_progress_is_reported_as_results_arrive() -> None:
         specs = concurrency_levels([2], requests=5, prompt_tokens=4, output_tokens=2)
         asyncio.run(run_levels(Endpoint(url=url), specs, progress=lambda spec, rs: seen.append((spec.label, len(rs)))))
     assert seen == [("concurrency 2", n) for n in range(1, 6)]
+
+
+def test_the_planned_load_of_an_environment(capsys: pytest.CaptureFixture[str]) -> None:
+    """dev's workload: Poisson at its 2 requests/s peak, its average lengths (1500 + 200 when this was written)."""
+    seen: list[tuple[float, int, int]] = []
+    with serving(_streaming(seen)) as url:
+        code, out, err = one_line(capsys, url, "--env", "dev", "--planned-load", "--requests", "6", "--json")
+    report = json.loads(out)
+    [level] = report["levels"]
+    assert level["level"] == "2 req/s" and level["completed"] == 6
+    from kvfleet.config.loader import environment_path, load_located
+
+    w = load_located(environment_path("dev")).environment.deployments[0].workload
+    assert {(p, m) for _, p, m in seen} == {(w.avg_input_tokens, w.avg_output_tokens)}
+    assert "reports no KV-cache size" in err  # and the KV check, with --env, has nothing to read here
+    code, _, err = one_line(capsys, url, "--planned-load")
+    assert code == 2 and "give --env FILE" in err
