@@ -220,6 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --env: how much slower than the plan's step model ITL and output tokens/s may be (default 0.25)",
     )
     be.add_argument("--html", help="also write a self-contained HTML report (distributions, levels, checks) here")
+    be.add_argument(
+        "--calibrate",
+        help="with --env: write what was measured (the engine's KV cache, step times against the plan's at each "
+        "closed-loop level) as a calibration file for kvfleet simulate --calibration",
+    )
     be.add_argument("--json", action="store_true")
 
     sc = sub.add_parser("schema", help="JSON Schema of environment files (committed as environments/schema.json)")
@@ -252,6 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="also draw the run over time (requests, queue, KV-cache use, replicas) into this PNG; with several "
         "deployments, one each: FILE-<deployment>.png",
+    )
+    si.add_argument(
+        "--calibration",
+        help="a file kvfleet bench --calibrate wrote on this deployment: its measured KV cache and step times",
     )
     si.add_argument("--json", action="store_true")
     i = sub.add_parser("instances", help="the accelerator and instance catalog")
@@ -998,6 +1007,15 @@ def cmd_bench(a: argparse.Namespace) -> int:
         ]
     else:
         specs = _limits_levels(*limits) if limits is not None else _bench_levels(a)
+    if a.calibrate and planned is None:
+        raise KvfleetError(
+            "--calibrate measures a planned deployment; give --env FILE [--deployment NAME]", field="calibrate"
+        )
+    for out_file in (a.calibrate,):
+        if out_file:
+            folder = Path(out_file).parent
+            if Path(out_file).is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+                raise KvfleetError(f"cannot write {out_file}: no writable directory {folder}", field="calibrate")
     if a.html:  # before the run, which may take long: a report that cannot be written should not cost it
         folder = Path(a.html).parent
         if Path(a.html).is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
@@ -1019,6 +1037,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
             if spec.concurrency is not None and len(set(spec.lengths)) == 1:
                 (n_in, n_out) = spec.lengths[0]
                 row["planned"] = _predicted_speed(planned, n_in, n_out, spec.concurrency)
+                row["input_tokens"], row["output_tokens_each"] = n_in, n_out
                 speed_drift += _speed_drift(row, a.speed_tolerance)
     failed = sum(r["requests"] - r["completed"] for r in rows)
     kv_note = None
@@ -1066,6 +1085,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
             Path(a.html).write_text(render_html(report, levels), encoding="utf-8")
         except OSError as err:  # checked before the run; a disk that filled since still gets one line
             print(f"kvfleet: cannot write {a.html}: {err.strerror or err}", file=sys.stderr)
+    if a.calibrate and planned is not None:
+        _write_calibration(a.calibrate, planned, rows, capacity)
     if a.json:
         print(json.dumps(report, indent=2))
     else:
@@ -1236,6 +1257,46 @@ def _bench_levels(a: argparse.Namespace) -> list[LevelSpec]:
     return concurrency_levels(
         a.concurrency, requests=a.requests, prompt_tokens=a.input_tokens, output_tokens=a.output_tokens
     )
+
+
+def _write_calibration(
+    path: str, r: ResolvedDeployment, rows: list[dict[str, Any]], capacity: KvCapacity | None
+) -> None:
+    from datetime import UTC, datetime
+    from pathlib import Path
+
+    from kvfleet.calibration import Calibration, Point
+
+    points = tuple(
+        Point(
+            concurrency=row["concurrency"],
+            input_tokens=row["input_tokens"],
+            output_tokens=row["output_tokens_each"],
+            itl_s=row["itl_s"]["mean"],
+            predicted_itl_s=row["planned"]["itl_s"],
+            output_tokens_per_s=row["output_tokens_per_s"],
+            predicted_output_tokens_per_s=row["planned"]["output_tokens_per_s"],
+        )
+        for row in rows
+        if row.get("planned") and row["itl_s"] is not None and row["completed"]
+    )
+    cal = Calibration(
+        measured_at=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        instance_type=r.candidate.name,
+        engine=r.engine,
+        engine_version=r.deployment.engine.version,
+        model=r.model_id,
+        tensor_parallel_size=r.candidate.tensor_parallel_size,
+        kv_cache_tokens=capacity.tokens if capacity is not None else None,
+        points=points,
+    )
+    try:
+        Path(path).write_text(cal.to_json(), encoding="utf-8")
+    except OSError as err:
+        print(f"kvfleet: cannot write {path}: {err.strerror or err}", file=sys.stderr)
+        return
+    kv = f"{cal.kv_cache_tokens:,} KV tokens" if cal.kv_cache_tokens else "no KV size (the endpoint hides /metrics)"
+    print(f"calibration written to {path}: steps x{cal.step_time_scale:.2f} the plan's, {kv}", file=sys.stderr)
 
 
 def _progress_line() -> Callable[[LevelSpec, list[Any]], None]:
@@ -1452,6 +1513,11 @@ def cmd_simulate(a: argparse.Namespace) -> int:
             f"no deployment {a.deployment!r} in {loaded.source}; it has {', '.join(names)}", field="deployment"
         )
     pngs = _png_paths(a.png, [n for n in names if not a.deployment or n == a.deployment]) if a.png else {}
+    calibration = None
+    if a.calibration:
+        from kvfleet.calibration import read_calibration
+
+        calibration = read_calibration(a.calibration)
     trace = (
         read_trace(a.trace, fmt=a.trace_format, start_s=a.start_s, duration_s=a.duration_s, rate_scale=a.rate_scale)
         if a.trace
@@ -1465,7 +1531,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
             r = resolve(env, dr)
         except KvfleetError as err:
             raise loaded.problem(config_error(err, dr.index)) from None
-        spec = fleet_spec(r, a.router)
+        spec = fleet_spec(r, a.router, calibration=calibration)
         # --trace wins; else the deployment's own workload.trace, read when the file was loaded (its window and
         # rate scale applied); else Poisson arrivals at the workload's peak.
         own = loaded.traces.get(dr.index)
@@ -1483,6 +1549,12 @@ def cmd_simulate(a: argparse.Namespace) -> int:
             f"({spec.scaling.min_replicas}-{spec.scaling.max_replicas}, {spec.scaling.kind}, {spec.router} routing)"
         )
         head = f"{fleet}, {replay.source}"
+        if calibration is not None:
+            kv = f"{calibration.kv_cache_tokens:,} KV tokens" if calibration.kv_cache_tokens else "the planned KV cache"
+            head += (
+                f"\ncalibrated ({a.calibration}, measured {calibration.measured_at}): step times "
+                f"x{calibration.step_time_scale:.2f} the model's, {kv}"
+            )
         if dr.deployment.name in pngs:
             _write_timeline(result, replay, spec, pngs[dr.deployment.name], title=f"{fleet}\n{replay.source}")
         out.append((head, report, spec))

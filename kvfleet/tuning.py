@@ -9,15 +9,17 @@ from __future__ import annotations
 import hashlib
 import random
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import cast
 
+from kvfleet.calibration import Calibration
 from kvfleet.config.schema import ScalingConfig
 from kvfleet.deployments import ResolvedDeployment
 from kvfleet.errors import KvfleetError
 from kvfleet.sim.fleet import FleetSpec, Router, Scaling
 from kvfleet.sim.policy import Derivation, Setting, derive
-from kvfleet.sim.replica import EngineLimits
+from kvfleet.sim.replica import EngineLimits, StepModel
 from kvfleet.sim.steps import RooflineSteps
 from kvfleet.targets import TARGETS
 from kvfleet.workload.traces import Trace
@@ -41,15 +43,49 @@ _SETTING: dict[str, Setting] = {
 }
 
 
-def fleet_spec(r: ResolvedDeployment, router: str | None = None, *, scaling: ScalingConfig | None = None) -> FleetSpec:
-    """The deployment as the simulator's fleet: the plan's engine limits and step times, the target's autoscaler."""
+class ScaledSteps:
+    """A step model's times multiplied by a measured factor (a calibration's step_time_scale)."""
+
+    def __init__(self, inner: StepModel, scale: float) -> None:
+        self.inner = inner
+        self.scale = scale
+
+    def step_s(self, *, prefill: Sequence[tuple[int, int]], decode_seqs: int, decode_kv_tokens: int) -> float:
+        return self.scale * self.inner.step_s(
+            prefill=prefill, decode_seqs=decode_seqs, decode_kv_tokens=decode_kv_tokens
+        )
+
+
+def fleet_spec(
+    r: ResolvedDeployment,
+    router: str | None = None,
+    *,
+    scaling: ScalingConfig | None = None,
+    calibration: Calibration | None = None,
+) -> FleetSpec:
+    """The deployment as the simulator's fleet: the plan's engine limits and step times, the target's autoscaler.
+    A calibration measured on this deployment replaces the planned KV cache with the allocated one and scales the
+    step times by what was measured."""
     c = r.candidate
     cap = c.capacity
     s = scaling or r.deployment.scaling
+    blocks = cap.num_blocks
+    model: StepModel = RooflineSteps.for_candidate(c, r.model)
+    if calibration is not None:
+        calibration.check_matches(
+            instance_type=c.name,
+            engine=r.engine,
+            engine_version=r.deployment.engine.version,
+            model=r.model_id,
+            tp=c.tensor_parallel_size,
+        )
+        if calibration.kv_cache_tokens is not None:
+            blocks = max(1, calibration.kv_cache_tokens // cap.block_size)
+        model = ScaledSteps(model, calibration.step_time_scale)
     limits = EngineLimits(
         max_num_seqs=r.engine_args.max_num_seqs or cap.max_num_seqs,
         max_num_batched_tokens=r.engine_args.max_num_batched_tokens or cap.max_num_batched_tokens,
-        kv_blocks=cap.num_blocks,
+        kv_blocks=blocks,
         block_tokens=cap.block_size,
         prefix_caching=r.engine_args.enable_prefix_caching,
         admission_tokens=r.admission.tokens,
@@ -67,7 +103,7 @@ def fleet_spec(r: ResolvedDeployment, router: str | None = None, *, scaling: Sca
     )
     return FleetSpec(
         limits=limits,
-        model=RooflineSteps.for_candidate(c, r.model),
+        model=model,
         scaling=sim_scaling,
         initial_replicas=min(max(c.instance_count, sim_scaling.min_replicas), s.max_replicas) * c.engines_per_instance,
         cold_start_s=cold_start_s(r),

@@ -29,8 +29,9 @@ ALLOWED: dict[str, set[str]] = {
     "workload": {"contract", "errors"},
     "sim": {"sizing", "workload", "contract", "errors"},
     "bench": {"contract", "engines", "errors"},
+    "calibration": {"errors"},
     # The bridge from a resolved deployment to the simulator (fleet, replay, derived thresholds).
-    "tuning": {"config", "deployments", "sim", "workload", "sizing", "targets", "errors"},
+    "tuning": {"config", "deployments", "sim", "workload", "sizing", "targets", "errors", "calibration"},
     "cli": {
         "config",
         "deployments",
@@ -44,6 +45,7 @@ ALLOWED: dict[str, set[str]] = {
         "sim",
         "tuning",
         "bench",
+        "calibration",
     },
     "infra": {
         "config",
@@ -70,6 +72,7 @@ THIRD_PARTY: dict[str, set[str] | None] = {
     "config": {"pydantic", "yaml"},
     "deployments": set(),
     "tuning": set(),
+    "calibration": set(),
     "bench": {"aiohttp", "boto3", "botocore"},
     "workload": set(),
     # matplotlib only in sim/timeline.py, imported inside the function that draws: the simulator itself and the

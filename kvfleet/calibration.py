@@ -1,0 +1,105 @@
+"""A measured calibration of one deployment: what `kvfleet bench --calibrate` writes and `kvfleet simulate
+--calibration` reads (the loop from a live endpoint back to the simulated fleet).
+
+It holds the KV cache the engine allocated and how much slower (or faster) its steps ran than the step model
+predicts at the same lengths and concurrency, for one instance type, engine release, model and precision. A file
+measured on another of those is refused: a scale measured on an H100 says nothing about an L40S.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kvfleet.errors import KvfleetError
+
+KIND = "kvfleet.calibration"
+VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Point:
+    concurrency: int
+    input_tokens: int
+    output_tokens: int
+    itl_s: float  # measured mean gap
+    predicted_itl_s: float
+    output_tokens_per_s: float
+    predicted_output_tokens_per_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Calibration:
+    measured_at: str  # ISO 8601, UTC
+    instance_type: str
+    engine: str
+    engine_version: str
+    model: str
+    tensor_parallel_size: int
+    kv_cache_tokens: int | None  # what the engine allocated per replica (None: the endpoint did not say)
+    points: tuple[Point, ...]
+
+    @property
+    def step_time_scale(self) -> float:
+        """Measured over predicted ITL, the median over the points (1.0 without any)."""
+        ratios = [p.itl_s / p.predicted_itl_s for p in self.points if p.predicted_itl_s > 0 and p.itl_s > 0]
+        return statistics.median(ratios) if ratios else 1.0
+
+    def to_json(self) -> str:
+        return json.dumps({"kind": KIND, "version": VERSION, **asdict(self)}, indent=2) + "\n"
+
+    def check_matches(self, *, instance_type: str, engine: str, engine_version: str, model: str, tp: int) -> None:
+        want = {"instance_type": instance_type, "engine": engine, "engine_version": engine_version, "model": model}
+        have = {k: getattr(self, k) for k in want}
+        wrong = [f"{k} {have[k]} (the plan has {want[k]})" for k in want if have[k] != want[k]]
+        if tp != self.tensor_parallel_size:
+            wrong.append(f"tensor_parallel_size {self.tensor_parallel_size} (the plan has {tp})")
+        if wrong:
+            raise KvfleetError(
+                "the calibration was measured on another deployment: " + "; ".join(wrong) + "; measure this one "
+                "(kvfleet bench --env ... --calibrate FILE)",
+                field="calibration",
+            )
+
+
+def read_calibration(path: str | Path) -> Calibration:
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise KvfleetError(f"cannot read {p}: {err.strerror or err}", field="calibration") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise KvfleetError(f"{p}: not JSON ({err})", field="calibration") from None
+    if not isinstance(data, dict) or data.get("kind") != KIND:
+        raise KvfleetError(
+            f"{p}: not a kvfleet calibration (kvfleet bench --calibrate writes one)", field="calibration"
+        )
+    if data.get("version") != VERSION:
+        raise KvfleetError(
+            f"{p}: calibration version {data.get('version')!r}; this kvfleet reads {VERSION}", field="calibration"
+        )
+    try:
+        points = tuple(Point(**pt) for pt in data["points"])
+        cal = Calibration(
+            measured_at=str(data["measured_at"]),
+            instance_type=str(data["instance_type"]),
+            engine=str(data["engine"]),
+            engine_version=str(data["engine_version"]),
+            model=str(data["model"]),
+            tensor_parallel_size=int(data["tensor_parallel_size"]),
+            kv_cache_tokens=None if data["kv_cache_tokens"] is None else int(data["kv_cache_tokens"]),
+            points=points,
+        )
+    except (KeyError, TypeError, ValueError) as err:
+        raise KvfleetError(f"{p}: a field is missing or malformed ({err})", field="calibration") from None
+    for pt in cal.points:
+        values: list[Any] = [pt.itl_s, pt.predicted_itl_s, pt.output_tokens_per_s, pt.predicted_output_tokens_per_s]
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in values):
+            raise KvfleetError(f"{p}: a point holds a negative or non-finite figure", field="calibration")
+    if cal.kv_cache_tokens is not None and cal.kv_cache_tokens <= 0:
+        raise KvfleetError(f"{p}: kv_cache_tokens must be positive", field="calibration")
+    return cal
