@@ -451,11 +451,11 @@ def cmd_plan(a: argparse.Namespace) -> int:
     return 0
 
 
-_SETTING_NAMES = {
-    "saturation_target": "saturation_target",
-    "queue_target": "queue_depth_target",
-    "min_replicas": "min_replicas",
-}
+def _setting_names() -> dict[str, str]:
+    """The search's setting names -> the environment file's."""
+    from kvfleet.tuning import SETTINGS_BY_FIELD
+
+    return {v: k for k, v in SETTINGS_BY_FIELD.items()}
 
 
 def _outcome_json(o: Outcome) -> dict[str, Any]:
@@ -507,16 +507,17 @@ def _scaling_section(loaded: LoadedEnvironment, dr: DeploymentRequest, *, derive
         head = "scaling (the file's values; --derive: what each costs against the best value alone)"
     goal = found.goal
     slo = found.ttft_slo_s
+    names = _setting_names()
     lines = [f"{head}: replaying {replay}, goal TTFT <= {slo:g} s for {goal:.0%} of requests"]
     for c in found.choices:
-        name = _SETTING_NAMES[c.setting]
+        name = names[c.setting]
         value = f"{int(c.value)}" if c.setting == "min_replicas" else f"{c.value:g}"
         reason = c.reason
         if c.pinned:
             reason = "set in the file" if name in s.pinned else "the default (the file does not set it)"
         lines.append(f"  {name} {value}: {reason}")
     for pc in found.pin_costs:
-        name = _SETTING_NAMES[pc.setting]
+        name = names[pc.setting]
         if pc.best is None:
             lines.append(f"  {name}: no value of it alone meets the goal; raise max_replicas or re-plan")
         elif pc.best.policy == pc.pinned.policy:
@@ -546,9 +547,9 @@ def _scaling_section(loaded: LoadedEnvironment, dr: DeploymentRequest, *, derive
         "goal": goal,
         "feasible": found.feasible,
         "policy": _outcome_json(o),
-        "reasons": {_SETTING_NAMES[c.setting]: {"pinned": c.pinned, "reason": c.reason} for c in found.choices},
+        "reasons": {names[c.setting]: {"pinned": c.pinned, "reason": c.reason} for c in found.choices},
         "pins": [
-            {"setting": _SETTING_NAMES[pc.setting], "pinned": _outcome_json(pc.pinned)}
+            {"setting": names[pc.setting], "pinned": _outcome_json(pc.pinned)}
             | ({"best": _outcome_json(pc.best)} if pc.best else {})
             for pc in found.pin_costs
         ],
@@ -1053,7 +1054,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     meeting = [r for r in rows if r["ttft_attainment"] is not None and r["ttft_attainment"] >= a.slo_attainment]
     best_rate = max((r["rate_per_s"] or 0.0 for r in meeting if r["rate_per_s"]), default=None)
     slo_miss = None
-    verdict = _limits_verdict(rows) if limits is not None else None
+    verdict = _limits_verdict(rows, a.slo_attainment) if limits is not None else None
     if limits is not None:
         slo = None  # --limits judges the planned level alone (below), not every level
     if slo is not None and not meeting:
@@ -1132,17 +1133,11 @@ def cmd_bench(a: argparse.Namespace) -> int:
 def _predicted_speed(r: ResolvedDeployment, n_in: int, n_out: int, concurrency: int) -> dict[str, Any]:
     """What the plan's step model predicts for one replica at this level: ``concurrency`` clients in a closed loop
     sending ``n_in`` + ``n_out`` tokens, as many running as max_num_seqs lets."""
-    from kvfleet.sizing.step import Limits, Workload, replica, steady_state
+    from kvfleet.sim.steps import RooflineSteps
+    from kvfleet.sizing.step import Limits, Workload, steady_state
 
     c = r.candidate
-    rep = replica(
-        model=r.model,
-        accelerator=c.instance.accelerator,
-        tp=c.tensor_parallel_size,
-        nvlink=c.instance.nvlink,
-        scheme=c.weight_scheme,
-        kv_dtype=c.kv_cache_dtype,
-    )
+    rep = RooflineSteps.for_candidate(c, r.model).replica  # the replica the planner and the simulator price
     seqs = r.engine_args.max_num_seqs or c.capacity.max_num_seqs
     st = steady_state(
         rep,
@@ -1177,8 +1172,8 @@ def _speed_drift(row: dict[str, Any], tolerance: float) -> list[str]:
     return out
 
 
-def _limits(a: argparse.Namespace, planned: ResolvedDeployment | None) -> tuple[int, int, int, float | None]:
-    """(max input, max output, planned concurrency, TTFT target s) for --limits: the flags, else the plan's."""
+def _limits(a: argparse.Namespace, planned: ResolvedDeployment | None) -> tuple[int, int, int]:
+    """(max input, max output, planned concurrency) for --limits: the flags, else the plan's."""
     w = planned.deployment.workload if planned is not None else None
     n_in = a.max_input_tokens or (w.max_input_tokens if w else None)
     n_out = a.max_output_tokens or (w.max_output_tokens if w else None)
@@ -1189,11 +1184,10 @@ def _limits(a: argparse.Namespace, planned: ResolvedDeployment | None) -> tuple[
     if missing:
         raise KvfleetError(f"--limits needs {', '.join(missing)} (or --env with the plan)", field="limits")
     assert n_in and n_out and c
-    ttft = a.ttft_ms or (w.ttft_ms if w else None)
-    return n_in, n_out, c, ttft / 1000 if ttft else None
+    return n_in, n_out, c
 
 
-def _limits_levels(n_in: int, n_out: int, c: int, _ttft: float | None) -> list[LevelSpec]:
+def _limits_levels(n_in: int, n_out: int, c: int) -> list[LevelSpec]:
     from kvfleet.bench.client import LevelSpec
 
     return [
@@ -1202,15 +1196,15 @@ def _limits_levels(n_in: int, n_out: int, c: int, _ttft: float | None) -> list[L
     ]
 
 
-def _limits_verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def _limits_verdict(rows: list[dict[str, Any]], goal: float) -> dict[str, Any]:
     at, above = rows
     problems = []
     if at["failed"]:
         problems.append(f"{sum(at['failed'].values())} requests failed ({_failures(at)})")
     if at["preemptions"]:
         problems.append(f"the engine preempted {at['preemptions']:g} times (the cache ran short)")
-    if at["ttft_attainment"] is not None and at["ttft_attainment"] < 0.95:  # the plan holds TTFT at p95
-        problems.append(f"TTFT target met by {at['ttft_attainment']:.1%} < 95%")
+    if at["ttft_attainment"] is not None and at["ttft_attainment"] < goal:
+        problems.append(f"TTFT target met by {at['ttft_attainment']:.1%} < {goal:.0%} (--slo-attainment)")
     others = {k: n for k, n in above["failed"].items() if k != "429"}
     lines = []
     if problems:

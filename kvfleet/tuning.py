@@ -7,8 +7,6 @@ the one synth deploys (``scaling.derive``) and the one `kvfleet simulate` replay
 from __future__ import annotations
 
 import hashlib
-import random
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import cast
@@ -23,6 +21,7 @@ from kvfleet.sim.replica import EngineLimits, StepModel
 from kvfleet.sim.steps import RooflineSteps
 from kvfleet.targets import TARGETS
 from kvfleet.workload.traces import Trace
+from kvfleet.workload.traces import poisson_trace as poisson
 
 # Without a trace, the derivation replays a step: a quiet spell long enough for the autoscaler to scale in (its
 # 15-minute wait), then the peak, which the fleet must grow into within its cold start.
@@ -36,7 +35,7 @@ STEP_QUIET_FRACTION = 0.4
 WARM_BOOT_S = {"Stopped": 90.0, "Running": 0.0}
 
 # The file's settings -> the search's names.
-_SETTING: dict[str, Setting] = {
+SETTINGS_BY_FIELD: dict[str, Setting] = {
     "saturation_target": "saturation_target",
     "queue_depth_target": "queue_target",
     "min_replicas": "min_replicas",
@@ -57,18 +56,14 @@ class ScaledSteps:
 
 
 def fleet_spec(
-    r: ResolvedDeployment,
-    router: str | None = None,
-    *,
-    scaling: ScalingConfig | None = None,
-    calibration: Calibration | None = None,
+    r: ResolvedDeployment, router: str | None = None, *, calibration: Calibration | None = None
 ) -> FleetSpec:
     """The deployment as the simulator's fleet: the plan's engine limits and step times, the target's autoscaler.
     A calibration measured on this deployment replaces the planned KV cache with the allocated one and scales the
     step times by what was measured."""
     c = r.candidate
     cap = c.capacity
-    s = scaling or r.deployment.scaling
+    s = r.deployment.scaling
     blocks = cap.num_blocks
     model: StepModel = RooflineSteps.for_candidate(c, r.model)
     if calibration is not None:
@@ -105,7 +100,7 @@ def fleet_spec(
         limits=limits,
         model=model,
         scaling=sim_scaling,
-        initial_replicas=min(max(c.instance_count, sim_scaling.min_replicas), s.max_replicas) * c.engines_per_instance,
+        initial_replicas=r.initial_instance_count * c.engines_per_instance,
         cold_start_s=cold_start_s(r),
         usd_per_replica_hour=c.usd_per_hour_per_instance / c.engines_per_instance,
         router=cast("Router", router or target.hosting.routing.value),
@@ -123,6 +118,7 @@ def cold_start_s(r: ResolvedDeployment) -> float:
 
 
 def _poisson(r: ResolvedDeployment, phases: tuple[tuple[float, float], ...], source: str) -> Trace:
+    """Phases of (seconds, fraction of the workload's peak rate) at its average lengths."""
     w = r.deployment.workload
     if w.peak_requests_per_s is None:
         raise KvfleetError(
@@ -130,23 +126,12 @@ def _poisson(r: ResolvedDeployment, phases: tuple[tuple[float, float], ...], sou
             "arrivals",
             field=f"deployments.{r.deployment.name}.workload",
         )
-    rng = random.Random(0)  # the same arrivals every run: plans compare, not draws
-    times = array("d")
-    t = 0.0
-    start = 0.0
-    for duration, fraction in phases:
-        t = max(t, start)
-        while t < start + duration:
-            times.append(t)
-            t += rng.expovariate(w.peak_requests_per_s * fraction)
-        start += duration
-    n = len(times)
-    return Trace(
+    peak = w.peak_requests_per_s
+    return poisson(
+        tuple((seconds, peak * fraction) for seconds, fraction in phases),
+        input_tokens=w.avg_input_tokens or w.max_input_tokens,
+        output_tokens=w.avg_output_tokens or w.max_output_tokens,
         source=source,
-        fmt="poisson",
-        arrival_s=times,
-        input_tokens=array("q", [w.avg_input_tokens or w.max_input_tokens] * n),
-        output_tokens=array("q", [w.avg_output_tokens or w.max_output_tokens] * n),
     )
 
 
@@ -198,8 +183,8 @@ def derivation(r: ResolvedDeployment, trace: Trace | None = None, *, pin_all: bo
         )
     replay = trace if trace is not None else step_trace(r)
     s = d.scaling
-    pinned_names = set(_SETTING) if pin_all else set(s.pinned)
-    pins = {_SETTING[k]: float(getattr(s, k)) for k in pinned_names}
+    pinned_names = set(SETTINGS_BY_FIELD) if pin_all else set(s.pinned)
+    pins = {SETTINGS_BY_FIELD[k]: float(getattr(s, k)) for k in pinned_names}
     # SageMaker keeps at least one instance; the simulator models no scale to zero elsewhere either.
     floor = max(1, s.min_replicas) if "min_replicas" in pinned_names else 1
     pins = {k: (max(v, 1.0) if k == "min_replicas" else v) for k, v in pins.items()}
@@ -232,7 +217,9 @@ def decide(r: ResolvedDeployment, trace: Trace | None = None) -> ScalingDecision
     found, replay = derivation(r, trace)
     p = found.policy
     update = {
-        k: (p.min_replicas if k == "min_replicas" else getattr(p, _SETTING[k])) for k in _SETTING if k not in s.pinned
+        k: (p.min_replicas if k == "min_replicas" else getattr(p, SETTINGS_BY_FIELD[k]))
+        for k in SETTINGS_BY_FIELD
+        if k not in s.pinned
     }
     return ScalingDecision(scaling=s.model_copy(update=update), derivation=found, replay=replay)
 

@@ -149,6 +149,21 @@ def feed_sse(res: Result, buf: bytes, now: float) -> tuple[bytes, int]:
     return buf, chunks
 
 
+def finish_stream(res: Result, buf: bytes, chunks: int) -> None:
+    """The stream has ended: parse what is left of it, count the tokens (the usage block's, else the chunks), and
+    say what was wrong with an answer that had no token or no closing [DONE]."""
+    if buf.strip():
+        _, n = feed_sse(res, buf + b"\n\n", time.perf_counter())
+        chunks += n
+    res.done_s = time.perf_counter()
+    if not res.output_tokens:
+        res.output_tokens = chunks
+    if res.first_token_s is None and res.error is None:
+        res.error = "the stream ended without a token"
+    elif not res.ended and res.error is None:
+        res.error = "the stream ended before its [DONE]: the answer is cut short"
+
+
 async def one_request(
     http: aiohttp.ClientSession, ep: Endpoint, model: str, prompt: list[int], *, max_tokens: int, timeout_s: float
 ) -> Result:
@@ -169,15 +184,7 @@ async def one_request(
             async for data in r.content.iter_any():
                 buf, n = feed_sse(res, buf + data, time.perf_counter())
                 chunks += n
-            if buf.strip():
-                chunks += _event(res, buf, time.perf_counter())
-            res.done_s = time.perf_counter()
-            if not res.output_tokens:
-                res.output_tokens = chunks
-            if res.first_token_s is None and res.error is None:
-                res.error = "the stream ended without a token"
-            elif not res.ended and res.error is None:
-                res.error = "the stream ended before its [DONE]: the answer is cut short"
+            finish_stream(res, buf, chunks)
     except TimeoutError:
         res.error = f"no complete answer in {timeout_s:g} s"
         res.done_s = time.perf_counter()
@@ -274,8 +281,17 @@ def parse_capacity(text: str) -> KvCapacity | None:
     return None
 
 
-# The preemption counter: the agent's, else vLLM's own (where the URL is the engine).
-_PREEMPTION_COUNTERS = (contract.PREEMPTIONS.prometheus_name, "vllm:num_preemptions_total")
+# The preemption counter: the agent's, else an engine's own under any name its adapter knows (where the URL is the
+# engine itself); Prometheus exposes a counter with the _total suffix.
+_PREEMPTION_COUNTERS = (
+    contract.PREEMPTIONS.prometheus_name,
+    *dict.fromkeys(
+        n if n.endswith("_total") else f"{n}_total"
+        for a in ENGINES.values()
+        for _, names in a.metric_rows
+        for n in names.get(contract.PREEMPTIONS.name, ())
+    ),
+)
 
 
 def parse_preemptions(text: str) -> float | None:

@@ -23,7 +23,7 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, EventStreamError, NoCredentialsError
 
-from kvfleet.bench.client import PROMPT_TOKEN_IDS, BenchError, Result, completion_body, feed_sse
+from kvfleet.bench.client import PROMPT_TOKEN_IDS, BenchError, Result, completion_body, feed_sse, finish_stream
 
 SCHEME = "sagemaker:"  # the URL form kvfleet bench takes: sagemaker:<endpoint name>
 
@@ -77,15 +77,7 @@ class SageMakerTransport:
                     continue
                 buf, n = feed_sse(res, buf + part.get("Bytes", b""), now)
                 chunks += n
-            if buf.strip():
-                _, n = feed_sse(res, buf + b"\n\n", time.perf_counter())
-                chunks += n
-            if not res.output_tokens:
-                res.output_tokens = chunks
-            if res.first_token_s is None and res.error is None:
-                res.error = "the stream ended without a token"
-            elif not res.ended and res.error is None:
-                res.error = "the stream ended before its [DONE]: the answer is cut short"
+            finish_stream(res, buf, chunks)
         except EventStreamError as err:  # ModelStreamError, InternalStreamFailure inside the stream
             res.error = f"the stream ended with {err.response.get('Error', {}).get('Code', 'an error')}: {err}"
         except NoCredentialsError:

@@ -359,7 +359,8 @@ class ScalingConfig(Frozen):
         le=0.999,
         description=(
             "Fraction of requests that must get their first token within workload.ttft_ms in the replay that derives "
-            "the thresholds (refused requests miss it). 0.95 is the p95 the plan's TTFT check holds."
+            "the thresholds (refused requests miss it). 0.95: the target holds for 19 requests in 20 (p95), "
+            "stricter than the plan's own check, which holds the mean TTFT under the planned load to it."
         ),
     )
     drain_budget_s: Int = Field(

@@ -28,8 +28,9 @@ from kvfleet.sim.fleet import FleetSpec, Scaling, simulate
 from kvfleet.sim.replica import Stats
 from kvfleet.workload.traces import Trace
 
-# Grids the search walks. The saturation grid stops at 0.9: above it a replica runs out of slots or blocks
-# before the 3-minute alarm has fired, whatever the trace. The queue grid is requests waiting per replica.
+# Grids the search walks. The saturation grid stops at 0.9, a cap rather than a measurement: the autoscaler acts
+# only after 3 minutes above its target, and a fleet held closer to full has little room for what arrives meanwhile.
+# The queue grid is requests waiting per replica.
 SATURATION_GRID: tuple[float, ...] = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9)
 QUEUE_GRID: tuple[float, ...] = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0)
 WINDOW_S = 300.0  # the burst a reason names: the 5-minute window of arrivals with the slowest p95 TTFT

@@ -22,6 +22,7 @@ import csv
 import io
 import json
 import math
+import random
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -337,6 +338,35 @@ def detect_format(path: Path, head: str) -> TraceFormat:
     raise TraceError(
         f"{path}:1: (file): not a trace kvfleet reads; give an Azure or BurstGPT CSV, Mooncake JSON lines or the "
         f"agent's request log (or name the format: {', '.join(FORMATS)})"
+    )
+
+
+def poisson_trace(
+    phases: tuple[tuple[float, float], ...],
+    *,
+    input_tokens: int,
+    output_tokens: int,
+    source: str,
+    seed: int = 0,
+) -> Trace:
+    """Poisson arrivals, ``phases`` of (seconds, requests/s) one after the other, every request of the same lengths.
+    Seeded: the same arrivals every run, so that replays compare policies or plans, not draws."""
+    rng = random.Random(seed)
+    times = array("d")
+    t = start = 0.0
+    for duration, rate in phases:
+        t = max(t, start)
+        while t < start + duration:
+            times.append(t)
+            t += rng.expovariate(rate)
+        start += duration
+    n = len(times)
+    return Trace(
+        source=source,
+        fmt="poisson",
+        arrival_s=times,
+        input_tokens=array("q", [input_tokens] * n),
+        output_tokens=array("q", [output_tokens] * n),
     )
 
 

@@ -13,9 +13,6 @@ the issue's note reports.
 
 from __future__ import annotations
 
-import random
-from array import array
-
 import pytest
 
 from kvfleet.sim.fleet import FleetSpec, Scaling, simulate
@@ -26,25 +23,13 @@ from kvfleet.sizing.catalog import catalog_model
 from kvfleet.sizing.planner import Candidate, PlanRequest, Workload, plan
 from kvfleet.sizing.step import latency_percentiles
 from kvfleet.targets import TARGETS
-from kvfleet.workload.traces import Trace
+from kvfleet.workload.traces import Trace, poisson_trace
 
 SECONDS = 1200.0  # simulated: enough arrivals for a steady p95 at these rates
 
 
 def _poisson(rate: float, prompt: int, output: int) -> Trace:
-    rng = random.Random(1)
-    t, times = 0.0, array("d")
-    while t < SECONDS:
-        times.append(t)
-        t += rng.expovariate(rate)
-    n = len(times)
-    return Trace(
-        source="poisson",
-        fmt="poisson",
-        arrival_s=times,
-        input_tokens=array("q", [prompt] * n),
-        output_tokens=array("q", [output] * n),
-    )
+    return poisson_trace(((SECONDS, rate),), input_tokens=prompt, output_tokens=output, source="poisson", seed=1)
 
 
 def _simulated(c: Candidate, req: PlanRequest, rate: float) -> tuple[float, float, float, float]:

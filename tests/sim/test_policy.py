@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import random
-from array import array
 from dataclasses import replace
 
 import pytest
@@ -13,7 +11,7 @@ from kvfleet.deployments import ResolvedDeployment, plan_requests, resolve
 from kvfleet.sim.fleet import FleetSpec
 from kvfleet.sim.policy import Policy, derive
 from kvfleet.tuning import fleet_spec
-from kvfleet.workload.traces import Trace, read_trace
+from kvfleet.workload.traces import Trace, poisson_trace, read_trace
 from tests.envs import REPO
 
 DEFAULTS = Policy(saturation_target=0.75, queue_target=2.0, min_replicas=1)  # ScalingConfig's hand-set defaults
@@ -28,19 +26,7 @@ def chat() -> ResolvedDeployment:
 
 
 def _poisson(rate: float, seconds: float, prompt: int = 600, output: int = 200) -> Trace:
-    rng = random.Random(3)
-    t, times = 0.0, array("d")
-    while t < seconds:
-        times.append(t)
-        t += rng.expovariate(rate)
-    n = len(times)
-    return Trace(
-        source="poisson",
-        fmt="poisson",
-        arrival_s=times,
-        input_tokens=array("q", [prompt] * n),
-        output_tokens=array("q", [output] * n),
-    )
+    return poisson_trace(((seconds, rate),), input_tokens=prompt, output_tokens=output, source="poisson", seed=3)
 
 
 @pytest.mark.parametrize(
