@@ -137,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="derive the scaling thresholds on the workload even where the file has scaling.derive false, and say "
         "what the file's values cost against them",
     )
+    pl.add_argument(
+        "--standby",
+        action="store_true",
+        help="compare a warm minimum, an EC2 warm pool and scale to zero on the workload's replay (shown anyway "
+        "where the file scales to zero or has a warm pool, or its trace has idle spells longer than the wait)",
+    )
     pl.add_argument("--json", action="store_true")
 
     sy = sub.add_parser(
@@ -430,7 +436,13 @@ def cmd_plan(a: argparse.Namespace) -> int:
         for dr in drs:
             try:
                 results.append((dr.deployment.name, dr.deployment.target.platform, plan(dr.request)))
-                scalings.append(_scaling_section(loaded, dr, derive=a.derive))
+                section = _scaling_section(loaded, dr, derive=a.derive)
+                standby = _standby_section(loaded, dr, force=a.standby)
+                if standby is not None:
+                    section = section or {"lines": []}
+                    section["standby"] = standby
+                    section["lines"] = [*section["lines"], *standby["lines"]]
+                scalings.append(section)
             except KvfleetError as err:
                 # The file's line and key path of what to change, not the planner's own field names.
                 raise loaded.problem(config_error(err, dr.index)) from None
@@ -553,6 +565,97 @@ def _scaling_section(loaded: LoadedEnvironment, dr: DeploymentRequest, *, derive
             | ({"best": _outcome_json(pc.best)} if pc.best else {})
             for pc in found.pin_costs
         ],
+        "lines": lines,
+    }
+
+
+def _standby_section(loaded: LoadedEnvironment, dr: DeploymentRequest, *, force: bool) -> dict[str, Any] | None:
+    """A warm minimum, a warm pool and scale to zero replayed with the deployment's thresholds: where asked
+    (--standby), where the file scales to zero or keeps a pool, or where its trace idles longer than the wait."""
+    from kvfleet.deployments import resolve
+    from kvfleet.tuning import idle_gaps, standby_comparison
+
+    d = dr.deployment
+    pool = getattr(d.target, "warm_pool", None)
+    trace = loaded.traces.get(dr.index)
+    r = None
+    wanted = force or d.scaling.min_replicas == 0 or (pool is not None and pool.enabled)
+    if not wanted and trace is not None:
+        r = resolve(loaded.environment, dr)
+        wanted = idle_gaps(trace, float(r.idle_to_zero_s)).count > 0
+    if not wanted:
+        return None
+    if d.workload.ttft_ms is None or (trace is None and d.workload.peak_requests_per_s is None):
+        return {"lines": ["standby: nothing to compare on without workload.ttft_ms and an arrival rate or a trace"]}
+    r = r or resolve(loaded.environment, dr)
+    cmp = standby_comparison(r, trace)
+    lines = [
+        f"standby: replaying {cmp.replay} with the thresholds above, goal TTFT <= {cmp.ttft_slo_s:g} s for "
+        f"{cmp.goal:.0%} of requests"
+    ]
+    rows = []
+    for o in cmp.options:
+        extra = f"cold start {o.cold_start_s / 60:.1f} min"
+        if o.standby_usd_per_hour:
+            extra += f", pool ${o.standby_usd_per_hour:,.3f}/h"
+        tag = " (as configured)" if o.configured else ""
+        verdict = "meets the goal" if o.outcome.meets else "misses the goal"
+        lines.append(
+            f"  {o.label}{tag}: TTFT in time for {o.outcome.attainment:.1%}, {o.outcome.cost_text()} ({verdict}; "
+            f"{extra})"
+        )
+        rows.append(
+            {
+                "min_replicas": o.min_replicas,
+                "warm_pool": None if o.pool == "none" else {"state": o.pool, "min_size": o.pool_size},
+                "configured": o.configured,
+                "cold_start_s": round(o.cold_start_s, 1),
+                "standby_usd_per_hour": round(o.standby_usd_per_hour, 4),
+                "meets_goal": o.outcome.meets,
+                "ttft_attainment": round(o.outcome.attainment, 4),
+                "cost": round(o.outcome.cost, 2),
+                "cost_unit": "usd" if o.outcome.priced else "replica_hours",
+            }
+        )
+    best = cmp.best
+    lines.append(
+        f"  cheapest that meets the goal: {best.label}" if best else "  no option meets the goal on this replay"
+    )
+    warm = [o for o in cmp.options if o.min_replicas > 0]
+    for o in cmp.options:
+        if o.ceiling is None or o.exposed is None or not warm or not cmp.gaps.count:
+            continue
+        # The break-even: what scale to zero saves against the cheapest warm option, and the attainment it can
+        # never pass here, so the goal it pays off under.
+        ref = min(warm, key=lambda w: w.outcome.cost)
+        saved = ref.outcome.cost - o.outcome.cost
+        unit = f"${abs(saved):,.2f}" if o.outcome.priced else f"{abs(saved):,.2f} replica-hours"
+        lines.append(
+            f"  {o.label}: {'saves' if saved >= 0 else 'costs'} {unit} {'against' if saved >= 0 else 'more than'} "
+            f"{ref.label} over the replay; {o.exposed:,} of "
+            f"{o.outcome.offered:,} requests arrive between an idle spell's end and the woken replica serving "
+            f"({(o.wake_s + o.cold_start_s) / 60:.1f} min), so it can never serve more than {o.ceiling:.1%} in "
+            "time: it pays off for a goal at or below that"
+        )
+        rows[cmp.options.index(o)]["attainment_ceiling"] = round(o.ceiling, 4)
+    g = cmp.gaps
+    wait = f"{g.wait_s / 60:.0f} min"
+    lines.append(
+        f"  idle: {g.count} spell{'s' if g.count != 1 else ''} without a request longer than the {wait} wait, "
+        f"{g.idle_s / 3600:.1f} h past it (what a fleet at zero stops paying for; each spell's end costs the "
+        "requests of one cold start)"
+        if g.count
+        else f"  idle: no spell without a request longer than the {wait} wait, so scale to zero would never act"
+    )
+    lines += [f"  not available: {u}" for u in cmp.unavailable]
+    return {
+        "replay": cmp.replay,
+        "options": rows,
+        "best": rows[cmp.options.index(best)] if best else None,
+        "idle_spells": g.count,
+        "idle_hours_past_wait": round(g.idle_s / 3600, 2),
+        "idle_wait_s": g.wait_s,
+        "unavailable": list(cmp.unavailable),
         "lines": lines,
     }
 

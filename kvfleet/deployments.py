@@ -250,6 +250,13 @@ class ResolvedDeployment:
         pull, download, load, engine start), in whole minutes."""
         return int(math.ceil(LOAD_PADDING * self.startup.ready_s / 60) * 60)
 
+    @property
+    def idle_to_zero_s(self) -> int:
+        """With scaling.min_replicas 0, the time without requests before the fleet goes to zero: the scale-in wait,
+        and never shorter than the ready window, so the replica a request woke can come up and serve it (and the
+        client's retries) before the idle rule can remove it."""
+        return max(self.deployment.scaling.scale_in_wait_s, self.ready_window_s)
+
     def container_environment(self, *, isolated: bool = False) -> dict[str, str]:
         """Environment of the serving container. AWS's own engine images take their engine's variables."""
         if self.deployment.image.source == "dlc":

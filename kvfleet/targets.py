@@ -28,6 +28,8 @@ class Target:
     # bench --env` reads it back from CloudFormation): SageMaker's endpoint name, the EC2 load balancer's DNS name.
     # None: no address outside the cluster (EKS's Service is ClusterIP).
     address_output: str | None = None
+    # Why the target cannot scale to zero (scaling.min_replicas 0); None where it can.
+    no_scale_to_zero: str | None = None
 
 
 # EC2 instances in a Kubernetes node group: any EC2 GPU type, several engines (pods) per instance when the model
@@ -61,6 +63,9 @@ TARGETS: Mapping[str, Target] = {
             ),
             autoscaler="target_tracking",
             address_output="EndpointName",
+            # Application Auto Scaling takes a variant to zero only for endpoints built from inference components
+            # (SageMaker Developer Guide, "Scale an endpoint to zero instances"); kvfleet deploys variants.
+            no_scale_to_zero="a real-time endpoint's production variant keeps at least one instance",
         ),
         Target(
             name="ec2",
@@ -69,7 +74,13 @@ TARGETS: Mapping[str, Target] = {
             autoscaler="ec2",
             address_output="LoadBalancerDns",
         ),
-        Target(name="eks", summary="a GPU node group and Deployment on EKS", hosting=_FLEET, autoscaler="hpa"),
+        Target(
+            name="eks",
+            summary="a GPU node group and Deployment on EKS",
+            hosting=_FLEET,
+            autoscaler="hpa",
+            no_scale_to_zero="KEDA scales on the pods' own signals, and with no pod there is none to wake on",
+        ),
     )
 }
 

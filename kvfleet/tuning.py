@@ -7,19 +7,23 @@ the one synth deploys (``scaling.derive``) and the one `kvfleet simulate` replay
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import cast
+from typing import Literal, cast
 
 from kvfleet.calibration import Calibration
 from kvfleet.config.schema import ScalingConfig
+from kvfleet.config.targets import Ec2Target
 from kvfleet.deployments import ResolvedDeployment
 from kvfleet.errors import KvfleetError
-from kvfleet.sim.fleet import FleetSpec, Router, Scaling
-from kvfleet.sim.policy import Derivation, Setting, derive
+from kvfleet.sim.fleet import FleetSpec, Router, Scaling, WarmPool
+from kvfleet.sim.policy import Derivation, Outcome, Setting, derive
+from kvfleet.sim.policy import replay as replay_policy
 from kvfleet.sim.replica import EngineLimits, StepModel
 from kvfleet.sim.steps import RooflineSteps
 from kvfleet.targets import TARGETS
+from kvfleet.volumes import root_volume, volume_usd_per_hour
 from kvfleet.workload.traces import Trace
 from kvfleet.workload.traces import poisson_trace as poisson
 
@@ -88,13 +92,15 @@ def fleet_spec(
     target = TARGETS[r.deployment.target.platform]
     sim_scaling = Scaling(
         kind=target.autoscaler,
-        min_replicas=max(1, s.min_replicas),
+        # The config refuses 0 where the target cannot wake from zero; floored anyway, as its stacks would be.
+        min_replicas=s.min_replicas if target.no_scale_to_zero is None else max(1, s.min_replicas),
         max_replicas=s.max_replicas,
         kv_cache_target=s.saturation_target,
         queue_target=s.queue_depth_target,
         scale_in_cooldown_s=s.scale_in_wait_s,
         stabilization_s=s.scale_in_wait_s,
         drain_budget_s=s.drain_budget_s,
+        idle_to_zero_s=float(r.idle_to_zero_s),
     )
     return FleetSpec(
         limits=limits,
@@ -102,19 +108,42 @@ def fleet_spec(
         scaling=sim_scaling,
         initial_replicas=r.initial_instance_count * c.engines_per_instance,
         cold_start_s=cold_start_s(r),
+        warm_pool=warm_pool(r),
         usd_per_replica_hour=c.usd_per_hour_per_instance / c.engines_per_instance,
         router=cast("Router", router or target.hosting.routing.value),
+        standby_usd_per_hour=standby_usd_per_hour(r),
     )
 
 
+def standby_usd_per_hour(r: ResolvedDeployment) -> float:
+    """What an EC2 warm pool costs while its instances wait: a Stopped pool its root volumes, a Running one its
+    instances (the serving replicas' own volumes are not counted anywhere in the simulator's dollars)."""
+    target = r.deployment.target
+    if not isinstance(target, Ec2Target) or not target.warm_pool.enabled:
+        return 0.0
+    pool = target.warm_pool
+    if pool.state == "Running":
+        return pool.min_size * r.candidate.usd_per_hour_per_instance
+    return pool.min_size * volume_usd_per_hour(root_volume(r, nvme=False))
+
+
 def cold_start_s(r: ResolvedDeployment) -> float:
-    """Launch to serving for a replica the autoscaler adds. With an EC2 warm pool, the pool's instances skip the
-    image pull and the download (the simulator gives every launch the warm figure: optimistic past the pool's
-    size, which a burst that needs more than min_size new instances at once would exceed)."""
-    pool = getattr(r.deployment.target, "warm_pool", None)
-    if pool is not None and pool.enabled:
-        return WARM_BOOT_S[pool.state] + r.startup.container_start_s
+    """Launch to serving for a replica started from nothing: the image pull, the download, the load."""
     return r.startup.ready_s
+
+
+def warm_pool(r: ResolvedDeployment) -> WarmPool | None:
+    """An EC2 warm pool as the simulator's: its instances have the image and the weights on disk, so a launch
+    from it boots (a Stopped one) and starts the engine; the pool prepares a replacement in a whole cold start."""
+    target = r.deployment.target
+    if not isinstance(target, Ec2Target) or not target.warm_pool.enabled:
+        return None
+    pool = target.warm_pool
+    return WarmPool(
+        size=pool.min_size,
+        start_s=WARM_BOOT_S[pool.state] + r.startup.container_start_s,
+        refill_s=r.startup.ready_s,
+    )
 
 
 def _poisson(r: ResolvedDeployment, phases: tuple[tuple[float, float], ...], source: str) -> Trace:
@@ -185,9 +214,11 @@ def derivation(r: ResolvedDeployment, trace: Trace | None = None, *, pin_all: bo
     s = d.scaling
     pinned_names = set(SETTINGS_BY_FIELD) if pin_all else set(s.pinned)
     pins = {SETTINGS_BY_FIELD[k]: float(getattr(s, k)) for k in pinned_names}
-    # SageMaker keeps at least one instance; the simulator models no scale to zero elsewhere either.
-    floor = max(1, s.min_replicas) if "min_replicas" in pinned_names else 1
-    pins = {k: (max(v, 1.0) if k == "min_replicas" else v) for k, v in pins.items()}
+    # The search keeps at least one replica (whether to scale to zero is the standby comparison's question); a
+    # file that pins 0 where its target can wake from zero is replayed at 0.
+    low = 0 if TARGETS[d.target.platform].no_scale_to_zero is None else 1
+    floor = max(low, s.min_replicas) if "min_replicas" in pinned_names else 1
+    pins = {k: (max(v, float(low)) if k == "min_replicas" else v) for k, v in pins.items()}
     key = (
         str(r.environment.region),
         d.model_dump_json(),
@@ -229,3 +260,179 @@ def with_decision(r: ResolvedDeployment, decision: ScalingDecision) -> ResolvedD
     if decision.scaling is r.deployment.scaling:
         return r
     return replace(r, deployment=r.deployment.model_copy(update={"scaling": decision.scaling}))
+
+
+# ---- standby: a warm minimum, a warm pool or scale to zero, compared on the replay --------------------------------
+
+StandbyPool = Literal["none", "Stopped", "Running"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StandbyOption:
+    """One way to wait for traffic, replayed with the deployment's thresholds."""
+
+    min_replicas: int
+    pool: StandbyPool  # an EC2 warm pool of one instance per replica the minimum does not keep (at least one)
+    pool_size: int
+    cold_start_s: float  # launch to serving for the first replica the autoscaler adds (from the pool if any)
+    standby_usd_per_hour: float
+    outcome: Outcome
+    configured: bool  # what the file deploys
+    # At zero: the requests that arrive between an idle spell's end and the replica it woke serving (the wake and
+    # the cold start): refused whatever the thresholds, so 1 - exposed / offered bounds the attainment.
+    exposed: int | None = None
+    wake_s: float = 0.0  # at zero: from the first refused request to the launch
+
+    @property
+    def ceiling(self) -> float | None:
+        if self.exposed is None:
+            return None
+        return 1 - self.exposed / self.outcome.offered if self.outcome.offered else 1.0
+
+    @property
+    def label(self) -> str:
+        head = "scale to zero" if self.min_replicas == 0 else f"{self.min_replicas} warm"
+        if self.pool != "none":
+            head += f" + {self.pool.lower()} warm pool of {self.pool_size}"
+        return head
+
+
+@dataclass(frozen=True, kw_only=True)
+class IdleGaps:
+    """Spells of the replay without a request long enough for scale to zero to act."""
+
+    count: int
+    idle_s: float  # their length past the wait, summed: the time a fleet at zero would not pay for
+    wait_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class StandbyComparison:
+    options: tuple[StandbyOption, ...]  # the file's first, then the others
+    gaps: IdleGaps
+    ttft_slo_s: float
+    goal: float
+    replay: str
+    unavailable: tuple[str, ...]  # options this target cannot deploy, each with why
+
+    @property
+    def best(self) -> StandbyOption | None:
+        """The cheapest option that meets the goal."""
+        meets = [o for o in self.options if o.outcome.meets]
+        return min(meets, key=lambda o: o.outcome.cost) if meets else None
+
+
+def idle_gaps(trace: Trace, wait_s: float) -> IdleGaps:
+    """Gaps between arrivals (and after the last, to the replay's end) longer than ``wait_s``."""
+    a = trace.arrival_s
+    count = 0
+    idle = 0.0
+    for prev, nxt in itertools.pairwise(a):
+        if nxt - prev > wait_s:
+            count += 1
+            idle += nxt - prev - wait_s
+    return IdleGaps(count=count, idle_s=idle, wait_s=wait_s)
+
+
+def exposed_requests(trace: Trace, wait_s: float, delay_s: float) -> int:
+    """Requests arriving within ``delay_s`` of the end of a spell without requests longer than ``wait_s``."""
+    a = trace.arrival_s
+    exposed = 0
+    j = 0
+    for i in range(1, len(a)):
+        if a[i] - a[i - 1] > wait_s:
+            j = max(j, i)
+            while j < len(a) and a[j] < a[i] + delay_s:
+                exposed += 1
+                j += 1
+    return exposed
+
+
+def standby_comparison(r: ResolvedDeployment, trace: Trace | None = None) -> StandbyComparison:
+    """The deployment's scaling (derived where the file derives it) replayed with each way of waiting for traffic
+    its target can deploy: the minimum it keeps warm, an EC2 warm pool, and scale to zero from a cold launch or
+    from the pool. The same thresholds throughout, so what differs is what the fleet keeps and how fast it grows."""
+    w = r.deployment.workload
+    if w.ttft_ms is None:
+        raise KvfleetError(
+            "the standby options are compared on a TTFT target; set workload.ttft_ms", field="workload.ttft_ms"
+        )
+    decided = with_decision(r, decide(r, trace))
+    s = decided.deployment.scaling
+    replay_trace = trace if trace is not None else step_trace(r)
+    target = TARGETS[r.deployment.target.platform]
+    is_ec2 = isinstance(r.deployment.target, Ec2Target)
+    pool_cfg = r.deployment.target.warm_pool if isinstance(r.deployment.target, Ec2Target) else None
+    warm = max(1, s.min_replicas)
+    configured_pool: StandbyPool = "none"
+    configured_size = 0
+    if pool_cfg is not None and pool_cfg.enabled and pool_cfg.state != "Hibernated":  # the config refuses Hibernated
+        configured_pool, configured_size = pool_cfg.state, pool_cfg.min_size
+    wanted: list[tuple[int, StandbyPool, int]] = [(s.min_replicas, configured_pool, configured_size)]
+    unavailable: list[str] = []
+    wanted.append((warm, "none", 0))
+    if is_ec2:
+        wanted.append((warm, "Stopped", max(1, configured_size)))
+    else:
+        unavailable.append(f"warm pools: EC2 Auto Scaling only, not {target.name}")
+    if target.no_scale_to_zero is None:
+        wanted += [(0, "none", 0), (0, "Stopped", max(1, configured_size))]
+    else:
+        unavailable.append(f"scale to zero: not on {target.name}: {target.no_scale_to_zero}")
+    base = fleet_spec(decided)
+    options: list[StandbyOption] = []
+    seen: set[tuple[int, StandbyPool, int]] = set()
+    for i, (m, pool, wanted_size) in enumerate(wanted):
+        size = 0 if pool == "none" else wanted_size
+        if (m, pool, size) in seen:
+            continue
+        seen.add((m, pool, size))
+        variant = _with_standby(decided, m, pool, size)
+        spec = replace(
+            base,
+            scaling=replace(base.scaling, min_replicas=m),
+            warm_pool=warm_pool(variant),
+            standby_usd_per_hour=standby_usd_per_hour(variant),
+        )
+        first_start = spec.warm_pool.start_s if spec.warm_pool is not None else spec.cold_start_s
+        outcome = replay_policy(replay_trace, spec, ttft_slo_s=w.ttft_ms / 1000, goal=s.slo_attainment)
+        options.append(
+            StandbyOption(
+                min_replicas=m,
+                pool=pool,
+                pool_size=size,
+                cold_start_s=first_start,
+                standby_usd_per_hour=spec.standby_usd_per_hour,
+                outcome=outcome,
+                configured=i == 0,
+                exposed=(
+                    exposed_requests(replay_trace, float(r.idle_to_zero_s), spec.scaling.wake_s + first_start)
+                    if m == 0
+                    else None
+                ),
+                wake_s=spec.scaling.wake_s if m == 0 else 0.0,
+            )
+        )
+    return StandbyComparison(
+        options=tuple(options),
+        gaps=idle_gaps(replay_trace, float(r.idle_to_zero_s)),
+        ttft_slo_s=w.ttft_ms / 1000,
+        goal=s.slo_attainment,
+        replay=replay_trace.source,
+        unavailable=tuple(unavailable),
+    )
+
+
+def _with_standby(r: ResolvedDeployment, min_replicas: int, pool: StandbyPool, size: int) -> ResolvedDeployment:
+    d = r.deployment
+    update: dict[str, object] = {"scaling": d.scaling.model_copy(update={"min_replicas": min_replicas})}
+    target = d.target
+    if isinstance(target, Ec2Target):
+        wp = target.warm_pool
+        new_pool = (
+            wp.model_copy(update={"enabled": False})
+            if pool == "none"
+            else wp.model_copy(update={"enabled": True, "state": pool, "min_size": size})
+        )
+        update["target"] = target.model_copy(update={"warm_pool": new_pool})
+    return replace(r, deployment=d.model_copy(update=update))

@@ -30,8 +30,9 @@ ALLOWED: dict[str, set[str]] = {
     "sim": {"sizing", "workload", "contract", "errors"},
     "bench": {"contract", "engines", "errors"},
     "calibration": {"errors"},
+    "volumes": {"deployments", "sizing"},
     # The bridge from a resolved deployment to the simulator (fleet, replay, derived thresholds).
-    "tuning": {"config", "deployments", "sim", "workload", "sizing", "targets", "errors", "calibration"},
+    "tuning": {"config", "deployments", "sim", "workload", "sizing", "targets", "errors", "calibration", "volumes"},
     "cli": {
         "config",
         "deployments",
@@ -50,6 +51,7 @@ ALLOWED: dict[str, set[str]] = {
     "infra": {
         "config",
         "deployments",
+        "volumes",
         "tuning",
         "workload",
         "sizing",
@@ -73,6 +75,7 @@ THIRD_PARTY: dict[str, set[str] | None] = {
     "deployments": set(),
     "tuning": set(),
     "calibration": set(),
+    "volumes": set(),
     "bench": {"aiohttp", "boto3", "botocore"},
     "workload": set(),
     # matplotlib only in sim/timeline.py, imported inside the function that draws: the simulator itself and the

@@ -317,7 +317,12 @@ class ScalingConfig(Frozen):
     min_replicas: Int = Field(
         default=1,
         ge=0,
-        description="Replicas kept at all times. SageMaker endpoints need 1 or more; 0 allows scale to zero elsewhere.",
+        description=(
+            "Replicas kept at all times. 0 (EC2 only) scales to zero: the fleet goes to zero after the scale-in wait "
+            "(at least the ready window) without a request, and the first request refused at zero wakes it, with "
+            "the whole cold start (or a warm pool's) to wait; clients must retry. SageMaker endpoints and EKS need 1 "
+            "or more. `kvfleet plan` compares a warm minimum, a warm pool and scale to zero on the workload."
+        ),
     )
     max_replicas: Int = Field(
         default=4, ge=1, description="Upper bound for autoscaling (and for the plan's replica count)."
@@ -475,6 +480,11 @@ class Deployment(Frozen):
                     "model.s3_uri: required with target.network_isolation, which leaves the container no network to "
                     "download the model"
                 )
+        if isinstance(t, EksTarget) and self.scaling.min_replicas < 1:
+            problems.append(
+                "scaling.min_replicas: on EKS KEDA scales on the pods' own signals, and with no pod there is none to "
+                "wake the deployment; set 1 or more (scale to zero is for target.platform ec2)"
+            )
         if self.scaling.derive and self.workload.ttft_ms is None:
             problems.append(
                 "scaling.derive: the thresholds are derived for a TTFT target; set workload.ttft_ms, or derive: false"

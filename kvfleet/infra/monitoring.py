@@ -144,14 +144,19 @@ class ServingMonitoring(Construct):
                 what=f"more than {rate_limit:.1%} of requests answered 5xx in 3 of 5 min (minutes with fewer than "
                 f"{min_requests(rate_limit)} requests count as 0; old and new instances together during an update)",
             )
+            # A fleet that scales to zero publishes nothing while at zero, which is no fault: there the alarm
+            # catches only replicas that publish too few samples, and a dead agent shows as the load balancer's
+            # failed health checks and 5xx instead.
+            at_zero = scaling.min_replicas == 0
             self.signals_missing = self._alarm(
                 "SignalsMissing",
                 signal_metric(deployment_id, contract.REPLICA_SATURATION, statistic="SampleCount"),
                 threshold=1,
                 periods=5,
                 op=cw.ComparisonOperator.LESS_THAN_THRESHOLD,
-                missing=cw.TreatMissingData.BREACHING,
-                what="no saturation signal for 5 min: autoscaling is blind (agent down or metrics not delivered)",
+                missing=cw.TreatMissingData.NOT_BREACHING if at_zero else cw.TreatMissingData.BREACHING,
+                what="no saturation signal for 5 min: autoscaling is blind (agent down or metrics not delivered)"
+                + ("; not raised while the fleet is at zero (scaling.min_replicas 0)" if at_zero else ""),
             )
             self.rollback_alarms = [self.server_error_rate]
 

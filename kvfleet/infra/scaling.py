@@ -17,6 +17,7 @@ from aws_cdk import Duration
 from aws_cdk import aws_applicationautoscaling as appscaling
 from aws_cdk import aws_autoscaling as autoscaling
 from aws_cdk import aws_cloudwatch as cw
+from aws_cdk import aws_elasticloadbalancingv2 as elbv2
 from constructs import Construct
 
 from kvfleet.config.schema import ScalingConfig
@@ -106,6 +107,92 @@ def scale_group(
     )
     alarm.add_alarm_action(_PolicyAction(action))
     return tracking, action
+
+
+def scale_group_to_zero(
+    scope: Construct,
+    group: autoscaling.AutoScalingGroup,
+    *,
+    load_balancer: elbv2.ApplicationLoadBalancer,
+    target_group: elbv2.ApplicationTargetGroup,
+    idle_s: int,
+) -> tuple[autoscaling.CfnScalingPolicy, autoscaling.CfnScalingPolicy]:
+    """EC2 with ``min_replicas`` 0: to zero after ``idle_s`` without a request, and back to one on the first request
+    refused at zero. Returns the (to zero, wake) policies.
+
+    The agents' own signals cannot wake a group that has no instance, so both rules read the load balancer, which
+    answers 503 itself when its target group has no registered target (Application Load Balancer User Guide,
+    "Troubleshoot your Application Load Balancers", HTTP 503) and counts those in HTTPCode_ELB_503_Count. Its
+    metrics are reported only while requests flow (same guide, "CloudWatch metrics for your Application Load
+    Balancer"), so a minute without data is a minute without requests: the idle alarm treats it as breaching, the
+    wake alarm as not. The wake counts 503s only while the group's desired capacity is 0, so a 503 in a rolling
+    replacement never sets a larger fleet to one; the idle rule counts the load balancer's own 5xx too, so the
+    requests refused while a woken instance starts keep it from going straight back to zero.
+    """
+    period = PERIOD
+    desired = cw.Metric(
+        namespace="AWS/AutoScaling",
+        metric_name="GroupDesiredCapacity",
+        dimensions_map={"AutoScalingGroupName": group.auto_scaling_group_name},
+        statistic="Maximum",
+        period=period,
+    )
+    refused = load_balancer.metrics.http_code_elb(elbv2.HttpCodeElb.ELB_503_COUNT, period=period, statistic="Sum")
+    elb_errors = load_balancer.metrics.http_code_elb(elbv2.HttpCodeElb.ELB_5XX_COUNT, period=period, statistic="Sum")
+    served = target_group.metrics.request_count(period=period, statistic="Sum")
+
+    to_zero = autoscaling.CfnScalingPolicy(
+        scope,
+        "ScaleToZero",
+        auto_scaling_group_name=group.auto_scaling_group_name,
+        policy_type="SimpleScaling",
+        adjustment_type="ExactCapacity",
+        scaling_adjustment=0,
+        cooldown=str(idle_s),
+    )
+    idle = cw.Alarm(
+        scope,
+        "IdleAlarm",
+        metric=cw.MathExpression(
+            expression="FILL(r, 0) + FILL(e, 0)",
+            using_metrics={"r": served, "e": elb_errors},
+            period=period,
+            label="requests reaching the load balancer",
+        ),
+        threshold=1,
+        comparison_operator=cw.ComparisonOperator.LESS_THAN_THRESHOLD,
+        evaluation_periods=math.ceil(idle_s / period.to_seconds()),
+        treat_missing_data=cw.TreatMissingData.BREACHING,
+        alarm_description=f"scale to zero: no request for {idle_s // 60} min",
+    )
+    idle.add_alarm_action(_PolicyAction(to_zero))
+
+    wake = autoscaling.CfnScalingPolicy(
+        scope,
+        "Wake",
+        auto_scaling_group_name=group.auto_scaling_group_name,
+        policy_type="SimpleScaling",
+        adjustment_type="ExactCapacity",
+        scaling_adjustment=1,
+        cooldown=str(int(period.to_seconds())),
+    )
+    woken = cw.Alarm(
+        scope,
+        "WakeAlarm",
+        metric=cw.MathExpression(
+            expression="IF(d < 1, FILL(e, 0), 0)",
+            using_metrics={"d": desired, "e": refused},
+            period=period,
+            label="requests refused with no instance",
+        ),
+        threshold=1,
+        comparison_operator=cw.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
+        evaluation_periods=1,
+        treat_missing_data=cw.TreatMissingData.NOT_BREACHING,
+        alarm_description="wake from zero: a request was refused while no instance was desired",
+    )
+    woken.add_alarm_action(_PolicyAction(wake))
+    return to_zero, wake
 
 
 @jsii.implements(cw.IAlarmAction)

@@ -17,6 +17,12 @@ Autoscalers (the rules as AWS and Kubernetes document them):
   recommendation of the stabilization window (kubernetes.io, "Horizontal Pod Autoscaling", algorithm details
   and `--horizontal-pod-autoscaler-sync-period`, default 15 s).
 
+Scale to zero (``min_replicas`` 0, what kvfleet deploys on EC2: kvfleet/infra/scaling.py ``scale_group_to_zero``):
+the fleet goes to zero once no request has arrived for ``idle_to_zero_s``; at zero every arrival is refused (the
+load balancer answers 503 with no target registered) and the first one wakes the fleet ``wake_s`` later (the 503
+count's one-minute period, the alarm's evaluation, the policy), which then starts one replica with the full cold
+start (or the warm pool's).
+
 The metrics are those the agent publishes and the stacks scale on (kvfleet.contract.SCALING_SIGNALS): replica
 saturation and requests waiting, averaged over the serving replicas, sampled every publish interval. A replica's
 saturation is the larger of its KV cache use (the fraction of blocks its running sequences hold) and its running
@@ -53,6 +59,10 @@ TT_IN_FRACTION = 0.9
 # Kubernetes HPA defaults.
 HPA_SYNC_S = 15
 HPA_TOLERANCE = 0.1
+# From the first request refused at zero to the launch: the load balancer's 503 count closes its one-minute period,
+# CloudWatch evaluates the alarm on it (within about a minute of the period's end) and the alarm runs the policy.
+# A planning figure, not a measurement.
+WAKE_S = 120.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +78,22 @@ class Scaling:
     scale_in_cooldown_s: float = 300.0
     stabilization_s: float = 300.0  # HPA scale-down window
     drain_budget_s: float = 300.0
+    # With min_replicas 0: the time without arrivals after which the fleet goes to zero (None: the scale-in wait),
+    # and the delay from the first request refused at zero to the launch that wakes it.
+    idle_to_zero_s: float | None = None
+    wake_s: float = WAKE_S
+
+
+@dataclass(frozen=True, kw_only=True)
+class WarmPool:
+    """An EC2 warm pool: ``size`` instances prepared ahead. A launch takes a prepared one while there is one (and
+    serves ``start_s`` later); the group prepares its replacement at once, ready ``refill_s`` later (a pool with
+    ReuseOnScaleIn off refills by launching, not by taking back what scale-in removed). Past the pool, a launch
+    has the whole cold start."""
+
+    size: int
+    start_s: float
+    refill_s: float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +106,9 @@ class FleetSpec:
     usd_per_replica_hour: float | None
     router: Router = "least_outstanding"
     exact_steps: bool = False  # simulate every decode step on its own (slow; the check on the leaps)
+    # Paid for the whole replay whatever serves: a warm pool's stopped instances (their volumes) or running ones.
+    standby_usd_per_hour: float = 0.0
+    warm_pool: WarmPool | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,6 +170,11 @@ class Fleet:
         self._minutes: deque[tuple[float, float]] = deque(maxlen=keep)  # (saturation, queue) per minute
         self._window: list[tuple[float, float]] = []  # samples within the current minute
         self._hpa_recs: deque[tuple[float, int]] = deque()
+        self._last_arrival_s = 0.0
+        self._wake_at: float | None = None  # the first request refused while the fleet was at zero
+        pool = spec.warm_pool
+        self._pool: list[float] = [0.0] * pool.size if pool is not None else []  # when each pool instance is ready
+        self.pool_launches = 0
         for _ in range(spec.initial_replicas):
             self._launch(0.0, ready_now=True)
         # The fleet was at its planned size before the replay began: that is the HPA's recommendation history.
@@ -149,12 +183,22 @@ class Fleet:
     # ---- membership ---------------------------------------------------------------------------------------
 
     def _launch(self, t: float, *, ready_now: bool = False) -> None:
-        ready = t if ready_now else t + self.spec.cold_start_s
+        ready = t if ready_now else t + self._start_s(t)
         r = Replica(
             self._next_id, self.spec.limits, self.spec.model, self.stats, ready_s=ready, leap=not self.spec.exact_steps
         )
         self._next_id += 1
         self.members.append(_Member(r, t))
+
+    def _start_s(self, t: float) -> float:
+        """Launch to serving: from a prepared pool instance while one is ready, else the whole cold start."""
+        pool = self.spec.warm_pool
+        if pool is not None and self._pool and self._pool[0] <= t:
+            heapq.heappop(self._pool)
+            heapq.heappush(self._pool, t + pool.refill_s)
+            self.pool_launches += 1
+            return pool.start_s
+        return self.spec.cold_start_s
 
     def _serving(self, t: float) -> list[Replica]:
         return [
@@ -170,9 +214,12 @@ class Fleet:
     # ---- traffic ------------------------------------------------------------------------------------------
 
     def route(self, req: Request, t: float) -> None:
+        self._last_arrival_s = t
         serving = self._serving(t)
         if not serving:
             self.stats.rejected_503 += 1
+            if self._wake_at is None and self._desired_count() == 0:
+                self._wake_at = t
             return
         if self.spec.router == "round_robin":
             self._rr = (self._rr + 1) % len(serving)
@@ -230,7 +277,9 @@ class Fleet:
 
     def _scale_to(self, t: float, desired: int, why: str) -> None:
         s = self.spec.scaling
-        desired = max(s.min_replicas, min(s.max_replicas, desired))
+        # Only the idle rule takes the fleet to zero: the signal policies never ask for fewer than one replica.
+        floor = 0 if why == "to zero" else max(1, s.min_replicas)
+        desired = max(floor, min(s.max_replicas, desired))
         current = self._desired_count()
         if desired > current:
             for _ in range(desired - current):
@@ -251,10 +300,30 @@ class Fleet:
         s = self.spec.scaling
         if s.kind == "none":
             return
+        if s.min_replicas == 0 and self._zero(t):
+            return
         if s.kind in ("target_tracking", "ec2"):
             self._target_tracking(t)
         else:
             self._hpa(t)
+
+    def _zero(self, t: float) -> bool:
+        """Scale to zero and back: True when the fleet is at zero or has just gone there (nothing else to do)."""
+        s = self.spec.scaling
+        if self._desired_count() == 0:
+            if self._wake_at is not None and t - self._wake_at >= s.wake_s:
+                self._wake_at = None
+                self._scale_to(t, 1, "wake")
+                self._minutes.clear()
+                self._window.clear()
+            return True
+        idle = s.idle_to_zero_s if s.idle_to_zero_s is not None else s.scale_in_cooldown_s
+        if t - self._last_arrival_s >= idle and not any(m.replica.outstanding for m in self._alive()):
+            self._scale_to(t, 0, "to zero")
+            self._minutes.clear()
+            self._window.clear()
+            return True
+        return False
 
     def _target_tracking(self, t: float) -> None:
         s = self.spec.scaling
@@ -375,6 +444,13 @@ def simulate(
         if t - end > 24 * 3600:  # a fleet that cannot finish its queue in a day: stop and say so
             break
     return _result(fleet, max([t, *(m.replica.clock for m in fleet.members)]), i)
+
+
+def fleet_usd(result: FleetResult, spec: FleetSpec) -> float | None:
+    """What the replay cost: the replicas from launch to leaving, and the standby for the whole replay."""
+    if spec.usd_per_replica_hour is None:
+        return None
+    return (result.replica_seconds * spec.usd_per_replica_hour + result.end_s * spec.standby_usd_per_hour) / 3600
 
 
 def _result(fleet: Fleet, last: float, offered: int, *, stopped_s: float | None = None) -> FleetResult:

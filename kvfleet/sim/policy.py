@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from kvfleet.sim.fleet import FleetSpec, Scaling, simulate
+from kvfleet.sim.fleet import FleetSpec, Scaling, fleet_usd, simulate
 from kvfleet.sim.replica import Stats
 from kvfleet.workload.traces import Trace
 
@@ -183,7 +183,8 @@ class _Evaluator:
             missed = len(s.finished) - on_time + s.rejected_429 + s.rejected_503 + s.aborted
         hours = result.replica_seconds / 3600
         priced = spec.usd_per_replica_hour is not None
-        cost = hours * spec.usd_per_replica_hour if spec.usd_per_replica_hour is not None else hours
+        usd = fleet_usd(result, spec)
+        cost = usd if usd is not None else hours
         out = Outcome(
             policy=p,
             meets=result.stopped_s is None and missed <= self.allowed,
@@ -196,6 +197,16 @@ class _Evaluator:
         )
         self.cache[p] = out
         return out
+
+
+def replay(trace: Trace, spec: FleetSpec, *, ttft_slo_s: float, goal: float) -> Outcome:
+    """One policy (``spec``'s scaling as it stands) replayed in full, for comparisons that report the attainment
+    rather than stop at the goal."""
+    s = spec.scaling
+    p = Policy(saturation_target=s.kv_cache_target, queue_target=s.queue_target, min_replicas=s.min_replicas)
+    ev = _Evaluator(trace, spec, ttft_slo_s, goal)
+    ev.stop_after = len(trace)
+    return ev(p)
 
 
 def _grid(setting: Setting, floor_min: int, max_replicas: int) -> tuple[float, ...]:

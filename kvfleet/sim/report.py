@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvfleet.sim.fleet import FleetResult, FleetSpec
+from kvfleet.sim.fleet import FleetResult, FleetSpec, fleet_usd
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,7 +88,7 @@ def summarize(
         total = sum(w for _, w in s.itl)
         itl_ok = sum(w for v, w in s.itl if v <= itl_slo_s) / total if total else None
     hours = result.replica_seconds / 3600
-    usd = hours * spec.usd_per_replica_hour if spec.usd_per_replica_hour is not None else None
+    usd = fleet_usd(result, spec)
     counts = [x.replicas + x.starting for x in result.samples] or [spec.initial_replicas]
     return SimReport(
         requests=offered,

@@ -33,12 +33,15 @@ class RooflineSteps:
 
     def step_s(self, *, prefill: Sequence[tuple[int, int]], decode_seqs: int, decode_kv_tokens: int) -> float:
         if not prefill:
-            # Pure-decode steps repeat with the same batch: cached per 64 KV tokens read (one step adds one token
-            # per sequence, and a step time moves by well under 1% across 64 tokens of context).
+            # Pure-decode steps repeat with the same batch: priced once per 64 KV tokens read, at the middle of
+            # the 64 (one step adds one token per sequence, and a step time moves by well under 1% across 64 tokens
+            # of context). Priced at a fixed point, not at the first value seen, so a replay's result never
+            # depends on what was replayed before it with the same model.
             key = (decode_seqs, decode_kv_tokens >> 6)
             hit = self._decode.get(key)
             if hit is not None:
                 return hit
+            decode_kv_tokens = (key[1] << 6) + 32
         batch = StepBatch(
             prefill=tuple(PrefillChunk(tokens=n, start=s) for n, s in prefill),
             decode_seqs=decode_seqs,

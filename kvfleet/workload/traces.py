@@ -349,13 +349,17 @@ def poisson_trace(
     source: str,
     seed: int = 0,
 ) -> Trace:
-    """Poisson arrivals, ``phases`` of (seconds, requests/s) one after the other, every request of the same lengths.
+    """Poisson arrivals, ``phases`` of (seconds, requests/s) one after the other (0 requests/s: a quiet phase), every
+    request of the same lengths.
     Seeded: the same arrivals every run, so that replays compare policies or plans, not draws."""
     rng = random.Random(seed)
     times = array("d")
     t = start = 0.0
     for duration, rate in phases:
         t = max(t, start)
+        if rate <= 0:  # a quiet phase: no arrivals
+            start += duration
+            continue
         while t < start + duration:
             times.append(t)
             t += rng.expovariate(rate)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from aws_cdk import Aws, Duration, RemovalPolicy
 from aws_cdk import aws_autoscaling as autoscaling
@@ -31,7 +30,7 @@ from constructs import Construct
 from kvfleet import contract
 from kvfleet.config.schema import ScalingConfig
 from kvfleet.config.targets import Ec2Target
-from kvfleet.deployments import IMAGE_DISK_GIB, ResolvedDeployment
+from kvfleet.deployments import ResolvedDeployment
 from kvfleet.infra.context import ServingContext
 from kvfleet.infra.cuda import host_for_image, hosts, nvidia_gpu
 from kvfleet.infra.ec2.user_data import Boot, user_data_script
@@ -40,11 +39,10 @@ from kvfleet.infra.images import serving_image, serving_image_cuda
 from kvfleet.infra.metrics import PERIOD, PlatformMetrics
 from kvfleet.infra.nag import acknowledge, logical_id
 from kvfleet.infra.network import ServingNetwork
-from kvfleet.infra.scaling import scale_group
+from kvfleet.infra.scaling import scale_group, scale_group_to_zero
 from kvfleet.sizing.hosting import Routing
-from kvfleet.sizing.startup import DOWNLOAD_BYTES_PER_S
-from kvfleet.sizing.units import GiB, MiB
 from kvfleet.targets import TARGETS
+from kvfleet.volumes import root_volume
 
 _ADDRESS = TARGETS["ec2"].address_output or ""  # the stack output `kvfleet bench --env` reads
 
@@ -88,67 +86,8 @@ LIFECYCLE_HOOK = "kvfleet-drain"  # named: the instances read it at boot, before
 WARM_HOOK = "kvfleet-warm"  # with a warm pool: held until the image and weights are on the instance
 HEARTBEAT_S = 60  # how often the agent heartbeats the hook while draining
 ROOT_DEVICE = "/dev/xvda"  # Amazon Linux 2023 AMIs
-OS_DISK_GIB = 30  # the GPU AMI's own root volume (drivers, CUDA, Docker)
 MAX_HOOK_TIMEOUT_S = 7200  # the longest heartbeat timeout a lifecycle hook accepts
 MAX_OVERRIDES = 10  # instance types a mixed-instances policy accepts
-ROOT_WRITE_BUDGET_S = 300  # the root volume writes the image and the weights on it in at most this long
-
-
-@dataclass(frozen=True, kw_only=True)
-class Gp3Limits:
-    """What a gp3 volume may be provisioned with."""
-
-    baseline_mib_s: int
-    max_mib_s: int
-    baseline_iops: int
-    max_iops: int
-    max_mib_s_per_iops: float
-    max_iops_per_gib: int
-    sources: tuple[str, ...]
-
-
-# gp3's limits, as AWS documents them (AWS raised the maxima from 16,000 IOPS and 1,000 MiB/s in 2025):
-# - EC2 API LaunchTemplateEbsBlockDeviceRequest, in the EC2 service model of the pinned botocore (1.44.8,
-#   botocore/data/ec2/2016-11-15/service-2.json): Iops "gp3: 3,000 - 80,000 IOPS" (3,000 is the default),
-#   Throughput "with a maximum of 2,000 MiB/s. Valid Range: Minimum value of 125. Maximum value of 2,000";
-# - the Amazon EBS User Guide, "General Purpose SSD volumes", gp3 performance: 3,000 IOPS and 125 MiB/s included
-#   in the price, at most 500 IOPS per GiB of volume size and 0.25 MiB/s of throughput per provisioned IOPS (the
-#   same ratio and the 125-2,000 range are in aws-cdk-lib 2.275's ec2.EbsDeviceOptionsBase.throughput, which links
-#   that page).
-GP3 = Gp3Limits(
-    baseline_mib_s=125,
-    max_mib_s=2000,
-    baseline_iops=3000,
-    max_iops=80000,
-    max_mib_s_per_iops=0.25,
-    max_iops_per_gib=500,
-    sources=(
-        "https://docs.aws.amazon.com/ebs/latest/userguide/general-purpose.html#gp3-performance",
-        "https://docs.aws.amazon.com/AWSEC2/latest/APIReference/API_LaunchTemplateEbsBlockDeviceRequest.html",
-    ),
-)
-
-
-@dataclass(frozen=True, kw_only=True)
-class RootVolume:
-    size_gib: int
-    throughput_mib_s: int
-    iops: int
-
-
-def root_volume(r: ResolvedDeployment, *, nvme: bool) -> RootVolume:
-    """The root volume: the AMI, the image, and the weights when they do not go to local NVMe; provisioned to write
-    what lands on it in ``ROOT_WRITE_BUDGET_S`` and never slower than the download the start-up estimate assumes
-    (gp3's baseline 125 MiB/s would make a 140 GB checkpoint take 18 minutes)."""
-    written_gib = IMAGE_DISK_GIB if nvme else r.disk_gib
-    size = OS_DISK_GIB + written_gib
-    need = max(written_gib * GiB / ROOT_WRITE_BUDGET_S, DOWNLOAD_BYTES_PER_S) / MiB
-    throughput = min(GP3.max_mib_s, max(GP3.baseline_mib_s, math.ceil(need)))
-    iops = math.ceil(throughput / GP3.max_mib_s_per_iops)
-    iops = min(GP3.max_iops, size * GP3.max_iops_per_gib, max(GP3.baseline_iops, iops))
-    # The IOPS the size allows may cap the throughput the ratio allows.
-    throughput = min(throughput, math.floor(iops * GP3.max_mib_s_per_iops))
-    return RootVolume(size_gib=size, throughput_mib_s=throughput, iops=iops)
 
 
 # Which instances a CloudFormation update policy replaces in a group with a warm pool. AWS::AutoScaling::WarmPool:
@@ -235,6 +174,14 @@ class Ec2Fleet(Construct):
         self.target_group = self._target_group(self.listener)
         if self._scaling.max_replicas > self._scaling.min_replicas:
             scale_group(self, self.group, deployment_id=self._resolved.deployment_id, scaling=self._scaling)
+        if self._scaling.min_replicas == 0:
+            scale_group_to_zero(
+                self,
+                self.group,
+                load_balancer=self.load_balancer,
+                target_group=self.target_group,
+                idle_s=self._resolved.idle_to_zero_s,
+            )
         self.platform_metrics = self._platform_metrics()
         self.outputs: Mapping[str, str] = {_ADDRESS: self.load_balancer.load_balancer_dns_name}
 

@@ -417,11 +417,9 @@ def scaled_object(r: ResolvedDeployment, opts: WorkloadOptions) -> Manifest:
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name(r)},
             "pollingInterval": opts.polling_interval_s,
             "cooldownPeriod": opts.cooldown_period_s,
-            # Never zero: both signals come from the pods themselves, so with no pod there is no queue to
-            # see and nothing would ever scale the deployment back up. Scale-to-zero needs a signal from in
-            # front of the pods (a gateway's request count) with idleReplicaCount and an activation
-            # threshold; until then min_replicas 0 means 1 here.
-            "minReplicaCount": max(1, s.min_replicas),
+            # Never zero (the config refuses it on EKS): both signals come from the pods themselves, so with no pod
+            # there would be no queue to see and nothing would ever scale the deployment back up.
+            "minReplicaCount": s.min_replicas,
             "maxReplicaCount": s.max_replicas,
             "advanced": {
                 "horizontalPodAutoscalerConfig": {

@@ -18,10 +18,7 @@ from kvfleet.errors import ConfigError
 from kvfleet.infra.app import build_app
 from kvfleet.infra.ec2 import fleet, lifecycle
 from kvfleet.infra.ec2.fleet import (
-    GP3,
     LIFECYCLE_HOOK,
-    OS_DISK_GIB,
-    ROOT_WRITE_BUDGET_S,
     UPDATE_POLICY,
     UPDATE_POLICY_REPLACES,
     WARM_HOOK,
@@ -32,6 +29,7 @@ from kvfleet.infra.ec2.user_data import HOST_MODEL_DIR
 from kvfleet.sizing.startup import DOWNLOAD_BYTES_PER_S
 from kvfleet.sizing.units import GiB, MiB
 from kvfleet.targets import TARGETS
+from kvfleet.volumes import GP3, OS_DISK_GIB, ROOT_WRITE_BUDGET_S
 from tests.infra.ec2.envs import EC2_ENV, HF_TOKEN_SECRET, MODEL_S3_URI, from_hugging_face, resolved, without_warm_pool
 from tests.infra.helpers import environment, make_app, only, props
 

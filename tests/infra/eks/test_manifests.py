@@ -508,16 +508,6 @@ def test_scale_up_is_fast_and_scale_down_stabilized(small: ResolvedDeployment) -
         WorkloadOptions(image="i", prometheus_server_address="p", scale_down_stabilization_s=300)
 
 
-def test_min_replicas_zero_keeps_one_replica() -> None:
-    r = resolve(
-        SAGEMAKER_ENV.replace("platform: sagemaker", "platform: ec2").replace("min_replicas: 1", "min_replicas: 0")
-    )
-    assert r.deployment.scaling.min_replicas == 0
-    spec = k8s.scaled_object(r, OPTS)["spec"]
-    assert spec["minReplicaCount"] == 1
-    assert "idleReplicaCount" not in spec
-
-
 def test_triggers_use_the_contracts_signals_and_the_configs_targets(small: ResolvedDeployment) -> None:
     s = small.deployment.scaling
     ts = triggers(k8s.manifests(small, OPTS))
