@@ -475,6 +475,7 @@ def _outcome_json(o: Outcome) -> dict[str, Any]:
         "saturation_target": o.policy.saturation_target,
         "queue_depth_target": o.policy.queue_target,
         "min_replicas": o.policy.min_replicas,
+        "scale_in_after_s": None if o.policy.scale_in_wait_s is None else int(o.policy.scale_in_wait_s),
         "meets_goal": o.meets,
         "ttft_attainment": round(o.attainment, 4),
         "stopped_at_s": o.stopped_s,
@@ -492,7 +493,7 @@ def _scaling_section(loaded: LoadedEnvironment, dr: DeploymentRequest, *, derive
     s = d.scaling
     w = d.workload
     values = f"saturation_target {s.saturation_target:g}, queue_depth_target {s.queue_depth_target:g}, " + (
-        f"min_replicas {s.min_replicas}"
+        f"min_replicas {s.min_replicas}, scale_in_after_s {s.scale_in_wait_s}"
     )
     if not s.derive and not derive:
         return {
@@ -523,7 +524,7 @@ def _scaling_section(loaded: LoadedEnvironment, dr: DeploymentRequest, *, derive
     lines = [f"{head}: replaying {replay}, goal TTFT <= {slo:g} s for {goal:.0%} of requests"]
     for c in found.choices:
         name = names[c.setting]
-        value = f"{int(c.value)}" if c.setting == "min_replicas" else f"{c.value:g}"
+        value = f"{int(c.value)}" if c.setting in ("min_replicas", "scale_in_wait_s") else f"{c.value:g}"
         reason = c.reason
         if c.pinned:
             reason = "set in the file" if name in s.pinned else "the default (the file does not set it)"

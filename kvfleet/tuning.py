@@ -43,7 +43,13 @@ SETTINGS_BY_FIELD: dict[str, Setting] = {
     "saturation_target": "saturation_target",
     "queue_depth_target": "queue_target",
     "min_replicas": "min_replicas",
+    "scale_in_after_s": "scale_in_wait_s",
 }
+
+
+def _file_value(s: ScalingConfig, name: str) -> float:
+    """A setting as the replay takes it: the wait as it is deployed (its floor where the file leaves it)."""
+    return float(s.scale_in_wait_s if name == "scale_in_after_s" else getattr(s, name))
 
 
 class ScaledSteps:
@@ -213,7 +219,7 @@ def derivation(r: ResolvedDeployment, trace: Trace | None = None, *, pin_all: bo
     replay = trace if trace is not None else step_trace(r)
     s = d.scaling
     pinned_names = set(SETTINGS_BY_FIELD) if pin_all else set(s.pinned)
-    pins = {SETTINGS_BY_FIELD[k]: float(getattr(s, k)) for k in pinned_names}
+    pins = {SETTINGS_BY_FIELD[k]: _file_value(s, k) for k in pinned_names}
     # The search keeps at least one replica (whether to scale to zero is the standby comparison's question); a
     # file that pins 0 where its target can wake from zero is replayed at 0.
     low = 0 if TARGETS[d.target.platform].no_scale_to_zero is None else 1
@@ -235,6 +241,7 @@ def derivation(r: ResolvedDeployment, trace: Trace | None = None, *, pin_all: bo
             goal=s.slo_attainment,
             pinned=pins,
             floor_min=floor,
+            wait_floor_s=s.scale_in_floor_s,
         )
         _CACHE[key] = hit
     return hit, replay.source
@@ -247,11 +254,12 @@ def decide(r: ResolvedDeployment, trace: Trace | None = None) -> ScalingDecision
         return ScalingDecision(scaling=s, derivation=None, replay=None)
     found, replay = derivation(r, trace)
     p = found.policy
-    update = {
-        k: (p.min_replicas if k == "min_replicas" else getattr(p, SETTINGS_BY_FIELD[k]))
-        for k in SETTINGS_BY_FIELD
-        if k not in s.pinned
-    }
+    update: dict[str, object] = {}
+    for k, setting in SETTINGS_BY_FIELD.items():
+        if k in s.pinned:
+            continue
+        v = p.value(setting)
+        update[k] = int(v) if k in ("min_replicas", "scale_in_after_s") else v
     return ScalingDecision(scaling=s.model_copy(update=update), derivation=found, replay=replay)
 
 

@@ -302,7 +302,10 @@ SCALE_IN_MIN_S = 900
 
 
 # The settings scaling.derive derives where the file does not set them.
-DERIVED_SCALING = frozenset({"saturation_target", "queue_depth_target", "min_replicas"})
+DERIVED_SCALING = frozenset({"saturation_target", "queue_depth_target", "min_replicas", "scale_in_after_s"})
+# The HPA's scale-down stabilization window takes at most an hour (KEDA's ScaledObject, autoscaling/v2 behavior:
+# stabilizationWindowSeconds 0-3600); every target gets the same wait.
+SCALE_IN_MAX_S = 3600
 
 
 class ScalingConfig(Frozen):
@@ -368,6 +371,17 @@ class ScalingConfig(Frozen):
             "stricter than the plan's own check, which holds the mean TTFT under the planned load to it."
         ),
     )
+    scale_in_after_s: Int | None = Field(
+        default=None,
+        ge=SCALE_IN_MIN_S,
+        le=SCALE_IN_MAX_S,
+        description=(
+            "Seconds of low load before a scale-in acts (SageMaker's scale-in cooldown, the EC2 alarm that removes "
+            "one instance, the HPA's stabilization window on EKS). Default and floor: 15 minutes and twice "
+            "drain_budget_s. Longer keeps replicas through short lulls instead of relaunching them after; "
+            "scaling.derive replays longer waits, up to an hour, and keeps the cheapest that meets the goal."
+        ),
+    )
     drain_budget_s: Int = Field(
         default=300,
         ge=0,
@@ -383,13 +397,23 @@ class ScalingConfig(Frozen):
     def _bounds(self) -> ScalingConfig:
         if self.min_replicas > self.max_replicas:
             raise ValueError("min_replicas must not exceed max_replicas")
+        if self.scale_in_after_s is not None and self.scale_in_after_s < self.scale_in_floor_s:
+            raise ValueError(
+                f"scale_in_after_s: at least {self.scale_in_floor_s} (twice drain_budget_s {self.drain_budget_s}, so "
+                "a scale-in decision outlives the drain it starts); raise it or lower drain_budget_s"
+            )
         return self
 
     @property
-    def scale_in_wait_s(self) -> int:
-        """How long every target waits before acting on a scale-in: at least 15 minutes and twice the drain
-        budget, so a scale-in decision outlives the drain it starts."""
+    def scale_in_floor_s(self) -> int:
+        """The shortest scale-in wait: 15 minutes and twice the drain budget."""
         return max(SCALE_IN_MIN_S, 2 * self.drain_budget_s)
+
+    @property
+    def scale_in_wait_s(self) -> int:
+        """How long every target waits before acting on a scale-in: scale_in_after_s, or its floor (at least 15
+        minutes and twice the drain budget, so a scale-in decision outlives the drain it starts)."""
+        return max(self.scale_in_floor_s, self.scale_in_after_s or 0)
 
     @property
     def pinned(self) -> frozenset[str]:

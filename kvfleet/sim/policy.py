@@ -1,17 +1,19 @@
 """Scaling thresholds derived on a trace: the cheapest policy whose replay meets the TTFT goal.
 
-A policy is the saturation target, the queue target and the minimum replica count (what an environment file's
-``scaling:`` section sets). Each candidate is replayed through the fleet simulator with the target's real
-autoscaler (its metric period, datapoints, cooldowns or the HPA's sync and stabilization, and the replica's cold
-start), and it *meets the goal* when at least ``goal`` of the requests offered get their first token within the
-TTFT target (a refused or aborted request misses it).
+A policy is the saturation target, the queue target, the minimum replica count and the scale-in wait (what an
+environment file's ``scaling:`` section sets). Each candidate is replayed through the fleet simulator with the
+target's real autoscaler (its metric period, datapoints, cooldowns or the HPA's sync and stabilization, and the
+replica's cold start), and it *meets the goal* when at least ``goal`` of the requests offered get their first
+token within the TTFT target (a refused or aborted request misses it).
 
 The search walks from the most eager policy (lowest targets, smallest minimum that meets the goal) towards cheaper
 ones, one setting at a time: it raises the saturation target, then the queue target, along their grids while the
 goal holds, then lowers the minimum. Higher targets and fewer replicas are never dearer, so the walk stops at the
 first value that misses; that value is the reason printed beside the one chosen ("at 0.9 TTFT within 2 s for
-93.1% < 95%"). A pinned setting is held where the file puts it, and the search reports what the pin costs
-against the best value along that setting alone.
+93.1% < 95%"). Last, the scale-in wait: from its floor, each longer wait on ``wait_grid`` is replayed with the
+rest as chosen and the cheapest that meets the goal is kept (a longer wait holds replicas through a lull but saves
+the relaunch after it, so cost does not order the waits). A pinned setting is held where the file puts it, and
+the search reports what the pin costs against the best value along that setting alone.
 
 A candidate is dropped as soon as it has missed more requests than the goal allows (``simulate(stop=...)``):
 failing policies cost a fraction of a replay, which is most of what makes the search affordable at synth.
@@ -35,8 +37,13 @@ SATURATION_GRID: tuple[float, ...] = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9)
 QUEUE_GRID: tuple[float, ...] = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0)
 WINDOW_S = 300.0  # the burst a reason names: the 5-minute window of arrivals with the slowest p95 TTFT
 
-Setting = Literal["saturation_target", "queue_target", "min_replicas"]
-SETTINGS: tuple[Setting, ...] = ("saturation_target", "queue_target", "min_replicas")
+# The scale-in waits replayed, as multiples of the target's floor (15 minutes and twice the drain budget), up to
+# the hour the HPA's stabilization window allows (ScalingConfig.scale_in_after_s).
+WAIT_FACTORS: tuple[float, ...] = (1.0, 1.5, 2.0, 3.0)
+WAIT_MAX_S = 3600.0
+
+Setting = Literal["saturation_target", "queue_target", "min_replicas", "scale_in_wait_s"]
+SETTINGS: tuple[Setting, ...] = ("saturation_target", "queue_target", "min_replicas", "scale_in_wait_s")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,16 +51,22 @@ class Policy:
     saturation_target: float
     queue_target: float
     min_replicas: int
+    scale_in_wait_s: float | None = None  # None: the fleet spec's own
 
     def with_(self, setting: Setting, value: float) -> Policy:
         if setting == "min_replicas":
             return replace(self, min_replicas=int(value))
         if setting == "queue_target":
             return replace(self, queue_target=value)
+        if setting == "scale_in_wait_s":
+            return replace(self, scale_in_wait_s=value)
         return replace(self, saturation_target=value)
 
     def value(self, setting: Setting) -> float:
-        return float(getattr(self, setting))
+        v = getattr(self, setting)
+        if v is None:
+            raise ValueError(f"{setting} is the fleet spec's own here")
+        return float(v)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,6 +167,8 @@ class _Evaluator:
             queue_target=p.queue_target,
             min_replicas=p.min_replicas,
         )
+        if p.scale_in_wait_s is not None:
+            scaling = replace(scaling, scale_in_cooldown_s=p.scale_in_wait_s, stabilization_s=p.scale_in_wait_s)
         # The fleet starts at its planned size, or at the minimum where that is larger.
         return replace(self.base, scaling=scaling, initial_replicas=max(self.base.initial_replicas, p.min_replicas))
 
@@ -203,24 +218,40 @@ def replay(trace: Trace, spec: FleetSpec, *, ttft_slo_s: float, goal: float) -> 
     """One policy (``spec``'s scaling as it stands) replayed in full, for comparisons that report the attainment
     rather than stop at the goal."""
     s = spec.scaling
-    p = Policy(saturation_target=s.kv_cache_target, queue_target=s.queue_target, min_replicas=s.min_replicas)
+    p = Policy(
+        saturation_target=s.kv_cache_target,
+        queue_target=s.queue_target,
+        min_replicas=s.min_replicas,
+        scale_in_wait_s=s.scale_in_cooldown_s,
+    )
     ev = _Evaluator(trace, spec, ttft_slo_s, goal)
     ev.stop_after = len(trace)
     return ev(p)
 
 
-def _grid(setting: Setting, floor_min: int, max_replicas: int) -> tuple[float, ...]:
+def wait_grid(floor_s: float) -> tuple[float, ...]:
+    """The scale-in waits replayed: the floor and longer ones, up to an hour."""
+    return tuple(sorted({min(WAIT_MAX_S, max(floor_s, round(floor_s * f / 60) * 60)) for f in WAIT_FACTORS}))
+
+
+def _grid(setting: Setting, floor_min: int, max_replicas: int, wait_floor_s: float) -> tuple[float, ...]:
     if setting == "saturation_target":
         return SATURATION_GRID
     if setting == "queue_target":
         return QUEUE_GRID
+    if setting == "scale_in_wait_s":
+        return wait_grid(wait_floor_s)
     return tuple(float(m) for m in range(floor_min, max_replicas + 1))
 
 
 def _cheaper(setting: Setting, grid: tuple[float, ...], current: float) -> list[float]:
-    """The values of a setting that cost no more than ``current``, nearest first: higher targets, fewer replicas."""
+    """The values of a setting that cost no more than ``current``, nearest first: higher targets, fewer replicas.
+    A wait is not ordered by cost (a longer one holds replicas through a lull, but saves relaunching them after):
+    every other value is tried."""
     if setting == "min_replicas":
         return sorted((v for v in grid if v < current), reverse=True)
+    if setting == "scale_in_wait_s":
+        return sorted((v for v in grid if v != current), key=lambda v: abs(v - current))
     return sorted(v for v in grid if v > current)
 
 
@@ -232,20 +263,24 @@ def derive(
     goal: float,
     pinned: dict[Setting, float] | None = None,
     floor_min: int = 1,
+    wait_floor_s: float | None = None,
     compare: Policy | None = None,
 ) -> Derivation:
-    """The cheapest policy on ``trace`` that gets ``goal`` of its requests a first token within ``ttft_slo_s``."""
+    """The cheapest policy on ``trace`` that gets ``goal`` of its requests a first token within ``ttft_slo_s``
+    (``wait_floor_s``: the shortest scale-in wait the target allows; by default ``base``'s own)."""
     if not trace.arrival_s:
         raise ValueError("an empty trace has nothing to derive from")
     pins = dict(pinned or {})
     max_r = base.scaling.max_replicas
     ev = _Evaluator(trace, base, ttft_slo_s, goal)
-    grids = {s: _grid(s, floor_min, max_r) for s in SETTINGS}
+    wait_floor = base.scaling.scale_in_cooldown_s if wait_floor_s is None else wait_floor_s
+    grids = {s: _grid(s, floor_min, max_r, wait_floor) for s in SETTINGS}
     start = {s: pins.get(s, grids[s][0]) for s in SETTINGS}
     cur = Policy(
         saturation_target=start["saturation_target"],
         queue_target=start["queue_target"],
         min_replicas=int(start["min_replicas"]),
+        scale_in_wait_s=start["scale_in_wait_s"],
     )
     reasons: dict[Setting, str] = {}
     # Most eager first; where even that misses, a larger minimum (the fleet cannot grow in time on its own).
@@ -275,8 +310,10 @@ def derive(
             cur = best.policy
             if setting not in reasons or why is not None:
                 reasons[setting] = why or _no_cheaper(setting, cur, grids[setting], floor_min)
+        if "scale_in_wait_s" not in pins:
+            cur, reasons["scale_in_wait_s"] = _best_wait(ev, cur, grids["scale_in_wait_s"], ttft_slo_s, goal)
     else:
-        for setting in walk:
+        for setting in SETTINGS:
             if setting not in pins and setting not in reasons:
                 reasons[setting] = "the most eager value tried: no policy meets the goal"
     choices = tuple(
@@ -309,9 +346,47 @@ def derive(
     )
 
 
+def _best_wait(
+    ev: Callable[[Policy], Outcome], cur: Policy, grid: tuple[float, ...], ttft_slo_s: float, goal: float
+) -> tuple[Policy, str]:
+    """The cheapest scale-in wait that meets the goal with the rest of ``cur``, and why (the floor unless a longer
+    wait costs less: it keeps replicas through a lull that the floor would scale in and relaunch after)."""
+    floor = cur.value("scale_in_wait_s")
+    at_floor = ev(cur)
+    tried = [(v, ev(cur.with_("scale_in_wait_s", v))) for v in grid if v != floor]
+    best_v, best = floor, at_floor
+    for v, o in tried:
+        if o.meets and o.cost < best.cost - 1e-9:
+            best_v, best = v, o
+    if best_v == floor:
+        dearer = [f"{_fmt('scale_in_wait_s', v)}: {o.cost_text()}" for v, o in tried if o.meets]
+        missing = [_fmt("scale_in_wait_s", v) for v, o in tried if not o.meets]
+        text = "the floor (15 min and twice the drain budget)"
+        same = [_fmt("scale_in_wait_s", v) for v, o in tried if o.meets and abs(o.cost - at_floor.cost) <= 1e-9]
+        if same and len(same) == len(dearer):
+            text += f"; {', '.join(same)} replay at the same cost (no lull in the replay outlasts the floor)"
+        elif dearer:
+            text += (
+                f"; longer waits cost no less over the replay ({', '.join(dearer)}; the floor {at_floor.cost_text()})"
+            )
+        if missing:
+            text += f"; {', '.join(missing)} miss the goal"
+        return cur, text
+    return best.policy, (
+        f"at the floor {_fmt('scale_in_wait_s', floor)} the fleet scales in during lulls and relaunches after: "
+        f"{at_floor.cost_text()} against {best.cost_text()} over the replay"
+    )
+
+
 def _pin_cost(ev: Callable[[Policy], Outcome], cur: Policy, setting: Setting, grid: tuple[float, ...]) -> PinCost:
     pinned = ev(cur)
     best: Outcome | None = pinned if pinned.meets else None
+    if setting == "scale_in_wait_s":  # not ordered by cost: every other wait
+        for v in grid:
+            o = ev(cur.with_(setting, v))
+            if o.meets and (best is None or o.cost < best.cost - 1e-9):
+                best = o
+        return PinCost(setting=setting, pinned=pinned, best=best)
     # Cheaper values while they meet the goal; where the pin misses, dearer ones until one meets it.
     if pinned.meets:
         for v in _cheaper(setting, grid, cur.value(setting)):
@@ -334,6 +409,8 @@ def _pin_cost(ev: Callable[[Policy], Outcome], cur: Policy, setting: Setting, gr
 def _fmt(setting: Setting, v: float) -> str:
     if setting == "min_replicas":
         return f"{int(v)} replicas"
+    if setting == "scale_in_wait_s":
+        return f"{v / 60:g} min"
     return f"{v:g}"
 
 

@@ -432,6 +432,19 @@ def test_scale_in_waits_fifteen_minutes_or_twice_the_drain_budget() -> None:
     assert parse_environment(longer, source=SOURCE).deployments[0].scaling.scale_in_wait_s == 1200
 
 
+def test_a_longer_scale_in_wait_is_kept_and_one_below_the_floor_is_refused_at_its_line() -> None:
+    wait = BASE.replace("      max_replicas: 3\n", "      max_replicas: 3\n      scale_in_after_s: 1800\n")
+    scaling = parse_environment(wait, source=SOURCE).deployments[0].scaling
+    assert scaling.scale_in_wait_s == 1800 and "scale_in_after_s" in scaling.pinned
+    short = BASE.replace(
+        "      max_replicas: 3\n", "      max_replicas: 3\n      drain_budget_s: 600\n      scale_in_after_s: 900\n"
+    )
+    [line] = problems(short)
+    assert line.startswith(f"{SOURCE}:") and "scale_in_after_s: at least 1200 (twice drain_budget_s 600" in line
+    [line] = problems(wait.replace("scale_in_after_s: 1800", "scale_in_after_s: 7200"))
+    assert f"{SOURCE}:{line_of(wait, 'scale_in_after_s')}:" in line and "3600" in line
+
+
 # ---- the image speaks this kvfleet's contract ---------------------------------------------------------
 
 DIGEST = "@sha256:" + "0" * 64

@@ -22,7 +22,7 @@ def test_synth_deploys_what_plan_prints(capsys: pytest.CaptureFixture[str]) -> N
     policy = scaling["policy"]
     assert policy["meets_goal"] and policy["ttft_attainment"] >= scaling["goal"]
     # Every setting the file leaves out has a reason; none is marked pinned (staging sets only max_replicas).
-    assert set(scaling["reasons"]) == {"saturation_target", "queue_depth_target", "min_replicas"}
+    assert set(scaling["reasons"]) == {"saturation_target", "queue_depth_target", "min_replicas", "scale_in_after_s"}
     assert not any(v["pinned"] for v in scaling["reasons"].values())
     assert all(v["reason"] for v in scaling["reasons"].values())
 
@@ -34,6 +34,13 @@ def test_synth_deploys_what_plan_prints(capsys: pytest.CaptureFixture[str]) -> N
     [group] = props(t, "AWS::AutoScaling::AutoScalingGroup")
     assert group["MinSize"] == str(policy["min_replicas"])
     assert group["MaxSize"] == "6"  # the file's, not searched
+    # The scale-in wait: the simple policy's cooldown and the minutes its alarm must hold (one-minute periods).
+    wait = policy["scale_in_after_s"]
+    assert wait >= 900
+    [scale_in] = [p for p in props(t, "AWS::AutoScaling::ScalingPolicy") if p.get("PolicyType") == "SimpleScaling"]
+    assert scale_in["Cooldown"] == str(wait)
+    [alarm] = [a for a in props(t, "AWS::CloudWatch::Alarm") if a.get("AlarmDescription", "").startswith("scale in by")]
+    assert alarm["EvaluationPeriods"] * 60 == wait
 
 
 def test_plan_says_what_the_file_values_cost(capsys: pytest.CaptureFixture[str]) -> None:

@@ -506,6 +506,11 @@ def test_scale_up_is_fast_and_scale_down_stabilized(small: ResolvedDeployment) -
     assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (1, 4)
     with pytest.raises(ValueError, match="scale_down_stabilization_s"):
         WorkloadOptions(image="i", prometheus_server_address="p", scale_down_stabilization_s=300)
+    # A longer wait from the file (or scaling.derive) is the window; the HPA takes at most an hour.
+    scaling = small.deployment.scaling.model_copy(update={"scale_in_after_s": 2700})
+    longer = dataclasses.replace(small, deployment=small.deployment.model_copy(update={"scaling": scaling}))
+    down = by_kind(k8s.manifests(longer, OPTS), "ScaledObject")["spec"]["advanced"]["horizontalPodAutoscalerConfig"]
+    assert down["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 2700
 
 
 def test_triggers_use_the_contracts_signals_and_the_configs_targets(small: ResolvedDeployment) -> None:
