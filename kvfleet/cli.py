@@ -487,6 +487,7 @@ def _outcome_json(o: Outcome) -> dict[str, Any]:
 def _scaling_section(loaded: LoadedEnvironment, dr: DeploymentRequest, *, derive: bool) -> dict[str, Any] | None:
     """The thresholds the deployment scales on, and with scaling.derive (or --derive) how the replay chose them."""
     from kvfleet.deployments import resolve
+    from kvfleet.sim.policy import INTEGER_SETTINGS
     from kvfleet.tuning import decide, derivation
 
     d = dr.deployment
@@ -524,7 +525,7 @@ def _scaling_section(loaded: LoadedEnvironment, dr: DeploymentRequest, *, derive
     lines = [f"{head}: replaying {replay}, goal TTFT <= {slo:g} s for {goal:.0%} of requests"]
     for c in found.choices:
         name = names[c.setting]
-        value = f"{int(c.value)}" if c.setting in ("min_replicas", "scale_in_wait_s") else f"{c.value:g}"
+        value = f"{int(c.value)}" if c.setting in INTEGER_SETTINGS else f"{c.value:g}"
         reason = c.reason
         if c.pinned:
             reason = "set in the file" if name in s.pinned else "the default (the file does not set it)"

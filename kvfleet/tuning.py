@@ -18,7 +18,7 @@ from kvfleet.config.targets import Ec2Target
 from kvfleet.deployments import ResolvedDeployment
 from kvfleet.errors import KvfleetError
 from kvfleet.sim.fleet import FleetSpec, Router, Scaling, WarmPool
-from kvfleet.sim.policy import Derivation, Outcome, Setting, derive
+from kvfleet.sim.policy import INTEGER_SETTINGS, Derivation, Outcome, Setting, derive
 from kvfleet.sim.policy import replay as replay_policy
 from kvfleet.sim.replica import EngineLimits, StepModel
 from kvfleet.sim.steps import RooflineSteps
@@ -259,7 +259,7 @@ def decide(r: ResolvedDeployment, trace: Trace | None = None) -> ScalingDecision
         if k in s.pinned:
             continue
         v = p.value(setting)
-        update[k] = int(v) if k in ("min_replicas", "scale_in_after_s") else v
+        update[k] = int(v) if setting in INTEGER_SETTINGS else v
     return ScalingDecision(scaling=s.model_copy(update=update), derivation=found, replay=replay)
 
 

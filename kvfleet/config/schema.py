@@ -303,8 +303,9 @@ SCALE_IN_MIN_S = 900
 
 # The settings scaling.derive derives where the file does not set them.
 DERIVED_SCALING = frozenset({"saturation_target", "queue_depth_target", "min_replicas", "scale_in_after_s"})
-# The HPA's scale-down stabilization window takes at most an hour (KEDA's ScaledObject, autoscaling/v2 behavior:
-# stabilizationWindowSeconds 0-3600); every target gets the same wait.
+# The HPA's scale-down stabilization window takes at most an hour (Kubernetes API, autoscaling/v2
+# HPAScalingRules.stabilizationWindowSeconds: "less than or equal to 3600"; KEDA passes it through); every target
+# gets the same wait.
 SCALE_IN_MAX_S = 3600
 
 
@@ -376,8 +377,9 @@ class ScalingConfig(Frozen):
         ge=SCALE_IN_MIN_S,
         le=SCALE_IN_MAX_S,
         description=(
-            "Seconds of low load before a scale-in acts (SageMaker's scale-in cooldown, the EC2 alarm that removes "
-            "one instance, the HPA's stabilization window on EKS). Default and floor: 15 minutes and twice "
+            "Seconds of low load before a scale-in acts: the EC2 alarm that removes one instance and its cooldown, "
+            "the HPA's stabilization window on EKS; on SageMaker, whose target tracking scales in after its own "
+            "15 low minutes, the cooldown between scale-ins. Default and floor: 15 minutes and twice "
             "drain_budget_s. Longer keeps replicas through short lulls instead of relaunching them after; "
             "scaling.derive replays longer waits, up to an hour, and keeps the cheapest that meets the goal."
         ),

@@ -44,6 +44,7 @@ WAIT_MAX_S = 3600.0
 
 Setting = Literal["saturation_target", "queue_target", "min_replicas", "scale_in_wait_s"]
 SETTINGS: tuple[Setting, ...] = ("saturation_target", "queue_target", "min_replicas", "scale_in_wait_s")
+INTEGER_SETTINGS: frozenset[Setting] = frozenset({"min_replicas", "scale_in_wait_s"})  # written as integers
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,7 +232,7 @@ def replay(trace: Trace, spec: FleetSpec, *, ttft_slo_s: float, goal: float) -> 
 
 def wait_grid(floor_s: float) -> tuple[float, ...]:
     """The scale-in waits replayed: the floor and longer ones, up to an hour."""
-    return tuple(sorted({min(WAIT_MAX_S, max(floor_s, round(floor_s * f / 60) * 60)) for f in WAIT_FACTORS}))
+    return tuple(sorted({min(WAIT_MAX_S, max(float(floor_s), round(floor_s * f / 60) * 60.0)) for f in WAIT_FACTORS}))
 
 
 def _grid(setting: Setting, floor_min: int, max_replicas: int, wait_floor_s: float) -> tuple[float, ...]:
@@ -364,7 +365,7 @@ def _best_wait(
         text = "the floor (15 min and twice the drain budget)"
         same = [_fmt("scale_in_wait_s", v) for v, o in tried if o.meets and abs(o.cost - at_floor.cost) <= 1e-9]
         if same and len(same) == len(dearer):
-            text += f"; {', '.join(same)} replay at the same cost (no lull in the replay outlasts the floor)"
+            text += f"; {', '.join(same)} replay at the same cost, and the floor scales in soonest"
         elif dearer:
             text += (
                 f"; longer waits cost no less over the replay ({', '.join(dearer)}; the floor {at_floor.cost_text()})"

@@ -247,15 +247,16 @@ async def scenario(tiny_model: Path) -> Outcome:
                     60,
                     "every stream to be in flight with its first token",
                 )
-                await wait_for(lambda: fake.state_reads >= 3, 10, "the watcher to poll IMDS")
-                # Hold the engine still (SIGSTOP to its process group) across the flip: how long the drain lasts must
-                # not depend on how fast this CPU generates (a fast one finished 1,000 tokens within one heartbeat).
-                # The agent and the watcher keep running; the streams resume where they stopped.
+                # Hold the engine still (SIGSTOP to its process group) from the first tokens until after the flip: how
+                # long the drain lasts must not depend on how fast this CPU generates (a fast one finished 1,000 tokens
+                # while the watcher made its first polls). The agent and the watcher keep running; the streams resume
+                # where they stopped.
                 engine_group = r.agent.engine.pid
                 assert engine_group is not None
                 os.killpg(engine_group, signal.SIGSTOP)
                 paused = True
-                assert not any(t.done() for t in tasks), "generations finished before the drain began"
+                assert not any(t.done() for t in tasks), "generations finished before the engine was held"
+                await wait_for(lambda: fake.state_reads >= 3, 10, "the watcher to poll IMDS")
                 # Several InService polls did nothing: no drain, no AWS call.
                 assert not watching.done() and drain_started == [] and aws.calls == []
                 ping_before_flip = await ping_status(r)

@@ -57,9 +57,9 @@ def test_a_pinned_wait_is_held_and_what_it_costs_is_reported(lulls: Trace) -> No
     assert cost.best.cost < cost.pinned.cost
 
 
-def test_on_steady_traffic_the_floor_is_kept_and_the_longer_waits_are_priced(lulls: Trace) -> None:
+def test_on_steady_traffic_the_floor_is_kept() -> None:
     spec = fleet_spec(resolved(LULLS))
-    steady = poisson_trace(((3600.0, 2.0),), input_tokens=600, output_tokens=200, source="steady", seed=3)
+    steady = poisson_trace(((1800.0, 2.0),), input_tokens=600, output_tokens=200, source="steady", seed=3)
     d = derive(steady, spec, ttft_slo_s=2.0, goal=0.8, pinned=PINNED)
     assert d.policy.scale_in_wait_s == 900
     [wait] = [c for c in d.choices if c.setting == "scale_in_wait_s"]
