@@ -476,6 +476,7 @@ def _outcome_json(o: Outcome) -> dict[str, Any]:
         "queue_depth_target": o.policy.queue_target,
         "min_replicas": o.policy.min_replicas,
         "scale_in_after_s": None if o.policy.scale_in_wait_s is None else int(o.policy.scale_in_wait_s),
+        "admission_queue": None if o.policy.admission_queue is None else int(o.policy.admission_queue),
         "meets_goal": o.meets,
         "ttft_attainment": round(o.attainment, 4),
         "stopped_at_s": o.stopped_s,
@@ -493,8 +494,10 @@ def _scaling_section(loaded: LoadedEnvironment, dr: DeploymentRequest, *, derive
     d = dr.deployment
     s = d.scaling
     w = d.workload
-    values = f"saturation_target {s.saturation_target:g}, queue_depth_target {s.queue_depth_target:g}, " + (
-        f"min_replicas {s.min_replicas}, scale_in_after_s {s.scale_in_wait_s}"
+    values = (
+        f"saturation_target {s.saturation_target:g}, queue_depth_target {s.queue_depth_target:g}, "
+        + (f"min_replicas {s.min_replicas}, scale_in_after_s {s.scale_in_wait_s}")
+        + ("" if s.admission_queue is None else f", admission_queue {s.admission_queue}")
     )
     if not s.derive and not derive:
         return {

@@ -216,8 +216,9 @@ class ResolvedDeployment:
 
     @property
     def admission(self) -> Admission:
-        """The agent's token budget from the plan: what runs plus what can start within the TTFT target."""
-        return admission(self.candidate, self.workload)
+        """The agent's token budget: what runs plus the file's admission queue, or the plan's (what can start within
+        the TTFT target) where the file leaves it (scaling.derive writes the one it chose)."""
+        return admission(self.candidate, self.workload, queued=self.deployment.scaling.admission_queue)
 
     @property
     def admission_factor(self) -> float:

@@ -18,10 +18,11 @@ from kvfleet.config.targets import Ec2Target
 from kvfleet.deployments import ResolvedDeployment
 from kvfleet.errors import KvfleetError
 from kvfleet.sim.fleet import FleetSpec, Router, Scaling, WarmPool
-from kvfleet.sim.policy import INTEGER_SETTINGS, Derivation, Outcome, Setting, derive
+from kvfleet.sim.policy import INTEGER_SETTINGS, AdmissionSpace, Derivation, Outcome, Setting, derive
 from kvfleet.sim.policy import replay as replay_policy
 from kvfleet.sim.replica import EngineLimits, StepModel
 from kvfleet.sim.steps import RooflineSteps
+from kvfleet.sizing.planner import admission
 from kvfleet.targets import TARGETS
 from kvfleet.volumes import root_volume, volume_usd_per_hour
 from kvfleet.workload.traces import Trace
@@ -44,12 +45,35 @@ SETTINGS_BY_FIELD: dict[str, Setting] = {
     "queue_depth_target": "queue_target",
     "min_replicas": "min_replicas",
     "scale_in_after_s": "scale_in_wait_s",
+    "admission_queue": "admission_queue",
 }
 
 
-def _file_value(s: ScalingConfig, name: str) -> float:
-    """A setting as the replay takes it: the wait as it is deployed (its floor where the file leaves it)."""
-    return float(s.scale_in_wait_s if name == "scale_in_after_s" else getattr(s, name))
+def admission_space(r: ResolvedDeployment) -> AdmissionSpace | None:
+    """The agent's admission as the search varies it (None where nothing admits: serving.admission false, or no
+    agent in the image)."""
+    if not r.deployment.admits:
+        return None
+    planned = admission(r.candidate, r.workload)
+    return AdmissionSpace(
+        running=planned.running,
+        request_tokens=planned.request_tokens,
+        floor_tokens=planned.running * r.candidate.capacity.max_model_len,
+        planned_queue=planned.queued,
+    )
+
+
+def _file_value(r: ResolvedDeployment, name: str) -> float:
+    """A setting as the replay takes it: the wait as it is deployed (its floor where the file leaves it), the
+    admission queue as the agent's budget admits it (the plan's where the file leaves it)."""
+    s = r.deployment.scaling
+    if name == "scale_in_after_s":
+        return float(s.scale_in_wait_s)
+    if name == "admission_queue":
+        space = admission_space(r)
+        queued = s.admission_queue if s.admission_queue is not None else admission(r.candidate, r.workload).queued
+        return float(space.effective(queued)) if space is not None else float(queued)
+    return float(getattr(s, name))
 
 
 class ScaledSteps:
@@ -93,7 +117,7 @@ def fleet_spec(
         kv_blocks=blocks,
         block_tokens=cap.block_size,
         prefix_caching=r.engine_args.enable_prefix_caching,
-        admission_tokens=r.admission.tokens,
+        admission_tokens=r.admission.tokens if r.deployment.admits else None,
     )
     target = TARGETS[r.deployment.target.platform]
     sim_scaling = Scaling(
@@ -219,7 +243,10 @@ def derivation(r: ResolvedDeployment, trace: Trace | None = None, *, pin_all: bo
     replay = trace if trace is not None else step_trace(r)
     s = d.scaling
     pinned_names = set(SETTINGS_BY_FIELD) if pin_all else set(s.pinned)
-    pins = {SETTINGS_BY_FIELD[k]: _file_value(s, k) for k in pinned_names}
+    space = admission_space(r)
+    if space is None:
+        pinned_names.discard("admission_queue")
+    pins = {SETTINGS_BY_FIELD[k]: _file_value(r, k) for k in pinned_names}
     # The search keeps at least one replica (whether to scale to zero is the standby comparison's question); a
     # file that pins 0 where its target can wake from zero is replayed at 0.
     low = 0 if TARGETS[d.target.platform].no_scale_to_zero is None else 1
@@ -242,6 +269,7 @@ def derivation(r: ResolvedDeployment, trace: Trace | None = None, *, pin_all: bo
             pinned=pins,
             floor_min=floor,
             wait_floor_s=s.scale_in_floor_s,
+            admission=space,
         )
         _CACHE[key] = hit
     return hit, replay.source
@@ -256,7 +284,7 @@ def decide(r: ResolvedDeployment, trace: Trace | None = None) -> ScalingDecision
     p = found.policy
     update: dict[str, object] = {}
     for k, setting in SETTINGS_BY_FIELD.items():
-        if k in s.pinned:
+        if k in s.pinned or (setting == "admission_queue" and p.admission_queue is None):
             continue
         v = p.value(setting)
         update[k] = int(v) if setting in INTEGER_SETTINGS else v

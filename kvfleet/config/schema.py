@@ -302,11 +302,15 @@ SCALE_IN_MIN_S = 900
 
 
 # The settings scaling.derive derives where the file does not set them.
-DERIVED_SCALING = frozenset({"saturation_target", "queue_depth_target", "min_replicas", "scale_in_after_s"})
+DERIVED_SCALING = frozenset(
+    {"saturation_target", "queue_depth_target", "min_replicas", "scale_in_after_s", "admission_queue"}
+)
 # The HPA's scale-down stabilization window takes at most an hour (Kubernetes API, autoscaling/v2
 # HPAScalingRules.stabilizationWindowSeconds: "less than or equal to 3600"; KEDA passes it through); every target
 # gets the same wait.
 SCALE_IN_MAX_S = 3600
+# A bound on the admission queue, so the agent's budget stays a planning figure: past it TTFT is minutes anyway.
+ADMISSION_QUEUE_MAX = 100_000
 
 
 class ScalingConfig(Frozen):
@@ -382,6 +386,19 @@ class ScalingConfig(Frozen):
             "15 low minutes, the cooldown between scale-ins. Default and floor: 15 minutes and twice "
             "drain_budget_s. Longer keeps replicas through short lulls instead of relaunching them after; "
             "scaling.derive replays longer waits, up to an hour, and keeps the cheapest that meets the goal."
+        ),
+    )
+    admission_queue: Int | None = Field(
+        default=None,
+        ge=0,
+        le=ADMISSION_QUEUE_MAX,
+        description=(
+            "Requests per replica the agent lets wait for a sequence slot before it answers 429: its token budget "
+            "is max_num_seqs plus this many typical requests (average prompt + max_output_tokens), never below "
+            "max_num_seqs requests of max_model_len. Default: what can start within workload.ttft_ms at the "
+            "replica's throughput (the plan's). scaling.derive replays 0, half, twice and four times that and keeps "
+            "the cheapest that meets the goal, at equal cost the one with the most requests in time. Needs "
+            "serving.admission."
         ),
     )
     drain_budget_s: Int = Field(
@@ -543,12 +560,23 @@ class Deployment(Frozen):
                     "model.hf_token_secret: image.source dlc cannot read it at start-up; set model.s3_uri, or use "
                     "image.source kvfleet"
                 )
-            if self.serving.isolated or not self.serving.admission:
-                what = "serving.tenant_header" if self.serving.isolated else "serving.admission"
+            if self.serving.isolated:
                 problems.append(
-                    f"{what}: image.source dlc runs the engine without the kvfleet agent, which isolates tenants and "
-                    "admits requests; use image.source kvfleet"
+                    "serving.tenant_header: image.source dlc runs the engine without the kvfleet agent, which "
+                    "isolates tenants; use image.source kvfleet"
                 )
+            # Without the agent nothing admits: a file that asks for admission (or an admission queue) is refused,
+            # one that leaves the default gets none, as Deployment.admits says.
+            if "admission" in self.serving.model_fields_set and self.serving.admission:
+                problems.append(
+                    "serving.admission: image.source dlc runs the engine without the kvfleet agent, which admits "
+                    "requests; set admission: false, or use image.source kvfleet"
+                )
+        if self.scaling.admission_queue is not None and not self.admits:
+            why = "image.source dlc has no agent" if self.serving.admission else "serving.admission is false"
+            problems.append(
+                f"scaling.admission_queue: nothing admits requests here ({why}); remove it, or admit with the agent"
+            )
         if self.serving.isolated and isinstance(t, SageMakerTarget) and t.network_isolation:
             problems.append(
                 "serving.tenant_secret: target.network_isolation leaves the container no network to read it from "
@@ -557,6 +585,11 @@ class Deployment(Frozen):
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+    @property
+    def admits(self) -> bool:
+        """Whether the agent admits requests by tokens here (it runs only with image.source kvfleet or uri)."""
+        return self.serving.admission and self.image.source != "dlc"
 
     def _image_tag_problem(self) -> str | None:
         """A kvfleet image must speak this kvfleet's contract and run the pinned engine release."""

@@ -1,10 +1,10 @@
 """Scaling thresholds derived on a trace: the cheapest policy whose replay meets the TTFT goal.
 
-A policy is the saturation target, the queue target, the minimum replica count and the scale-in wait (what an
-environment file's ``scaling:`` section sets). Each candidate is replayed through the fleet simulator with the
-target's real autoscaler (its metric period, datapoints, cooldowns or the HPA's sync and stabilization, and the
-replica's cold start), and it *meets the goal* when at least ``goal`` of the requests offered get their first
-token within the TTFT target (a refused or aborted request misses it).
+A policy is the saturation target, the queue target, the minimum replica count, the scale-in wait and the agent's
+admission queue (what an environment file's ``scaling:`` section sets). Each candidate is replayed through the fleet
+simulator with the target's real autoscaler (its metric period, datapoints, cooldowns or the HPA's sync and
+stabilization, and the replica's cold start), and it *meets the goal* when at least ``goal`` of the requests offered
+get their first token within the TTFT target (a refused or aborted request misses it).
 
 The search walks from the most eager policy (lowest targets, smallest minimum that meets the goal) towards cheaper
 ones, one setting at a time: it raises the saturation target, then the queue target, along their grids while the
@@ -12,7 +12,13 @@ goal holds, then lowers the minimum. Higher targets and fewer replicas are never
 first value that misses; that value is the reason printed beside the one chosen ("at 0.9 TTFT within 2 s for
 93.1% < 95%"). Last, the scale-in wait: from its floor, each longer wait on ``wait_grid`` is replayed with the
 rest as chosen and the cheapest that meets the goal is kept (a longer wait holds replicas through a lull but saves
-the relaunch after it, so cost does not order the waits). A pinned setting is held where the file puts it, and
+the relaunch after it, so cost does not order the waits). Before it, the admission queue: the requests per replica
+the agent lets wait for a slot before it answers 429. The plan's queue (what can start within the TTFT target at
+the replica's throughput) and 0, half, twice and four times it are replayed, and the cheapest that meets the goal
+is kept, at equal cost the one that gets the most requests their first token in time (a shorter queue refuses
+what a longer one would serve late; a longer one delays every request behind it, and what waits at the agent is
+what the queue target scales on). The replay counts a 429 as a miss: it does not model a client's retry. A pinned
+setting is held where the file puts it, and
 the search reports what the pin costs against the best value along that setting alone.
 
 A candidate is dropped as soon as it has missed more requests than the goal allows (``simulate(stop=...)``):
@@ -42,9 +48,43 @@ WINDOW_S = 300.0  # the burst a reason names: the 5-minute window of arrivals wi
 WAIT_FACTORS: tuple[float, ...] = (1.0, 1.5, 2.0, 3.0)
 WAIT_MAX_S = 3600.0
 
-Setting = Literal["saturation_target", "queue_target", "min_replicas", "scale_in_wait_s"]
-SETTINGS: tuple[Setting, ...] = ("saturation_target", "queue_target", "min_replicas", "scale_in_wait_s")
-INTEGER_SETTINGS: frozenset[Setting] = frozenset({"min_replicas", "scale_in_wait_s"})  # written as integers
+# The admission queues replayed, as multiples of the plan's (at least one request).
+ADMISSION_FACTORS: tuple[float, ...] = (0.0, 0.5, 1.0, 2.0, 4.0)
+SAME_COST = 0.01  # admission queues whose replays cost within 1% are compared on the requests they serve in time
+
+Setting = Literal["saturation_target", "queue_target", "min_replicas", "scale_in_wait_s", "admission_queue"]
+SETTINGS: tuple[Setting, ...] = (
+    "saturation_target",
+    "queue_target",
+    "min_replicas",
+    "scale_in_wait_s",
+    "admission_queue",
+)
+# Written as integers.
+INTEGER_SETTINGS: frozenset[Setting] = frozenset({"min_replicas", "scale_in_wait_s", "admission_queue"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdmissionSpace:
+    """The agent's admission per replica as the search varies it: a budget of (running + queued) typical
+    reservations, never below a batch of the longest requests (kvfleet.sizing.planner.admission)."""
+
+    running: int  # max_num_seqs
+    request_tokens: int  # a typical reservation: average prompt + max_output_tokens
+    floor_tokens: int  # running x max_model_len
+    planned_queue: int  # the plan's: what starts within the TTFT target
+
+    def tokens(self, queued: float) -> int:
+        return max((self.running + int(queued)) * self.request_tokens, self.floor_tokens)
+
+    def effective(self, queued: float) -> int:
+        """Typical requests that really may wait under ``queued``'s budget (more where the floor admits more)."""
+        return self.tokens(queued) // self.request_tokens - self.running
+
+    def grid(self) -> tuple[float, ...]:
+        """The queues replayed, each a distinct budget: 0 to four times the plan's."""
+        base = max(1, self.planned_queue)
+        return tuple(sorted({float(self.effective(round(base * f))) for f in ADMISSION_FACTORS}))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,8 +93,11 @@ class Policy:
     queue_target: float
     min_replicas: int
     scale_in_wait_s: float | None = None  # None: the fleet spec's own
+    admission_queue: float | None = None  # None: the fleet spec's own budget
 
     def with_(self, setting: Setting, value: float) -> Policy:
+        if setting == "admission_queue":
+            return replace(self, admission_queue=value)
         if setting == "min_replicas":
             return replace(self, min_replicas=int(value))
         if setting == "queue_target":
@@ -152,9 +195,12 @@ def _worst_window(stats: Stats) -> tuple[float, float] | None:
 
 
 class _Evaluator:
-    def __init__(self, trace: Trace, base: FleetSpec, ttft_slo_s: float, goal: float) -> None:
+    def __init__(
+        self, trace: Trace, base: FleetSpec, ttft_slo_s: float, goal: float, admission: AdmissionSpace | None = None
+    ) -> None:
         self.trace = trace
         self.base = base
+        self.admission = admission
         self.ttft_slo_s = ttft_slo_s
         self.goal = goal
         self.allowed = math.floor((1 - goal) * len(trace))  # misses the goal tolerates
@@ -170,8 +216,16 @@ class _Evaluator:
         )
         if p.scale_in_wait_s is not None:
             scaling = replace(scaling, scale_in_cooldown_s=p.scale_in_wait_s, stabilization_s=p.scale_in_wait_s)
+        limits = self.base.limits
+        if p.admission_queue is not None and self.admission is not None:
+            limits = replace(limits, admission_tokens=self.admission.tokens(p.admission_queue))
         # The fleet starts at its planned size, or at the minimum where that is larger.
-        return replace(self.base, scaling=scaling, initial_replicas=max(self.base.initial_replicas, p.min_replicas))
+        return replace(
+            self.base,
+            scaling=scaling,
+            limits=limits,
+            initial_replicas=max(self.base.initial_replicas, p.min_replicas),
+        )
 
     def __call__(self, p: Policy) -> Outcome:
         hit = self.cache.get(p)
@@ -235,7 +289,11 @@ def wait_grid(floor_s: float) -> tuple[float, ...]:
     return tuple(sorted({min(WAIT_MAX_S, max(float(floor_s), round(floor_s * f / 60) * 60.0)) for f in WAIT_FACTORS}))
 
 
-def _grid(setting: Setting, floor_min: int, max_replicas: int, wait_floor_s: float) -> tuple[float, ...]:
+def _grid(
+    setting: Setting, floor_min: int, max_replicas: int, wait_floor_s: float, admission: AdmissionSpace | None
+) -> tuple[float, ...]:
+    if setting == "admission_queue":
+        return admission.grid() if admission is not None else ()
     if setting == "saturation_target":
         return SATURATION_GRID
     if setting == "queue_target":
@@ -245,13 +303,16 @@ def _grid(setting: Setting, floor_min: int, max_replicas: int, wait_floor_s: flo
     return tuple(float(m) for m in range(floor_min, max_replicas + 1))
 
 
+UNORDERED: frozenset[Setting] = frozenset({"scale_in_wait_s", "admission_queue"})  # cost does not order them
+
+
 def _cheaper(setting: Setting, grid: tuple[float, ...], current: float) -> list[float]:
     """The values of a setting that cost no more than ``current``, nearest first: higher targets, fewer replicas.
-    A wait is not ordered by cost (a longer one holds replicas through a lull, but saves relaunching them after):
-    every other value is tried."""
+    A wait is not ordered by cost (a longer one holds replicas through a lull, but saves relaunching them after),
+    nor is an admission queue: every other value is tried."""
     if setting == "min_replicas":
         return sorted((v for v in grid if v < current), reverse=True)
-    if setting == "scale_in_wait_s":
+    if setting in UNORDERED:
         return sorted((v for v in grid if v != current), key=lambda v: abs(v - current))
     return sorted(v for v in grid if v > current)
 
@@ -265,30 +326,53 @@ def derive(
     pinned: dict[Setting, float] | None = None,
     floor_min: int = 1,
     wait_floor_s: float | None = None,
+    admission: AdmissionSpace | None = None,
     compare: Policy | None = None,
 ) -> Derivation:
     """The cheapest policy on ``trace`` that gets ``goal`` of its requests a first token within ``ttft_slo_s``
-    (``wait_floor_s``: the shortest scale-in wait the target allows; by default ``base``'s own)."""
+    (``wait_floor_s``: the shortest scale-in wait the target allows, by default ``base``'s own; ``admission``: the
+    agent's admission, searched where given, else held at ``base``'s budget)."""
     if not trace.arrival_s:
         raise ValueError("an empty trace has nothing to derive from")
     pins = dict(pinned or {})
     max_r = base.scaling.max_replicas
-    ev = _Evaluator(trace, base, ttft_slo_s, goal)
+    ev = _Evaluator(trace, base, ttft_slo_s, goal, admission)
     wait_floor = base.scaling.scale_in_cooldown_s if wait_floor_s is None else wait_floor_s
-    grids = {s: _grid(s, floor_min, max_r, wait_floor) for s in SETTINGS}
-    start = {s: pins.get(s, grids[s][0]) for s in SETTINGS}
+    settings = tuple(s for s in SETTINGS if s != "admission_queue" or admission is not None)
+    if admission is None:
+        pins.pop("admission_queue", None)  # nothing to hold: the agent admits what the base spec says
+    grids = {s: _grid(s, floor_min, max_r, wait_floor, admission) for s in settings}
+    start = {s: pins.get(s, grids[s][0]) for s in settings}
+    if admission is not None and "admission_queue" not in pins:
+        start["admission_queue"] = float(admission.effective(admission.planned_queue))  # the plan's, while walking
     cur = Policy(
         saturation_target=start["saturation_target"],
         queue_target=start["queue_target"],
         min_replicas=int(start["min_replicas"]),
         scale_in_wait_s=start["scale_in_wait_s"],
+        admission_queue=start.get("admission_queue"),
     )
     reasons: dict[Setting, str] = {}
-    # Most eager first; where even that misses, a larger minimum (the fleet cannot grow in time on its own).
+    searched_admission = admission is not None and "admission_queue" not in pins
+
+    def admitted_differently(p: Policy) -> Policy:
+        """Where ``p`` misses the goal, the admission queue nearest the plan's that meets it (``p`` if none): under
+        an overload the fleet cannot outgrow, what the agent lets wait decides who is served in time."""
+        if ev(p).meets or not searched_admission:
+            return p
+        planned = p.value("admission_queue")
+        for v in sorted(grids["admission_queue"], key=lambda v: (abs(v - planned), v)):
+            if ev(q := p.with_("admission_queue", v)).meets:
+                return q
+        return p
+
+    # Most eager first; where even that misses, another admission queue, then a larger minimum (the fleet cannot
+    # grow in time on its own).
+    cur = admitted_differently(cur)
     if not ev(cur).meets and "min_replicas" not in pins:
         first_fail = ev(cur)
         for m in range(cur.min_replicas + 1, max_r + 1):
-            cur = cur.with_("min_replicas", m)
+            cur = admitted_differently(cur.with_("min_replicas", m))
             if ev(cur).meets:
                 reasons["min_replicas"] = f"at {m - 1} {first_fail.describe(ttft_slo_s, goal)}"
                 break
@@ -311,10 +395,12 @@ def derive(
             cur = best.policy
             if setting not in reasons or why is not None:
                 reasons[setting] = why or _no_cheaper(setting, cur, grids[setting], floor_min)
+        if admission is not None and searched_admission:
+            cur, reasons["admission_queue"] = _best_admission(ev, cur, admission, ttft_slo_s, goal)
         if "scale_in_wait_s" not in pins:
             cur, reasons["scale_in_wait_s"] = _best_wait(ev, cur, grids["scale_in_wait_s"], ttft_slo_s, goal)
     else:
-        for setting in SETTINGS:
+        for setting in settings:
             if setting not in pins and setting not in reasons:
                 reasons[setting] = "the most eager value tried: no policy meets the goal"
     choices = tuple(
@@ -324,9 +410,12 @@ def derive(
             pinned=s in pins,
             reason="pinned in the file" if s in pins else reasons.get(s, ""),
         )
-        for s in SETTINGS
+        for s in settings
     )
-    pin_costs = tuple(_pin_cost(ev, cur, s, grids[s]) for s in SETTINGS if s in pins and feasible)
+    # Where the search failed, a pinned admission queue still says which queue would meet the goal.
+    pin_costs = tuple(
+        _pin_cost(ev, cur, s, grids[s]) for s in settings if s in pins and (feasible or s == "admission_queue")
+    )
     compared = None
     if compare is not None:
         # Replayed in full: a comparison reports the attainment, not just that it falls short.
@@ -379,10 +468,67 @@ def _best_wait(
     )
 
 
+def _pick_admission(meeting: list[tuple[float, Outcome]], planned: float) -> tuple[float, Outcome]:
+    """Cost first, but within SAME_COST of the cheapest the queue that serves most in time (then the plan's): the
+    queue barely moves the fleet's size, and a difference that small is when the replay's last requests end."""
+    cheapest = min(o.cost for _, o in meeting)
+    close = [(v, o) for v, o in meeting if o.cost <= cheapest * (1 + SAME_COST) + 1e-9]
+    return min(close, key=lambda item: (item[1].missed, item[0] != planned, item[1].cost))
+
+
+def _best_admission(
+    ev: Callable[[Policy], Outcome],
+    cur: Policy,
+    space: AdmissionSpace,
+    ttft_slo_s: float,
+    goal: float,
+) -> tuple[Policy, str]:
+    """The admission queue that meets the goal at the least cost, at equal cost the most requests in time, at
+    equal both the plan's; and why."""
+    planned = float(space.effective(space.planned_queue))
+    grid = space.grid()
+    floor = space.effective(0)
+    # Where a batch of max_model_len requests admits more than the TTFT target allows, that is the shortest queue.
+    plan_text = (
+        f"the plan's ({_fmt('admission_queue', planned)}: a batch of the longest requests is always admitted, and "
+        f"that budget lets {floor} of the average length wait, more than the {space.planned_queue} the TTFT target "
+        "alone allows)"
+        if floor > space.planned_queue and planned == floor
+        else f"the plan's ({_fmt('admission_queue', planned)} can start within the TTFT target)"
+    )
+    if grid == (planned,):
+        return cur.with_(
+            "admission_queue", planned
+        ), f"{plan_text}; up to 4 times the plan's queue, every budget is that one"
+    outcomes = [(v, ev(cur.with_("admission_queue", v))) for v in grid]
+    meeting = [(v, o) for v, o in outcomes if o.meets]
+    at_plan = ev(cur.with_("admission_queue", planned))
+    if not meeting:
+        return cur, f"{plan_text}; no queue searched meets the goal"
+
+    best_v, best = _pick_admission(meeting, planned)
+    others = "; ".join(
+        f"at {_fmt('admission_queue', v)} {o.describe(ttft_slo_s, goal)}" + (f", {o.cost_text()}" if o.meets else "")
+        for v, o in outcomes
+        if v not in (best_v, planned)
+    )
+    if best_v == planned:
+        head = plan_text
+    else:
+        head = (
+            f"{best.attainment:.1%} in time, {best.cost_text()}; {plan_text}: {at_plan.describe(ttft_slo_s, goal)}"
+            + (f", {at_plan.cost_text()}" if at_plan.meets else "")
+        )
+    return best.policy, f"{head}{'; ' + others if others else ''} (a 429 counts as a miss: the replay does not retry)"
+
+
 def _pin_cost(ev: Callable[[Policy], Outcome], cur: Policy, setting: Setting, grid: tuple[float, ...]) -> PinCost:
     pinned = ev(cur)
     best: Outcome | None = pinned if pinned.meets else None
-    if setting == "scale_in_wait_s":  # not ordered by cost: every other wait
+    if setting == "admission_queue":
+        meeting = [(v, o) for v in grid if (o := ev(cur.with_(setting, v))).meets]
+        return PinCost(setting=setting, pinned=pinned, best=_pick_admission(meeting, grid[0])[1] if meeting else None)
+    if setting in UNORDERED:  # not ordered by cost: every other value
         for v in grid:
             o = ev(cur.with_(setting, v))
             if o.meets and (best is None or o.cost < best.cost - 1e-9):
@@ -408,6 +554,8 @@ def _pin_cost(ev: Callable[[Policy], Outcome], cur: Policy, setting: Setting, gr
 
 
 def _fmt(setting: Setting, v: float) -> str:
+    if setting == "admission_queue":
+        return f"{int(v)} queued"
     if setting == "min_replicas":
         return f"{int(v)} replicas"
     if setting == "scale_in_wait_s":

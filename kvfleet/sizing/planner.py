@@ -172,8 +172,9 @@ class Admission:
     reason: str
 
 
-def admission(c: Candidate, wl: Workload) -> Admission:
-    """Admit what the engine runs plus the queue that can still start within the TTFT target.
+def admission(c: Candidate, wl: Workload, *, queued: int | None = None) -> Admission:
+    """Admit what the engine runs plus the queue that can still start within the TTFT target (``queued``: a queue
+    set in the file or chosen on a replay instead).
 
     A replica completes ``requests_per_s_per_replica`` with its batch full, so a request queued behind q others
     waits about q / that rate for a slot: q = (TTFT target - TTFT under load) x rate. Without a target, one
@@ -184,7 +185,9 @@ def admission(c: Candidate, wl: Workload) -> Admission:
     running = c.concurrency_per_replica
     rate = c.requests_per_s_per_replica
     per_request = wl.input_tokens + wl.max_output_tokens
-    if wl.ttft_target_s is not None:
+    if queued is not None:
+        why = f"{running} running and {queued} queued, as scaling.admission_queue sets it (or scaling.derive chose it)"
+    elif wl.ttft_target_s is not None:
         room_s = max(0.0, wl.ttft_target_s - c.under_load.ttft_s)
         queued = int(room_s * rate)
         why = (
@@ -195,8 +198,15 @@ def admission(c: Candidate, wl: Workload) -> Admission:
     else:
         queued = running
         why = f"{running} running and {queued} queued (one batch; no TTFT target to derive the queue from)"
-    tokens = max((running + queued) * per_request, running * c.capacity.max_model_len)
+    tokens = admission_tokens(
+        running=running, queued=queued, request_tokens=per_request, max_model_len=c.capacity.max_model_len
+    )
     return Admission(tokens=tokens, running=running, queued=queued, request_tokens=per_request, reason=why)
+
+
+def admission_tokens(*, running: int, queued: int, request_tokens: int, max_model_len: int) -> int:
+    """The token budget that admits ``running`` + ``queued`` typical requests, never below a batch of the longest."""
+    return max((running + queued) * request_tokens, running * max_model_len)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -22,7 +23,13 @@ def test_synth_deploys_what_plan_prints(capsys: pytest.CaptureFixture[str]) -> N
     policy = scaling["policy"]
     assert policy["meets_goal"] and policy["ttft_attainment"] >= scaling["goal"]
     # Every setting the file leaves out has a reason; none is marked pinned (staging sets only max_replicas).
-    assert set(scaling["reasons"]) == {"saturation_target", "queue_depth_target", "min_replicas", "scale_in_after_s"}
+    assert set(scaling["reasons"]) == {
+        "saturation_target",
+        "queue_depth_target",
+        "min_replicas",
+        "scale_in_after_s",
+        "admission_queue",
+    }
     assert not any(v["pinned"] for v in scaling["reasons"].values())
     assert all(v["reason"] for v in scaling["reasons"].values())
 
@@ -41,6 +48,17 @@ def test_synth_deploys_what_plan_prints(capsys: pytest.CaptureFixture[str]) -> N
     assert scale_in["Cooldown"] == str(wait)
     [alarm] = [a for a in props(t, "AWS::CloudWatch::Alarm") if a.get("AlarmDescription", "").startswith("scale in by")]
     assert alarm["EvaluationPeriods"] * 60 == wait
+    # The agent's token budget, read back from the user data's environment file: max_num_seqs plus the chosen queue
+    # of typical reservations (average prompt + max_output_tokens), as a factor on the KV tokens it is told.
+    queue = policy["admission_queue"]
+    env = dict(re.findall(r"(KVFLEET_[A-Z_]+)=([^\\\s]+)", json.dumps(t.to_json())))
+    budget = float(env[contract.ENV_ADMISSION_FACTOR]) * int(env[contract.ENV_TOKEN_BUDGET])
+    w = r.deployment.workload
+    assert w.avg_input_tokens is not None
+    per_request = w.avg_input_tokens + w.max_output_tokens
+    running = r.engine_args.max_num_seqs
+    assert queue is not None and running is not None
+    assert (running + queue) * per_request <= budget < (running + queue + 1) * per_request
 
 
 def test_plan_says_what_the_file_values_cost(capsys: pytest.CaptureFixture[str]) -> None:
