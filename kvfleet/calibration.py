@@ -1,5 +1,5 @@
-"""A measured calibration of one deployment: what `kvfleet bench --calibrate` writes and `kvfleet simulate
---calibration` reads (the loop from a live endpoint back to the simulated fleet).
+"""A measured calibration of one deployment: what `kvfleet bench --calibrate` writes and `kvfleet plan` and
+`kvfleet simulate --calibration` read (the loop from a live endpoint back to the simulated fleet).
 
 It holds the KV cache the engine allocated and how much slower (or faster) its steps ran than the step model
 predicts at the same lengths and concurrency, for one instance type, engine release, model and precision. A file
@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from kvfleet.errors import KvfleetError
+from kvfleet.sizing.engines import EngineName
+from kvfleet.sizing.planner import Measured
 
 KIND = "kvfleet.calibration"
 VERSION = 1
@@ -48,6 +50,23 @@ class Calibration:
         """Measured over predicted ITL, the median over the points (1.0 without any)."""
         ratios = [p.itl_s / p.predicted_itl_s for p in self.points if p.predicted_itl_s > 0 and p.itl_s > 0]
         return statistics.median(ratios) if ratios else 1.0
+
+    def measured(self, source: str) -> Measured:
+        """The calibration as the planner takes it (``source``: where it came from, for the plan's notes)."""
+        try:
+            engine = EngineName(self.engine)
+        except ValueError:
+            raise KvfleetError(f"{source}: unknown engine {self.engine!r}", field="calibration") from None
+        return Measured(
+            instance_type=self.instance_type,
+            tensor_parallel_size=self.tensor_parallel_size,
+            model_id=self.model,
+            engine=engine,
+            engine_version=self.engine_version,
+            kv_cache_tokens=self.kv_cache_tokens,
+            step_time_scale=self.step_time_scale,
+            source=f"{source}, measured {self.measured_at}",
+        )
 
     def to_json(self) -> str:
         return json.dumps({"kind": KIND, "version": VERSION, **asdict(self)}, indent=2) + "\n"

@@ -11,6 +11,7 @@ import json
 import math
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from kvfleet.engines import ENGINES
@@ -132,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--top", type=_positive_int, default=5, help="candidates to show (default 5)")
     pl.add_argument("--rejections", action="store_true", help="list every rejected candidate")
     pl.add_argument(
+        "--calibration",
+        metavar="FILE",
+        help="a file kvfleet bench --calibrate wrote: candidates of its instance type, tensor parallelism, model "
+        "and engine release are priced with its measured KV cache and step times",
+    )
+    pl.add_argument(
         "--derive",
         action="store_true",
         help="derive the scaling thresholds on the workload even where the file has scaling.derive false, and say "
@@ -229,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument(
         "--calibrate",
         help="with --env: write what was measured (the engine's KV cache, step times against the plan's at each "
-        "closed-loop level) as a calibration file for kvfleet simulate --calibration",
+        "closed-loop level) as a calibration file for kvfleet plan and simulate --calibration",
     )
     be.add_argument("--json", action="store_true")
 
@@ -420,8 +427,13 @@ def _request_from_flags(a: argparse.Namespace) -> PlanRequest:
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
-    from kvfleet.sizing.planner import plan
+    from kvfleet.sizing.planner import Measured, plan
 
+    measured: tuple[Measured, ...] = ()
+    if a.calibration:
+        from kvfleet.calibration import read_calibration
+
+        measured = (read_calibration(a.calibration).measured(a.calibration),)
     if a.environment:
         from kvfleet.config.loader import environment_path, load_located
         from kvfleet.deployments import config_error, plan_requests
@@ -431,6 +443,8 @@ def cmd_plan(a: argparse.Namespace) -> int:
             drs = plan_requests(loaded.environment)
         except KvfleetError as err:
             raise loaded.problem(err) from None
+        if measured:
+            drs = tuple(replace(dr, request=replace(dr.request, measured=measured)) for dr in drs)
         results = []
         scalings: list[dict[str, Any] | None] = []
         for dr in drs:
@@ -447,8 +461,15 @@ def cmd_plan(a: argparse.Namespace) -> int:
                 # The file's line and key path of what to change, not the planner's own field names.
                 raise loaded.problem(config_error(err, dr.index)) from None
     else:
-        results = [("plan", a.platform, plan(_request_from_flags(a)))]
+        results = [("plan", a.platform, plan(replace(_request_from_flags(a), measured=measured)))]
         scalings = [None]
+    if measured and not any(c.measured for _, _, p in results for c in p.candidates):
+        m = measured[0]
+        print(
+            f"calibration {a.calibration}: it applies to no candidate planned ({m.instance_type} tp="
+            f"{m.tensor_parallel_size}, {m.model_id}, {m.engine.value} {m.engine_version}); the plan is the model's",
+            file=sys.stderr,
+        )
     if a.json:
         rows = []
         for (name, target, p), scaling in zip(results, scalings, strict=True):

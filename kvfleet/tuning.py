@@ -108,9 +108,11 @@ def fleet_spec(
             model=r.model_id,
             tp=c.tensor_parallel_size,
         )
-        if calibration.kv_cache_tokens is not None:
-            blocks = max(1, calibration.kv_cache_tokens // cap.block_size)
-        model = ScaledSteps(model, calibration.step_time_scale)
+        # A candidate the planner priced with this calibration has the measured cache and steps already.
+        if c.measured is None:
+            if calibration.kv_cache_tokens is not None:
+                blocks = max(1, calibration.kv_cache_tokens // cap.block_size)
+            model = ScaledSteps(model, calibration.step_time_scale)
     limits = EngineLimits(
         max_num_seqs=r.engine_args.max_num_seqs or cap.max_num_seqs,
         max_num_batched_tokens=r.engine_args.max_num_batched_tokens or cap.max_num_batched_tokens,

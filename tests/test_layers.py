@@ -29,7 +29,7 @@ ALLOWED: dict[str, set[str]] = {
     "workload": {"contract", "errors"},
     "sim": {"sizing", "workload", "contract", "errors"},
     "bench": {"contract", "engines", "errors"},
-    "calibration": {"errors"},
+    "calibration": {"errors", "sizing"},
     "volumes": {"deployments", "sizing"},
     # The bridge from a resolved deployment to the simulator (fleet, replay, derived thresholds).
     "tuning": {"config", "deployments", "sim", "workload", "sizing", "targets", "errors", "calibration", "volumes"},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from kvfleet.sizing.models import ModelSpec
 from kvfleet.sizing.planner import Candidate
@@ -15,16 +16,16 @@ class RooflineSteps:
     @classmethod
     def for_candidate(cls, c: Candidate, model: ModelSpec) -> RooflineSteps:
         """The step times of a plan's candidate: its accelerator, tensor parallelism and precisions."""
-        return cls(
-            replica(
-                model=model,
-                accelerator=c.instance.accelerator,
-                tp=c.tensor_parallel_size,
-                nvlink=c.instance.nvlink,
-                scheme=c.weight_scheme,
-                kv_dtype=c.kv_cache_dtype,
-            )
+        rep = replica(
+            model=model,
+            accelerator=c.instance.accelerator,
+            tp=c.tensor_parallel_size,
+            nvlink=c.instance.nvlink,
+            scheme=c.weight_scheme,
+            kv_dtype=c.kv_cache_dtype,
         )
+        # A candidate priced with a calibration steps at the measured speed here too.
+        return cls(replace(rep, time_scale=c.measured.step_time_scale) if c.measured else rep)
 
     def __init__(self, replica: Replica, constants: StepConstants | None = None) -> None:
         self.replica = replica

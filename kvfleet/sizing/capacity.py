@@ -339,12 +339,20 @@ def _tokens(pool: _Pool, *, num_blocks: int, concurrency: float, k: _Knobs, prof
 
 
 def capacity(
-    model: ModelSpec, *, gpu_memory_bytes: int, settings: EngineSettings, accelerator_name: str = ""
+    model: ModelSpec,
+    *,
+    gpu_memory_bytes: int,
+    settings: EngineSettings,
+    accelerator_name: str = "",
+    measured_kv_cache_tokens: int | None = None,
 ) -> Capacity:
     """Predict what the engine allocates at start-up. Raises SizingError for settings it rejects.
 
     ``gpu_memory_bytes`` is the total memory of one GPU as the engine sees it; ``accelerator_name``
     matters only where defaults depend on the device (vLLM gives A100s the small scheduler defaults).
+    ``measured_kv_cache_tokens``: what this engine reported for these settings on this hardware (a calibration);
+    the cache's bytes are scaled so that its tokens are that, and everything that follows from them (blocks,
+    concurrency, the longest request) is computed from the measured cache.
     """
     s = settings
     profile = engine_profile(s.engine, s.version)
@@ -388,12 +396,25 @@ def capacity(
     pool = _pool(kv, block_size=k.block, hybrid=hybrid, group_ratio=profile.hybrid_group_ratio)
     if model.is_hybrid and not hybrid:
         notes.append("this engine version gives sliding-window layers the full context (no hybrid allocator)")
-    num_blocks = kv_bytes // (pool.page_bytes * pool.group_size)
     blocks_per_request = sum(
         _blocks_per_request(kind, w, max_model_len=k.max_len, block_size=k.block, max_num_batched_tokens=k.batched)
         for kind, w in pool.groups
     )
-    concurrency = num_blocks / blocks_per_request if blocks_per_request else 0.0
+
+    def blocks_for(kv_bytes: int) -> tuple[int, float]:
+        num_blocks = kv_bytes // (pool.page_bytes * pool.group_size)
+        return num_blocks, num_blocks / blocks_per_request if blocks_per_request else 0.0
+
+    num_blocks, concurrency = blocks_for(kv_bytes)
+    if measured_kv_cache_tokens is not None and kv_bytes > 0:
+        predicted = _tokens(pool, num_blocks=num_blocks, concurrency=concurrency, k=k, profile=profile)
+        if predicted > 0:
+            kv_bytes = int(kv_bytes * measured_kv_cache_tokens / predicted)
+            num_blocks, concurrency = blocks_for(kv_bytes)
+            notes.append(
+                f"KV cache as measured: {measured_kv_cache_tokens:,} tokens per replica (this model predicts "
+                f"{predicted:,})"
+            )
     fits_len = _longest_request(
         pool, num_blocks=num_blocks, block_size=k.block, max_num_batched_tokens=k.batched, limit=k.max_len
     )

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from kvfleet.errors import NothingFitsError, SizingError
 from kvfleet.sizing.capacity import Capacity, EngineSettings, capacity
-from kvfleet.sizing.engines import EngineName, engine_profile
+from kvfleet.sizing.engines import DEFAULT_VERSIONS, EngineName, engine_profile
 from kvfleet.sizing.hardware import AcceleratorKind, InstanceType, instance, instances, offered_in_region
 from kvfleet.sizing.hosting import Hosting, PriceList, Routing
 from kvfleet.sizing.models import ModelSpec
@@ -71,6 +71,39 @@ class Workload:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Measured:
+    """What one deployment measured on its hardware (a calibration: `kvfleet bench --calibrate`): the KV cache the
+    engine allocated and its step times over the step model's. It applies to the candidates of that instance
+    type, tensor parallelism, model and engine release, and to no other."""
+
+    instance_type: str  # EC2 or SageMaker name
+    tensor_parallel_size: int
+    model_id: str
+    engine: EngineName
+    engine_version: str
+    kv_cache_tokens: int | None  # per replica; None: the endpoint did not report it
+    step_time_scale: float
+    source: str  # where it was measured: the file and its date
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.step_time_scale) and self.step_time_scale > 0):
+            raise SizingError(
+                f"step_time_scale must be a positive number, got {self.step_time_scale}", field="calibration"
+            )
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens <= 0:
+            raise SizingError(f"kv_cache_tokens must be positive, got {self.kv_cache_tokens}", field="calibration")
+
+    def applies(self, it: InstanceType, tp: int, model_id: str, engine: EngineName, engine_version: str) -> bool:
+        return (
+            self.instance_type in (it.name, it.sagemaker_name)
+            and self.tensor_parallel_size == tp
+            and self.model_id == model_id
+            and self.engine is engine
+            and self.engine_version == engine_version
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
 class PlanRequest:
     model: ModelSpec
     workload: Workload
@@ -87,6 +120,7 @@ class PlanRequest:
     min_replicas: int = 1
     max_replicas: int | None = None
     enable_prefix_caching: bool = True
+    measured: tuple[Measured, ...] = ()  # calibrations; each prices the candidates it applies to
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,6 +172,7 @@ class Candidate:
     price_source: str
     limited_by: str  # what capped concurrency: "kv-cache", "itl-target", "concurrency-target", "max_num_seqs"
     notes: tuple[str, ...] = field(default=())
+    measured: Measured | None = None  # the calibration this candidate was priced with
 
     @property
     def fleet_usd_per_hour(self) -> float:
@@ -351,6 +386,7 @@ class _Option:
     tp: int
     scheme: WeightScheme
     kv: KvDtype
+    measured: Measured | None = None
 
     def reject(self, reason: str, *, needed_gib: float | None = None, available_gib: float | None = None) -> Rejection:
         return Rejection(
@@ -383,10 +419,11 @@ class _Option:
             gpu_memory_bytes=self.it.usable_gpu_memory_bytes,
             settings=self.settings(max_num_seqs=max_num_seqs),
             accelerator_name=self.it.accelerator.name,
+            measured_kv_cache_tokens=self.measured.kv_cache_tokens if self.measured else None,
         )
 
     def step_replica(self) -> Replica:
-        return replica(
+        rep = replica(
             model=self.req.model,
             accelerator=self.it.accelerator,
             tp=self.tp,
@@ -394,6 +431,7 @@ class _Option:
             scheme=self.scheme,
             kv_dtype=self.kv,
         )
+        return replace(rep, time_scale=self.measured.step_time_scale) if self.measured else rep
 
     def under_load(self, cap: Capacity, batch: int, rep: Replica | None = None) -> SteadyState:
         """The batch step model in steady state with ``batch`` sequences kept running: every step carries the
@@ -584,7 +622,9 @@ def _replicas(
 
 
 def _evaluate(req: PlanRequest, it: InstanceType, tp: int, scheme: WeightScheme, kv: KvDtype) -> Candidate | Rejection:
-    o = _Option(req=req, it=it, tp=tp, scheme=scheme, kv=kv)
+    version = req.engine_version or DEFAULT_VERSIONS[req.engine]
+    measured = next((m for m in req.measured if m.applies(it, tp, req.model.model_id, req.engine, version)), None)
+    o = _Option(req=req, it=it, tp=tp, scheme=scheme, kv=kv, measured=measured)
     reason = _layout_reason(o)
     if reason:
         return o.reject(reason)
@@ -637,13 +677,21 @@ def _evaluate(req: PlanRequest, it: InstanceType, tp: int, scheme: WeightScheme,
         price_as_of=price[1],
         price_source=price[2],
         limited_by=limited,
-        notes=price[3] + answer + _precision_notes(it, kv, req),
+        notes=price[3] + answer + _precision_notes(it, kv, req) + _measured_notes(measured),
+        measured=measured,
     )
     if req.max_fleet_usd_per_hour is not None and cand.fleet_usd_per_hour > req.max_fleet_usd_per_hour:
         return o.reject(
             f"fleet costs ${cand.fleet_usd_per_hour:.2f}/h, above the ${req.max_fleet_usd_per_hour:.2f}/h ceiling",
         )
     return cand
+
+
+def _measured_notes(m: Measured | None) -> tuple[str, ...]:
+    if m is None:
+        return ()
+    kv = f"{m.kv_cache_tokens:,} KV tokens" if m.kv_cache_tokens is not None else "the modelled KV cache"
+    return (f"calibrated ({m.source}): step times x{m.step_time_scale:.2f} the model's, {kv}",)
 
 
 def _instances(req: PlanRequest) -> Iterable[InstanceType]:

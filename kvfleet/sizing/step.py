@@ -188,6 +188,8 @@ class Replica:
     experts_per_token: int
     kv_bytes_per_token: int  # per rank, every KV layer (full-attention equivalent)
     cuda_graphs: bool = True
+    # Measured over modelled step time on this hardware and engine release (a calibration; 1: the model alone).
+    time_scale: float = 1.0
 
     @property
     def is_moe(self) -> bool:
@@ -346,7 +348,10 @@ def step_time(rep: Replica, batch: StepBatch, constants: StepConstants | None = 
         over += c.prefill_step_overhead_s
     if not rep.cuda_graphs:
         over += c.eager_step_overhead_s
-    return StepTime(linear_s=linear, attention_s=attn, allreduce_s=comm, overhead_s=over, linear_bound=bound)
+    f = rep.time_scale
+    return StepTime(
+        linear_s=f * linear, attention_s=f * attn, allreduce_s=f * comm, overhead_s=f * over, linear_bound=bound
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -62,3 +62,85 @@ def test_a_calibration_from_another_deployment_is_refused(tmp_path: Any, capsys:
     f.write_text("{}", encoding="utf-8")
     assert main(["simulate", "dev", "--calibration", str(f)]) == 2
     assert "not a kvfleet calibration" in capsys.readouterr().err
+
+
+def _calibration(tmp_path: Any, **fields: Any) -> Any:
+    f = tmp_path / "measured.json"
+    body = {
+        "kind": "kvfleet.calibration",
+        "version": 1,
+        "measured_at": "2026-12-01T00:00:00Z",
+        "instance_type": "ml.g6e.xlarge",
+        "engine": "vllm",
+        "engine_version": "0.30.0",
+        "model": "meta-llama/Llama-3.1-8B",
+        "tensor_parallel_size": 1,
+        "kv_cache_tokens": 200_000,
+        # Measured gaps twice the predicted ones: a step time scale of 2.
+        "points": [
+            {
+                "concurrency": c,
+                "input_tokens": 1500,
+                "output_tokens": 300,
+                "itl_s": 2 * itl,
+                "predicted_itl_s": itl,
+                "output_tokens_per_s": 1.0,
+                "predicted_output_tokens_per_s": 2.0,
+            }
+            for c, itl in ((1, 0.01), (8, 0.02), (16, 0.03))
+        ],
+    }
+    f.write_text(json.dumps({**body, **fields}), encoding="utf-8")
+    return f
+
+
+def _best(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
+    assert main(["plan", "dev", "--json", "--top", "20", *args]) == 0
+    [row] = json.loads(capsys.readouterr().out)
+    cands: list[dict[str, Any]] = row["candidates"]
+    [g6e] = [c for c in cands if c["instance_type"] == "ml.g6e.xlarge" and c["kv_cache_dtype"] == "fp8"]
+    return g6e
+
+
+def test_plan_prices_the_measured_candidate_with_its_cache_and_steps(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """dev's ml.g6e.xlarge, planned from the model (409,696 KV tokens at fp8) and from a calibration that measured
+    200,000 tokens and steps twice as slow: the cache is the measured one, every step time doubles, and the fleet
+    grows to carry the same peak at half the speed."""
+    plain = _best(capsys)
+    cal = _calibration(tmp_path)
+    measured = _best(capsys, "--calibration", str(cal))
+    block = plain["memory"]["block_size"]
+    assert plain["memory"]["kv_cache_tokens"] == 409_696
+    assert 200_000 - block <= measured["memory"]["kv_cache_tokens"] <= 200_000 + block
+    assert measured["cache_concurrency"] < plain["cache_concurrency"]
+    for key in ("decode_step_s", "prefill_step_s"):
+        assert measured["under_load"][key] == pytest.approx(2 * plain["under_load"][key], rel=0.01), key
+    assert measured["replicas"] > plain["replicas"]
+    assert any(
+        n.startswith(f"calibrated ({cal}, measured 2026-12-01T00:00:00Z): step times x2.00") for n in measured["notes"]
+    )
+    # simulate with the same file on that plan: the planner's candidate already holds the measured figures, so
+    # nothing is applied twice (the plain plan's best is this instance type too).
+    assert main(["simulate", "dev", "--json", "--calibration", str(cal)]) == 0
+
+
+def test_a_calibration_for_no_candidate_leaves_the_plan_and_says_so(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cal = _calibration(tmp_path, instance_type="ml.p5.48xlarge")
+    plain = _best(capsys)
+    assert main(["plan", "dev", "--json", "--top", "20", "--calibration", str(cal)]) == 0
+    out = capsys.readouterr()
+    [row] = json.loads(out.out)
+    [same] = [c for c in row["candidates"] if c["instance_type"] == "ml.g6e.xlarge" and c["kv_cache_dtype"] == "fp8"]
+    assert same["memory"]["kv_cache_tokens"] == plain["memory"]["kv_cache_tokens"]
+    assert "it applies to no candidate planned (ml.p5.48xlarge tp=1" in out.err
+
+
+def test_a_malformed_calibration_is_one_line(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    cal = _calibration(tmp_path, engine="sglang")
+    assert main(["plan", "dev", "--calibration", str(cal)]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "unknown engine 'sglang'" in line
