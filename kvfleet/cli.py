@@ -1523,6 +1523,8 @@ def _print_bench(url: str, model: str, inp: int, out: int, rows: list[dict[str, 
     t = Table(title=f"{url}: {model}, {inp} prompt + {out} generated tokens per request (trace: its own lengths)")
     cols = ["level", "ok", "failed", "TTFT p50/p95 ms", "ITL p50/p95 ms", "TPOT p50 ms", "req/s", "out tok/s"]
     cols += ["TTFT in time"] if slo else []
+    gauges = any(r.get("over_time") for r in rows)
+    cols += ["KV peak", "queue peak"] if gauges else []
     cols += ["client lag p99 ms"]
     for col in cols:
         t.add_column(col, justify="left" if col == "level" else "right")
@@ -1540,6 +1542,10 @@ def _print_bench(url: str, model: str, inp: int, out: int, rows: list[dict[str, 
         ]
         if slo:
             cells.append("-" if r["ttft_attainment"] is None else f"{r['ttft_attainment']:.1%}")
+        if gauges:
+            ot = r.get("over_time") or {}
+            kv, q = ot.get("kv_cache_utilization_max"), ot.get("requests_waiting_max")
+            cells += ["-" if kv is None else f"{kv:.0%}", "-" if q is None else f"{q:g}"]
         cells.append(f"{r['client_loop_lag_p99_s'] * 1e3:.1f}")
         t.add_row(*cells)
     console = _console()

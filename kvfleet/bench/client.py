@@ -14,6 +14,7 @@ measures the event loop's own lag during the run, so a report can say when the c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import math
@@ -294,6 +295,54 @@ _PREEMPTION_COUNTERS = (
 )
 
 
+# The gauges charted over a run: the agent's names first, then each engine's own (where the URL is the engine).
+_OVER_TIME = (contract.KV_CACHE_UTILIZATION, contract.REQUESTS_WAITING, contract.REQUESTS_RUNNING)
+_GAUGE_NAMES: dict[str, str] = {
+    name: sig.name
+    for sig in _OVER_TIME
+    for name in (
+        sig.prometheus_name,
+        *(n for a in ENGINES.values() for _, names in a.metric_rows for n in names.get(sig.name, ())),
+    )
+}
+SAMPLE_S = 1.0  # how often a run reads the endpoint's /metrics for the charts over time
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sample:
+    """The endpoint's own gauges at one moment of a run (None: not reported)."""
+
+    t_s: float  # since the run started
+    level: str
+    kv_cache_utilization: float | None
+    requests_waiting: float | None
+    requests_running: float | None
+
+
+def parse_gauges(text: str) -> dict[str, float]:
+    """KV-cache use, waiting and running requests from a /metrics page, by contract signal name: the agent's
+    re-export where it is there, else the engine's own gauge (vLLM reports KV use as a fraction, 0-1). Several
+    series of one gauge (labels) are averaged for KV use and summed for the counts."""
+    agent_names = {sig.prometheus_name for sig in _OVER_TIME}
+    seen: dict[str, dict[str, list[float]]] = {}  # signal -> metric name -> values
+    for line in text.splitlines():
+        m = _GAUGE.match(line)
+        if m is None or m["name"] not in _GAUGE_NAMES:
+            continue
+        try:
+            v = float(m["value"])
+        except ValueError:
+            continue
+        if math.isfinite(v):
+            seen.setdefault(_GAUGE_NAMES[m["name"]], {}).setdefault(m["name"], []).append(v)
+    out: dict[str, float] = {}
+    for signal, by_name in seen.items():
+        name = next((n for n in by_name if n in agent_names), next(iter(by_name)))
+        values = by_name[name]
+        out[signal] = sum(values) / len(values) if signal == contract.KV_CACHE_UTILIZATION.name else sum(values)
+    return out
+
+
 def parse_preemptions(text: str) -> float | None:
     totals: dict[str, float] = {}
     for line in text.splitlines():
@@ -356,6 +405,7 @@ class Level:
     loop_lag_max_s: float
     late_sends_s: float = 0.0  # open loop: the latest a request left after its scheduled time
     preemptions: float | None = None  # the engine's preemption counter over the level (None: not reported)
+    samples: tuple[Sample, ...] = ()  # the endpoint's gauges every SAMPLE_S (none where it has no /metrics)
 
     @property
     def concurrency(self) -> int | None:
@@ -445,15 +495,52 @@ async def run_levels(
             return await one_request(http, ep, model, prompt, max_tokens=out, timeout_s=timeout_s)
 
         done = []
+        t0 = time.perf_counter()
+        sampling = True  # until /metrics is found missing: an endpoint without it is not asked every second
         for spec in levels:
             before = await read_preemptions(http, ep)
-            level = await _run_level(send, spec, rng, progress)
+            samples: list[Sample] = []
+            stop = asyncio.Event()
+            sampler = (
+                asyncio.create_task(_sample(http, ep, spec.label, t0=t0, out=samples, stop=stop)) if sampling else None
+            )
+            try:
+                level = await _run_level(send, spec, rng, progress)
+            finally:
+                stop.set()
+                if sampler is not None:
+                    sampling = await sampler
             after = await read_preemptions(http, ep)
+            level = replace(level, samples=tuple(samples))
             if after is not None:
                 # No counter before the level: the agent had not scraped its engine yet, and counts from 0.
                 level = replace(level, preemptions=max(0.0, after - (before or 0.0)))
             done.append(level)
         return model, done, await read_capacity(http, ep)
+
+
+async def _sample(
+    http: aiohttp.ClientSession, ep: Endpoint, label: str, *, t0: float, out: list[Sample], stop: asyncio.Event
+) -> bool:
+    """Read the endpoint's gauges every SAMPLE_S until ``stop``; False where it has no /metrics (or none of them)."""
+    while not stop.is_set():
+        at = time.perf_counter()
+        text = await _metrics_text(http, ep)
+        g = parse_gauges(text) if text is not None else {}
+        if not g:
+            return False
+        out.append(
+            Sample(
+                t_s=at - t0,
+                level=label,
+                kv_cache_utilization=g.get(contract.KV_CACHE_UTILIZATION.name),
+                requests_waiting=g.get(contract.REQUESTS_WAITING.name),
+                requests_running=g.get(contract.REQUESTS_RUNNING.name),
+            )
+        )
+        with contextlib.suppress(TimeoutError):  # the next sample is due
+            await asyncio.wait_for(stop.wait(), max(0.0, SAMPLE_S - (time.perf_counter() - at)))
+    return True
 
 
 async def run_levels_sagemaker(
@@ -568,4 +655,31 @@ def summarize(level: Level, *, ttft_slo_s: float | None = None) -> dict[str, Any
         "wall_s": level.wall_s,
         "client_loop_lag_p99_s": level.loop_lag_p99_s,
         "client_loop_lag_max_s": level.loop_lag_max_s,
+        "over_time": _over_time(level.samples),
+    }
+
+
+def _over_time(samples: Sequence[Sample]) -> dict[str, Any] | None:
+    """The endpoint's gauges through the level: their peaks and the samples themselves (None: no /metrics)."""
+    if not samples:
+        return None
+
+    def peak(xs: list[float | None]) -> float | None:
+        vals = [x for x in xs if x is not None]
+        return max(vals) if vals else None
+
+    return {
+        "interval_s": SAMPLE_S,
+        "kv_cache_utilization_max": peak([x.kv_cache_utilization for x in samples]),
+        "requests_waiting_max": peak([x.requests_waiting for x in samples]),
+        "requests_running_max": peak([x.requests_running for x in samples]),
+        "samples": [
+            {
+                "t_s": round(x.t_s, 3),
+                "kv_cache_utilization": x.kv_cache_utilization,
+                "requests_waiting": x.requests_waiting,
+                "requests_running": x.requests_running,
+            }
+            for x in samples
+        ],
     }

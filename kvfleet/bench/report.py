@@ -87,6 +87,77 @@ def _bars_svg(title: str, bars: Sequence[tuple[str, float]], unit: str) -> str:
     return "".join(parts)
 
 
+def _lines_svg(
+    title: str,
+    series: Sequence[tuple[str, Sequence[tuple[float, float]]]],
+    unit: str,
+    *,
+    marks: Sequence[tuple[float, str]] = (),
+    y_max: float | None = None,
+) -> str:
+    """Lines over the run's time (x in seconds), with each level's start marked."""
+    points = [p for _, ps in series for p in ps]
+    if not points:
+        return ""
+    x_hi = max(t for t, _ in points) or 1.0
+    y_hi = y_max if y_max is not None else max(v for _, v in points) or 1.0
+    plot_w, plot_h = WIDTH - 10 - PAD, HEIGHT - PAD - 24
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" role="img" '
+        f'aria-label="{html.escape(title)}">',
+        f'<text x="{WIDTH / 2}" y="16" text-anchor="middle" font-size="13">{html.escape(title)}</text>',
+        f'<line x1="{PAD}" y1="{HEIGHT - PAD}" x2="{WIDTH - 10}" y2="{HEIGHT - PAD}" stroke="#333"/>',
+        f'<line x1="{PAD}" y1="{HEIGHT - PAD}" x2="{PAD}" y2="24" stroke="#333"/>',
+        f'<text x="{WIDTH / 2}" y="{HEIGHT - 8}" text-anchor="middle" font-size="11">s since the run began</text>',
+    ]
+    for i in range(5):
+        x = PAD + plot_w * i / 4
+        parts.append(
+            f'<text x="{x:.0f}" y="{HEIGHT - PAD + 16}" text-anchor="middle" font-size="11">{x_hi * i / 4:,.0f}</text>'
+        )
+        y = HEIGHT - PAD - plot_h * i / 4
+        parts.append(
+            f'<text x="{PAD - 6}" y="{y + 4:.0f}" text-anchor="end" font-size="11">{y_hi * i / 4:,.3g}{unit}</text>'
+        )
+    for t, label in marks:
+        x = PAD + plot_w * t / x_hi
+        parts.append(
+            f'<line x1="{x:.1f}" y1="24" x2="{x:.1f}" y2="{HEIGHT - PAD}" stroke="#bbb" stroke-dasharray="3"/>'
+        )
+        parts.append(f'<text x="{x + 3:.1f}" y="34" font-size="10" fill="#777">{html.escape(label)}</text>')
+    for k, (name, ps) in enumerate(series):
+        if not ps:
+            continue
+        pts = " ".join(
+            f"{PAD + plot_w * t / x_hi:.1f},{HEIGHT - PAD - plot_h * min(v, y_hi) / y_hi:.1f}" for t, v in ps
+        )
+        color = COLORS[k % len(COLORS)]
+        parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{pts}"/>')
+        parts.append(
+            f'<text x="{WIDTH - 14}" y="{48 + 14 * k}" text-anchor="end" font-size="11" fill="{color}">'
+            f"{html.escape(name)}</text>"
+        )
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _over_time(levels: Sequence[Level]) -> list[str]:
+    """KV-cache use and the engine's queue through the run, as the endpoint's /metrics reported them."""
+    samples = [x for lv in levels for x in lv.samples]
+    if not samples:
+        return ["<p>KV-cache use and queue over time: this endpoint has no /metrics</p>"]
+    marks = [(lv.samples[0].t_s, lv.spec.label) for lv in levels if lv.samples]
+    kv = [(x.t_s, 100 * x.kv_cache_utilization) for x in samples if x.kv_cache_utilization is not None]
+    waiting = [(x.t_s, x.requests_waiting) for x in samples if x.requests_waiting is not None]
+    running = [(x.t_s, x.requests_running) for x in samples if x.requests_running is not None]
+    return [
+        _lines_svg("KV-cache use over the run", [("KV blocks in use", kv)], "%", marks=marks, y_max=100.0),
+        _lines_svg(
+            "Requests in the engine over the run", [("waiting", waiting), ("running", running)], "", marks=marks
+        ),
+    ]
+
+
 def _ms(p: dict[str, float] | None, key: str) -> str:
     return "-" if p is None or not math.isfinite(p[key]) else f"{p[key] * 1e3:,.1f}"
 
@@ -150,6 +221,7 @@ def render_html(report: dict[str, Any], levels: Sequence[Level]) -> str:
             _bars_svg(
                 "Output tokens per second by level", [(r["level"], r["output_tokens_per_s"]) for r in rows], "tok/s"
             ),
+            *_over_time(levels),
             "</div></body></html>",
         ]
     )

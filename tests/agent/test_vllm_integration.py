@@ -244,6 +244,11 @@ def test_bench_plan_check_and_limits_against_the_real_engine(agent: AgentProcess
     report = json.loads(capsys.readouterr().out)
     at, above = report["levels"]
     assert at["completed"] == 4 and at["preemptions"] == 0
+    # The agent's gauges sampled through the level (how high they got depends on this CPU's speed, not asserted).
+    t = at["over_time"]
+    assert t is not None and t["samples"], at
+    for x in t["samples"]:
+        assert 0 <= x["kv_cache_utilization"] <= 1 and x["requests_waiting"] >= 0 and x["requests_running"] >= 0
     assert set(above["failed"]) <= {"429"}  # past the plan: refused or served, never failed
 
 

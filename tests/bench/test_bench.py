@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from kvfleet import contract
 from kvfleet.bench.client import Endpoint, concurrency_levels, run_concurrency, summarize
 from kvfleet.cli import main
 from tests.agent.harness import fake_engine_command, free_port, run, running, settings
@@ -409,3 +410,68 @@ def test_the_planned_load_of_an_environment(capsys: pytest.CaptureFixture[str]) 
     assert code == 0 and "note: KV check skipped" in err  # the KV check, with --env, has nothing to read here
     code, _, err = one_line(capsys, url, "--planned-load")
     assert code == 2 and "give --env FILE" in err
+
+
+def test_kv_use_and_the_queue_are_charted_over_the_run(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """An endpoint whose /metrics reports the agent's gauges as they stand (KV use rising with the requests in
+    flight, the queue past two running): the run samples them every second, the JSON holds the samples and their
+    peaks per level, and the HTML draws KV use and the queue over the run with each level's start marked."""
+    in_flight = [0]
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        if request.path == "/v1/models":
+            return web.json_response({"data": [{"id": "m"}]})
+        if request.path == "/metrics":
+            n = in_flight[0]
+            d = '{deployment="t"}'
+            return web.Response(
+                text=(
+                    f"# TYPE {contract.KV_CACHE_UTILIZATION.prometheus_name} gauge\n"
+                    f"{contract.KV_CACHE_UTILIZATION.prometheus_name}{d} {0.1 * n}\n"
+                    f"{contract.REQUESTS_WAITING.prometheus_name}{d} {max(0, n - 2)}\n"
+                    f"{contract.REQUESTS_RUNNING.prometheus_name}{d} {min(n, 2)}\n"
+                    # the engine's own gauge beside it: the agent's wins
+                    "vllm:kv_cache_usage_perc 0.99\n"
+                )
+            )
+        body = await request.json()
+        in_flight[0] += 1
+        try:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for _ in range(body["max_tokens"]):
+                await asyncio.sleep(0.1)
+                await resp.write(b'data: {"choices": [{"text": "x"}]}\n\n')
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        finally:
+            in_flight[0] -= 1
+
+    page = tmp_path / "bench.html"
+    with serving(handler) as url:
+        code, out, err = one_line(capsys, url, "--concurrency", "1,4", "--requests", "8", "--output-tokens", "15",
+                                  "--json", "--html", str(page))  # fmt: skip
+    assert code == 0, err
+    one, four = json.loads(out)["levels"]
+    for row, n in ((one, 1), (four, 4)):
+        t = row["over_time"]
+        assert t is not None and t["interval_s"] == 1.0 and len(t["samples"]) >= 2
+        assert t["kv_cache_utilization_max"] == pytest.approx(0.1 * n)  # the agent's figure, not vLLM's 0.99
+        assert t["requests_waiting_max"] == max(0, n - 2) and t["requests_running_max"] == min(n, 2)
+    assert four["over_time"]["samples"][0]["t_s"] > one["over_time"]["samples"][-1]["t_s"]  # one clock for the run
+    text = page.read_text(encoding="utf-8")
+    assert text.count("<svg") == 5 and "KV-cache use over the run" in text and "Requests in the engine" in text
+    assert ">concurrency 4</text>" in text  # the level's start, marked
+
+
+def test_gauges_are_read_from_the_engine_where_the_url_is_the_engine() -> None:
+    from kvfleet.bench.client import parse_gauges
+
+    text = (
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 3\n'
+        'vllm:num_requests_running{engine="0",model_name="m"} 7\n'
+        "vllm:num_requests_waiting_by_reason 9\n"  # not a gauge of the contract's
+        "vllm:num_requests_running NaN\n"
+    )
+    assert parse_gauges(text) == {"KvCacheUtilization": 0.25, "RequestsWaiting": 3.0, "RequestsRunning": 7.0}
