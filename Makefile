@@ -11,7 +11,7 @@ VLLM_VENV := .venv-vllm
 export CDK_DISABLE_CLI_TELEMETRY := true
 export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 
-.PHONY: synth test lint typecheck unit bench clean
+.PHONY: synth diff test lint typecheck unit bench clean
 
 $(BIN)/kvfleet: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,16 @@ synth: $(BIN)/kvfleet $(CDK)
 	$(BIN)/kvfleet plan environments/$(ENV).yaml
 	$(BIN)/kvfleet synth $(ENV) -- --quiet
 	@echo "synthesized environments/$(ENV).yaml into cdk.out/"
+
+# What this working tree changes in an environment's plan against BASE (a git ref, default HEAD): the file at BASE
+# is planned beside the current one (written next to it, so its relative paths still resolve), by this checkout's
+# planner. A change that comes from the planner or its catalogs shows against a plan saved from the deployed
+# release instead: kvfleet diff deployed-plan.json environments/$(ENV).yaml.
+BASE ?= HEAD
+diff: $(BIN)/kvfleet
+	@old=$$(mktemp environments/.base-$(ENV)-XXXXXX.yaml) && trap 'rm -f "$$old"' EXIT && \
+	git show $(BASE):environments/$(ENV).yaml > "$$old" && \
+	$(BIN)/kvfleet diff "$$old" environments/$(ENV).yaml
 
 lint: $(BIN)/kvfleet
 	$(BIN)/ruff check .

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from kvfleet.sim.fleet import FleetResult, FleetSpec
     from kvfleet.sim.policy import Outcome
     from kvfleet.sizing.capacity import Capacity
-    from kvfleet.sizing.planner import Candidate, Plan, PlanRequest, Workload
+    from kvfleet.sizing.planner import Candidate, Measured, Plan, PlanRequest, Workload
     from kvfleet.workload.traces import Trace
 
 EXIT_USAGE = 2
@@ -109,6 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--kv-cache-memory-bytes", type=_positive_int, help="vLLM: fixed cache size, skips profiling")
     c.add_argument("--json", action="store_true", help="machine-readable output")
 
+    di = sub.add_parser(
+        "diff",
+        help="what a release changes in the plan (instance type, count, engine flags, KV tokens, $/h, scaling): "
+        "each side an environment file, planned now, or the JSON of kvfleet plan --json",
+    )
+    di.add_argument("old", help="the plan before: an environment file, or a saved kvfleet plan --json")
+    di.add_argument("new", help="the plan after")
+    di.add_argument("--markdown", action="store_true", help="a Markdown table per deployment (a job summary)")
+    di.add_argument("--exit-code", action="store_true", help="exit 1 when the plan changed (as git diff does)")
     pl = sub.add_parser("plan", help="ranked deployment candidates, from flags or an environment file")
     pl.add_argument("environment", nargs="?", help="environments/<name>.yaml: plan every deployment in it")
     pl.add_argument("--model", help="catalog id/alias, or a path to config.json")
@@ -426,40 +435,76 @@ def _request_from_flags(a: argparse.Namespace) -> PlanRequest:
     )
 
 
+def _plan_environment(
+    environment: str, *, measured: tuple[Measured, ...] = (), derive: bool = False, standby: bool = False
+) -> tuple[list[tuple[str, str, Plan]], list[dict[str, Any] | None]]:
+    """Every deployment of an environment file planned, with its scaling section (and standby comparison)."""
+    from kvfleet.config.loader import environment_path, load_located
+    from kvfleet.deployments import config_error, plan_requests
+    from kvfleet.sizing.planner import plan
+
+    loaded = load_located(environment_path(environment))
+    try:
+        drs = plan_requests(loaded.environment)
+    except KvfleetError as err:
+        raise loaded.problem(err) from None
+    if measured:
+        drs = tuple(replace(dr, request=replace(dr.request, measured=measured)) for dr in drs)
+    results: list[tuple[str, str, Plan]] = []
+    scalings: list[dict[str, Any] | None] = []
+    for dr in drs:
+        try:
+            results.append((dr.deployment.name, dr.deployment.target.platform, plan(dr.request)))
+            section = _scaling_section(loaded, dr, derive=derive)
+            waiting = _standby_section(loaded, dr, force=standby)
+            if waiting is not None:
+                section = section or {"lines": []}
+                section["standby"] = waiting
+                section["lines"] = [*section["lines"], *waiting["lines"]]
+            scalings.append(section)
+        except KvfleetError as err:
+            # The file's line and key path of what to change, not the planner's own field names.
+            raise loaded.problem(config_error(err, dr.index)) from None
+    return results, scalings
+
+
+def cmd_diff(a: argparse.Namespace) -> int:
+    """What a release changes in the plan: each side an environment file (planned now) or `kvfleet plan --json`."""
+    from kvfleet.plandiff import describe, diff_plans, markdown
+
+    sides = []
+    for src in (a.old, a.new):
+        if src.endswith(".json"):
+            try:
+                with open(src, encoding="utf-8") as f:
+                    rows = json.load(f)
+            except OSError as err:
+                raise KvfleetError(f"cannot read {src}: {err.strerror or err}", field="plan") from None
+            except (ValueError, UnicodeDecodeError) as err:
+                raise KvfleetError(f"{src}: not JSON ({err})", field="plan") from None
+        else:
+            results, scalings = _plan_environment(src)
+            rows = [
+                {**_plan_json(name, target, p, 1), **({"scaling": sc} if sc else {})}
+                for (name, target, p), sc in zip(results, scalings, strict=True)
+            ]
+        sides.append((src, rows))
+    changes = diff_plans(sides[0][1], sides[1][1], old_source=sides[0][0], new_source=sides[1][0])
+    print(markdown(changes, sides[0][0], sides[1][0]) if a.markdown else describe(changes))
+    return 1 if a.exit_code and any(c.lines for c in changes) else 0
+
+
 def cmd_plan(a: argparse.Namespace) -> int:
-    from kvfleet.sizing.planner import Measured, plan
+    from kvfleet.sizing.planner import plan
 
     measured: tuple[Measured, ...] = ()
     if a.calibration:
         from kvfleet.calibration import read_calibration
 
         measured = (read_calibration(a.calibration).measured(a.calibration),)
+    scalings: list[dict[str, Any] | None]
     if a.environment:
-        from kvfleet.config.loader import environment_path, load_located
-        from kvfleet.deployments import config_error, plan_requests
-
-        loaded = load_located(environment_path(a.environment))
-        try:
-            drs = plan_requests(loaded.environment)
-        except KvfleetError as err:
-            raise loaded.problem(err) from None
-        if measured:
-            drs = tuple(replace(dr, request=replace(dr.request, measured=measured)) for dr in drs)
-        results = []
-        scalings: list[dict[str, Any] | None] = []
-        for dr in drs:
-            try:
-                results.append((dr.deployment.name, dr.deployment.target.platform, plan(dr.request)))
-                section = _scaling_section(loaded, dr, derive=a.derive)
-                standby = _standby_section(loaded, dr, force=a.standby)
-                if standby is not None:
-                    section = section or {"lines": []}
-                    section["standby"] = standby
-                    section["lines"] = [*section["lines"], *standby["lines"]]
-                scalings.append(section)
-            except KvfleetError as err:
-                # The file's line and key path of what to change, not the planner's own field names.
-                raise loaded.problem(config_error(err, dr.index)) from None
+        results, scalings = _plan_environment(a.environment, measured=measured, derive=a.derive, standby=a.standby)
     else:
         results = [("plan", a.platform, plan(replace(_request_from_flags(a), measured=measured)))]
         scalings = [None]
@@ -1714,6 +1759,7 @@ COMMANDS = {
     "workload": cmd_workload,
     "capacity": cmd_capacity,
     "plan": cmd_plan,
+    "diff": cmd_diff,
     "synth": cmd_synth,
     "schema": cmd_schema,
     "models": cmd_models,

@@ -30,6 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "sim": {"sizing", "workload", "contract", "errors"},
     "bench": {"contract", "engines", "errors"},
     "calibration": {"errors", "sizing"},
+    "plandiff": {"errors"},
     "volumes": {"deployments", "sizing"},
     # The bridge from a resolved deployment to the simulator (fleet, replay, derived thresholds).
     "tuning": {"config", "deployments", "sim", "workload", "sizing", "targets", "errors", "calibration", "volumes"},
@@ -47,6 +48,7 @@ ALLOWED: dict[str, set[str]] = {
         "tuning",
         "bench",
         "calibration",
+        "plandiff",
     },
     "infra": {
         "config",
@@ -75,6 +77,7 @@ THIRD_PARTY: dict[str, set[str] | None] = {
     "deployments": set(),
     "tuning": set(),
     "calibration": set(),
+    "plandiff": set(),
     "volumes": set(),
     "bench": {"aiohttp", "boto3", "botocore"},
     "workload": set(),
