@@ -14,19 +14,24 @@ WIDTH, HEIGHT, PAD = 560, 300, 48
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 
 
-def _cdf_svg(title: str, series: Sequence[tuple[str, Sequence[float]]], unit: str) -> str:
-    """Empirical CDFs, one line per series, x in ``unit`` (values are seconds; shown in ms)."""
-    values = [v for _, vs in series for v in vs]
-    if not values:
-        return f"<p>{html.escape(title)}: no data</p>"
-    hi = max(values) * 1e3 or 1.0
-    parts = [
+def _axes(title: str) -> list[str]:
+    """An SVG's opening, its title and its two axes."""
+    return [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" role="img" '
         f'aria-label="{html.escape(title)}">',
         f'<text x="{WIDTH / 2}" y="16" text-anchor="middle" font-size="13">{html.escape(title)}</text>',
         f'<line x1="{PAD}" y1="{HEIGHT - PAD}" x2="{WIDTH - 10}" y2="{HEIGHT - PAD}" stroke="#333"/>',
         f'<line x1="{PAD}" y1="{HEIGHT - PAD}" x2="{PAD}" y2="24" stroke="#333"/>',
     ]
+
+
+def _cdf_svg(title: str, series: Sequence[tuple[str, Sequence[float]]], unit: str) -> str:
+    """Empirical CDFs, one line per series, x in ``unit`` (values are seconds; shown in ms)."""
+    values = [v for _, vs in series for v in vs]
+    if not values:
+        return f"<p>{html.escape(title)}: no data</p>"
+    hi = max(values) * 1e3 or 1.0
+    parts = _axes(title)
     plot_w, plot_h = WIDTH - 10 - PAD, HEIGHT - PAD - 24
     for i in range(5):
         x = PAD + plot_w * i / 4
@@ -103,11 +108,7 @@ def _lines_svg(
     y_hi = y_max if y_max is not None else max(v for _, v in points) or 1.0
     plot_w, plot_h = WIDTH - 10 - PAD, HEIGHT - PAD - 24
     parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" role="img" '
-        f'aria-label="{html.escape(title)}">',
-        f'<text x="{WIDTH / 2}" y="16" text-anchor="middle" font-size="13">{html.escape(title)}</text>',
-        f'<line x1="{PAD}" y1="{HEIGHT - PAD}" x2="{WIDTH - 10}" y2="{HEIGHT - PAD}" stroke="#333"/>',
-        f'<line x1="{PAD}" y1="{HEIGHT - PAD}" x2="{PAD}" y2="24" stroke="#333"/>',
+        *_axes(title),
         f'<text x="{WIDTH / 2}" y="{HEIGHT - 8}" text-anchor="middle" font-size="11">s since the run began</text>',
     ]
     for i in range(5):
