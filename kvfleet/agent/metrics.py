@@ -344,6 +344,64 @@ def _add_buckets(
 # --------------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class IterationStats:
+    """What a read of TensorRT-LLM's iteration statistics (its /metrics JSON) says, by contract signal name."""
+
+    gauges: dict[str, float]
+    capacity: tuple[int, int] | None  # (blocks, tokens per block) of the engine's KV cache
+
+
+def iteration_gauges(text: str) -> IterationStats | None:
+    """KV-cache use, waiting and running requests, and the allocated cache from the newest of the iteration
+    statistics trtllm-serve keeps since the last read (a JSON list; kvCacheStats.usedNumBlocks / maxNumBlocks,
+    numQueuedRequests, numActiveRequests). An empty list means no iteration ran in the interval: nothing running or
+    waiting. None where the text is not that list (the engine's statistics are off, or it answered something else)."""
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(data, list):
+        return None
+    entries = [e for e in data if isinstance(e, dict)]
+    if not entries:
+        return IterationStats(
+            gauges={
+                contract.KV_CACHE_UTILIZATION.name: 0.0,
+                contract.REQUESTS_WAITING.name: 0.0,
+                contract.REQUESTS_RUNNING.name: 0.0,
+            },
+            capacity=None,
+        )
+    last = entries[-1]
+
+    def number(v: object) -> float | None:
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+        return float(v) if ok else None  # type: ignore[arg-type]
+
+    gauges: dict[str, float] = {}
+    kv = last.get("kvCacheStats")
+    capacity = None
+    if isinstance(kv, dict):
+        used, most, size = (
+            number(kv.get("usedNumBlocks")),
+            number(kv.get("maxNumBlocks")),
+            number(kv.get("tokensPerBlock")),
+        )
+        if used is not None and most:
+            gauges[contract.KV_CACHE_UTILIZATION.name] = min(1.0, used / most)
+        if most and size:
+            capacity = (int(most), int(size))
+    for key, sig in (
+        ("numQueuedRequests", contract.REQUESTS_WAITING),
+        ("numActiveRequests", contract.REQUESTS_RUNNING),
+    ):
+        v = number(last.get(key))
+        if v is not None:
+            gauges[sig.name] = v
+    return IterationStats(gauges=gauges, capacity=capacity)
+
+
 class SignalCollector:
     """Turns successive engine scrapes into per-interval Samples and keeps running totals.
 
@@ -405,12 +463,14 @@ class SignalCollector:
             self._totals.get(name, 0.0) + increase
         )  # visible to Prometheus at once, not only after the next scrape
 
-    def update(self, text: str) -> Sample:
-        """The interval's Sample from the engine's latest scrape text. Never raises on bad text."""
+    def update(self, text: str, iteration_stats: str | None = None) -> Sample:
+        """The interval's Sample from the engine's latest scrape text (and, where the engine keeps them, its
+        iteration statistics: gauges the text lacks and the allocated cache). Never raises on bad text."""
         agent = dict(self._pending)
         self._pending = dict.fromkeys(self._pending, 0.0)
         try:
-            found, gauges, deltas, distributions = self._read(_Scrape(text, self._wanted))
+            stats = iteration_gauges(iteration_stats) if iteration_stats is not None else None
+            found, gauges, deltas, distributions = self._read(_Scrape(text, self._wanted), stats)
             problem = None if found else f"no {self._map.engine} metrics in the scrape"
             sample = Sample(gauges=gauges, deltas={**deltas, **agent}, distributions=distributions, problem=problem)
         except Exception as exc:
@@ -420,7 +480,9 @@ class SignalCollector:
         self._latest = sample
         return sample
 
-    def _read(self, scrape: _Scrape) -> tuple[bool, dict[str, float], dict[str, float], dict[str, Distribution]]:
+    def _read(
+        self, scrape: _Scrape, stats: IterationStats | None = None
+    ) -> tuple[bool, dict[str, float], dict[str, float], dict[str, Distribution]]:
         """Reads every mapped signal, then commits the new state; raises (changing nothing) on bad data."""
         gauges: dict[str, float] = {}
         counters: dict[str, dict[_SeriesKey, float]] = {}
@@ -442,6 +504,10 @@ class SignalCollector:
                 if hist is not None:
                     histograms[sig.name] = hist
         capacity = self._capacity(scrape)
+        if stats is not None:
+            # The engine's own gauges win where it has them; the iteration statistics fill what it lacks.
+            gauges = {**stats.gauges, **gauges}
+            capacity = capacity or stats.capacity
         saturation = self._saturation(gauges)
         if saturation is not None:
             gauges[contract.REPLICA_SATURATION.name] = saturation

@@ -531,13 +531,13 @@ class Agent:
 
     # ---- signals -----------------------------------------------------------------------------------
 
-    async def _scrape(self) -> str | None:
+    async def _scrape(self, path: str | None = None) -> str | None:
         assert self._session is not None
         if not self.engine.ready:
             return None
         try:
             async with self._session.get(
-                self.settings.engine_url + self.settings.metrics_path, timeout=aiohttp.ClientTimeout(total=5)
+                self.settings.engine_url + (path or self.settings.metrics_path), timeout=aiohttp.ClientTimeout(total=5)
             ) as r:
                 if r.status != 200:
                     return None
@@ -548,7 +548,9 @@ class Agent:
     async def _publish_once(self) -> None:
         try:
             text = await self._scrape()
-            sample = self.collector.update(text if text is not None else "")
+            stats_path = self.settings.adapter.iteration_stats_path
+            stats = await self._scrape(stats_path) if stats_path is not None else None
+            sample = self.collector.update(text if text is not None else "", stats)
             line = metrics.emf_line(
                 sample,
                 namespace=self.settings.namespace,

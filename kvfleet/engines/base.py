@@ -111,6 +111,9 @@ class EngineAdapter(ABC):
     metrics_path: ClassVar[str]
     # The metric whose labels give the KV cache the engine allocated: (name, blocks label, block size label).
     capacity_metric: ClassVar[tuple[str, str, str] | None] = None
+    # A JSON endpoint of iteration statistics (TensorRT-LLM): the KV cache and the queue where the Prometheus text
+    # lacks them, and the allocated cache (kvfleet.agent.metrics.iteration_gauges reads it).
+    iteration_stats_path: ClassVar[str | None] = None
     health_path: ClassVar[str] = "/health"
     # The image the kvfleet serving image is built on by default (containers/Dockerfile, --build-arg BASE_IMAGE).
     default_base_image: ClassVar[str]

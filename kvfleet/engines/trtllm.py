@@ -10,13 +10,24 @@ from kvfleet.engines.base import EngineAdapter, EngineArgs, SignalNames
 
 _S = contract
 # trtllm-serve exports no preemption or generated-token counter: those signals stay absent for it.
+# Its Prometheus names moved: the endpoint's first collector (NVIDIA/TensorRT-LLM#5785, July 2025, in 1.0) exports
+# only request histograms, unprefixed (time_to_first_token_seconds, time_per_output_token_seconds); later releases
+# prefix them trtllm_ and add KV-cache use (trtllm_kv_cache_utilization), then queue gauges from the iteration stats
+# (#12545, March 2026). Both spellings are listed; where the release has no KV or queue gauge at all, the agent reads
+# them from the iteration stats (ITERATION_STATS_PATH).
 _V0_0: SignalNames = {
     _S.KV_CACHE_UTILIZATION.name: ("trtllm_kv_cache_utilization",),
-    _S.REQUESTS_WAITING.name: ("trtllm_num_requests_waiting",),
-    _S.REQUESTS_RUNNING.name: ("trtllm_num_requests_running",),
-    _S.TIME_TO_FIRST_TOKEN.name: ("trtllm_time_to_first_token_seconds",),
-    _S.INTER_TOKEN_LATENCY.name: ("trtllm_time_per_output_token_seconds",),
+    _S.REQUESTS_WAITING.name: ("trtllm_num_requests_waiting", "num_requests_waiting"),
+    _S.REQUESTS_RUNNING.name: ("trtllm_num_requests_running", "num_requests_running"),
+    _S.TIME_TO_FIRST_TOKEN.name: ("trtllm_time_to_first_token_seconds", "time_to_first_token_seconds"),
+    _S.INTER_TOKEN_LATENCY.name: ("trtllm_time_per_output_token_seconds", "time_per_output_token_seconds"),
 }
+# What the agent needs trtllm-serve to record, in the LLM-API options: the Prometheus collector exists only with
+# return_perf_metrics (tensorrt_llm/serve/openai_server.py: `if ...args.return_perf_metrics: ... MetricsCollector`),
+# and iteration statistics (the KV cache and the queue, on /metrics and, in later releases, as gauges) only with
+# enable_iter_perf_stats (MetricsCollector.log_iteration_stats: "Needs enable_iter_perf_stats: true"; the 1.0
+# trtllm-serve documentation, NVIDIA/TensorRT-LLM#7056).
+OBSERVABILITY_OPTIONS: dict[str, Any] = {"return_perf_metrics": True, "enable_iter_perf_stats": True}
 
 
 class TensorRtLlm(EngineAdapter):
@@ -24,6 +35,9 @@ class TensorRtLlm(EngineAdapter):
     title: ClassVar[str] = "TensorRT-LLM"
     # trtllm-serve's /metrics is JSON iteration stats (and blocks under load); Prometheus text is here.
     metrics_path: ClassVar[str] = "/prometheus/metrics"
+    # The iteration stats since the last read, newest last: kvCacheStats (maxNumBlocks, usedNumBlocks,
+    # tokensPerBlock), numQueuedRequests, numActiveRequests. The KV cache the engine allocated comes from here.
+    iteration_stats_path: ClassVar[str | None] = "/metrics"
     default_base_image: ClassVar[str] = "nvcr.io/nvidia/tensorrt-llm/release:1.0.0"
     metric_rows: ClassVar[tuple[tuple[str, SignalNames], ...]] = (("0.0.0", _V0_0),)
 
@@ -58,7 +72,7 @@ class TensorRtLlm(EngineAdapter):
         return cmd
 
     def options_file(self, args: EngineArgs) -> str | None:
-        return json.dumps(self.settings(args))  # JSON is YAML
+        return json.dumps({**self.settings(args), **OBSERVABILITY_OPTIONS})  # JSON is YAML
 
     def dlc_environment(
         self, args: EngineArgs, *, model: str, max_input_tokens: int, max_output_tokens: int
@@ -83,4 +97,5 @@ class TensorRtLlm(EngineAdapter):
         return env
 
     def describe(self, args: EngineArgs) -> str:
-        return f"trtllm-serve <model> --extra_llm_api_options <file with: {json.dumps(self.settings(args))}>"
+        options = json.dumps({**self.settings(args), **OBSERVABILITY_OPTIONS})
+        return f"trtllm-serve <model> --extra_llm_api_options <file with: {options}>"

@@ -29,7 +29,10 @@ HIST_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0,
 
 
 class FakeEngine:
-    def __init__(self, *, token_delay: float, capacity: int) -> None:
+    def __init__(self, *, token_delay: float, capacity: int, trtllm: bool = False) -> None:
+        self.trtllm = (
+            trtllm  # speak as trtllm-serve 1.0: histograms on /prometheus/metrics, iteration stats on /metrics
+        )
         self.token_delay = token_delay
         self.capacity = capacity  # sequences that run at once; the rest wait
         self.running = 0
@@ -42,7 +45,11 @@ class FakeEngine:
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.metrics)
+        if self.trtllm:
+            app.router.add_get("/prometheus/metrics", self.trtllm_prometheus)
+            app.router.add_get("/metrics", self.iteration_stats)
+        else:
+            app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.complete)
         app.router.add_post("/v1/chat/completions", self.complete)
@@ -141,6 +148,31 @@ class FakeEngine:
         lines.append(f"vllm:time_to_first_token_seconds_sum{{{labels}}} {sum(self.ttft)}")
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
+    TRT_BLOCKS, TRT_BLOCK_TOKENS = 4096, 32
+
+    async def trtllm_prometheus(self, _: web.Request) -> web.Response:
+        """trtllm-serve 1.0 with return_perf_metrics: unprefixed request histograms, no KV or queue gauge."""
+        labels = 'engine_type="undefined",model_name="undefined"'
+        lines = ["# TYPE time_to_first_token_seconds histogram"]
+        for le in HIST_BUCKETS:
+            count = sum(1 for t in self.ttft if t <= le)
+            lines.append(f'time_to_first_token_seconds_bucket{{{labels},le="{le}"}} {float(count)}')
+        lines.append(f'time_to_first_token_seconds_bucket{{{labels},le="+Inf"}} {float(len(self.ttft))}')
+        lines.append(f"time_to_first_token_seconds_count{{{labels}}} {float(len(self.ttft))}")
+        lines.append(f"time_to_first_token_seconds_sum{{{labels}}} {sum(self.ttft)}")
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+    async def iteration_stats(self, _: web.Request) -> web.Response:
+        """The newest iteration's statistics (the real one returns every iteration since the last read)."""
+        if not self.running and not self.waiting:
+            return web.json_response([])
+        used = 8 * (self.running + self.waiting)
+        kv = {"maxNumBlocks": self.TRT_BLOCKS, "usedNumBlocks": used, "freeNumBlocks": self.TRT_BLOCKS - used,
+              "tokensPerBlock": self.TRT_BLOCK_TOKENS}  # fmt: skip
+        return web.json_response(
+            [{"iter": 1, "numActiveRequests": self.running, "numQueuedRequests": self.waiting, "kvCacheStats": kv}]
+        )
+
 
 GRANDCHILD_LIFETIME_S = 120.0  # a grandchild a failed test leaves behind goes away on its own
 
@@ -170,6 +202,7 @@ def main() -> None:
     p.add_argument("--grandchild-obeys-term", action="store_true")
     p.add_argument("--term-takes-group", action="store_true")
     p.add_argument("--shared-memory", default=None)
+    p.add_argument("--trtllm", action="store_true", help="speak as trtllm-serve 1.0 on its metrics paths")
     a = p.parse_args()
     if a.shared_memory:
         from multiprocessing import shared_memory
@@ -194,7 +227,7 @@ def main() -> None:
 
     async def run() -> None:
         await asyncio.sleep(a.startup_delay)
-        engine = FakeEngine(token_delay=a.token_delay, capacity=a.capacity)
+        engine = FakeEngine(token_delay=a.token_delay, capacity=a.capacity, trtllm=a.trtllm)
         # uvicorn's keep-alive as vLLM sets it (5 s unless VLLM_HTTP_TIMEOUT_KEEP_ALIVE says otherwise).
         keep_alive = float(os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5"))
         runner = web.AppRunner(engine.app(), access_log=None, keepalive_timeout=keep_alive)

@@ -448,6 +448,51 @@ def test_trtllm() -> None:
     assert PREEMPTIONS not in sample.deltas and TOKENS not in sample.deltas
 
 
+# TensorRT-LLM 1.0's Prometheus text (NVIDIA/TensorRT-LLM#5785): request histograms only, without the trtllm_
+# prefix; the KV cache and the queue are in the iteration statistics on /metrics (the example of the 1.0
+# trtllm-serve documentation, kvCacheStats as printed there).
+TRTLLM_1_0 = "\n".join(
+    line.replace("trtllm_time", "time")
+    for line in TRTLLM.splitlines()
+    if "kv_cache" not in line and "num_requests" not in line
+)
+ITERATION_STATS = json.dumps(
+    [
+        {"iter": 1, "numActiveRequests": 3, "numQueuedRequests": 0, "kvCacheStats": {"maxNumBlocks": 101256,
+         "freeNumBlocks": 101250, "usedNumBlocks": 6, "tokensPerBlock": 32}},
+        {"iter": 2, "numActiveRequests": 4, "numQueuedRequests": 5, "kvCacheStats": {"maxNumBlocks": 101256,
+         "freeNumBlocks": 50628, "usedNumBlocks": 50628, "tokensPerBlock": 32}},
+    ]
+)  # fmt: skip
+
+
+def test_trtllm_1_0_signals_come_from_its_iteration_statistics() -> None:
+    """At the pinned TensorRT-LLM the Prometheus text has no KV or queue gauge: the newest iteration's statistics
+    give KV use (used over max blocks), the queue, the running requests and the allocated cache, and the
+    unprefixed histograms still give TTFT and ITL."""
+    c = SignalCollector(engine="trtllm", engine_version="1.0.0", max_num_seqs=8)
+    sample = c.update(TRTLLM_1_0, ITERATION_STATS)
+    assert sample.gauges == {KV: 0.5, WAITING: 5.0, RUNNING: 4.0, SAT: 0.5}
+    assert c.kv_capacity == (101256, 32)  # what the bench's drift gate reads back through the agent
+    text = observe(TRTLLM_1_0, "time_to_first_token_seconds", 0.05, 4)
+    assert c.update(text, "[]").distributions == {TTFT: ((50.0,), (4.0,))}
+    # No iteration since the last read: nothing ran or waited.
+    assert c.update(text, "[]").gauges == {KV: 0.0, WAITING: 0.0, RUNNING: 0.0, SAT: 0.0}
+
+
+def test_the_engines_own_gauges_win_over_its_iteration_statistics() -> None:
+    c = collector("1.3.0", engine="trtllm")
+    assert c.update(TRTLLM, ITERATION_STATS).gauges == {SAT: 0.62, KV: 0.62, RUNNING: 9.0, WAITING: 2.0}
+
+
+@pytest.mark.parametrize("body", ["", "not json", '{"error": "x"}', "[[[[", '[{"kvCacheStats": {"maxNumBlocks": 0}}]'])
+def test_unreadable_iteration_statistics_add_nothing(body: str) -> None:
+    c = collector("1.0.0", engine="trtllm")
+    sample = c.update(TRTLLM_1_0, body)
+    assert KV not in sample.gauges and c.kv_capacity is None
+    assert metrics.iteration_gauges(body) is None or not metrics.iteration_gauges(body).gauges
+
+
 @pytest.mark.parametrize(
     ("kv", "running", "max_num_seqs", "expected"),
     [

@@ -243,6 +243,38 @@ def test_signals_are_published_as_emf_and_prometheus() -> None:
     run(go)
 
 
+def test_trtllm_1_0_signals_and_cache_come_from_its_iteration_statistics() -> None:
+    """In front of an engine that speaks as trtllm-serve 1.0 (histograms only on /prometheus/metrics, the KV cache and
+    the queue in the iteration statistics on /metrics), the agent still publishes the scaling signals, and its
+    /metrics re-exports the cache the engine allocated, which the bench's plan check reads."""
+    from kvfleet.bench.client import parse_capacity
+    from tests.agent.fake_engine import FakeEngine
+
+    async def go() -> None:
+        s = settings(
+            engine="trtllm",
+            engine_version="1.0.0",
+            engine_command=(*fake_engine_command(token_delay=0.05, capacity=2), "--trtllm"),
+        )
+        async with running(s) as r:
+            tasks = [asyncio.create_task(stream_completion(r.http, r.url, max_tokens=20)) for _ in range(6)]
+            await asyncio.sleep(0.8)
+            async with r.http.get(r.url + "/metrics") as m:
+                text = await m.text()
+            await asyncio.gather(*tasks)
+            await asyncio.sleep(0.5)
+            recs = r.emf()
+        assert max(rec.get("RequestsRunning", 0) for rec in recs) == 2
+        assert max(rec.get("RequestsWaiting", 0) for rec in recs) >= 1
+        assert max(rec.get("KvCacheUtilization", 0) for rec in recs) > 0
+        assert any("TimeToFirstToken" in rec for rec in recs)  # the unprefixed 1.0 histogram
+        capacity = parse_capacity(text)
+        assert capacity is not None and capacity.source == contract.PROM_ENGINE_KV_BLOCKS
+        assert capacity.tokens == FakeEngine.TRT_BLOCKS * FakeEngine.TRT_BLOCK_TOKENS
+
+    run(go)
+
+
 def test_scrape_failure_never_blocks_serving() -> None:
     async def go() -> None:
         async with running(settings()) as r:

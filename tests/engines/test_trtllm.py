@@ -59,7 +59,10 @@ def test_vllm_only_settings_are_refused(args: EngineArgs) -> None:
 def test_the_options_file_is_the_options() -> None:
     text = TRT.options_file(PLAN)
     assert text is not None and "\n" not in text
-    assert json.loads(text) == TRT.settings(PLAN)  # JSON is YAML: what --extra_llm_api_options reads
+    # JSON is YAML: what --extra_llm_api_options reads. Beside the plan's settings, what the agent's signals need:
+    # the Prometheus collector (return_perf_metrics) and the iteration statistics (enable_iter_perf_stats).
+    assert json.loads(text) == {**TRT.settings(PLAN), "return_perf_metrics": True, "enable_iter_perf_stats": True}
+    assert '"enable_iter_perf_stats": true' in TRT.describe(PLAN)
 
 
 def test_server_command_reads_the_options_file() -> None:
@@ -110,7 +113,12 @@ def test_metric_names(version: str) -> None:
     since, names = TRT.metric_names(version)
     assert since == (0, 0, 0)
     assert names[contract.KV_CACHE_UTILIZATION.name] == ("trtllm_kv_cache_utilization",)
-    assert names[contract.REQUESTS_WAITING.name] == ("trtllm_num_requests_waiting",)
-    assert names[contract.INTER_TOKEN_LATENCY.name] == ("trtllm_time_per_output_token_seconds",)
+    # Both spellings: 1.0's collector exported unprefixed request histograms (NVIDIA/TensorRT-LLM#5785).
+    assert names[contract.REQUESTS_WAITING.name] == ("trtllm_num_requests_waiting", "num_requests_waiting")
+    assert names[contract.INTER_TOKEN_LATENCY.name] == (
+        "trtllm_time_per_output_token_seconds",
+        "time_per_output_token_seconds",
+    )
+    assert TRT.iteration_stats_path == "/metrics"  # the KV cache and the queue where the text has neither
     # trtllm-serve exports no preemption or generated-token counter: those signals stay absent.
     assert contract.PREEMPTIONS.name not in names and contract.OUTPUT_TOKENS.name not in names
