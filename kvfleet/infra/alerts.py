@@ -36,6 +36,9 @@ class AlertsStack(Stack):
             scope,
             id,
             env=cdk.Environment(account=environment.account, region=environment.region) if explicit else None,
+            # The name the id gives in the app, in a pipeline's Stage too (where it would be "<stage>-<id>"): a
+            # pipeline then updates the stacks `cdk deploy` made instead of creating a second set beside them.
+            stack_name=id,
             description=f"kvfleet {environment.name}: the topic every deployment's alarms notify",
         )
         cdk.Tags.of(self).add("kvfleet:environment", environment.name)

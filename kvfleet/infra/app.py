@@ -22,6 +22,7 @@ from typing import Any
 
 import aws_cdk as cdk
 from cdk_nag import AwsSolutionsChecks
+from constructs import Construct
 
 from kvfleet.config.loader import LoadedEnvironment, environment_path, load_located, parse_field
 from kvfleet.config.schema import Environment
@@ -52,6 +53,29 @@ def _in_deployment(err: KvfleetError, index: int, name: str) -> KvfleetError:
     return KvfleetError(f"{field}: {err.message}", field=f"deployments[{index}].target")
 
 
+def add_environment(
+    scope: Construct, env: Environment, *, traces: Mapping[int, Trace] | None = None
+) -> list[cdk.Stack]:
+    """An environment's stacks (its alerts topic where it has none of its own, then one stack per deployment) in
+    ``scope``: the app for `make synth`, or a ``cdk.Stage`` of a pipeline, which then deploys the same stacks.
+    ``traces`` are the deployments' workload traces as the loader read them (by deployment index):
+    ``scaling.derive`` replays them, and without one a step at the workload's peak."""
+    # The thresholds the file leaves to scaling.derive are those `kvfleet plan` prints (the same search, cached).
+    resolved = [with_decision(r, decide(r, (traces or {}).get(i))) for i, r in enumerate(resolve_environment(env))]
+    alerts = (
+        None
+        if env.notifications.topic_arn is not None
+        else AlertsStack(scope, alerts_stack_name(env.name), environment=env)
+    )
+    stacks: list[cdk.Stack] = [alerts] if alerts is not None else []
+    for i, r in enumerate(resolved):
+        try:
+            stacks.append(DeploymentStack(scope, r.stack_name, resolved=r, alerts=alerts))
+        except KvfleetError as err:
+            raise _in_deployment(err, i, r.deployment.name) from None
+    return stacks
+
+
 def build_app(
     env: Environment,
     *,
@@ -59,24 +83,12 @@ def build_app(
     nag: bool = True,
     traces: Mapping[int, Trace] | None = None,
 ) -> cdk.App:
-    """The app of an environment. ``traces`` are the deployments' workload traces as the loader read them (by
-    deployment index): ``scaling.derive`` replays them, and without one a step at the workload's peak."""
+    """The app of an environment (``add_environment`` in an app, with cdk-nag)."""
     app = app or cdk.App()
     if nag:
         # Findings fail synth; each accepted one is acknowledged beside its cause, with a reason.
         cdk.Validations.of(app).add_plugins(AwsSolutionsChecks(app, verbose=True))
-    # The thresholds the file leaves to scaling.derive are those `kvfleet plan` prints (the same search, cached).
-    resolved = [with_decision(r, decide(r, (traces or {}).get(i))) for i, r in enumerate(resolve_environment(env))]
-    alerts = (
-        None
-        if env.notifications.topic_arn is not None
-        else AlertsStack(app, alerts_stack_name(env.name), environment=env)
-    )
-    for i, r in enumerate(resolved):
-        try:
-            DeploymentStack(app, r.stack_name, resolved=r, alerts=alerts)
-        except KvfleetError as err:
-            raise _in_deployment(err, i, r.deployment.name) from None
+    add_environment(app, env, traces=traces)
     return app
 
 

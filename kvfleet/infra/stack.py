@@ -49,6 +49,9 @@ class DeploymentStack(Stack):
             scope,
             id,
             env=cdk.Environment(account=env_cfg.account, region=env_cfg.region) if env_cfg.region else None,
+            # The name the id gives in the app, in a pipeline's Stage too (where it would be "<stage>-<id>"): a
+            # pipeline then updates the stacks `cdk deploy` made instead of creating a second set beside them.
+            stack_name=id,
             description=(
                 f"kvfleet {r.deployment_id}: {r.model_id} on {r.candidate.label()} with {r.engine} "
                 f"{r.deployment.engine.version}"
