@@ -139,14 +139,18 @@ class FakeEngine:
             f"vllm:generation_tokens_total{{{labels}}} {float(self.generated)}",
             "# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.",
             "# TYPE vllm:time_to_first_token_seconds histogram",
+            *self._ttft_histogram("vllm:time_to_first_token_seconds", labels),
         ]
-        for le in HIST_BUCKETS:
-            count = sum(1 for t in self.ttft if t <= le)
-            lines.append(f'vllm:time_to_first_token_seconds_bucket{{{labels},le="{le}"}} {float(count)}')
-        lines.append(f'vllm:time_to_first_token_seconds_bucket{{{labels},le="+Inf"}} {float(len(self.ttft))}')
-        lines.append(f"vllm:time_to_first_token_seconds_count{{{labels}}} {float(len(self.ttft))}")
-        lines.append(f"vllm:time_to_first_token_seconds_sum{{{labels}}} {sum(self.ttft)}")
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+    def _ttft_histogram(self, name: str, labels: str) -> list[str]:
+        lines = [
+            f'{name}_bucket{{{labels},le="{le}"}} {float(sum(1 for t in self.ttft if t <= le))}' for le in HIST_BUCKETS
+        ]
+        lines.append(f'{name}_bucket{{{labels},le="+Inf"}} {float(len(self.ttft))}')
+        lines.append(f"{name}_count{{{labels}}} {float(len(self.ttft))}")
+        lines.append(f"{name}_sum{{{labels}}} {sum(self.ttft)}")
+        return lines
 
     TRT_BLOCKS, TRT_BLOCK_TOKENS = 4096, 32
 
@@ -154,12 +158,7 @@ class FakeEngine:
         """trtllm-serve 1.0 with return_perf_metrics: unprefixed request histograms, no KV or queue gauge."""
         labels = 'engine_type="undefined",model_name="undefined"'
         lines = ["# TYPE time_to_first_token_seconds histogram"]
-        for le in HIST_BUCKETS:
-            count = sum(1 for t in self.ttft if t <= le)
-            lines.append(f'time_to_first_token_seconds_bucket{{{labels},le="{le}"}} {float(count)}')
-        lines.append(f'time_to_first_token_seconds_bucket{{{labels},le="+Inf"}} {float(len(self.ttft))}')
-        lines.append(f"time_to_first_token_seconds_count{{{labels}}} {float(len(self.ttft))}")
-        lines.append(f"time_to_first_token_seconds_sum{{{labels}}} {sum(self.ttft)}")
+        lines += self._ttft_histogram("time_to_first_token_seconds", labels)
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def iteration_stats(self, _: web.Request) -> web.Response:
