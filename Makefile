@@ -11,7 +11,7 @@ VLLM_VENV := .venv-vllm
 export CDK_DISABLE_CLI_TELEMETRY := true
 export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 
-.PHONY: synth diff test lint typecheck unit bench clean
+.PHONY: synth diff pipeline ci-template test lint typecheck unit bench clean
 
 $(BIN)/kvfleet: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,18 @@ diff: $(BIN)/kvfleet
 	@old=$$(mktemp environments/.base-$(ENV)-XXXXXX.yaml) && trap 'rm -f "$$old"' EXIT && \
 	git show $(BASE):environments/$(ENV).yaml > "$$old" && \
 	$(BIN)/kvfleet diff "$$old" environments/$(ENV).yaml
+
+# The release pipeline of pipeline.yaml (CDK Pipelines) and a stage per environment it names, into cdk.out/;
+# `npx cdk deploy --app cdk.out kvfleet-pipeline-<name>` creates it once, and from then on it updates itself.
+PIPELINE ?= pipeline.yaml
+pipeline: $(BIN)/kvfleet $(CDK)
+	$(BIN)/kvfleet synth --pipeline $(PIPELINE) -- --quiet
+	@echo "synthesized the release pipeline of $(PIPELINE) into cdk.out/"
+
+# The same stages as a GitHub Actions workflow, for teams not on CodePipeline.
+WORKFLOW ?= .github/workflows/release.yml
+ci-template: $(BIN)/kvfleet
+	$(BIN)/kvfleet ci-template $(PIPELINE) -o $(WORKFLOW)
 
 lint: $(BIN)/kvfleet
 	$(BIN)/ruff check .

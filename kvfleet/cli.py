@@ -168,6 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     sy.add_argument("environment", nargs="?", default="dev", help="environments/<name>.yaml or a path (default dev)")
     sy.add_argument("cdk_args", nargs="*", help="for cdk synth, after --: e.g. -- --quiet -o out")
     sy.add_argument("--cdk", help="the CDK CLI (default: node_modules/.bin/cdk here, else cdk on PATH)")
+    sy.add_argument(
+        "--pipeline",
+        metavar="FILE",
+        help="synthesize the release pipeline of this file (pipeline.yaml) and its stages instead of one environment",
+    )
 
     be = sub.add_parser(
         "bench",
@@ -248,6 +253,28 @@ def build_parser() -> argparse.ArgumentParser:
         "closed-loop level) as a calibration file for kvfleet plan and simulate --calibration",
     )
     be.add_argument("--json", action="store_true")
+
+    ck = sub.add_parser(
+        "check",
+        help="live checks of a deployed environment, as a release pipeline runs them after each stage: each "
+        "deployment healthy, one generation streamed, and (where a replica's /metrics is reachable) its KV cache "
+        "against the plan; exit 1 when one fails",
+    )
+    ck.add_argument("environment", help="environments/<name>.yaml or a path")
+    ck.add_argument("--deployment", help="check this deployment only")
+    ck.add_argument("--role-arn", help="assume this role first (a pipeline stage's live-check role)")
+    ck.add_argument("--no-generation", action="store_true", help="health only: send no generation")
+    ck.add_argument(
+        "--kv-tolerance", type=_fraction, default=0.05, help="allowed shortfall of the KV cache (default 0.05)"
+    )
+
+    ct = sub.add_parser(
+        "ci-template",
+        help="a GitHub Actions workflow for the pipeline file's stages: tests and plan diffs on pull requests, "
+        "deploys in order through GitHub environments with OIDC roles on a push",
+    )
+    ct.add_argument("pipeline", nargs="?", default="pipeline.yaml", help="the pipeline file (default pipeline.yaml)")
+    ct.add_argument("-o", "--output", help="write it here (e.g. .github/workflows/release.yml) instead of stdout")
 
     sc = sub.add_parser("schema", help="JSON Schema of environment files (committed as environments/schema.json)")
     sc.add_argument("--output", "-o", help="write to this file instead of stdout")
@@ -466,6 +493,63 @@ def _plan_environment(
             # The file's line and key path of what to change, not the planner's own field names.
             raise loaded.problem(config_error(err, dr.index)) from None
     return results, scalings
+
+
+def cmd_check(a: argparse.Namespace) -> int:
+    """Live checks of every deployment of a deployed environment (kvfleet.bench.live)."""
+    from kvfleet.bench.live import assumed_session, check_deployment
+    from kvfleet.config.loader import environment_path, load_located
+    from kvfleet.deployments import config_error, plan_requests, resolve
+
+    loaded = load_located(environment_path(a.environment))
+    env = loaded.environment
+    if env.region is None:
+        raise loaded.problem(KvfleetError("name the region the stacks are deployed in; set region", field="region"))
+    drs = plan_requests(env)
+    if a.deployment is not None:
+        names = [dr.deployment.name for dr in drs]
+        drs = tuple(dr for dr in drs if dr.deployment.name == a.deployment)
+        if not drs:
+            raise KvfleetError(
+                f"no deployment {a.deployment!r} in {loaded.source}; it has {', '.join(names)}", field="deployment"
+            )
+    resolved = []
+    for dr in drs:
+        try:
+            resolved.append(resolve(env, dr))
+        except KvfleetError as err:
+            raise loaded.problem(config_error(err, dr.index)) from None
+    session = assumed_session(a.role_arn, env.region)
+    failed = 0
+    for r in resolved:
+        check = check_deployment(r, session=session, generation=not a.no_generation, kv_tolerance=a.kv_tolerance)
+        print(f"{r.deployment_id} ({r.deployment.target.platform}, stack {r.stack_name}):")
+        for line in check.lines:
+            print(f"  {line}")
+        failed += not check.passed
+    print(
+        f"{len(resolved) - failed} of {len(resolved)} deployment(s) passed"
+        + ("" if not failed else "; promotion stops")
+    )
+    return 1 if failed else 0
+
+
+def cmd_ci_template(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvfleet.citemplate import render
+    from kvfleet.config.pipeline import load_pipeline
+
+    text = render(load_pipeline(a.pipeline))
+    if a.output is None:
+        print(text, end="")
+        return 0
+    try:
+        Path(a.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.output).write_text(text, encoding="utf-8")
+    except OSError as err:
+        raise KvfleetError(f"cannot write {a.output}: {err.strerror}", field="output") from None
+    return 0
 
 
 def cmd_diff(a: argparse.Namespace) -> int:
@@ -1082,11 +1166,22 @@ def cmd_synth(a: argparse.Namespace) -> int:
     from kvfleet.deployments import resolve_environment
     from kvfleet.errors import SYNTH_STATUS_ENV
 
-    loaded = load_located(environment_path(a.environment))
-    try:
-        resolve_environment(loaded.environment)
-    except KvfleetError as err:
-        raise loaded.problem(err) from None
+    if a.pipeline is not None:
+        from kvfleet.config.pipeline import load_pipeline
+
+        for stage_env in load_pipeline(a.pipeline).environments:
+            try:
+                resolve_environment(stage_env.environment)
+            except KvfleetError as err:
+                raise stage_env.problem(err) from None
+        context = f"pipeline={a.pipeline}"
+    else:
+        loaded = load_located(environment_path(a.environment))
+        try:
+            resolve_environment(loaded.environment)
+        except KvfleetError as err:
+            raise loaded.problem(err) from None
+        context = f"env={a.environment}"
     local = Path("node_modules") / ".bin" / "cdk"
     cdk = a.cdk or (str(local) if local.exists() else shutil.which("cdk"))
     if cdk is None:
@@ -1095,7 +1190,7 @@ def cmd_synth(a: argparse.Namespace) -> int:
         status = Path(tmp) / "status"
         env = {**os.environ, SYNTH_STATUS_ENV: str(status)}
         try:
-            rc = subprocess.run([cdk, "synth", "-c", f"env={a.environment}", *a.cdk_args], env=env, check=False)
+            rc = subprocess.run([cdk, "synth", "-c", context, *a.cdk_args], env=env, check=False)
         except OSError as err:
             raise KvfleetError(f"cannot run {cdk}: {err.strerror}", field="cdk") from None
         app_status = status.read_text(encoding="utf-8").strip() if status.exists() else ""
@@ -1109,7 +1204,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from pathlib import Path
     from urllib.parse import urlsplit
 
-    from kvfleet.bench.client import Endpoint, poisson_level, run_levels, run_levels_sagemaker, summarize
+    from kvfleet.bench.client import Endpoint, kv_drift, poisson_level, run_levels, run_levels_sagemaker, summarize
 
     planned = _planned(a.env, a.deployment) if a.env is not None else None
     if a.url is None:
@@ -1224,7 +1319,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         )
         print(kv_note, file=sys.stderr)
         expected = None
-    drift = _kv_drift(capacity, expected, a.tolerance)
+    drift = kv_drift(capacity, expected, a.tolerance)
     meeting = [r for r in rows if r["ttft_attainment"] is not None and r["ttft_attainment"] >= a.slo_attainment]
     best_rate = max((r["rate_per_s"] or 0.0 for r in meeting if r["rate_per_s"]), default=None)
     slo_miss = None
@@ -1490,27 +1585,6 @@ def _progress_line() -> Callable[[LevelSpec, list[Any]], None]:
     return show
 
 
-def _kv_drift(capacity: KvCapacity | None, expected: int | None, tolerance: float) -> str | None:
-    """Why the endpoint's KV cache fails the plan check, or None when it passes (or nothing was expected)."""
-    from kvfleet import contract
-
-    if expected is None:
-        return None
-    if capacity is None:
-        return (
-            f"the endpoint reports no KV-cache size on {contract.METRICS_ROUTE} (a load balancer that hides it, or "
-            "an agent older than this check); run the check against a replica's agent"
-        )
-    if capacity.tokens < expected * (1 - tolerance):
-        short = 1 - capacity.tokens / expected
-        return (
-            f"the engine allocated {capacity.tokens:,} KV tokens per replica, {short:.0%} fewer than the plan's "
-            f"{expected:,} (tolerance {tolerance:.0%}); the engine release or the memory left to it changed: "
-            "re-plan, or calibrate the plan with this measurement"
-        )
-    return None
-
-
 def _deployed_url(r: ResolvedDeployment) -> str:
     """Where the deployment's stack says clients reach it (its CloudFormation outputs)."""
     from kvfleet.bench.aws import stack_outputs
@@ -1760,6 +1834,8 @@ COMMANDS = {
     "capacity": cmd_capacity,
     "plan": cmd_plan,
     "diff": cmd_diff,
+    "check": cmd_check,
+    "ci-template": cmd_ci_template,
     "synth": cmd_synth,
     "schema": cmd_schema,
     "models": cmd_models,

@@ -28,6 +28,9 @@ class Target:
     # bench --env` reads it back from CloudFormation): SageMaker's endpoint name, the EC2 load balancer's DNS name.
     # None: no address outside the cluster (EKS's Service is ClusterIP).
     address_output: str | None = None
+    # The stack output naming the group of machines that serves it (`kvfleet check` reads their health from it):
+    # the EC2 Auto Scaling group, the EKS node group. None: the endpoint's own status says it (SageMaker).
+    group_output: str | None = None
     # Why the target cannot scale to zero (scaling.min_replicas 0); None where it can.
     no_scale_to_zero: str | None = None
 
@@ -73,12 +76,14 @@ TARGETS: Mapping[str, Target] = {
             hosting=_EC2,
             autoscaler="ec2",
             address_output="LoadBalancerDns",
+            group_output="AutoScalingGroupName",
         ),
         Target(
             name="eks",
             summary="a GPU node group and Deployment on EKS",
             hosting=_FLEET,
             autoscaler="hpa",
+            group_output="NodegroupName",
             no_scale_to_zero="KEDA scales on the pods' own signals, and with no pod there is none to wake on",
         ),
     )

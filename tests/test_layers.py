@@ -28,7 +28,9 @@ ALLOWED: dict[str, set[str]] = {
     "deployments": {"config", "sizing", "engines", "targets", "contract", "errors", "versions"},
     "workload": {"contract", "errors"},
     "sim": {"sizing", "workload", "contract", "errors"},
-    "bench": {"contract", "engines", "errors"},
+    # The live checks (bench.live) read a resolved deployment: what its stack outputs and its plan say.
+    "bench": {"contract", "engines", "errors", "deployments", "targets"},
+    "citemplate": {"config"},
     "calibration": {"errors", "sizing"},
     "plandiff": {"errors"},
     "volumes": {"deployments", "sizing"},
@@ -49,6 +51,7 @@ ALLOWED: dict[str, set[str]] = {
         "bench",
         "calibration",
         "plandiff",
+        "citemplate",
     },
     "infra": {
         "config",
@@ -78,6 +81,7 @@ THIRD_PARTY: dict[str, set[str] | None] = {
     "tuning": set(),
     "calibration": set(),
     "plandiff": set(),
+    "citemplate": {"yaml"},
     "volumes": set(),
     "bench": {"aiohttp", "boto3", "botocore"},
     "workload": set(),

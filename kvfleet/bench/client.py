@@ -241,6 +241,25 @@ class KvCapacity:
         return self.blocks * self.block_tokens
 
 
+def kv_drift(capacity: KvCapacity | None, expected: int | None, tolerance: float) -> str | None:
+    """Why the endpoint's KV cache fails the plan check, or None when it passes (or nothing was expected)."""
+    if expected is None:
+        return None
+    if capacity is None:
+        return (
+            f"the endpoint reports no KV-cache size on {contract.METRICS_ROUTE} (a load balancer that hides it, or "
+            "an agent older than this check); run the check against a replica's agent"
+        )
+    if capacity.tokens < expected * (1 - tolerance):
+        short = 1 - capacity.tokens / expected
+        return (
+            f"the engine allocated {capacity.tokens:,} KV tokens per replica, {short:.0%} fewer than the plan's "
+            f"{expected:,} (tolerance {tolerance:.0%}); the engine release or the memory left to it changed: "
+            "re-plan, or calibrate the plan with this measurement"
+        )
+    return None
+
+
 _GAUGE = re.compile(r"^(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
 _LABEL = re.compile(r'(?P<k>[A-Za-z_][A-Za-z0-9_]*)="(?P<v>(?:[^"\\]|\\.)*)"')
 

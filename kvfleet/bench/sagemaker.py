@@ -36,11 +36,12 @@ class SageMakerTarget:
 
 
 class SageMakerTransport:
-    def __init__(self, target: SageMakerTarget, *, workers: int, timeout_s: float) -> None:
+    def __init__(self, target: SageMakerTarget, *, workers: int, timeout_s: float, session: Any = None) -> None:
         self.target = target
         self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="kvfleet-bench")
         try:
-            self.client: Any = boto3.client(
+            # ``session``: a boto3 Session holding other credentials (kvfleet check's assumed role).
+            self.client: Any = (session or boto3).client(
                 "sagemaker-runtime",
                 region_name=target.region,
                 endpoint_url=target.endpoint_url,
@@ -57,7 +58,7 @@ class SageMakerTransport:
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    def _invoke(self, model: str | None, prompt: list[int], max_tokens: int) -> Result:
+    def invoke(self, model: str | None, prompt: list[int], max_tokens: int) -> Result:
         body = completion_body(model, prompt, max_tokens)
         res = Result(prompt_tokens=len(prompt), max_tokens=max_tokens, sent_s=time.perf_counter())
         buf = b""
@@ -93,7 +94,7 @@ class SageMakerTransport:
 
     async def send(self, model: str | None, prompt: list[int], *, max_tokens: int) -> Result:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.pool, self._invoke, model, prompt, max_tokens)
+        return await loop.run_in_executor(self.pool, self.invoke, model, prompt, max_tokens)
 
     async def probe(self, model: str | None) -> None:
         """One short request first, so that a wrong name, region or credentials is one line, not a run of errors."""
@@ -112,4 +113,4 @@ class SageMakerTransport:
             raise BenchError(f"cannot reach SageMaker: {res.error[:200]}", field="url") from None
 
     def _probe(self, model: str | None) -> Result:
-        return self._invoke(model, [PROMPT_TOKEN_IDS[0]], 1)
+        return self.invoke(model, [PROMPT_TOKEN_IDS[0]], 1)

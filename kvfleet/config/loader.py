@@ -13,10 +13,10 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from kvfleet.config.schema import REGION_PATTERN, TRACE_MAX_PERCENTILE, Environment, WorkloadTrace
 from kvfleet.errors import ConfigError, KvfleetError
@@ -25,6 +25,7 @@ from kvfleet.workload.profile import WorkloadProfile, profile
 from kvfleet.workload.traces import Trace, TraceError, read_trace
 
 ENVIRONMENTS_DIR = "environments"
+_M = TypeVar("_M", bound=BaseModel)
 
 
 def environment_schema_json() -> str:
@@ -388,19 +389,31 @@ def parse_located(
 
     ``directory`` is what a ``workload.trace`` path is relative to: the file's own directory (default: the
     working directory)."""
+    data, lines = read_document(text, source=source, expected="a mapping with 'name' and 'deployments'")
+    data, traces, from_trace = _with_traces(data, lines, source, Path(directory) if directory is not None else Path())
+    try:
+        env = Environment.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_capped(_validation_problems(exc, lines, source), source)) from None
+    return LoadedEnvironment(environment=env, source=source, lines=lines, traces=traces, from_trace=from_trace)
+
+
+def read_document(
+    text: str | bytes, *, source: str, expected: str, kind: str = "an environment file"
+) -> tuple[dict[str, Any], dict[tuple[Any, ...], int]]:
+    """A YAML mapping of one of kvfleet's files (bounded in size, depth and alias expansion, repeated keys refused)
+    and the line of every key path in it; ``expected`` says in words what the top of the file should be."""
     if isinstance(text, bytes):
         size = len(text)
     else:
         size = len(text) if len(text) * 4 <= MAX_FILE_BYTES else len(text.encode("utf-8", "surrogatepass"))
     if size > MAX_FILE_BYTES:
-        raise ConfigError(
-            [f"{source}:1: (file): {size:,} bytes; an environment file is at most {MAX_FILE_BYTES:,} bytes"]
-        )
+        raise ConfigError([f"{source}:1: (file): {size:,} bytes; {kind} is at most {MAX_FILE_BYTES:,} bytes"])
     if isinstance(text, bytes):
         text = _decode(text, source)
     node, data = _compose(text, source)
     if not isinstance(data, dict) or node is None:
-        raise ConfigError([f"{source}:1: expected a mapping with 'name' and 'deployments'"])
+        raise ConfigError([f"{source}:1: expected {expected}"])
     lines: dict[tuple[Any, ...], int] = {}
     repeated: list[tuple[tuple[Any, ...], int]] = []
     _lines(node, (), lines, repeated, set())
@@ -414,12 +427,28 @@ def parse_located(
                 source,
             )
         )
-    data, traces, from_trace = _with_traces(data, lines, source, Path(directory) if directory is not None else Path())
+    return data, lines
+
+
+def validate_document(
+    model: type[_M],
+    data: Mapping[str, Any],
+    lines: Mapping[tuple[Any, ...], int],
+    source: str,
+    *,
+    described_in: str = "schema.json",
+) -> _M:
+    """``data`` as ``model``, or every problem as ``file:line: key.path: what to change`` (at most a screenful);
+    ``described_in`` is where a user reads what a field takes."""
     try:
-        env = Environment.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_capped(_validation_problems(exc, lines, source), source)) from None
-    return LoadedEnvironment(environment=env, source=source, lines=lines, traces=traces, from_trace=from_trace)
+        problems = _validation_problems(exc, lines, source)
+        if described_in != "schema.json":
+            problems = [
+                p.replace("its description in schema.json", f"its description in {described_in}") for p in problems
+            ]
+        raise ConfigError(_capped(problems, source)) from None
 
 
 def _validation_problems(

@@ -119,8 +119,27 @@ def _exit(lines: list[str]) -> None:
     sys.exit(EXIT_USER_ERROR)
 
 
+def _main_pipeline(app: cdk.App, path: str) -> None:
+    """``-c pipeline=pipeline.yaml``: the release pipeline's stack, with a stage per environment it names."""
+    from kvfleet.config.pipeline import load_pipeline
+    from kvfleet.infra.pipeline import build_pipeline
+
+    try:
+        loaded = load_pipeline(path)
+        cdk.Validations.of(app).add_plugins(AwsSolutionsChecks(app, verbose=True))
+        _cleaned_on_failure(Path(app.outdir), lambda: build_pipeline(loaded, app=app))
+    except ConfigError as err:
+        _exit(err.lines)
+    except KvfleetError as err:
+        _exit([f"kvfleet: {err}"])
+    app.synth()
+
+
 def main() -> None:
     app = cdk.App()
+    if pipeline := app.node.try_get_context("pipeline"):
+        _main_pipeline(app, str(pipeline))
+        return
     name = app.node.try_get_context("env") or DEFAULT_ENV
     directory = app.node.try_get_context("environments_dir")
     loaded: LoadedEnvironment | None = None

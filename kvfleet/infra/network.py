@@ -6,7 +6,7 @@ from the config or, for an environment-agnostic stack, from Fn::GetAZs at deploy
 
 from __future__ import annotations
 
-from aws_cdk import Annotations, RemovalPolicy
+from aws_cdk import Annotations, CfnResource, RemovalPolicy, Stack, Token
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_logs as logs
 from constructs import Construct
@@ -14,6 +14,26 @@ from constructs import Construct
 from kvfleet.config.schema import NetworkConfig
 
 VPC_CIDR = "10.64.0.0/16"
+
+
+def named_zones(config: NetworkConfig, region: str | None) -> list[str] | None:
+    """The AZs a new VPC uses: the file's, or for a stack with a concrete account and region (which would look them
+    up at synth) the region's first ``max_azs`` by name; None: Fn::GetAZs at deploy time."""
+    if config.availability_zones:
+        return list(config.availability_zones)
+    if region is None:
+        return None
+    return [f"{region}{letter}" for letter in "abcdef"[: config.max_azs]]
+
+
+def zones_context(stack: Stack, config: NetworkConfig, region: str | None) -> None:
+    """Tell CDK the stack's AZs before anything asks for them. With a concrete account and region, ec2.Vpc
+    checks the AZs it is given against ``Stack.availability_zones``, which is a context lookup (an AWS call
+    at synth, through the account's lookup role); the zones kvfleet names are then the stack's zones."""
+    zones = named_zones(config, region)
+    if zones is None or config.vpc_id is not None or Token.is_unresolved(stack.account):
+        return
+    stack.node.set_context(f"availability-zones:account={stack.account}:region={region}", zones)
 
 
 class ServingNetwork(Construct):
@@ -42,10 +62,7 @@ class ServingNetwork(Construct):
             self.cidr: str | None = None  # not looked up: callers that need it ask the config
             self.subnet_selection = ec2.SubnetSelection(subnets=self.vpc.private_subnets)
         else:
-            azs = list(config.availability_zones) or None
-            if azs is None and region is not None:
-                # A stack with a concrete account and region would look its AZs up at synth; name them instead.
-                azs = [f"{region}{letter}" for letter in "abcdef"[: config.max_azs]]
+            azs = named_zones(config, region)
             vpc = ec2.Vpc(
                 self,
                 "Vpc",
@@ -110,6 +127,14 @@ class ServingNetwork(Construct):
                     open=False,
                     security_groups=[self.endpoint_security_group],
                 )
+            if azs is not None:
+                # cfn-lint's W3010 ("avoid hardcoding availability zones") prefers Fn::GetAZs; a stack with a
+                # concrete account and region names its zones instead of looking them up at synth (no AWS calls
+                # there), and the file's availability_zones chooses them. Ignored on these subnets only.
+                for subnet in (*vpc.public_subnets, *vpc.private_subnets, *vpc.isolated_subnets):
+                    child = subnet.node.default_child
+                    assert isinstance(child, CfnResource)
+                    child.add_metadata("cfn-lint", {"config": {"ignore_checks": ["W3010"]}})
             self.vpc = vpc
             self.subnet_ids = vpc.select_subnets(subnet_group_name="serving").subnet_ids
             self.cidr = VPC_CIDR

@@ -20,7 +20,7 @@ from kvfleet.infra.context import ServingContext, TargetConstruct
 from kvfleet.infra.ec2.fleet import Ec2Fleet
 from kvfleet.infra.eks.service import EksService
 from kvfleet.infra.monitoring import ServingMonitoring
-from kvfleet.infra.network import ServingNetwork
+from kvfleet.infra.network import ServingNetwork, zones_context
 from kvfleet.infra.sagemaker.endpoint import SageMakerEndpoint
 
 
@@ -65,6 +65,7 @@ class DeploymentStack(Stack):
             Tags.of(self).add(key, value)
 
         spec = TARGET_CONSTRUCTS[r.deployment.target.platform]
+        zones_context(self, env_cfg.network, env_cfg.region if explicit else None)
         self.network = ServingNetwork(
             self,
             "Network",

@@ -183,7 +183,10 @@ class Ec2Fleet(Construct):
                 idle_s=self._resolved.idle_to_zero_s,
             )
         self.platform_metrics = self._platform_metrics()
-        self.outputs: Mapping[str, str] = {_ADDRESS: self.load_balancer.load_balancer_dns_name}
+        self.outputs: Mapping[str, str] = {
+            _ADDRESS: self.load_balancer.load_balancer_dns_name,
+            TARGETS["ec2"].group_output or "": self.group.auto_scaling_group_name,
+        }
 
     # ---- the instances' identity: least privilege ----------------------------------------------------------
 

@@ -41,6 +41,7 @@ from kvfleet.infra.images import serving_image, serving_image_cuda
 from kvfleet.infra.metrics import PlatformMetrics
 from kvfleet.infra.nag import acknowledge, condition_id, logical_id
 from kvfleet.infra.network import ServingNetwork
+from kvfleet.targets import TARGETS
 
 # kubectl in the provider's layer: one minor either side of the API server is within kubectl's skew policy.
 KUBECTL_MINOR = "1.34"
@@ -96,7 +97,10 @@ class EksService(Construct):
         self._check_endpoint_access()
         self._acknowledge_cdk_internals()
         self.platform_metrics = PlatformMetrics()  # replicas counted from their signals
-        self.outputs = {"ClusterName": self.cluster.cluster_name}
+        self.outputs = {
+            "ClusterName": self.cluster.cluster_name,
+            TARGETS["eks"].group_output or "": self.nodegroup.nodegroup_name,
+        }
 
     # ---- the cluster ---------------------------------------------------------------------------------
 

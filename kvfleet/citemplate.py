@@ -1,0 +1,154 @@
+"""`kvfleet ci-template`: a GitHub Actions workflow for teams not on CodePipeline, from the same pipeline.yaml.
+
+- On a pull request: `make test`, then for every environment its plan diff against the base branch in the job
+  summary, and `kvfleet synth` of it.
+- On a push to the release branch: one job per stage, in the file's order, each in a GitHub environment of the
+  same name. A stage with ``approval`` gets a plan-diff job first (its summary is what the reviewer reads) and its
+  environment is where GitHub's required reviewers hold the deployment (set in the repository's settings: the
+  workflow cannot set them). Each job takes AWS credentials from the environment's OIDC role
+  (``vars.AWS_DEPLOY_ROLE_ARN``, no stored keys), deploys with `cdk deploy`, and runs `kvfleet check`.
+
+The actions are pinned to their major release tags, the form GitHub documents for its own actions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from kvfleet.config.pipeline import LoadedPipeline
+
+CHECKOUT = "actions/checkout@v4"
+SETUP_PYTHON = "actions/setup-python@v5"
+SETUP_NODE = "actions/setup-node@v4"
+AWS_CREDENTIALS = "aws-actions/configure-aws-credentials@v4"
+RUNNER = "ubuntu-24.04"
+
+
+def _setup(*, full_history: bool = False) -> list[dict[str, Any]]:
+    checkout: dict[str, Any] = {"uses": CHECKOUT}
+    if full_history:
+        checkout["with"] = {"fetch-depth": 0}  # the base branch, for the plan diff
+    return [
+        checkout,
+        {"uses": SETUP_PYTHON, "with": {"python-version": "3.11"}},
+        {"uses": SETUP_NODE, "with": {"node-version": "20", "cache": "npm"}},
+    ]
+
+
+def _diff(env_file: str, name: str, base: str) -> dict[str, Any]:
+    # The file at the base ref is written beside the current one, so its relative paths (traces) still resolve.
+    old = f"environments/.base-{name}.yaml"
+    return {
+        "name": f"Plan diff: {name}",
+        "run": (
+            f'if git show "{base}:{env_file}" > {old} 2>/dev/null; then\n'
+            f'  .venv/bin/kvfleet diff {old} {env_file} --markdown >> "$GITHUB_STEP_SUMMARY"\n'
+            "else\n"
+            f"  echo '{name}: new in this change' >> \"$GITHUB_STEP_SUMMARY\"\n"
+            "fi\n"
+            f"rm -f {old}\n"
+        ),
+    }
+
+
+def workflow(loaded: LoadedPipeline) -> dict[str, Any]:
+    p = loaded.pipeline
+    branch = p.source.branch
+    stages = list(zip(p.stages, loaded.environments, loaded.relative_paths, strict=True))
+    jobs: dict[str, Any] = {
+        "test": {
+            "if": "github.event_name == 'pull_request'",
+            "runs-on": RUNNER,
+            "timeout-minutes": 60,
+            "steps": [
+                *_setup(full_history=True),
+                {"name": "Tests", "run": "make test"},
+                *(_diff(f, s.environment, "origin/${{ github.base_ref }}") for s, _, f in stages),
+                *(
+                    {"name": f"Synth: {s.environment}", "run": f".venv/bin/kvfleet synth {f} -- --quiet"}
+                    for s, _, f in stages
+                ),
+            ],
+        }
+    }
+    previous: str | None = None
+    for i, (stage, env, env_file) in enumerate(stages):
+        name = stage.environment
+        job = f"deploy-{name}"
+        needs: list[str] = [previous] if previous else []
+        if p.approval_before(i):
+            diff_job = f"plan-{name}"
+            jobs[diff_job] = {
+                "if": "github.event_name == 'push'",
+                "needs": needs or None,
+                "runs-on": RUNNER,
+                "timeout-minutes": 30,
+                "steps": [
+                    *_setup(full_history=True),
+                    {"name": "Install", "run": "make venv"},
+                    # Against the commit the branch was at before this push: what this release changes.
+                    _diff(env_file, name, "${{ github.event.before }}"),
+                ],
+            }
+            if not needs:
+                del jobs[diff_job]["needs"]
+            needs = [*needs, diff_job]
+        region = env.environment.region
+        steps = [
+            *_setup(),
+            {"name": "Install", "run": "make venv && npm ci --no-audit --no-fund --loglevel=error"},
+            {
+                "name": "AWS credentials (OIDC)",
+                "uses": AWS_CREDENTIALS,
+                "with": {"role-to-assume": "${{ vars.AWS_DEPLOY_ROLE_ARN }}", "aws-region": region},
+            },
+            {"name": "Synth", "run": f".venv/bin/kvfleet synth {env_file} -- --quiet"},
+            {
+                "name": "Deploy",
+                "run": "node_modules/.bin/cdk deploy --app cdk.out --all --require-approval never",
+            },
+            {"name": "Live check", "run": f".venv/bin/kvfleet check {env_file}"},
+        ]
+        jobs[job] = {
+            "if": "github.event_name == 'push'",
+            "runs-on": RUNNER,
+            "timeout-minutes": 120,
+            "environment": name,
+            # One deployment of an environment at a time; a newer push waits rather than cancelling one mid-way.
+            "concurrency": {"group": f"deploy-{name}", "cancel-in-progress": False},
+            "permissions": {"id-token": "write", "contents": "read"},
+            "steps": steps,
+        }
+        if needs:
+            jobs[job]["needs"] = needs
+        previous = job
+    return {
+        "name": f"kvfleet release {p.name}",
+        "on": {"pull_request": {"branches": [branch]}, "push": {"branches": [branch]}},
+        "permissions": {"contents": "read"},
+        "jobs": jobs,
+    }
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def render(loaded: LoadedPipeline) -> str:
+    header = (
+        f"# Written by `kvfleet ci-template {loaded.source}`; regenerate it when the pipeline file changes.\n"
+        "# Each stage's GitHub environment holds vars.AWS_DEPLOY_ROLE_ARN (the OIDC role of that account) and, where\n"
+        "# the pipeline asks for an approval, its required reviewers (README: Release pipelines).\n"
+    )
+    # "on" stays a key: PyYAML would quote it, and GitHub reads the quoted form the same way.
+    return header + yaml.dump(workflow(loaded), Dumper=_Dumper, sort_keys=False, width=120)

@@ -1,0 +1,401 @@
+"""The release pipeline (``pipeline.yaml``): CDK Pipelines promoting a release through the environments in order.
+
+    Source (CodeConnections) -> Synth (make test, then kvfleet synth --pipeline) -> UpdatePipeline (self-mutation)
+    -> one stage per environment: [plan diff -> manual approval] -> deploy its stacks -> live check
+
+Each stage is a ``cdk.Stage`` in the environment's account and region holding ``add_environment``'s stacks (the
+stacks `make synth ENV=<name>` builds, under the same names), and a small live-check stack: the role the check
+step assumes in that account. The check (``kvfleet check``) stops the promotion when a deployment is not healthy,
+cannot stream a generation, or holds fewer KV tokens than planned; when it passes, the stage's plan is kept in the
+pipeline's plans bucket, and the next release's approval step prints what it changes against that plan.
+
+CDK Pipelines deploys a stage with the target account's bootstrap roles, so each account is bootstrapped once
+with ``--trust <pipeline account>`` (the README gives the commands). Cross-account deployment needs the artifact
+bucket encrypted with a KMS key the stages' roles may use: ``cross_account_keys`` makes one, rotated yearly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import aws_cdk as cdk
+from aws_cdk import Duration, RemovalPolicy, Stack, Tags, pipelines
+from aws_cdk import aws_codebuild as codebuild
+from aws_cdk import aws_codepipeline as codepipeline
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_s3 as s3
+from constructs import Construct
+
+from kvfleet.config.pipeline import CHECK_ROLE_PATH, LoadedPipeline
+from kvfleet.config.schema import Environment
+from kvfleet.infra.app import add_environment
+from kvfleet.infra.nag import acknowledge, logical_id
+
+# CodeBuild's curated image for every step, and the runtimes its buildspec selects: standard:7.0 (Ubuntu 22.04)
+# offers python 3.11 and nodejs 20 (AWS CodeBuild User Guide, "Available runtimes"), the versions this project is
+# built and tested with.
+BUILD_IMAGE = codebuild.LinuxBuildImage.STANDARD_7_0
+RUNTIMES = {"python": "3.11", "nodejs": "20"}
+# make test runs the real vLLM (CPU build) and the CDK synths: ~15 min on 2 cores; the large type has 8 vCPUs.
+SYNTH_COMPUTE = codebuild.ComputeType.LARGE
+SYNTH_TIMEOUT = Duration.minutes(90)
+STEP_TIMEOUT = Duration.minutes(30)
+PLANS_PREFIX = "deployed"  # s3://<plans bucket>/deployed/<environment>.json: the plan that passed its checks
+INSTALL = ["python -m venv .venv", ".venv/bin/pip install --quiet --upgrade pip", ".venv/bin/pip install --quiet ."]
+
+
+def stage_id(environment: str) -> str:
+    return f"Deploy-{environment}"
+
+
+def live_check_stack_name(environment: str) -> str:
+    return f"kvfleet-{environment}-live-check"
+
+
+class LiveCheckStack(Stack):
+    """The role the pipeline's check step assumes in a stage's account: it reads this environment's stacks and
+    asks its endpoints, instances and node groups what `kvfleet check` asks, and nothing else."""
+
+    def __init__(
+        self, scope: Construct, id: str, *, environment: Environment, stacks: Sequence[Stack], pipeline_account: str
+    ) -> None:
+        super().__init__(
+            scope,
+            id,
+            env=cdk.Environment(account=environment.account, region=environment.region),
+            stack_name=id,
+            description=f"kvfleet {environment.name}: the role a release pipeline's live checks assume",
+        )
+        Tags.of(self).add("kvfleet:environment", environment.name)
+        self.role = iam.Role(
+            self,
+            "Role",
+            # The pipeline account's check steps; their own policy names this role's path, nothing wider.
+            assumed_by=iam.AccountPrincipal(pipeline_account),
+            path=CHECK_ROLE_PATH,
+            max_session_duration=Duration.hours(1),
+            description=f"kvfleet check of environment {environment.name}",
+        )
+        partition, region, account = cdk.Aws.PARTITION, self.region, self.account
+        tag = {"aws:ResourceTag/kvfleet:environment": environment.name}
+        self.role.add_to_policy(
+            iam.PolicyStatement(
+                actions=["cloudformation:DescribeStacks"],
+                resources=[f"arn:{partition}:cloudformation:{region}:{account}:stack/{s.stack_name}/*" for s in stacks],
+            )
+        )
+        platforms = {d.target.platform for d in environment.deployments}
+        # A stack's ARN ends in its id, which CloudFormation makes at creation.
+        wildcards = [
+            (f"arn:<AWS::Partition>:cloudformation:{region}:{account}:stack/{s.stack_name}/*", "a stack's id")
+            for s in stacks
+        ]
+        if "sagemaker" in platforms:
+            self.role.add_to_policy(
+                iam.PolicyStatement(
+                    actions=["sagemaker:DescribeEndpoint", "sagemaker:InvokeEndpointWithResponseStream"],
+                    resources=[f"arn:{partition}:sagemaker:{region}:{account}:endpoint/*"],
+                    conditions={"StringEquals": tag},
+                )
+            )
+            wildcards.append(
+                (
+                    f"arn:<AWS::Partition>:sagemaker:{region}:{account}:endpoint/*",
+                    "endpoint names are generated: limited to those tagged with this environment",
+                )
+            )
+        if "ec2" in platforms:
+            self.role.add_to_policy(
+                iam.PolicyStatement(
+                    actions=["ssm:SendCommand"],
+                    resources=[f"arn:{partition}:ec2:{region}:{account}:instance/*"],
+                    # Run Command's own tag key for managed instances (Systems Manager User Guide, "Restricting Run
+                    # Command access based on tags").
+                    conditions={"StringEquals": {"ssm:resourceTag/kvfleet:environment": environment.name}},
+                )
+            )
+            self.role.add_to_policy(
+                iam.PolicyStatement(
+                    actions=["ssm:SendCommand"],
+                    resources=[f"arn:{partition}:ssm:{region}::document/AWS-RunShellScript"],
+                )
+            )
+            self.role.add_to_policy(
+                iam.PolicyStatement(
+                    # Neither takes a resource (Service Authorization Reference: DescribeAutoScalingGroups,
+                    # GetCommandInvocation).
+                    actions=["autoscaling:DescribeAutoScalingGroups", "ssm:GetCommandInvocation"],
+                    resources=["*"],
+                )
+            )
+            wildcards += [
+                (
+                    f"arn:<AWS::Partition>:ec2:{region}:{account}:instance/*",
+                    "instances are launched by Auto Scaling: limited to those tagged with this environment",
+                ),
+                ("*", "DescribeAutoScalingGroups and GetCommandInvocation take no resource"),
+            ]
+        if "eks" in platforms:
+            self.role.add_to_policy(
+                iam.PolicyStatement(
+                    actions=["eks:DescribeCluster", "eks:DescribeNodegroup"],
+                    resources=[
+                        f"arn:{partition}:eks:{region}:{account}:cluster/*",
+                        f"arn:{partition}:eks:{region}:{account}:nodegroup/*",
+                    ],
+                )
+            )
+            wildcards += [
+                (
+                    f"arn:<AWS::Partition>:eks:{region}:{account}:{kind}/*",
+                    "describe only, on clusters and node groups whose names are generated or shared",
+                )
+                for kind in ("cluster", "nodegroup")
+            ]
+        for finding, reason in wildcards:
+            acknowledge(self.role, f"AwsSolutions-IAM5[Resource::{finding}]", reason)
+        self.role_arn = cdk.CfnOutput(self, "RoleArn", value=self.role.role_arn)
+
+
+class PipelineStack(Stack):
+    """The pipeline, in its own account and region, and a stage per environment of ``pipeline.yaml``."""
+
+    def __init__(self, scope: Construct, id: str, *, loaded: LoadedPipeline) -> None:
+        p = loaded.pipeline
+        self._loaded = loaded
+        super().__init__(
+            scope,
+            id,
+            env=cdk.Environment(account=p.account, region=p.region),
+            stack_name=id,
+            description=f"kvfleet release pipeline {p.name}: {' -> '.join(s.environment for s in p.stages)}",
+        )
+        self.plans = s3.Bucket(
+            self,
+            "Plans",
+            encryption=s3.BucketEncryption.S3_MANAGED,
+            block_public_access=s3.BlockPublicAccess.BLOCK_ALL,
+            enforce_ssl=True,
+            versioned=True,  # every plan that was deployed, for as long as the lifecycle keeps it
+            lifecycle_rules=[s3.LifecycleRule(noncurrent_version_expiration=Duration.days(365))],
+            removal_policy=RemovalPolicy.RETAIN,
+        )
+        acknowledge(
+            self.plans,
+            "AwsSolutions-S1",
+            "holds the plan JSON of each deployed release, written and read only by this pipeline's steps; its "
+            "versions are the history",
+        )
+        source = pipelines.CodePipelineSource.connection(
+            p.source.repository, p.source.branch, connection_arn=p.source.connection_arn
+        )
+        env_files = list(loaded.relative_paths)
+        synth = pipelines.CodeBuildStep(
+            "Synth",
+            input=source,
+            install_commands=["make venv", "npm ci --no-audit --no-fund --loglevel=error"],
+            commands=[
+                # The same gate as CI: lint, types and every test (the real vLLM on the CPU included).
+                "make test",
+                *(f".venv/bin/kvfleet plan {f}" for f in env_files),
+                f".venv/bin/kvfleet synth --pipeline {loaded.relative_source} -- --quiet",
+            ],
+            primary_output_directory="cdk.out",
+            build_environment=codebuild.BuildEnvironment(build_image=BUILD_IMAGE, compute_type=SYNTH_COMPUTE),
+            timeout=SYNTH_TIMEOUT,
+        )
+        self.pipeline = pipelines.CodePipeline(
+            self,
+            "Pipeline",
+            synth=synth,
+            pipeline_type=codepipeline.PipelineType.V2,
+            cross_account_keys=True,  # a KMS key for the artifacts, which every stage's account may decrypt
+            enable_key_rotation=True,
+            use_change_sets=True,
+            code_build_defaults=pipelines.CodeBuildOptions(
+                build_environment=codebuild.BuildEnvironment(
+                    build_image=BUILD_IMAGE, compute_type=codebuild.ComputeType.SMALL
+                ),
+                partial_build_spec=codebuild.BuildSpec.from_object(
+                    {"phases": {"install": {"runtime-versions": dict(RUNTIMES)}}}
+                ),
+                timeout=STEP_TIMEOUT,
+            ),
+        )
+        app = self.node.scope
+        assert isinstance(app, Construct)
+        self.stages: list[cdk.Stage] = []
+        self.checks: dict[str, pipelines.CodeBuildStep] = {}
+        self.diffs: dict[str, pipelines.CodeBuildStep] = {}
+        self.approvals: dict[str, pipelines.ManualApprovalStep] = {}
+        for i, (env_loaded, env_file) in enumerate(zip(loaded.environments, env_files, strict=True)):
+            env = env_loaded.environment
+            # Beside the pipeline's stack in the app, not inside it: the stage's construct paths (and the names CDK
+            # derives from them) are then those of a Stage of its own (tests/infra/test_stage.py).
+            stage = cdk.Stage(app, stage_id(env.name), env=cdk.Environment(account=env.account, region=env.region))
+            stacks = add_environment(stage, env, traces=env_loaded.traces)
+            live = LiveCheckStack(
+                stage, live_check_stack_name(env.name), environment=env, stacks=stacks, pipeline_account=p.account
+            )
+            pre: list[pipelines.Step] = []
+            if p.approval_before(i):
+                diff = self._plan_diff(source, env.name, env_file)
+                approval = pipelines.ManualApprovalStep(
+                    f"Approve-{env.name}",
+                    comment=f"Promote this release to {env.name}? Step PlanDiff-{env.name} shows what it changes in "
+                    "the plan (instance type, count, engine flags, KV tokens, $/h); the deploy actions' change sets "
+                    "show what it changes in CloudFormation.",
+                )
+                approval.add_step_dependency(diff)
+                pre = [diff, approval]
+                self.diffs[env.name], self.approvals[env.name] = diff, approval
+            check = self._live_check(
+                source, env, env_file, live, generation=p.checks.generation, kv_tolerance=p.checks.kv_tolerance
+            )
+            self.checks[env.name] = check
+            self.pipeline.add_stage(stage, pre=pre, post=[check])
+            self.stages.append(stage)
+        self.pipeline.build_pipeline()
+        cfn = self.pipeline.pipeline.node.default_child
+        assert isinstance(cfn, cdk.CfnResource)
+        # cfn-lint's E3703 ("prefer Fn::Sub over Fn::Join with an empty delimiter") is a style rule; CDK Pipelines
+        # writes the stages' role ARNs as such joins. Ignored on the pipeline resource only.
+        cfn.add_metadata("cfn-lint", {"config": {"ignore_checks": ["E3703"]}})
+        self._acknowledge()
+
+    def _plan_diff(self, source: pipelines.CodePipelineSource, name: str, env_file: str) -> pipelines.CodeBuildStep:
+        key = f"{PLANS_PREFIX}/{name}.json"
+        return pipelines.CodeBuildStep(
+            f"PlanDiff-{name}",
+            input=source,
+            install_commands=INSTALL,
+            commands=[
+                f'if aws s3 cp --quiet "s3://$PLANS_BUCKET/{key}" deployed.json; then '
+                f".venv/bin/kvfleet diff deployed.json {env_file}; "
+                f"else echo 'no plan of {name} has passed its live checks yet: all of it is new'; "
+                f".venv/bin/kvfleet plan {env_file}; fi",
+            ],
+            env={"PLANS_BUCKET": self.plans.bucket_name},
+            role_policy_statements=[
+                iam.PolicyStatement(actions=["s3:GetObject"], resources=[self.plans.arn_for_objects(key)]),
+                iam.PolicyStatement(actions=["s3:ListBucket"], resources=[self.plans.bucket_arn]),  # 404, not 403
+            ],
+        )
+
+    def _live_check(
+        self,
+        source: pipelines.CodePipelineSource,
+        env: Environment,
+        env_file: str,
+        live: LiveCheckStack,
+        *,
+        generation: bool,
+        kv_tolerance: float,
+    ) -> pipelines.CodeBuildStep:
+        key = f"{PLANS_PREFIX}/{env.name}.json"
+        flags = "" if generation else " --no-generation"
+        return pipelines.CodeBuildStep(
+            f"Check-{env.name}",
+            input=source,
+            install_commands=INSTALL,
+            commands=[
+                f'.venv/bin/kvfleet check {env_file} --role-arn "$KVFLEET_CHECK_ROLE_ARN" '
+                f"--kv-tolerance {kv_tolerance}{flags}",
+                f".venv/bin/kvfleet plan {env_file} --json > plan.json",
+                f'aws s3 cp --quiet plan.json "s3://$PLANS_BUCKET/{key}"',
+            ],
+            env={"PLANS_BUCKET": self.plans.bucket_name},
+            env_from_cfn_outputs={"KVFLEET_CHECK_ROLE_ARN": live.role_arn},
+            role_policy_statements=[
+                iam.PolicyStatement(
+                    actions=["sts:AssumeRole"],
+                    resources=[f"arn:{cdk.Aws.PARTITION}:iam::{env.account}:role{CHECK_ROLE_PATH}*"],
+                ),
+                iam.PolicyStatement(actions=["s3:PutObject"], resources=[self.plans.arn_for_objects(key)]),
+            ],
+        )
+
+    def _acknowledge(self) -> None:
+        """What cdk-nag finds in the roles CDK Pipelines generates, each with the reason it stands. They are
+        acknowledged on the pipeline construct only, so nothing here covers a finding in a stage's stacks."""
+        scope = self.pipeline
+        artifacts = self.pipeline.pipeline.artifact_bucket
+        assert isinstance(artifacts, Construct)
+        acknowledge(
+            artifacts,
+            "AwsSolutions-S1",
+            "the pipeline's artifact bucket: CDK Pipelines writes and reads it, encrypted with the pipeline's KMS key",
+        )
+        bucket = logical_id(artifacts)
+        # CDK writes the CodeBuild grants with the stack's partition: a literal where the region names it
+        # (@aws-cdk/core:enablePartitionLiterals), else the pseudo parameter, as cdk-nag then quotes it.
+        part = "<AWS::Partition>" if cdk.Token.is_unresolved(self.partition) else self.partition
+        for finding, reason in (
+            (
+                "Action::s3:GetObject*",
+                "CDK Pipelines' grants on its own artifact bucket (read, write, delete of artifacts)",
+            ),
+            ("Action::s3:GetBucket*", "the same grants"),
+            ("Action::s3:List*", "the same grants"),
+            ("Action::s3:DeleteObject*", "the same grants"),
+            ("Action::s3:Abort*", "the same grants"),
+            (f"Resource::<{bucket}.Arn>/*", "artifact names are per execution"),
+            ("Action::kms:ReEncrypt*", "the pipeline's own artifact key, granted to its actions and stages"),
+            ("Action::kms:GenerateDataKey*", "the same key"),
+            (
+                "Resource::*",
+                "the self-mutation step reads the deployed pipeline's stacks and the asset step's ECR login; CDK "
+                "Pipelines generates both",
+            ),
+            (
+                f"Resource::arn:*:iam::{self.account}:role/*",
+                "self-mutation assumes the pipeline account's bootstrap roles (cdk-*-deploy-role-*), whose names "
+                "carry the bootstrap qualifier",
+            ),
+            (
+                f"Resource::arn:{part}:logs:{self.region}:{self.account}:log-group:/aws/codebuild/*",
+                "the asset step's CodeBuild projects are created by CDK Pipelines per asset",
+            ),
+            (
+                f"Resource::arn:{part}:codebuild:{self.region}:{self.account}:report-group/*",
+                "the same projects' report groups",
+            ),
+        ):
+            acknowledge(scope, f"AwsSolutions-IAM5[{finding}]", reason)
+        for project in self.pipeline.node.find_all():
+            if isinstance(project, codebuild.CfnProject):
+                name = _cfn_logical_id(project)
+                acknowledge(
+                    scope,
+                    f"AwsSolutions-IAM5[Resource::arn:{part}:logs:{self.region}:{self.account}:log-group:"
+                    f"/aws/codebuild/<{name}>:*]",
+                    "a CodeBuild project's own log streams",
+                )
+                acknowledge(
+                    scope,
+                    f"AwsSolutions-IAM5[Resource::arn:{part}:codebuild:{self.region}:{self.account}:"
+                    f"report-group/<{name}>-*]",
+                    "a CodeBuild project's own report groups",
+                )
+        for account in sorted({e.environment.account or "" for e in self._loaded.environments}):
+            acknowledge(
+                scope,
+                f"AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:iam::{account}:role{CHECK_ROLE_PATH}*]",
+                "the check step assumes the live-check role of its stage, whose name is generated, under its path",
+            )
+
+
+def _cfn_logical_id(element: cdk.CfnElement) -> str:
+    stack = Stack.of(element)
+    return str(stack.resolve(stack.get_logical_id(element)))
+
+
+def build_pipeline(loaded: LoadedPipeline, *, app: cdk.App) -> PipelineStack:
+    return PipelineStack(app, loaded.pipeline.stack_name, loaded=loaded)
+
+
+def stage_stacks(stack: PipelineStack) -> Mapping[str, list[Stack]]:
+    """Each stage's stacks by environment name (the tests compare them with `make synth`'s)."""
+    return {
+        s.node.id.removeprefix("Deploy-"): [c for c in s.node.children if isinstance(c, Stack)] for s in stack.stages
+    }

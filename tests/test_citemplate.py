@@ -1,0 +1,114 @@
+"""`kvfleet ci-template`: the GitHub Actions workflow it writes validates against GitHub's workflow schema
+(SchemaStore's, as check-jsonschema vendors it, offline), keeps the pipeline file's order and approvals, takes
+credentials only through OIDC, and its plan-diff step, run by bash in a git checkout, writes the diff's table."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from kvfleet.citemplate import render, workflow
+from kvfleet.config.pipeline import load_pipeline
+from tests.infra.helpers import REPO
+
+
+def _schema() -> dict[str, Any]:
+    path = resources.files("check_jsonschema") / "builtin_schemas" / "vendor" / "github-workflows.json"
+    return json.loads(path.read_text(encoding="utf-8"))  # type: ignore[no-any-return]
+
+
+def _validate(doc: Any) -> None:
+    jsonschema.validate(doc, _schema(), cls=jsonschema.Draft7Validator)
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, Any]:
+    text = render(load_pipeline(REPO / "pipeline.yaml"))
+    return yaml.safe_load(text)  # type: ignore[no-any-return]
+
+
+def test_the_workflow_is_valid_for_github(rendered: dict[str, Any]) -> None:
+    _validate(rendered)
+
+
+def test_the_schema_check_can_fail(rendered: dict[str, Any]) -> None:
+    broken = json.loads(json.dumps(rendered))
+    broken["jobs"]["deploy-dev"]["environment"] = ["dev"]  # a list is neither a name nor {name, url}
+    with pytest.raises(jsonschema.ValidationError):
+        _validate(broken)
+    del broken["jobs"]["deploy-dev"]["environment"]
+    del broken["jobs"]["deploy-dev"]["runs-on"]
+    with pytest.raises(jsonschema.ValidationError):
+        _validate(broken)
+
+
+def test_deploys_follow_the_pipeline_order_and_approvals(rendered: dict[str, Any]) -> None:
+    jobs = rendered["jobs"]
+    assert jobs["deploy-dev"].get("needs") is None
+    assert jobs["deploy-staging"]["needs"] == ["deploy-dev"]
+    # Production: its plan diff after staging, then GitHub's environment (its required reviewers) holds it.
+    assert jobs["plan-prod"]["needs"] == ["deploy-staging"]
+    assert jobs["deploy-prod"]["needs"] == ["deploy-staging", "plan-prod"]
+    assert [j["environment"] for n, j in jobs.items() if n.startswith("deploy-")] == ["dev", "staging", "prod"]
+    assert not any(n.startswith("plan-") for n in jobs if n not in ("plan-prod",))
+
+
+def test_credentials_come_from_oidc_only(rendered: dict[str, Any]) -> None:
+    text = json.dumps(rendered)
+    assert "aws-access-key-id" not in text and "secrets." not in text
+    assert rendered["permissions"] == {"contents": "read"}
+    for name, job in rendered["jobs"].items():
+        uses = [s for s in job["steps"] if s.get("uses", "").startswith("aws-actions/configure-aws-credentials")]
+        if name.startswith("deploy-"):
+            assert job["permissions"]["id-token"] == "write"
+            assert uses[0]["with"]["role-to-assume"] == "${{ vars.AWS_DEPLOY_ROLE_ARN }}"
+            assert job["steps"][-1]["run"].startswith(".venv/bin/kvfleet check environments/")
+        else:
+            assert not uses and "permissions" not in job
+
+
+def test_every_stage_with_approval_gets_its_diff(tmp_path: Path) -> None:
+    (tmp_path / "environments").mkdir()
+    for name in ("dev", "staging", "prod"):
+        shutil.copy(REPO / "environments" / f"{name}.yaml", tmp_path / "environments")
+    shutil.copytree(REPO / "traces", tmp_path / "traces")
+    text = (
+        (REPO / "pipeline.yaml")
+        .read_text()
+        .replace("  - environment: dev\n", "  - environment: dev\n    approval: true\n")
+    )
+    (tmp_path / "pipeline.yaml").write_text(text)
+    jobs = workflow(load_pipeline(tmp_path / "pipeline.yaml"))["jobs"]
+    assert "needs" not in jobs["plan-dev"] and jobs["deploy-dev"]["needs"] == ["plan-dev"]
+    _validate(json.loads(json.dumps(workflow(load_pipeline(tmp_path / "pipeline.yaml")))))
+
+
+def test_the_plan_diff_step_runs_in_a_checkout(tmp_path: Path, rendered: dict[str, Any]) -> None:
+    [step] = [s for s in rendered["jobs"]["test"]["steps"] if s.get("name") == "Plan diff: dev"]
+    repo = tmp_path / "repo"
+    (repo / "environments").mkdir(parents=True)
+    shutil.copy(REPO / "environments" / "dev.yaml", repo / "environments")
+    (repo / ".venv").symlink_to(REPO / ".venv")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    subprocess.run([*git, "init", "-q", "-b", "main"], cwd=repo, check=True)
+    subprocess.run([*git, "add", "environments"], cwd=repo, check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "base"], cwd=repo, check=True)
+    dev = repo / "environments" / "dev.yaml"
+    dev.write_text(dev.read_text().replace("peak_requests_per_s: ", "peak_requests_per_s: 2"), encoding="utf-8")
+    summary = tmp_path / "summary.md"
+    script = step["run"].replace("origin/${{ github.base_ref }}", "main")
+    env = {**os.environ, "GITHUB_STEP_SUMMARY": str(summary)}
+    subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=repo, env=env, check=True, timeout=300)
+    table = summary.read_text()
+    assert table.startswith("### Plan changes: `environments/.base-dev.yaml` -> `environments/dev.yaml`"), table
+    assert "| instances | 2 |" in table  # 2 -> 22 requests/s at peak: more replicas
+    assert not (repo / "environments" / ".base-dev.yaml").exists()
