@@ -93,7 +93,9 @@ class LiveCheckStack(Stack):
         if "sagemaker" in platforms:
             self.role.add_to_policy(
                 iam.PolicyStatement(
-                    actions=["sagemaker:DescribeEndpoint", "sagemaker:InvokeEndpointWithResponseStream"],
+                    # InvokeEndpointWithResponseStream has no IAM action of its own: "your IAM permissions must
+                    # allow the sagemaker:InvokeEndpoint action" (SageMaker API Reference, the operation's page).
+                    actions=["sagemaker:DescribeEndpoint", "sagemaker:InvokeEndpoint"],
                     resources=[f"arn:{partition}:sagemaker:{region}:{account}:endpoint/*"],
                     conditions={"StringEquals": tag},
                 )

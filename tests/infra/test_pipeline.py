@@ -147,7 +147,7 @@ def test_the_live_check_role_is_assumable_from_the_pipeline_account_only_and_rea
         assert actions <= {
             "cloudformation:DescribeStacks",
             "sagemaker:DescribeEndpoint",
-            "sagemaker:InvokeEndpointWithResponseStream",
+            "sagemaker:InvokeEndpoint",  # what InvokeEndpointWithResponseStream is authorized as
             "ssm:SendCommand",
             "ssm:GetCommandInvocation",
             "autoscaling:DescribeAutoScalingGroups",
@@ -166,7 +166,7 @@ def test_the_live_check_role_is_assumable_from_the_pipeline_account_only_and_rea
         assert tagged == 1  # dev and prod: SageMaker endpoints; staging: EC2 instances
 
 
-@pytest.mark.parametrize("name", ["dev", "staging"])
+@pytest.mark.parametrize("name", ["dev", "staging", "prod"])
 def test_a_stage_deploys_the_stacks_make_synth_builds(name: str, synthesized: tuple[PipelineStack, Path]) -> None:
     loaded = load_located(REPO / "environments" / f"{name}.yaml")
     app = build_app(loaded.environment, app=make_app(), nag=False, traces=loaded.traces)
@@ -201,3 +201,22 @@ def test_nothing_is_looked_up_in_an_account_at_synth(synthesized: tuple[Pipeline
     _, out = synthesized
     for manifest in out.rglob("manifest.json"):
         assert json.loads(manifest.read_text()).get("missing") is None, manifest
+
+
+def test_what_the_check_role_may_touch_carries_the_tag_its_condition_reads(
+    synthesized: tuple[PipelineStack, Path],
+) -> None:
+    # The role's SageMaker and Run Command grants hold only where kvfleet:environment is the stage's: the endpoint
+    # has the tag, and the Auto Scaling group gives it to every instance it launches.
+    seen = 0
+    for env, stacks in stage_stacks(synthesized[0]).items():
+        for stack in stacks:
+            t = Template.from_stack(stack)
+            for kind in ("AWS::SageMaker::Endpoint", "AWS::AutoScaling::AutoScalingGroup"):
+                for resource in t.find_resources(kind).values():
+                    tags = {x["Key"]: x for x in resource["Properties"]["Tags"]}
+                    assert tags["kvfleet:environment"]["Value"] == env
+                    if kind == "AWS::AutoScaling::AutoScalingGroup":
+                        assert tags["kvfleet:environment"]["PropagateAtLaunch"] is True
+                    seen += 1
+    assert seen == 3
