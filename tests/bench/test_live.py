@@ -82,7 +82,13 @@ def _agent_output(r: ResolvedDeployment) -> str:
 
     async def go() -> str:
         s = settings()
-        async with running(s):
+        async with running(s) as agent:
+            # On a deployed instance the agent has long read the engine's cache size; here, wait until it has.
+            for _ in range(100):
+                async with agent.http.get(f"{agent.url}/metrics") as resp:
+                    if "kvfleet_engine_kv_cache_blocks" in await resp.text():
+                        break
+                await asyncio.sleep(0.1)
             lines = probe_script(r, port=s.port)
             proc = await asyncio.create_subprocess_exec(
                 "bash", "-c", "\n".join(lines), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
