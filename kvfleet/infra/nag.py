@@ -15,7 +15,8 @@ def logical_id(c: Construct) -> str:
 
 
 def condition_id(c: object) -> str:
-    """The logical id of a CloudFormation condition (cdk-nag quotes it inside some findings)."""
+    """The logical id of a CloudFormation element: a condition, or a resource's own Cfn construct (cdk-nag
+    quotes them inside findings, e.g. a CodeBuild project's in its log-group grant)."""
     assert isinstance(c, CfnElement)
     stack = Stack.of(c)
     return str(stack.resolve(stack.get_logical_id(c)))

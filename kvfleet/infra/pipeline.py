@@ -29,7 +29,7 @@ from constructs import Construct
 from kvfleet.config.pipeline import CHECK_ROLE_PATH, LoadedPipeline
 from kvfleet.config.schema import Environment
 from kvfleet.infra.app import add_environment
-from kvfleet.infra.nag import acknowledge, logical_id
+from kvfleet.infra.nag import acknowledge, condition_id, logical_id
 
 # CodeBuild's curated image for every step, and the runtimes its buildspec selects: standard:7.0 (Ubuntu 22.04)
 # offers python 3.11 and nodejs 20 (AWS CodeBuild User Guide, "Available runtimes"), the versions this project is
@@ -366,7 +366,7 @@ class PipelineStack(Stack):
             acknowledge(scope, f"AwsSolutions-IAM5[{finding}]", reason)
         for project in self.pipeline.node.find_all():
             if isinstance(project, codebuild.CfnProject):
-                name = _cfn_logical_id(project)
+                name = condition_id(project)
                 acknowledge(
                     scope,
                     f"AwsSolutions-IAM5[Resource::arn:{part}:logs:{self.region}:{self.account}:log-group:"
@@ -385,11 +385,6 @@ class PipelineStack(Stack):
                 f"AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:iam::{account}:role{CHECK_ROLE_PATH}*]",
                 "the check step assumes the live-check role of its stage, whose name is generated, under its path",
             )
-
-
-def _cfn_logical_id(element: cdk.CfnElement) -> str:
-    stack = Stack.of(element)
-    return str(stack.resolve(stack.get_logical_id(element)))
 
 
 def build_pipeline(loaded: LoadedPipeline, *, app: cdk.App) -> PipelineStack:
