@@ -151,6 +151,8 @@ VLLM_PROFILES: tuple[EngineProfile, ...] = (
 
 # TensorRT-LLM PyTorch backend (tensorrt_llm/_torch/pyexecutor/_util.py KvCacheCreator;
 # llmapi/llm_args.py KvCacheConfig): fraction of the memory free after profiling, 32-token blocks.
+# cal_max_tokens: (total - peak (torch + non-torch) + the profiling run's temporary cache) x fraction,
+# so what counts as used is everything but KV cache, as _kv_budget models it.
 TRTLLM_PROFILES: tuple[EngineProfile, ...] = (
     EngineProfile(
         engine=EngineName.TRTLLM,
@@ -202,7 +204,8 @@ class ActivationModel:
     residual_copies: float = 3.0
     # Releases that sort the vocabulary for top-k/top-p (EngineProfile.sort_sampler): bf16 logits (2 B),
     # fp32 logits (4), sorted values (4), int64 sort indices (8), softmax (4), cumsum (4), masks and the
-    # scattered result; fitted: 38.1 B (FIT records vllm PR 10511, the L40S Qwen3-235B log, vllm issue 23278).
+    # scattered result. Fitted 38.0 B: 39.2, 36.9 and 38.2 B on the FIT records vllm PR 10511 (V0), the L40S
+    # Qwen3-235B log (0.10.2) and vllm issue 23278 (gpt-oss-120b on an H100, 0.10.1, 1,024 rows).
     sampler_sort_bytes_per_logit: float = 38.0
     # Releases with the in-place Triton mask: fitted 27.0 B on the one FIT record of that path (Qwen2.5-7B-AWQ,
     # vLLM 0.26.0); the source's own tensors (bf16 + fp32 logits, probabilities, noise) come to ~14 B, so this
