@@ -110,3 +110,11 @@ def test_large_gpu_defaults_no_longer_overstate_the_cache_on_held_out_sort_relea
             assert abs(before) - abs(after) >= 1.5, rec["id"]
             moved += 1
     assert moved >= 2
+
+
+def test_the_stored_fit_report_is_current() -> None:
+    # The data file keeps the fit and its error table (tools/fit_engine_logs.py --write); both must be what the
+    # records and the constants give today.
+    stored = TOOL.json.loads(TOOL.DATA.read_text())["fit"]
+    assert stored["result"] == TOOL.fit(RECORDS)
+    assert stored["errors"] == TOOL.table(RECORDS, TOOL.BEFORE, ACTIVATIONS)
