@@ -363,7 +363,9 @@ def capacity(
     scheme = resolve_scheme(model, s.quantization)
     weights = weight_bytes(model, tp=tp, scheme=scheme)
     kv = kv_layout(model, tp=tp, kv_dtype=s.kv_cache_dtype)
-    act = activation_peak_bytes(model, tp=tp, max_num_batched_tokens=k.batched, max_num_seqs=k.max_seqs)
+    act = activation_peak_bytes(
+        model, tp=tp, max_num_batched_tokens=k.batched, max_num_seqs=k.max_seqs, sort_sampler=profile.sort_sampler
+    )
     non_torch = non_torch_bytes(tp=tp)
     graphs = 0 if s.enforce_eager else cuda_graph_bytes(model)
     graphs_counted = profile.counts_cuda_graphs and not s.enforce_eager

@@ -19,13 +19,19 @@ sampler pass over ``max_num_seqs`` rows of logits. The estimate, per GPU, in act
     forward  = N x [ R x h  +  max( 3 x I/tp  (gate_up + act, MLP or shared expert),
                                     k x (max(2 I_e/tp, h) + I_e/tp)  (fused-MoE caches),
                                     (2 x q + 2 x kv) heads x d / tp  (qkv + attention out) ) ] x a
-    sampler  = S x V x 27              logits and the dummy sampler's top-k/top-p sort buffers
+    sampler  = S x V x b               logits and the dummy sampler's top-k/top-p buffers
     peak     = max(forward, sampler) + workspace
 
 with N = max_num_batched_tokens, S = min(max_num_seqs, N), h hidden, I intermediate, I_e expert
 intermediate, k experts per token, V vocab (logits are gathered to the full vocabulary on every
-rank), R the residual-stream copies alive at once. The constants live in ``VllmProfile`` so they can
-be checked against real start-up logs (tests/sizing/test_engine_logs.py).
+rank), R the residual-stream copies alive at once, b the bytes the dummy sampler run holds per logit.
+b depends on the release (``EngineProfile.sort_sampler``): up to about 0.15 the top-k/top-p mask sorts
+the whole vocabulary (vllm/v1/sample/ops/topk_topp_sampler.py apply_top_k_top_p_pytorch: sorted fp32
+values, int64 indices, softmax, cumsum and masks beside the bf16 and fp32 logits); later releases mask
+in place with a Triton kernel (topk_topp_triton.py, vLLM PR 33538) and keep only the logits, the
+probabilities and the exponential noise. The constants live in ``ActivationModel``; they are fitted on
+the FIT records of tests/sizing/data/engine_logs.json (tools/fit_engine_logs.py) and held to the CHECK
+records in tests/sizing/test_engine_log_calibration.py.
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ class EngineProfile:
     hybrid_kv_cache: bool  # sliding-window layers only hold their window (hybrid allocator)
     hybrid_group_ratio: float  # kv_cache_utils grouping: use the largest type count below this ratio
     hybrid_tokens_from_concurrency: bool  # hybrid models log max_concurrency x max_model_len tokens
+    sort_sampler: bool  # the profiling run's top-k/top-p mask sorts the vocabulary (see the module docstring)
     # Scheduler defaults for the OpenAI server, keyed by whether the GPU has >= 70 GiB
     # (vllm/engine/arg_utils.py, get_batch_defaults; A100s get the small ones, PR 17885).
     max_num_batched_tokens_small_gpu: int
@@ -81,6 +88,7 @@ def _vllm(since: Version, note: str, **kw: object) -> EngineProfile:
         "hybrid_kv_cache": True,
         "hybrid_group_ratio": 1.5,
         "hybrid_tokens_from_concurrency": False,
+        "sort_sampler": False,
         "max_num_batched_tokens_small_gpu": 2048,
         "max_num_batched_tokens_large_gpu": 8192,
         "max_num_seqs_small_gpu": 256,
@@ -100,6 +108,7 @@ VLLM_PROFILES: tuple[EngineProfile, ...] = (
         (0, 6, 0),
         "V0 engine: every layer holds max_model_len; CUDA graphs use the 1 - utilization headroom",
         hybrid_kv_cache=False,
+        sort_sampler=True,
         max_num_batched_tokens_large_gpu=2048,
         max_num_seqs_large_gpu=256,
     ),
@@ -107,15 +116,23 @@ VLLM_PROFILES: tuple[EngineProfile, ...] = (
         (0, 8, 0),
         "V1 engine; larger scheduler defaults on GPUs with >= 70 GiB other than A100",
         hybrid_kv_cache=False,
+        sort_sampler=True,
     ),
     _vllm(
         (0, 10, 0),
         "hybrid KV-cache manager: sliding-window layers hold only their window (approx. release)",
         hybrid_group_ratio=1.25,
+        sort_sampler=True,
     ),
     _vllm(
         (0, 11, 0),
         "hybrid KV-cache grouping pads to the larger layer count below a 1.5 ratio (approx. release)",
+        sort_sampler=True,
+    ),
+    _vllm(
+        (0, 16, 0),
+        "top-k/top-p masked in place by a Triton kernel, no vocabulary sort while profiling (PR 33538, "
+        "merged 2026-02; approx. release)",
     ),
     _vllm(
         (0, 21, 0),
@@ -134,6 +151,8 @@ VLLM_PROFILES: tuple[EngineProfile, ...] = (
 
 # TensorRT-LLM PyTorch backend (tensorrt_llm/_torch/pyexecutor/_util.py KvCacheCreator;
 # llmapi/llm_args.py KvCacheConfig): fraction of the memory free after profiling, 32-token blocks.
+# cal_max_tokens: (total - peak (torch + non-torch) + the profiling run's temporary cache) x fraction,
+# so what counts as used is everything but KV cache, as _kv_budget models it.
 TRTLLM_PROFILES: tuple[EngineProfile, ...] = (
     EngineProfile(
         engine=EngineName.TRTLLM,
@@ -144,6 +163,7 @@ TRTLLM_PROFILES: tuple[EngineProfile, ...] = (
         hybrid_kv_cache=False,
         hybrid_group_ratio=1.5,
         hybrid_tokens_from_concurrency=False,
+        sort_sampler=False,
         max_num_batched_tokens_small_gpu=8192,
         max_num_batched_tokens_large_gpu=8192,
         max_num_seqs_small_gpu=2048,
@@ -175,15 +195,21 @@ def engine_profile(engine: EngineName, version: str | None = None) -> EngineProf
 class ActivationModel:
     """Constants of the activation-peak estimate (see the module docstring).
 
-    Calibrated on vLLM start-up logs (tests/sizing/test_engine_logs.py holds the cases and sources):
-    the forward slope of ~110 KB per batched token for Llama-3.1-8B (vllm issue 10517: 2.07 GiB at
-    20,000 tokens, 2.99 GiB at 29,000) gives 3 residual-stream copies; the 1.04 GiB peak of
-    Qwen2.5-7B-AWQ at 2,048 tokens / 256 sequences is the sampler's: its dummy run takes the
-    top-k/top-p sort path, which holds bf16 logits (2 B), fp32 logits (4), sorted values (4), int64
-    sort indices (8), probabilities (4), their cumulative sum (4) and a mask (1): 27 B per logit.
+    The forward slope of ~110 KB per batched token for Llama-3.1-8B (vllm issue 10517: 2.07 GiB at
+    20,000 tokens, 2.99 GiB at 29,000) gives 3 residual-stream copies. The sampler's bytes per logit
+    are fitted by tools/fit_engine_logs.py on the FIT records of tests/sizing/data/engine_logs.json
+    whose peak is the sampler's (one constant per sampler path); the records say which.
     """
 
     residual_copies: float = 3.0
+    # Releases that sort the vocabulary for top-k/top-p (EngineProfile.sort_sampler): bf16 logits (2 B),
+    # fp32 logits (4), sorted values (4), int64 sort indices (8), softmax (4), cumsum (4), masks and the
+    # scattered result. Fitted 38.0 B: 39.2, 36.9 and 38.2 B on the FIT records vllm PR 10511 (V0), the L40S
+    # Qwen3-235B log (0.10.2) and vllm issue 23278 (gpt-oss-120b on an H100, 0.10.1, 1,024 rows).
+    sampler_sort_bytes_per_logit: float = 38.0
+    # Releases with the in-place Triton mask: fitted 27.0 B on the one FIT record of that path (Qwen2.5-7B-AWQ,
+    # vLLM 0.26.0); the source's own tensors (bf16 + fp32 logits, probabilities, noise) come to ~14 B, so this
+    # record's peak may be the forward pass's instead; the CHECK record of vLLM PR 51590 (0.28.0) says lower.
     sampler_bytes_per_logit: float = 27.0
     workspace_bytes: int = 64 * MiB  # cuBLAS / attention workspaces alive at the peak
     # Allocations outside PyTorch made during profiling (vLLM's "non-torch increase"): 0.06 GiB on one
@@ -211,6 +237,7 @@ def activation_peak_bytes(
     max_num_seqs: int,
     constants: ActivationModel = ACTIVATIONS,
     activation_bytes: int = 2,
+    sort_sampler: bool = False,
 ) -> int:
     n = max_num_batched_tokens
     a = activation_bytes
@@ -228,7 +255,8 @@ def activation_peak_bytes(
         mlp = max(moe + shared, mlp if any(not lay.moe for lay in model.layers) else 0)
     forward = n * (constants.residual_copies * h + max(attn, mlp)) * a
     rows = min(max_num_seqs, n)
-    sampler = rows * model.vocab_size * constants.sampler_bytes_per_logit
+    per_logit = constants.sampler_sort_bytes_per_logit if sort_sampler else constants.sampler_bytes_per_logit
+    sampler = rows * model.vocab_size * per_logit
     return int(max(forward, sampler)) + constants.workspace_bytes
 
 

@@ -1,0 +1,335 @@
+"""Fit vLLM's profiling-sampler bytes per logit to the FIT records of tests/sizing/data/engine_logs.json.
+
+Each FIT record whose activation peak is known (printed, or what is left of the requested memory after the
+printed weights, the printed cache and the modelled non-torch and CUDA-graph terms) and is the sampler's
+(the modelled forward pass is smaller) gives one value of bytes per logit: (peak - workspace) / (rows x
+vocabulary). The constant of each sampler path (``EngineProfile.sort_sampler``) is their mean, rounded to
+0.5 B. CHECK records are never read by the fit; they are only reported.
+
+The report gives every logged term's error (weights, activation peak, non-torch, CUDA-graph estimate, the
+available KV cache and its tokens) on FIT and CHECK apart, with the constants before this recalibration and
+with the fitted ones, per release bucket (the release row of kvfleet/sizing/engines.py the record falls in).
+
+    .venv/bin/python tools/fit_engine_logs.py [--write]
+
+``--write`` stores the fit and the error table under "fit" in the data file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+# This checkout's kvfleet, not another one installed in the environment.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvfleet.sizing import capacity as capacity_module
+from kvfleet.sizing.capacity import Capacity, EngineSettings, capacity
+from kvfleet.sizing.catalog import _index, catalog_model
+from kvfleet.sizing.engines import (
+    ACTIVATIONS,
+    ActivationModel,
+    EngineName,
+    activation_peak_bytes,
+    cuda_graph_bytes,
+    engine_profile,
+    non_torch_bytes,
+)
+from kvfleet.sizing.memory import kv_layout, weight_bytes
+from kvfleet.sizing.models import ModelSpec, parse_hf_config
+from kvfleet.sizing.precision import KvDtype
+from kvfleet.sizing.units import GiB
+
+DATA = Path(__file__).resolve().parent.parent / "tests" / "sizing" / "data" / "engine_logs.json"
+# The constants as they stood before this recalibration: one 27 B per logit for every release.
+BEFORE = replace(ACTIVATIONS, sampler_sort_bytes_per_logit=27.0, sampler_bytes_per_logit=27.0)
+TERMS = (
+    "weights_gib",
+    "activation_peak_gib",
+    "non_torch_gib",
+    "cuda_graph_estimate_gib",
+    "available_kv_cache_gib",
+    "kv_cache_tokens",
+    "tokens_from_logged_cache",
+)
+
+
+def load() -> list[dict[str, Any]]:
+    records: list[dict[str, Any]] = json.loads(DATA.read_text())["records"]
+    return records
+
+
+def model_of(rec: dict[str, Any]) -> ModelSpec:
+    spec = rec["model"]
+    if "quantization_config" not in spec and "overrides" not in spec:
+        return catalog_model(spec["catalog"])
+    cfg = dict(_index()[spec["catalog"].lower()].config)
+    cfg.update(spec.get("overrides", {}))
+    if "quantization_config" in spec:
+        cfg["quantization_config"] = spec["quantization_config"]
+    return parse_hf_config(cfg, model_id=rec["id"])
+
+
+def settings_of(rec: dict[str, Any]) -> EngineSettings:
+    s = rec["settings"]
+    return EngineSettings(
+        engine=EngineName(rec["engine"]),
+        version=rec["release"],
+        tensor_parallel_size=s.get("tensor_parallel_size", 1),
+        gpu_memory_utilization=s.get("gpu_memory_utilization"),
+        max_model_len=s.get("max_model_len"),
+        max_num_seqs=s.get("max_num_seqs"),
+        max_num_batched_tokens=s.get("max_num_batched_tokens"),
+    )
+
+
+def bucket(rec: dict[str, Any]) -> str:
+    if rec["release"] is None:
+        return "unknown"
+    since = engine_profile(EngineName(rec["engine"]), rec["release"]).since
+    return ">=" + ".".join(map(str, since))
+
+
+@contextmanager
+def constants(c: ActivationModel) -> Iterator[None]:
+    """capacity() with these activation constants (it reads the module's defaults otherwise)."""
+    with mock.patch.object(capacity_module, "activation_peak_bytes", partial(activation_peak_bytes, constants=c)):
+        yield
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    cap: Capacity
+    available_kv_cache_gib: float  # before any clamping at zero: what the engine would print
+
+
+def predict(rec: dict[str, Any], c: ActivationModel) -> Prediction | None:
+    if rec["gpu_memory_gib"] is None:
+        return None
+    with constants(c):
+        cap = capacity(
+            model_of(rec),
+            gpu_memory_bytes=int(rec["gpu_memory_gib"] * GiB),
+            settings=settings_of(rec),
+            accelerator_name=rec["gpu"] or "",
+        )
+    non_kv = (
+        cap.weights_bytes_per_gpu
+        + cap.activation_peak_bytes
+        + cap.non_torch_bytes
+        + (cap.cuda_graph_bytes if cap.cuda_graph_counted else 0)
+    )
+    return Prediction(cap=cap, available_kv_cache_gib=(cap.requested_bytes - non_kv) / GiB)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shape:
+    """What the profiling run sees: the release's row, the batched tokens and the sampler's rows."""
+
+    sort_sampler: bool
+    tp: int
+    batched: int
+    rows: int
+
+
+def shape_of(rec: dict[str, Any]) -> Shape | None:
+    """From the capacity where the GPU's memory is known, else from settings that pin both scheduler limits."""
+    p = predict(rec, ACTIVATIONS)
+    if p is not None:
+        cap = p.cap
+        return Shape(
+            sort_sampler=cap.profile.sort_sampler,
+            tp=cap.tensor_parallel_size,
+            batched=cap.max_num_batched_tokens,
+            rows=cap.max_num_seqs,
+        )
+    s = rec["settings"]
+    if rec["release"] is None or "max_num_batched_tokens" not in s or "max_num_seqs" not in s:
+        return None
+    profile = engine_profile(EngineName(rec["engine"]), rec["release"])
+    batched = s["max_num_batched_tokens"]
+    return Shape(
+        sort_sampler=profile.sort_sampler,
+        tp=s.get("tensor_parallel_size", 1),
+        batched=batched,
+        rows=min(s["max_num_seqs"], batched),
+    )
+
+
+def activation_gib(rec: dict[str, Any], c: ActivationModel) -> float | None:
+    sh = shape_of(rec)
+    if sh is None:
+        return None
+    peak = activation_peak_bytes(
+        model_of(rec),
+        tp=sh.tp,
+        max_num_batched_tokens=sh.batched,
+        max_num_seqs=sh.rows,
+        constants=c,
+        sort_sampler=sh.sort_sampler,
+    )
+    return peak / GiB
+
+
+def predicted_terms(rec: dict[str, Any], c: ActivationModel) -> dict[str, float]:
+    """What the model says for each term the record logs (terms it cannot predict are left out)."""
+    logged = rec["logged"]
+    tp = rec["settings"].get("tensor_parallel_size", 1)
+    m = model_of(rec)
+    out: dict[str, float] = {}
+    if "weights_gib" in logged:
+        out["weights_gib"] = weight_bytes(m, tp=tp, scheme=m.native_scheme).weights_bytes_per_gpu / GiB
+    if "non_torch_gib" in logged:
+        out["non_torch_gib"] = non_torch_bytes(tp=tp, constants=c) / GiB
+    if "cuda_graph_estimate_gib" in logged:
+        out["cuda_graph_estimate_gib"] = cuda_graph_bytes(m, constants=c) / GiB
+    if "activation_peak_gib" in logged and (act := activation_gib(rec, c)) is not None:
+        out["activation_peak_gib"] = act
+    if "available_kv_cache_gib" in logged and "kv_cache_tokens" in logged:
+        kv = kv_layout(m, tp=tp, kv_dtype=KvDtype.AUTO)
+        per_block = kv.kv_bytes_per_token_per_gpu * 16
+        out["tokens_from_logged_cache"] = int(logged["available_kv_cache_gib"] * GiB) // per_block * 16
+    p = predict(rec, c)
+    if p is not None:
+        if "available_kv_cache_gib" in logged:
+            out["available_kv_cache_gib"] = p.available_kv_cache_gib
+        if "kv_cache_tokens" in logged:
+            out["kv_cache_tokens"] = p.cap.kv_cache_tokens
+    return out
+
+
+def errors(rec: dict[str, Any], c: ActivationModel) -> dict[str, float]:
+    """Per term: predicted - logged. GiB for memory terms, relative (predicted / logged - 1) for tokens."""
+    logged = rec["logged"]
+    out: dict[str, float] = {}
+    for term, value in predicted_terms(rec, c).items():
+        truth = logged["kv_cache_tokens"] if term == "tokens_from_logged_cache" else logged[term]
+        out[term] = value / truth - 1 if term.endswith("tokens") or term.startswith("tokens") else value - truth
+    return out
+
+
+def sampler_samples(rec: dict[str, Any]) -> tuple[bool, float] | None:
+    """(sort path?, bytes per logit) this FIT record implies, or None where its peak is not the sampler's."""
+    logged = rec["logged"]
+    sh = shape_of(rec)
+    if sh is None:
+        return None
+    if "activation_peak_gib" in logged:
+        peak = logged["activation_peak_gib"] * GiB
+    else:
+        p = predict(rec, ACTIVATIONS)
+        if p is None or "weights_gib" not in logged or "available_kv_cache_gib" not in logged:
+            return None
+        cap = p.cap
+        graphs = cap.cuda_graph_bytes if cap.cuda_graph_counted else 0
+        peak = cap.requested_bytes - (
+            (logged["weights_gib"] + logged["available_kv_cache_gib"]) * GiB + cap.non_torch_bytes + graphs
+        )
+    no_sampler = replace(ACTIVATIONS, sampler_sort_bytes_per_logit=0.0, sampler_bytes_per_logit=0.0)
+    forward = activation_peak_bytes(
+        model_of(rec), tp=sh.tp, max_num_batched_tokens=sh.batched, max_num_seqs=sh.rows, constants=no_sampler
+    )
+    if forward >= peak:
+        return None
+    return sh.sort_sampler, (peak - ACTIVATIONS.workspace_bytes) / (sh.rows * model_of(rec).vocab_size)
+
+
+def fit(records: list[dict[str, Any]]) -> dict[str, Any]:
+    by_path: dict[bool, list[tuple[str, float]]] = {True: [], False: []}
+    for rec in records:
+        if rec["split"] != "fit" or rec["engine"] != "vllm":
+            continue
+        got = sampler_samples(rec)
+        if got is not None:
+            by_path[got[0]].append((rec["id"], round(got[1], 2)))
+    out: dict[str, Any] = {}
+    for path, name in ((True, "sampler_sort_bytes_per_logit"), (False, "sampler_bytes_per_logit")):
+        samples = by_path[path]
+        value = round(statistics.fmean(v for _, v in samples) * 2) / 2 if samples else None
+        out[name] = {"value": value, "from": dict(samples)}
+    return out
+
+
+def fitted_constants(result: dict[str, Any]) -> ActivationModel:
+    c = ACTIVATIONS
+    for name in ("sampler_sort_bytes_per_logit", "sampler_bytes_per_logit"):
+        if result[name]["value"] is not None:
+            c = replace(c, **{name: result[name]["value"]})
+    return c
+
+
+def table(records: list[dict[str, Any]], before: ActivationModel, after: ActivationModel) -> dict[str, Any]:
+    """Median and worst absolute error per split, bucket and term, before and after."""
+    out: dict[str, Any] = {}
+    for split in ("fit", "check"):
+        rows: dict[str, dict[str, dict[str, list[float]]]] = {}
+        for rec in records:
+            if rec["split"] != split:
+                continue
+            b, a = errors(rec, before), errors(rec, after)
+            for term in a:
+                cell = rows.setdefault(bucket(rec), {}).setdefault(term, {"before": [], "after": []})
+                cell["before"].append(b[term])
+                cell["after"].append(a[term])
+        out[split] = {
+            bk: {
+                term: {
+                    "n": len(v["after"]),
+                    **{
+                        when: {
+                            "median_abs": round(statistics.median(abs(x) for x in v[when]), 3),
+                            "worst_abs": round(max(abs(x) for x in v[when]), 3),
+                        }
+                        for when in ("before", "after")
+                    },
+                }
+                for term, v in sorted(terms.items())
+            }
+            for bk, terms in sorted(rows.items())
+        }
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--write", action="store_true", help="store the fit and the error table in the data file")
+    args = ap.parse_args()
+    records = load()
+    result = fit(records)
+    after = fitted_constants(result)
+    print(json.dumps(result, indent=1))
+    errs = table(records, BEFORE, after)
+    units = "GiB (predicted - logged); tokens terms: relative"
+    print(f"errors, {units}")
+    for split, buckets in errs.items():
+        for bk, terms in buckets.items():
+            for term, cell in terms.items():
+                print(
+                    f"{split:5s} {bk:8s} {term:26s} n={cell['n']}  before median {cell['before']['median_abs']:.3f}"
+                    f" worst {cell['before']['worst_abs']:.3f}  after median {cell['after']['median_abs']:.3f}"
+                    f" worst {cell['after']['worst_abs']:.3f}"
+                )
+    if args.write:
+        raw = json.loads(DATA.read_text())
+        raw["fit"] = {
+            "procedure": "tools/fit_engine_logs.py: mean of the FIT records' implied bytes per logit per sampler "
+            "path, rounded to 0.5",
+            "result": result,
+            "errors_units": units,
+            "errors": errs,
+        }
+        DATA.write_text(json.dumps(raw, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
