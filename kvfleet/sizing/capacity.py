@@ -491,9 +491,7 @@ def capacity(
         kv_bytes = 0
 
     hybrid = profile.hybrid_kv_cache and profile.engine is EngineName.VLLM
-    pool = _pool(
-        kv, block_size=k.block, hybrid=hybrid, group_ratio=profile.hybrid_group_ratio, state_pages=state_pages
-    )
+    pool = _pool(kv, block_size=k.block, hybrid=hybrid, group_ratio=profile.hybrid_group_ratio, state_pages=state_pages)
     if model.is_hybrid and not hybrid:
         notes.append("this engine version gives sliding-window layers the full context (no hybrid allocator)")
     if kv.state is not None:

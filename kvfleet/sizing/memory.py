@@ -112,9 +112,7 @@ def _mamba_dtype_bytes(name: str, *, auto_bytes: int, field: str) -> int:
     try:
         return MAMBA_DTYPE_BYTES[name]
     except KeyError:
-        raise SizingError(
-            f"unknown dtype {name!r}; use auto, {', '.join(MAMBA_DTYPE_BYTES)}", field=field
-        ) from None
+        raise SizingError(f"unknown dtype {name!r}; use auto, {', '.join(MAMBA_DTYPE_BYTES)}", field=field) from None
 
 
 def state_layout(
@@ -212,9 +210,7 @@ def kv_layout(
         else:
             per_layer = per_layer_attn
         groups.append(KvGroup(attention=kind, window_tokens=window, num_layers=n, bytes_per_token_per_layer=per_layer))
-    state = state_layout(
-        model, tp=tp, mamba_cache_dtype=mamba_cache_dtype, mamba_ssm_cache_dtype=mamba_ssm_cache_dtype
-    )
+    state = state_layout(model, tp=tp, mamba_cache_dtype=mamba_cache_dtype, mamba_ssm_cache_dtype=mamba_ssm_cache_dtype)
     return KvLayout(tp=tp, kv_dtype=kv_dtype, dtype_bytes=dtype_bytes, groups=tuple(groups), state=state)
 
 
