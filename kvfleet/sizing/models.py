@@ -229,9 +229,17 @@ SUPPORTED_MODEL_TYPES = frozenset(
         "granite",
         "olmo2",
         "qwen3_next",
+        "qwen3_5",
+        "qwen3_5_text",
+        "qwen3_5_moe",
+        "qwen3_5_moe_text",
         "nemotron_h",
     }
 )
+
+# Gated-delta-net hybrids: Qwen3-Next and the Qwen3.5 family built on its layers (vLLM qwen3_next.py,
+# qwen3_5.py: the same GatedDeltaNetAttention, gated attention output, q/k norms, shared-expert MoE).
+GDN_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
 
 # HF defaults for tie_word_embeddings where a config omits it (each model's configuration_*.py).
 _TIED_BY_DEFAULT = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text"})
@@ -303,7 +311,7 @@ def _layer_kinds(model_type: str, t: Mapping[str, Any], n_layers: int, where: st
             elif kind == "chunked_attention":
                 chunk = _int(t, "attention_chunk_size", where=where)
                 out.append(LayerSpec(attention=AttentionKind.CHUNKED, window_tokens=chunk))
-            elif kind == "linear_attention" and model_type == "qwen3_next":
+            elif kind == "linear_attention" and model_type in GDN_MODEL_TYPES:
                 out.append(LayerSpec(attention=AttentionKind.STATE))
             elif kind in ("linear_attention", "mamba", "conv"):
                 raise ModelConfigError(
@@ -316,7 +324,7 @@ def _layer_kinds(model_type: str, t: Mapping[str, Any], n_layers: int, where: st
         return out
 
     full = [LayerSpec(attention=AttentionKind.FULL) for _ in range(n_layers)]
-    if model_type == "qwen3_next":
+    if model_type in GDN_MODEL_TYPES:
         # transformers Qwen3NextConfig: layer i is full attention when (i + 1) % full_attention_interval == 0.
         interval = _int(t, "full_attention_interval", where=where, default=4) or 1
         return [
@@ -395,9 +403,13 @@ def _nemotron_h_layers(t: Mapping[str, Any], n_layers: int, where: str) -> list[
 
 
 def _state(model_type: str, t: Mapping[str, Any], where: str) -> StateSpec | None:
-    if model_type == "qwen3_next":
+    if model_type in GDN_MODEL_TYPES:
+        # Qwen3.5 names its SSM state dtype in the config (mamba_ssm_dtype), which vLLM takes when
+        # mamba_ssm_cache_dtype is auto (model_executor/models/config.py Qwen3_5ForConditionalGenerationConfig).
+        ssm_dtype = t.get("mamba_ssm_dtype") if model_type != "qwen3_next" else None
         return StateSpec(
             kind=StateKind.GATED_DELTA_NET,
+            ssm_dtype=str(ssm_dtype) if ssm_dtype else None,
             num_heads=_int(t, "linear_num_value_heads", where=where),
             head_dim=_int(t, "linear_value_head_dim", where=where),
             num_groups=_int(t, "linear_num_key_heads", where=where),
@@ -530,7 +542,7 @@ def _moe(model_type: str, t: Mapping[str, Any], where: str) -> MoESpec | None:
     if model_type in ("deepseek_v2", "deepseek_v3"):
         shared = int(t.get("n_shared_experts") or 0)
         shared_inter = shared * inter
-    elif model_type in ("qwen2_moe", "qwen3_next"):
+    elif model_type == "qwen2_moe" or model_type in GDN_MODEL_TYPES:
         shared_inter = int(t.get("shared_expert_intermediate_size") or 0)
         shared = 1 if shared_inter else 0
     elif model_type in ("llama4", "llama4_text"):
@@ -550,7 +562,7 @@ def _moe_layers(model_type: str, t: Mapping[str, Any], n_layers: int) -> list[bo
         first_dense = int(t.get("first_k_dense_replace") or 0)
         freq = int(t.get("moe_layer_freq") or 1)
         return [i >= first_dense and i % freq == 0 for i in range(n_layers)]
-    if model_type in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
+    if model_type in ("qwen2_moe", "qwen3_moe") or model_type in GDN_MODEL_TYPES:
         step = int(t.get("decoder_sparse_step") or 1)
         dense = set(t.get("mlp_only_layers") or [])
         return [i not in dense and (i + 1) % step == 0 for i in range(n_layers)]
@@ -717,14 +729,14 @@ def _attention_params(m: ModelSpec) -> int:
         o = m.num_attention_heads * a.v_head_dim * h
         return q + kv_a + kv_b + o
     q = h * m.num_attention_heads * m.head_dim
-    if m.model_type == "qwen3_next":
+    if m.model_type in GDN_MODEL_TYPES:
         q *= 2  # the output gate rides on q_proj (qwen3_next.py Qwen3NextAttention, attn_output_gate)
     kv = 2 * h * m.num_kv_heads * m.head_dim
     o = m.num_attention_heads * m.head_dim * h
     total = q + kv + o
     if m.attention_bias:
         total += (m.num_attention_heads + 2 * m.num_kv_heads) * m.head_dim
-    if m.model_type in ("qwen3", "qwen3_moe", "qwen3_next", "gemma3", "gemma3_text", "olmo2"):
+    if m.model_type in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text", "olmo2") or m.model_type in GDN_MODEL_TYPES:
         total += 2 * m.head_dim  # q_norm / k_norm
     if m.model_type == "gpt_oss":
         total += m.num_attention_heads + h  # attention sinks, o_proj bias
@@ -784,7 +796,7 @@ def _param_groups(m: ModelSpec) -> tuple[ParamGroup, ...]:
             router += h * e.num_experts + (e.num_experts if e.expert_bias else 0)
             if e.shared_expert_intermediate_size:
                 mlp += 3 * h * e.shared_expert_intermediate_size
-                if m.model_type in ("qwen2_moe", "qwen3_next"):
+                if m.model_type == "qwen2_moe" or m.model_type in GDN_MODEL_TYPES:
                     router += h  # shared_expert_gate
         else:
             mlp += _mlp_params(m, m.intermediate_size)

@@ -9,7 +9,8 @@ Expected numbers are worked by hand from vLLM's source, not from kvfleet's code:
     get_max_concurrency_for_kv_cache_config; vllm/v1/kv_cache_interface.py MambaSpec.max_memory_usage_bytes.
 
 Model geometries: Qwen3-Next's is transformers' Qwen3NextConfig defaults (configuration_qwen3_next.py, which
-mirror Qwen3-Next-80B-A3B); the Nemotron-H one is a small test geometry. Neither is a catalog entry.
+mirror Qwen3-Next-80B-A3B); the Nemotron-H one is a small test geometry; the Qwen3.6 one is described where it
+is built. None is a catalog entry (no verbatim config.json was at hand).
 """
 
 from __future__ import annotations
@@ -256,3 +257,56 @@ def test_sliding_window_reserves_two_in_flight_batches_at_0_32() -> None:
     s = EngineSettings(max_model_len=32768, kv_cache_memory_bytes=4 * GiB, max_num_batched_tokens=2048)
     cap = capacity(m, gpu_memory_bytes=80 * GiB, settings=s)
     assert cap.blocks_per_max_len_request == 32768 // 16 + cdiv(128 - 1 + 2 * 2048, 16) + 1
+
+
+# --- real start-up logs (CHECK cases: nothing here was fitted to them) ---------------------------------
+
+
+def qwen36_35b_a3b() -> ModelSpec:
+    """The Qwen3.5/3.6-35B-A3B language tower (model_type qwen3_5_moe_text): 40 layers, every fourth full
+    attention, 2 KV heads x 256, gated delta net with 16 key / 32 value heads x 128, conv kernel 4, SSM state
+    in float32 (mamba_ssm_dtype). Taken from third-party transcriptions of the family's config.json (public
+    test fixtures), not from the checkpoint itself: a test geometry, not a catalog entry. The logs below agree
+    with it to the token."""
+    layer_types = (["linear_attention"] * 3 + ["full_attention"]) * 10
+    cfg = qwen3_next_config(
+        model_type="qwen3_5_moe_text",
+        num_hidden_layers=40,
+        layer_types=layer_types,
+        num_experts=256,
+        num_experts_per_tok=8,
+        mamba_ssm_dtype="float32",
+    )
+    return parse_hf_config({"model_type": "qwen3_5_moe", "text_config": cfg}, model_id="test/qwen3.6-35b-a3b")
+
+
+@pytest.mark.parametrize(
+    ("available_gib", "logged_tokens", "logged_concurrency", "source"),
+    [
+        (5.98, 567_978, 4.33, "noonghunna/club-3090 issue 612"),
+        (6.01, 569_878, 4.35, "noonghunna/club-3090 issue 652"),
+    ],
+)
+def test_qwen36_hybrid_pool_matches_vllm_logs(
+    available_gib: float, logged_tokens: int, logged_concurrency: float, source: str
+) -> None:
+    # vLLM 0.24.0 on an RTX 5090, Qwen3.6-35B-A3B NVFP4, kv_cache_dtype fp8, prefix caching on, max_model_len
+    # 131,072, 8,192 batched tokens: "Available KV cache memory: X GiB", "GPU KV cache size: N tokens",
+    # "Maximum concurrency for 131,072 tokens per request: C". Worked: fp8 attention 2 x 2 x 256 = 1,024 B per
+    # token; state (3 x 8,192) bf16 + (32 x 128 x 128) fp32 = 2,146,304 B -> block 16 x cdiv(2,146,304,
+    # 16 x 1,024) = 2,096 tokens; 10 attention + 30 state layers -> 4 groups of 10; a request holds
+    # cdiv(131,072, 2,096) = 63 attention blocks + 3 x 2 state pages ("align").
+    settings = EngineSettings(
+        version="0.24.0",
+        max_model_len=131072,
+        max_num_batched_tokens=8192,
+        max_num_seqs=1,
+        kv_cache_dtype=KvDtype.FP8,
+        enable_prefix_caching=True,
+        kv_cache_memory_bytes=int(available_gib * GiB),
+    )
+    cap = capacity(qwen36_35b_a3b(), gpu_memory_bytes=141 * GiB, settings=settings)
+    assert cap.block_size == 2096, source
+    assert cap.blocks_per_max_len_request == 63 + 6, source
+    assert round(cap.max_concurrency, 2) == logged_concurrency, source
+    assert cap.kv_cache_tokens == logged_tokens, source
