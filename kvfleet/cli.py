@@ -107,6 +107,18 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--block-size", type=_positive_int)
     c.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     c.add_argument("--kv-cache-memory-bytes", type=_positive_int, help="vLLM: fixed cache size, skips profiling")
+    c.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="vLLM prefix caching (default: the release's); for Mamba hybrids it sets mamba_cache_mode",
+    )
+    c.add_argument(
+        "--mamba-ssm-cache-dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="vLLM: the SSM state's dtype in linear-attention / Mamba layers",
+    )
     c.add_argument("--json", action="store_true", help="machine-readable output")
 
     di = sub.add_parser(
@@ -352,6 +364,8 @@ def cmd_capacity(a: argparse.Namespace) -> int:
         block_size=a.block_size,
         enforce_eager=a.enforce_eager,
         kv_cache_memory_bytes=a.kv_cache_memory_bytes,
+        enable_prefix_caching=a.prefix_caching,
+        mamba_ssm_cache_dtype=a.mamba_ssm_cache_dtype,
     )
     cap = capacity(model, gpu_memory_bytes=mem, settings=settings, accelerator_name=acc_name)
     if a.json:
@@ -405,6 +419,13 @@ def _print_capacity(cap: Capacity) -> None:
             for g in cap.kv.groups
         ),
     )
+    if cap.kv.state is not None:
+        st = cap.kv.state
+        t.add_row(
+            "state / sequence",
+            f"{st.bytes_per_sequence:,}",
+            f"{st.num_layers} {st.kind.value} x {st.bytes_per_layer:,} B, {cap.state_pages_per_request} page(s)",
+        )
     t.add_row("blocks", f"{cap.num_blocks:,}", f"{cap.block_size} tokens each")
     t.add_row("KV cache tokens", f"{cap.kv_cache_tokens:,}", "GPU KV cache size")
     t.add_row("max concurrency", f"{cap.max_concurrency:.2f}x", f"sequences of {cap.max_model_len:,} tokens")

@@ -681,3 +681,17 @@ def test_plan_states_the_binding_limit(capsys: pytest.CaptureFixture[str]) -> No
         assert b["kv_ceiling"] == pytest.approx(min(1.0, ceiling), abs=1e-4)
     code, out, _ = run(capsys, *PLAN_8B)
     assert code == 0 and "binding limit at the planned load: " in out
+
+
+def test_capacity_of_a_gated_delta_net_hybrid(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from tests.sizing.test_hybrid_state import qwen3_next_config
+
+    (tmp_path / "config.json").write_text(json.dumps(qwen3_next_config()), encoding="utf-8")
+    base = ("capacity", "--model", str(tmp_path), "--gpu", "H200", "--tp", "4", "--max-model-len", "32768")
+    d = run_json(capsys, *base)
+    # vllm/platforms/interface.py _align_hybrid_block_size at TP4: 16 x cdiv(274,432, 16 x 1,024) = 272 tokens.
+    assert d["block_size"] == 272
+    assert d["state_layers"]["pages_per_request"] == 2  # prefix caching on by default: mamba_cache_mode align
+    off = run_json(capsys, *base, "--no-prefix-caching", "--mamba-ssm-cache-dtype", "float32")
+    assert off["state_layers"]["pages_per_request"] == 1
+    assert off["state_layers"]["bytes_per_layer"] == 3 * 2048 * 2 + 8 * 128 * 128 * 4

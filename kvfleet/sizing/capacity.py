@@ -7,7 +7,7 @@ these settings, how many tokens of KV cache does the engine allocate, and how ma
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvfleet.errors import SizingError
 from kvfleet.sizing.engines import (
@@ -47,6 +47,11 @@ class EngineSettings:
     enforce_eager: bool = False  # no CUDA graphs
     kv_cache_memory_bytes: int | None = None  # vLLM --kv-cache-memory-bytes: skips profiling
     max_tokens: int | None = None  # TRT-LLM KvCacheConfig.max_tokens cap
+    # vLLM --enable-prefix-caching; None: the release's default. For hybrid Mamba models it decides
+    # mamba_cache_mode ("align" keeps two state pages per request, "none" one).
+    enable_prefix_caching: bool | None = None
+    mamba_cache_dtype: str = "auto"  # vLLM --mamba-cache-dtype (conv and SSM state)
+    mamba_ssm_cache_dtype: str = "auto"  # vLLM --mamba-ssm-cache-dtype (SSM state only)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +80,7 @@ class Capacity:
     blocks_per_max_len_request: int
     max_concurrency: float  # sequences of max_model_len that fit at once
     max_model_len_that_fits: int  # the longest single request the cache can hold
+    state_pages_per_request: int = 0  # pages each state-layer group holds per request (hybrid Mamba models)
     problems: tuple[str, ...] = field(default=())
     notes: tuple[str, ...] = field(default=())
 
@@ -127,6 +133,16 @@ class Capacity:
                 }
                 for grp in self.kv.groups
             ],
+            "state_layers": (
+                {
+                    "kind": self.kv.state.kind.value,
+                    "layers": self.kv.state.num_layers,
+                    "bytes_per_layer": self.kv.state.bytes_per_layer,
+                    "pages_per_request": self.state_pages_per_request,
+                }
+                if self.kv.state is not None
+                else None
+            ),
             "weights_by_part_gib": {p.value: round(b / g, 3) for p, b in self.weights.bytes_by_part},
             "problems": list(self.problems),
             "notes": list(self.notes),
@@ -175,11 +191,55 @@ class _Pool:
     group_size: int
     groups: tuple[tuple[AttentionKind, int | None], ...]  # one entry per KV-cache group
     page_bytes: int  # one block of one layer
+    state_pages: int = 0  # pages a state-layer group holds per request
 
 
-def _pool(kv: KvLayout, *, block_size: int, hybrid: bool, group_ratio: float) -> _Pool:
+# FlashAttention's kernel block sizes on CUDA: MultipleOf(16) (vllm/v1/attention/backends/flash_attn.py
+# get_supported_kernel_block_sizes, v0.32.0): the alignment of a hybrid model's raised block size.
+ATTENTION_KERNEL_BLOCK_ALIGNMENT = 16
+
+
+def hybrid_block_size(kv: KvLayout, *, block_size: int) -> int:
+    """The attention block size vLLM picks so that one attention page holds one Mamba state page.
+
+    vllm/platforms/interface.py ``_align_hybrid_block_size`` (v0.32.0): with ``a`` = max(kernel
+    alignment, block_size), block = a x cdiv(state page, a x attention bytes per token), rounded up to the
+    kernel alignment, and never below the configured block size (it overrides --block-size). The state
+    page is then padded to the attention page.
+    """
+    if kv.state is None or not kv.groups:
+        return block_size
+    per_token = max(g.bytes_per_token_per_layer for g in kv.groups)
+    align = max(ATTENTION_KERNEL_BLOCK_ALIGNMENT, block_size)
+    raised = align * cdiv(kv.state.bytes_per_layer, align * per_token)
+    raised = ATTENTION_KERNEL_BLOCK_ALIGNMENT * cdiv(raised, ATTENTION_KERNEL_BLOCK_ALIGNMENT)
+    return max(block_size, raised)
+
+
+def _state_pool(kv: KvLayout, *, block_size: int, group_ratio: float, state_pages: int) -> _Pool:
+    """Attention and state layers in one block pool: the state page padded to the attention page, layers
+    grouped by the same n:1 rule as sliding/full mixes (kv_cache_utils._get_kv_cache_groups_uniform_page_size)."""
+    assert kv.state is not None
+    page = block_size * max(g.bytes_per_token_per_layer for g in kv.groups)
+    buckets: list[tuple[tuple[AttentionKind, int | None], int]] = [
+        ((g.attention, g.window_tokens), g.num_layers) for g in kv.groups
+    ]
+    buckets.append(((AttentionKind.STATE, None), kv.state.num_layers))
+    counts = [n for _, n in buckets]
+    group_size = min(counts)
+    if max(counts) < min(counts) * group_ratio:
+        group_size = max(counts)
+    groups: list[tuple[AttentionKind, int | None]] = []
+    for key, n in buckets:
+        groups.extend([key] * cdiv(n, group_size))
+    return _Pool(group_size=group_size, groups=tuple(groups), page_bytes=page, state_pages=state_pages)
+
+
+def _pool(kv: KvLayout, *, block_size: int, hybrid: bool, group_ratio: float, state_pages: int = 1) -> _Pool:
     if not kv.groups:
         raise SizingError("the model has no attention layers that hold a KV cache", field="model")
+    if kv.state is not None:
+        return _state_pool(kv, block_size=block_size, group_ratio=group_ratio, state_pages=state_pages)
     page = block_size * max(g.bytes_per_token_per_layer for g in kv.groups)
     if not hybrid or len(kv.groups) == 1:
         # One group holding every layer; windowed layers are treated as full when hybrid is off.
@@ -207,16 +267,23 @@ def _blocks_per_request(
     max_model_len: int,
     block_size: int,
     max_num_batched_tokens: int,
+    in_flight_batches: int = 1,
+    state_pages: int = 1,
 ) -> int:
     """Blocks one layer of this kind needs for one request of max_model_len (vLLM's KV specs)."""
+    if kind is AttentionKind.STATE:
+        return state_pages  # MambaSpec.max_memory_usage_bytes: 1 page, 2 in mamba_cache_mode "align"
     if window is None or kind in (AttentionKind.FULL, AttentionKind.MLA):
         return cdiv(max_model_len, block_size)
+    # The window (or chunk) plus the tokens scheduled but not yet freed: VllmConfig.max_in_flight_tokens,
+    # in_flight_batches x max_num_batched_tokens.
+    in_flight = in_flight_batches * max_num_batched_tokens
     if kind is AttentionKind.SLIDING:
-        # SlidingWindowSpec.max_memory_usage_bytes: the window, plus a chunk being prefilled,
-        # plus one block because the window need not start at a block boundary.
-        tokens = min(window - 1 + max_num_batched_tokens, max_model_len)
+        # SlidingWindowSpec.max_admission_blocks_per_request: plus one block because the window need not
+        # start at a block boundary.
+        tokens = min(window - 1 + in_flight, max_model_len)
         return cdiv(tokens, block_size) + 1
-    tokens = min(window + max_num_batched_tokens, max_model_len)  # ChunkedLocalAttentionSpec
+    tokens = min(window + in_flight, max_model_len)  # ChunkedLocalAttentionSpec
     return cdiv(tokens, block_size)
 
 
@@ -329,6 +396,28 @@ def _kv_budget(
     return _Budget(requested=requested, kv_bytes=kv_bytes, problems=tuple(problems), notes=tuple(notes))
 
 
+def _state_pages(model: ModelSpec, s: EngineSettings, profile: EngineProfile) -> int:
+    """State pages per request for a hybrid Mamba model; refuses engines whose state cache is not modelled."""
+    if model.state is None or model.state_layers == 0:
+        return 0
+    if profile.engine is not EngineName.VLLM:
+        raise SizingError(
+            f"{model.model_id} has {model.state.kind.value} layers; TensorRT-LLM's Mamba state cache (a separate "
+            "pool per max_batch_size) is not modelled here; size it with engine vllm",
+            field="engine",
+        )
+    if not profile.hybrid_kv_cache:
+        raise SizingError(
+            f"{model.model_id} has {model.state.kind.value} layers, whose state shares the hybrid KV-cache "
+            "allocator; releases before it are not modelled; use engine_version 0.10.0 or later",
+            field="engine_version",
+        )
+    caching = profile.mamba_align_by_default if s.enable_prefix_caching is None else s.enable_prefix_caching
+    # vllm/model_executor/models/config.py MambaModelConfig: prefix caching sets mamba_cache_mode "align";
+    # MambaSpec.max_memory_usage_bytes then holds 2 pages per request (no speculative or checkpoint blocks).
+    return 2 if caching else 1
+
+
 def _tokens(pool: _Pool, *, num_blocks: int, concurrency: float, k: _Knobs, profile: EngineProfile) -> int:
     """The token count the engine reports ("GPU KV cache size: N tokens"), as each release computes it."""
     if len(pool.groups) > 1 and profile.hybrid_tokens_from_concurrency:
@@ -362,7 +451,16 @@ def capacity(
 
     scheme = resolve_scheme(model, s.quantization)
     weights = weight_bytes(model, tp=tp, scheme=scheme)
-    kv = kv_layout(model, tp=tp, kv_dtype=s.kv_cache_dtype)
+    kv = kv_layout(
+        model,
+        tp=tp,
+        kv_dtype=s.kv_cache_dtype,
+        mamba_cache_dtype=s.mamba_cache_dtype,
+        mamba_ssm_cache_dtype=s.mamba_ssm_cache_dtype,
+    )
+    state_pages = _state_pages(model, s, profile)
+    if kv.state is not None:
+        k = replace(k, block=hybrid_block_size(kv, block_size=k.block))
     act = activation_peak_bytes(
         model, tp=tp, max_num_batched_tokens=k.batched, max_num_seqs=k.max_seqs, sort_sampler=profile.sort_sampler
     )
@@ -395,11 +493,25 @@ def capacity(
         kv_bytes = 0
 
     hybrid = profile.hybrid_kv_cache and profile.engine is EngineName.VLLM
-    pool = _pool(kv, block_size=k.block, hybrid=hybrid, group_ratio=profile.hybrid_group_ratio)
+    pool = _pool(kv, block_size=k.block, hybrid=hybrid, group_ratio=profile.hybrid_group_ratio, state_pages=state_pages)
     if model.is_hybrid and not hybrid:
         notes.append("this engine version gives sliding-window layers the full context (no hybrid allocator)")
+    if kv.state is not None:
+        notes.append(
+            f"{kv.state.num_layers} {kv.state.kind.value} layers hold {kv.state.bytes_per_layer:,} bytes of state per "
+            f"sequence each, padded to a {pool.page_bytes:,}-byte page of {k.block} attention tokens; "
+            f"{state_pages} page(s) per request (mamba_cache_mode {'align' if state_pages > 1 else 'none'})"
+        )
     blocks_per_request = sum(
-        _blocks_per_request(kind, w, max_model_len=k.max_len, block_size=k.block, max_num_batched_tokens=k.batched)
+        _blocks_per_request(
+            kind,
+            w,
+            max_model_len=k.max_len,
+            block_size=k.block,
+            max_num_batched_tokens=k.batched,
+            in_flight_batches=profile.sliding_in_flight_batches,
+            state_pages=state_pages,
+        )
         for kind, w in pool.groups
     )
 
@@ -418,7 +530,12 @@ def capacity(
                 f"{predicted:,})"
             )
     fits_len = _longest_request(
-        pool, num_blocks=num_blocks, block_size=k.block, max_num_batched_tokens=k.batched, limit=k.max_len
+        pool,
+        num_blocks=num_blocks,
+        block_size=k.block,
+        max_num_batched_tokens=k.batched,
+        limit=k.max_len,
+        in_flight_batches=profile.sliding_in_flight_batches,
     )
     if not problems and concurrency < 1:
         problems.append(
@@ -451,12 +568,21 @@ def capacity(
         blocks_per_max_len_request=blocks_per_request,
         max_concurrency=concurrency,
         max_model_len_that_fits=fits_len,
+        state_pages_per_request=state_pages if kv.state is not None else 0,
         problems=tuple(problems),
         notes=tuple(notes),
     )
 
 
-def _longest_request(pool: _Pool, *, num_blocks: int, block_size: int, max_num_batched_tokens: int, limit: int) -> int:
+def _longest_request(
+    pool: _Pool,
+    *,
+    num_blocks: int,
+    block_size: int,
+    max_num_batched_tokens: int,
+    limit: int,
+    in_flight_batches: int = 1,
+) -> int:
     """Largest max_model_len (multiple of block_size, at most ``limit``) whose one request fits."""
 
     def blocks(length: int) -> int:
@@ -467,6 +593,8 @@ def _longest_request(pool: _Pool, *, num_blocks: int, block_size: int, max_num_b
                 max_model_len=length,
                 block_size=block_size,
                 max_num_batched_tokens=max_num_batched_tokens,
+                in_flight_batches=in_flight_batches,
+                state_pages=pool.state_pages,
             )
             for k, w in pool.groups
         )

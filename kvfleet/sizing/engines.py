@@ -71,6 +71,12 @@ class EngineProfile:
     hybrid_group_ratio: float  # kv_cache_utils grouping: use the largest type count below this ratio
     hybrid_tokens_from_concurrency: bool  # hybrid models log max_concurrency x max_model_len tokens
     sort_sampler: bool  # the profiling run's top-k/top-p mask sorts the vocabulary (see the module docstring)
+    # Batches a sliding-window layer reserves beyond its window (VllmConfig.max_in_flight_tokens: 2 with
+    # async scheduling, the default at 0.32.0; 1 where a step's blocks are freed before the next).
+    sliding_in_flight_batches: int
+    # Prefix caching on by default for hybrid attention/Mamba models, which puts their state layers in
+    # mamba_cache_mode "align": two state pages per request instead of one (MambaSpec.max_memory_usage_bytes).
+    mamba_align_by_default: bool
     # Scheduler defaults for the OpenAI server, keyed by whether the GPU has >= 70 GiB
     # (vllm/engine/arg_utils.py, get_batch_defaults; A100s get the small ones, PR 17885).
     max_num_batched_tokens_small_gpu: int
@@ -89,6 +95,8 @@ def _vllm(since: Version, note: str, **kw: object) -> EngineProfile:
         "hybrid_group_ratio": 1.5,
         "hybrid_tokens_from_concurrency": False,
         "sort_sampler": False,
+        "sliding_in_flight_batches": 1,
+        "mamba_align_by_default": False,
         "max_num_batched_tokens_small_gpu": 2048,
         "max_num_batched_tokens_large_gpu": 8192,
         "max_num_seqs_small_gpu": 256,
@@ -147,6 +155,17 @@ VLLM_PROFILES: tuple[EngineProfile, ...] = (
         hybrid_tokens_from_concurrency=True,
         gpu_memory_utilization=0.92,
     ),
+    _vllm(
+        (0, 32, 0),
+        "sliding-window layers reserve two in-flight batches (async scheduling); hybrid Mamba models cache "
+        "prefixes by default (mamba_cache_mode align). vllm/config/vllm.py max_in_flight_tokens, "
+        "vllm/config/model.py is_prefix_caching_supported, v0.32.0 (earlier releases not checked)",
+        counts_cuda_graphs=True,
+        hybrid_tokens_from_concurrency=True,
+        gpu_memory_utilization=0.92,
+        sliding_in_flight_batches=2,
+        mamba_align_by_default=True,
+    ),
 )
 
 # TensorRT-LLM PyTorch backend (tensorrt_llm/_torch/pyexecutor/_util.py KvCacheCreator;
@@ -164,6 +183,8 @@ TRTLLM_PROFILES: tuple[EngineProfile, ...] = (
         hybrid_group_ratio=1.5,
         hybrid_tokens_from_concurrency=False,
         sort_sampler=False,
+        sliding_in_flight_batches=1,
+        mamba_align_by_default=False,
         max_num_batched_tokens_small_gpu=8192,
         max_num_batched_tokens_large_gpu=8192,
         max_num_seqs_small_gpu=2048,

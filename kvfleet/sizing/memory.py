@@ -6,9 +6,13 @@ KV cache, per token per GPU and per layer:
     one head (replicated), as vLLM and TensorRT-LLM do.
   * MLA (DeepSeek-V2/V3): one latent of (kv_lora_rank + qk_rope_head_dim) x dtype bytes, held by
     every rank (the latent is not split by heads).
-  * layers without attention: nothing.
+  * layers without attention: nothing per token.
 Sliding-window and chunked layers hold at most their window per sequence; how that caps a
 request's memory is the engine's business (``engines.py``).
+
+Linear-attention / state-space layers (Qwen3-Next's gated delta net, Mamba-2) hold one fixed-size state
+per sequence: a conv state and an SSM state, shaped as vLLM's ``MambaStateShapeCalculator`` shapes them
+(vllm/model_executor/layers/mamba/mamba_utils.py, 0.32.0), sharded across TP ranks.
 
 Weights, per GPU: each parameter part (``models.ParamGroup``) at the scheme's bytes per parameter;
 shardable parts divide by TP (embeddings and lm_head after padding the vocabulary to a multiple of
@@ -20,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvfleet.errors import SizingError
-from kvfleet.sizing.models import AttentionKind, ModelSpec
+from kvfleet.sizing.models import AttentionKind, ModelSpec, StateKind
 from kvfleet.sizing.precision import KvDtype, Part, WeightScheme
 from kvfleet.sizing.units import cdiv
 
@@ -46,6 +50,15 @@ def validate_tp(model: ModelSpec, tp: int, *, field: str = "tensor_parallel_size
             f"{tp} ranks cannot split {kv} KV heads (one must divide the other)",
             field=field,
         )
+    st = model.state
+    if st is not None and st.num_heads % tp:
+        # mamba_utils.py divide(): the state's heads split evenly across ranks or the engine refuses.
+        divisors = [d for d in range(1, st.num_heads + 1) if st.num_heads % d == 0 and d <= 64]
+        raise SizingError(
+            f"{tp} does not divide the model's {st.num_heads} {st.kind.value} heads; use one of "
+            f"{', '.join(map(str, divisors))}",
+            field=field,
+        )
 
 
 def kv_heads_per_rank(model: ModelSpec, tp: int) -> int:
@@ -66,12 +79,92 @@ class KvGroup:
         return self.num_layers * self.bytes_per_token_per_layer
 
 
+# vLLM's mamba dtype names (vllm/config/cache.py MambaDType) and their sizes.
+MAMBA_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateLayout:
+    """One state layer's cache on one TP rank (vLLM ``MambaSpec`` before page padding)."""
+
+    kind: StateKind
+    num_layers: int
+    conv_shape: tuple[int, int]  # (kernel - 1 + speculative tokens, conv dim / tp): the "SD" layout
+    ssm_shape: tuple[int, int, int]
+    conv_dtype_bytes: int
+    ssm_dtype_bytes: int
+
+    @property
+    def bytes_per_layer(self) -> int:
+        """``MambaSpec.page_size_bytes`` unpadded: conv plus SSM state of one sequence in one layer."""
+        conv = self.conv_shape[0] * self.conv_shape[1] * self.conv_dtype_bytes
+        ssm = self.ssm_shape[0] * self.ssm_shape[1] * self.ssm_shape[2] * self.ssm_dtype_bytes
+        return conv + ssm
+
+    @property
+    def bytes_per_sequence(self) -> int:
+        return self.num_layers * self.bytes_per_layer
+
+
+def _mamba_dtype_bytes(name: str, *, auto_bytes: int, field: str) -> int:
+    if name == "auto":
+        return auto_bytes
+    try:
+        return MAMBA_DTYPE_BYTES[name]
+    except KeyError:
+        raise SizingError(f"unknown dtype {name!r}; use auto, {', '.join(MAMBA_DTYPE_BYTES)}", field=field) from None
+
+
+def state_layout(
+    model: ModelSpec,
+    *,
+    tp: int,
+    mamba_cache_dtype: str = "auto",
+    mamba_ssm_cache_dtype: str = "auto",
+    num_speculative_tokens: int = 0,
+) -> StateLayout | None:
+    """The per-layer state of the model's linear-attention / Mamba layers on one rank, or None.
+
+    Dtypes follow ``MambaStateDtypeCalculator._mamba_state_dtype``: the conv state takes
+    mamba_cache_dtype ("auto": the model's dtype); the SSM state takes mamba_ssm_cache_dtype, whose
+    "auto" means the conv state's dtype unless the model's own rule says otherwise (``StateSpec.ssm_dtype``).
+    """
+    st = model.state
+    if st is None or model.state_layers == 0:
+        return None
+    validate_tp(model, tp)
+    model_bytes = 4 if model.torch_dtype in ("float32", "fp32") else 2
+    conv_bytes = _mamba_dtype_bytes(mamba_cache_dtype, auto_bytes=model_bytes, field="mamba_cache_dtype")
+    ssm_name = mamba_ssm_cache_dtype
+    if ssm_name == "auto" and st.ssm_dtype is not None:
+        ssm_name = st.ssm_dtype
+    ssm_bytes = _mamba_dtype_bytes(ssm_name, auto_bytes=conv_bytes, field="mamba_ssm_cache_dtype")
+    groups = st.num_groups
+    if st.kind is StateKind.MAMBA2 and groups % tp:
+        groups = tp  # extra_groups_for_head_shards: groups are replicated so each rank holds its heads' groups
+    conv_dim = st.num_heads * st.head_dim + 2 * groups * st.group_dim
+    if conv_dim % tp:
+        raise SizingError(f"{tp} ranks cannot split the {conv_dim}-wide conv state", field="tensor_parallel_size")
+    conv_shape = (st.conv_kernel - 1 + num_speculative_tokens, conv_dim // tp)
+    # gated delta net: (v heads, head_v_dim, head_k_dim); Mamba-2: (heads, head_dim, ssm_state_size).
+    ssm_shape = (st.num_heads // tp, st.head_dim, st.group_dim)
+    return StateLayout(
+        kind=st.kind,
+        num_layers=model.state_layers,
+        conv_shape=conv_shape,
+        ssm_shape=ssm_shape,
+        conv_dtype_bytes=conv_bytes,
+        ssm_dtype_bytes=ssm_bytes,
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class KvLayout:
     tp: int
     kv_dtype: KvDtype
     dtype_bytes: int
     groups: tuple[KvGroup, ...]
+    state: StateLayout | None = None  # linear-attention / Mamba layers: a fixed state per sequence
 
     @property
     def kv_bytes_per_token_per_gpu(self) -> int:
@@ -85,20 +178,27 @@ class KvLayout:
 
     def bytes_per_sequence(self, tokens: int) -> int:
         """KV bytes on one GPU for one sequence of ``tokens`` (windowed layers capped, no blocks)."""
-        total = 0
+        total = self.state.bytes_per_sequence if self.state is not None else 0
         for g in self.groups:
             held = tokens if g.window_tokens is None else min(tokens, g.window_tokens)
             total += held * g.bytes_per_token
         return total
 
 
-def kv_layout(model: ModelSpec, *, tp: int, kv_dtype: KvDtype) -> KvLayout:
+def kv_layout(
+    model: ModelSpec,
+    *,
+    tp: int,
+    kv_dtype: KvDtype,
+    mamba_cache_dtype: str = "auto",
+    mamba_ssm_cache_dtype: str = "auto",
+) -> KvLayout:
     validate_tp(model, tp)
     dtype_bytes = kv_dtype.bytes_per_element()
     per_layer_attn = 2 * kv_heads_per_rank(model, tp) * model.head_dim * dtype_bytes
     counts: dict[tuple[AttentionKind, int | None], int] = {}
     for layer in model.layers:
-        if layer.attention is AttentionKind.NONE:
+        if layer.attention in (AttentionKind.NONE, AttentionKind.STATE):
             continue
         key = (layer.attention, layer.window_tokens)
         counts[key] = counts.get(key, 0) + 1
@@ -110,7 +210,8 @@ def kv_layout(model: ModelSpec, *, tp: int, kv_dtype: KvDtype) -> KvLayout:
         else:
             per_layer = per_layer_attn
         groups.append(KvGroup(attention=kind, window_tokens=window, num_layers=n, bytes_per_token_per_layer=per_layer))
-    return KvLayout(tp=tp, kv_dtype=kv_dtype, dtype_bytes=dtype_bytes, groups=tuple(groups))
+    state = state_layout(model, tp=tp, mamba_cache_dtype=mamba_cache_dtype, mamba_ssm_cache_dtype=mamba_ssm_cache_dtype)
+    return KvLayout(tp=tp, kv_dtype=kv_dtype, dtype_bytes=dtype_bytes, groups=tuple(groups), state=state)
 
 
 @dataclass(frozen=True, kw_only=True)

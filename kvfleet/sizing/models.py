@@ -25,7 +25,37 @@ class AttentionKind(StrEnum):
     SLIDING = "sliding"  # holds at most `window_tokens` per sequence
     CHUNKED = "chunked"  # chunked local attention (Llama 4): at most one chunk per sequence
     MLA = "mla"  # multi-head latent attention: one latent per token, held by every TP rank
-    NONE = "none"  # no KV cache (linear attention / state-space layers)
+    STATE = "state"  # linear attention / state-space mixer: a fixed-size recurrent state per sequence
+    NONE = "none"  # no token mixer at all (an MLP-only block of Nemotron-H)
+
+
+class StateKind(StrEnum):
+    GATED_DELTA_NET = "gated_delta_net"  # Qwen3-Next linear attention
+    MAMBA2 = "mamba2"  # Mamba-2 mixers (Nemotron-H)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateSpec:
+    """Geometry of a linear-attention / state-space mixer, in the terms of vLLM's
+    ``MambaStateShapeCalculator`` (vllm/model_executor/layers/mamba/mamba_utils.py, 0.32.0).
+
+    Gated delta net: ``num_heads`` value heads of ``head_dim``, ``num_groups`` key heads of ``group_dim``.
+    Mamba-2: ``num_heads`` heads of ``head_dim`` (their product is the mixer's intermediate size),
+    ``num_groups`` B/C groups of ``group_dim`` = ssm_state_size.
+    """
+
+    kind: StateKind
+    num_heads: int
+    head_dim: int
+    num_groups: int
+    group_dim: int
+    conv_kernel: int
+    # The SSM state's dtype when mamba_ssm_cache_dtype is "auto"; None: the conv state's dtype (the model's).
+    # vLLM sets it per model (model_executor/models/config.py NemotronHForCausalLMConfig: the config's
+    # mamba_ssm_cache_dtype, else float32).
+    ssm_dtype: str | None = None
+    conv_bias: bool = True
+    proj_bias: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,6 +63,7 @@ class LayerSpec:
     attention: AttentionKind
     window_tokens: int | None = None
     moe: bool = False
+    mlp: bool = True  # False: the block has no feed-forward part (Nemotron-H's mixer-only blocks)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +126,7 @@ class ModelSpec:
     layers: tuple[LayerSpec, ...]
     moe: MoESpec | None = None
     mla: MLASpec | None = None
+    state: StateSpec | None = None
     quantization: Quantization | None = None
     attention_bias: bool = False
     gated_mlp: bool = True
@@ -137,11 +169,17 @@ class ModelSpec:
 
     @property
     def attention_layers(self) -> int:
-        return sum(1 for layer in self.layers if layer.attention is not AttentionKind.NONE)
+        """Layers that hold a per-token KV cache."""
+        return sum(1 for layer in self.layers if layer.attention not in _NO_KV)
+
+    @property
+    def state_layers(self) -> int:
+        """Linear-attention / state-space layers: one fixed-size state per sequence each."""
+        return sum(1 for layer in self.layers if layer.attention is AttentionKind.STATE)
 
     @property
     def is_hybrid(self) -> bool:
-        """More than one kind of KV-cache layer (e.g. sliding-window plus full)."""
+        """More than one kind of cache layer (sliding-window plus full, or state plus attention)."""
         kinds = {(lay.attention, lay.window_tokens) for lay in self.layers}
         kinds.discard((AttentionKind.NONE, None))
         return len(kinds) > 1
@@ -157,6 +195,9 @@ class ModelSpec:
             f"{self.num_layers} layers ({attn}), {self.num_attention_heads} heads / {self.num_kv_heads} KV "
             f"heads x {self.head_dim}{moe}, {self.total_params / 1e9:.2f}B params"
         )
+
+
+_NO_KV = frozenset({AttentionKind.NONE, AttentionKind.STATE})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,8 +228,18 @@ SUPPORTED_MODEL_TYPES = frozenset(
         "mistral3",
         "granite",
         "olmo2",
+        "qwen3_next",
+        "qwen3_5",
+        "qwen3_5_text",
+        "qwen3_5_moe",
+        "qwen3_5_moe_text",
+        "nemotron_h",
     }
 )
+
+# Gated-delta-net hybrids: Qwen3-Next and the Qwen3.5 family built on its layers (vLLM qwen3_next.py,
+# qwen3_5.py: the same GatedDeltaNetAttention, gated attention output, q/k norms, shared-expert MoE).
+GDN_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
 
 # HF defaults for tie_word_embeddings where a config omits it (each model's configuration_*.py).
 _TIED_BY_DEFAULT = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text"})
@@ -260,13 +311,27 @@ def _layer_kinds(model_type: str, t: Mapping[str, Any], n_layers: int, where: st
             elif kind == "chunked_attention":
                 chunk = _int(t, "attention_chunk_size", where=where)
                 out.append(LayerSpec(attention=AttentionKind.CHUNKED, window_tokens=chunk))
+            elif kind == "linear_attention" and model_type in GDN_MODEL_TYPES:
+                out.append(LayerSpec(attention=AttentionKind.STATE))
             elif kind in ("linear_attention", "mamba", "conv"):
-                out.append(LayerSpec(attention=AttentionKind.NONE))
+                raise ModelConfigError(
+                    f"layer type {kind!r} of model type {model_type!r} is not modelled (its state shape is "
+                    "unknown here); supported hybrids with state layers: qwen3_next, nemotron_h",
+                    field=where + "layer_types",
+                )
             else:
                 raise ModelConfigError(f"unknown layer type {kind!r}", field=where + "layer_types")
         return out
 
     full = [LayerSpec(attention=AttentionKind.FULL) for _ in range(n_layers)]
+    if model_type in GDN_MODEL_TYPES:
+        # transformers Qwen3NextConfig: layer i is full attention when (i + 1) % full_attention_interval == 0.
+        interval = _int(t, "full_attention_interval", where=where, default=4) or 1
+        return [
+            full[i] if (i + 1) % interval == 0 else LayerSpec(attention=AttentionKind.STATE) for i in range(n_layers)
+        ]
+    if model_type == "nemotron_h":
+        return _nemotron_h_layers(t, n_layers, where)
     if model_type in ("gemma2",) and window:
         # HF Gemma2DecoderLayer: even layers are sliding (is_sliding = not bool(layer_idx % 2)).
         return [
@@ -311,6 +376,61 @@ def _layer_kinds(model_type: str, t: Mapping[str, Any], n_layers: int, where: st
     if model_type in ("mistral", "mixtral", "phi3") and window:
         return [LayerSpec(attention=AttentionKind.SLIDING, window_tokens=int(window)) for _ in range(n_layers)]
     return full
+
+
+# Nemotron-H's hybrid_override_pattern: one character per block (vllm/model_executor/models/nemotron_h.py
+# ALL_DECODER_LAYER_TYPES): M a Mamba-2 mixer, * attention, - an MLP; E (MoE) is not modelled here.
+_NEMOTRON_BLOCKS = {
+    "M": LayerSpec(attention=AttentionKind.STATE, mlp=False),
+    "*": LayerSpec(attention=AttentionKind.FULL, mlp=False),
+    "-": LayerSpec(attention=AttentionKind.NONE),
+}
+
+
+def _nemotron_h_layers(t: Mapping[str, Any], n_layers: int, where: str) -> list[LayerSpec]:
+    pattern = t.get("hybrid_override_pattern")
+    f = where + "hybrid_override_pattern"
+    if not isinstance(pattern, str) or len(pattern) != n_layers:
+        raise ModelConfigError(f"must be a string of num_hidden_layers ({n_layers}) block letters", field=f)
+    unknown = sorted(set(pattern) - set(_NEMOTRON_BLOCKS))
+    if unknown:
+        raise ModelConfigError(
+            f"block letters {''.join(unknown)!r} are not modelled (E: MoE blocks of Nemotron 3); supported: M "
+            "(Mamba-2), * (attention), - (MLP), as in the dense Nemotron-H and Nemotron Nano 2 models",
+            field=f,
+        )
+    return [_NEMOTRON_BLOCKS[c] for c in pattern]
+
+
+def _state(model_type: str, t: Mapping[str, Any], where: str) -> StateSpec | None:
+    if model_type in GDN_MODEL_TYPES:
+        # Qwen3.5 names its SSM state dtype in the config (mamba_ssm_dtype), which vLLM takes when
+        # mamba_ssm_cache_dtype is auto (model_executor/models/config.py Qwen3_5ForConditionalGenerationConfig).
+        ssm_dtype = t.get("mamba_ssm_dtype") if model_type != "qwen3_next" else None
+        return StateSpec(
+            kind=StateKind.GATED_DELTA_NET,
+            ssm_dtype=str(ssm_dtype) if ssm_dtype else None,
+            num_heads=_int(t, "linear_num_value_heads", where=where),
+            head_dim=_int(t, "linear_value_head_dim", where=where),
+            num_groups=_int(t, "linear_num_key_heads", where=where),
+            group_dim=_int(t, "linear_key_head_dim", where=where),
+            conv_kernel=_int(t, "linear_conv_kernel_dim", where=where),
+            conv_bias=False,
+        )
+    if model_type == "nemotron_h":
+        ssm = t.get("mamba_ssm_cache_dtype") or "float32"
+        return StateSpec(
+            kind=StateKind.MAMBA2,
+            num_heads=_int(t, "mamba_num_heads", where=where),
+            head_dim=_int(t, "mamba_head_dim", where=where),
+            num_groups=_int(t, "n_groups", where=where),
+            group_dim=_int(t, "ssm_state_size", where=where),
+            conv_kernel=_int(t, "conv_kernel", where=where),
+            ssm_dtype=str(ssm),
+            conv_bias=bool(t.get("use_conv_bias", True)),
+            proj_bias=bool(t.get("use_bias", False)),
+        )
+    return None
 
 
 def _quantization(cfg: Mapping[str, Any], where: str) -> Quantization | None:
@@ -422,7 +542,7 @@ def _moe(model_type: str, t: Mapping[str, Any], where: str) -> MoESpec | None:
     if model_type in ("deepseek_v2", "deepseek_v3"):
         shared = int(t.get("n_shared_experts") or 0)
         shared_inter = shared * inter
-    elif model_type == "qwen2_moe":
+    elif model_type == "qwen2_moe" or model_type in GDN_MODEL_TYPES:
         shared_inter = int(t.get("shared_expert_intermediate_size") or 0)
         shared = 1 if shared_inter else 0
     elif model_type in ("llama4", "llama4_text"):
@@ -442,7 +562,7 @@ def _moe_layers(model_type: str, t: Mapping[str, Any], n_layers: int) -> list[bo
         first_dense = int(t.get("first_k_dense_replace") or 0)
         freq = int(t.get("moe_layer_freq") or 1)
         return [i >= first_dense and i % freq == 0 for i in range(n_layers)]
-    if model_type in ("qwen2_moe", "qwen3_moe"):
+    if model_type in ("qwen2_moe", "qwen3_moe") or model_type in GDN_MODEL_TYPES:
         step = int(t.get("decoder_sparse_step") or 1)
         dense = set(t.get("mlp_only_layers") or [])
         return [i not in dense and (i + 1) % step == 0 for i in range(n_layers)]
@@ -503,7 +623,7 @@ def parse_hf_config(
     default_head = hidden // heads
     if model_type in ("deepseek_v2", "deepseek_v3") and t.get("qk_nope_head_dim"):
         default_head = int(t["qk_nope_head_dim"]) + int(t.get("qk_rope_head_dim") or 0)
-    head_dim = _int(t, "head_dim", where=where, default=default_head)
+    head_dim = _int(t, "head_dim", where=where, default=t.get("attention_head_dim") or default_head)
     intermediate = _int(t, "intermediate_size", where=where, default=4 * hidden)
     vocab = _int(t, "vocab_size", where=where)
     max_pos = int(_first(t, "max_position_embeddings", "n_positions", "max_sequence_length", "seq_length") or 4096)
@@ -524,10 +644,10 @@ def parse_hf_config(
     else:
         kinds = _layer_kinds(model_type, t, n_layers, where)
 
-    moe = _moe(model_type, t, where)
+    moe = None if model_type == "nemotron_h" else _moe(model_type, t, where)
     moe_flags = _moe_layers(model_type, t, n_layers) if moe else [False] * n_layers
     layers = tuple(
-        LayerSpec(attention=k.attention, window_tokens=k.window_tokens, moe=m)
+        LayerSpec(attention=k.attention, window_tokens=k.window_tokens, moe=m and k.mlp, mlp=k.mlp)
         for k, m in zip(kinds, moe_flags, strict=True)
     )
     # Dense layers of Llama 4 use intermediate_size_mlp; MoE experts use intermediate_size.
@@ -551,15 +671,21 @@ def parse_hf_config(
         layers=layers,
         moe=moe,
         mla=mla,
+        state=_state(model_type, t, where),
         quantization=_quantization(cfg, ""),
         attention_bias=bias,
-        gated_mlp=model_type != "phi",
-        norms_per_layer=4 if model_type in ("gemma2", "gemma3", "gemma3_text") else 2,
+        # Nemotron-H's MLP is up_proj -> relu2 -> down_proj (nemotron_h.py NemotronHMLP).
+        gated_mlp=model_type not in ("phi", "nemotron_h"),
+        norms_per_layer=_NORMS_PER_LAYER.get(model_type, 2),
         vision_params=_vision_params(cfg),
         source=source,
         family=family,
         aliases=aliases,
     )
+
+
+# Norms per block: Gemma 2/3 wrap attention and MLP in two each; a Nemotron-H block has one.
+_NORMS_PER_LAYER = {"gemma2": 4, "gemma3": 4, "gemma3_text": 4, "nemotron_h": 1}
 
 
 def load_config_file(path: str | Path) -> ModelSpec:
@@ -603,22 +729,47 @@ def _attention_params(m: ModelSpec) -> int:
         o = m.num_attention_heads * a.v_head_dim * h
         return q + kv_a + kv_b + o
     q = h * m.num_attention_heads * m.head_dim
+    if m.model_type in GDN_MODEL_TYPES:
+        q *= 2  # the output gate rides on q_proj (qwen3_next.py Qwen3NextAttention, attn_output_gate)
     kv = 2 * h * m.num_kv_heads * m.head_dim
     o = m.num_attention_heads * m.head_dim * h
     total = q + kv + o
     if m.attention_bias:
         total += (m.num_attention_heads + 2 * m.num_kv_heads) * m.head_dim
-    if m.model_type in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text", "olmo2"):
+    if m.model_type in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text", "olmo2") or m.model_type in GDN_MODEL_TYPES:
         total += 2 * m.head_dim  # q_norm / k_norm
     if m.model_type == "gpt_oss":
         total += m.num_attention_heads + h  # attention sinks, o_proj bias
     return total
 
 
+def _state_params(m: ModelSpec) -> int:
+    """One linear-attention / Mamba-2 mixer, as vLLM 0.32.0 builds it."""
+    st = m.state
+    assert st is not None
+    h = m.hidden_size
+    heads_dim = st.num_heads * st.head_dim
+    groups_dim = st.num_groups * st.group_dim
+    conv_dim = heads_dim + 2 * groups_dim
+    conv = conv_dim * st.conv_kernel + (conv_dim if st.conv_bias else 0)
+    if st.kind is StateKind.GATED_DELTA_NET:
+        # layers/mamba/gdn/qwen_gdn_linear_attn.py: in_proj_qkvz (q, k, v, z), in_proj_ba (b, a per value
+        # head), conv1d, dt_bias and A_log per value head, a gated RMSNorm of head_v_dim, out_proj.
+        proj = h * (2 * groups_dim + 2 * heads_dim) + h * 2 * st.num_heads
+        return proj + conv + 2 * st.num_heads + st.head_dim + heads_dim * h
+    # layers/mamba/mamba_mixer2.py: in_proj (gate, x, B, C, dt), conv1d over x/B/C, A, D, dt_bias per head,
+    # a gated RMSNorm over the intermediate size, out_proj.
+    proj = h * (2 * heads_dim + 2 * groups_dim + st.num_heads)
+    bias = (2 * heads_dim + 2 * groups_dim + st.num_heads + h) if st.proj_bias else 0
+    return proj + conv + 3 * st.num_heads + heads_dim + heads_dim * h + bias
+
+
 def _mlp_params(m: ModelSpec, inter: int) -> int:
     h = m.hidden_size
     if m.gated_mlp:
         return 3 * h * inter
+    if m.model_type == "nemotron_h":
+        return 2 * h * inter  # up_proj, down_proj without bias (mlp_bias false)
     return 2 * h * inter + inter + h  # fc1/fc2 with biases (Phi-2)
 
 
@@ -629,9 +780,13 @@ def _param_groups(m: ModelSpec) -> tuple[ParamGroup, ...]:
     experts = 0
     router = 0
     for layer in m.layers:
-        # Linear-attention / state-space layers (no KV cache) are counted at attention's projection
-        # budget, roughly; no catalog model has them.
-        attn += _attention_params(m)
+        # State mixers count under attention: they are the block's token mixer, quantized alike.
+        if layer.attention is AttentionKind.STATE:
+            attn += _state_params(m)
+        elif layer.attention is not AttentionKind.NONE:
+            attn += _attention_params(m)
+        if not layer.mlp:
+            continue
         if layer.moe and m.moe is not None:
             e = m.moe
             per_expert = 3 * h * e.expert_intermediate_size
@@ -641,7 +796,7 @@ def _param_groups(m: ModelSpec) -> tuple[ParamGroup, ...]:
             router += h * e.num_experts + (e.num_experts if e.expert_bias else 0)
             if e.shared_expert_intermediate_size:
                 mlp += 3 * h * e.shared_expert_intermediate_size
-                if m.model_type == "qwen2_moe":
+                if m.model_type == "qwen2_moe" or m.model_type in GDN_MODEL_TYPES:
                     router += h  # shared_expert_gate
         else:
             mlp += _mlp_params(m, m.intermediate_size)
