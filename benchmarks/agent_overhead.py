@@ -2,7 +2,8 @@
 
 One agent process (which starts the engine) serves both paths in the same run: the load generator
 alternates rounds against the engine's own port and the agent's port, so drift hits both equally.
-Targets: the agent keeps at least 97% of the throughput and adds at most 2 ms to the median TTFT.
+Targets: the agent keeps at least 97% of the throughput and adds at most 2 ms to the median TTFT. The throughput
+ratio is the median over rounds of each proxied round against the mean of the direct rounds either side of it.
 
 Phases: a burst (16 concurrent streams) for throughput and TTFT under load, and one request at a time for the
 hop alone. The agent's own CPU time per request and per streamed event is read from /proc. With the fake engine,
@@ -192,7 +193,14 @@ async def phase(
         return statistics.median(t for r in rs for t in r["ttft"]) * 1e3
 
     cpu_s = user_s + sys_s
+    # Each proxied round against the direct rounds either side of it: load from elsewhere on the host that drifts
+    # over a phase hits the pair alike (the medians of whole phases do not cancel it).
+    paired = [
+        p["tokens_per_s"] / ((d["tokens_per_s"] + a["tokens_per_s"]) / 2)
+        for d, p, a in zip(direct, proxied, again, strict=True)
+    ]
     return {
+        "tput_paired": statistics.median(paired),
         "tput_direct": tput(direct),
         "tput_agent": tput(proxied),
         "tput_again": tput(again),
@@ -206,10 +214,14 @@ async def phase(
 
 
 def report(name: str, r: dict[str, float]) -> tuple[float, float]:
-    ratio = r["tput_agent"] / r["tput_direct"]
+    ratio = r["tput_paired"]
     added = r["ttft_agent"] - r["ttft_direct"]
     print(f"{name}:")
-    print(f"  throughput direct {r['tput_direct']:,.0f} tok/s, through the agent {r['tput_agent']:,.0f}: {ratio:.3f}")
+    print(
+        f"  throughput direct {r['tput_direct']:,.0f} tok/s, through the agent {r['tput_agent']:,.0f}: "
+        f"{r['tput_agent'] / r['tput_direct']:.3f}; median of each round against the direct rounds either side "
+        f"{ratio:.3f}"
+    )
     print(f"  median TTFT direct {r['ttft_direct']:.2f} ms, through the agent {r['ttft_agent']:.2f}: {added:+.2f} ms")
     print(
         f"  noise floor (direct vs direct again): throughput ratio {r['tput_again'] / r['tput_direct']:.3f}, "
@@ -274,7 +286,7 @@ async def bench(args: argparse.Namespace) -> int:
     ttft, how = (paired, "same bursts") if mixed else (added, "separate rounds")
     ok = ratio >= 0.97 and ttft <= 2.0
     print(
-        f"targets under the burst (throughput ratio >= 0.97, added median TTFT <= 2 ms): {ratio:.3f}, "
+        f"targets under the burst (paired throughput ratio >= 0.97, added median TTFT <= 2 ms): {ratio:.3f}, "
         f"{ttft:+.2f} ms ({how}):",
         "met" if ok else "NOT met",
     )
