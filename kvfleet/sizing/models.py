@@ -91,6 +91,7 @@ class VisionSpec:
     hidden_size: int
     intermediate_size: int
     num_layers: int
+    num_heads: int
     gated_mlp: bool
     patches_per_token: int  # spatial merge (Qwen-VL, Pixtral 2x2), 1 where every patch is a token
     image_tokens: int  # language-model tokens of the largest default-size image
@@ -566,6 +567,7 @@ def _vision(cfg: Mapping[str, Any], *, text_hidden: int) -> VisionSpec | None:
             hidden_size=h,
             intermediate_size=i,
             num_layers=n,
+            num_heads=_vint(v, "num_heads", 16),
             gated_mlp=True,
             patches_per_token=m * m,
             image_tokens=tokens,
@@ -595,6 +597,7 @@ def _vision(cfg: Mapping[str, Any], *, text_hidden: int) -> VisionSpec | None:
             hidden_size=e,
             intermediate_size=i,
             num_layers=n,
+            num_heads=_vint(v, "num_heads", 16),
             gated_mlp=False,
             patches_per_token=m * m,
             image_tokens=tokens,
@@ -628,6 +631,7 @@ def _vision(cfg: Mapping[str, Any], *, text_hidden: int) -> VisionSpec | None:
             hidden_size=h,
             intermediate_size=i,
             num_layers=n,
+            num_heads=_vint(v, "num_attention_heads", 16),
             gated_mlp=False,
             patches_per_token=max(1, grid // tokens),
             image_tokens=tokens,
@@ -647,6 +651,7 @@ def _vision(cfg: Mapping[str, Any], *, text_hidden: int) -> VisionSpec | None:
             hidden_size=h,
             intermediate_size=i,
             num_layers=n,
+            num_heads=_vint(v, "num_attention_heads", 16),
             gated_mlp=True,
             patches_per_token=m * m,
             image_tokens=side * side,  # vLLM pixtral.py PixtralHFEncoderInfo: ncols x nrows
@@ -670,6 +675,7 @@ def _rough_vision(v: Mapping[str, Any], text_hidden: int) -> VisionSpec | None:
         hidden_size=h,
         intermediate_size=i,
         num_layers=n,
+        num_heads=int(v.get("num_attention_heads") or v.get("num_heads") or 16),
         gated_mlp=False,
         patches_per_token=1,
         image_tokens=(size // p) ** 2,
