@@ -657,7 +657,42 @@ def _vision(cfg: Mapping[str, Any], *, text_hidden: int) -> VisionSpec | None:
             image_tokens=side * side,  # vLLM pixtral.py PixtralHFEncoderInfo: ncols x nrows
             params=tower + projector,
         )
+    if vtype == "llama4_vision_model":
+        return _llama4_vision(v, text_hidden)
     return _rough_vision(v, text_hidden)
+
+
+# transformers' Llama4ImageProcessorFast: max_patches 16 tiles of image_size; vLLM profiles the 16:1 image that
+# fills them (mllama4.py get_image_size_with_most_features), plus the global tile added when there is more than one.
+LLAMA4_MAX_TILES = 16
+
+
+def _llama4_vision(v: Mapping[str, Any], text_hidden: int) -> VisionSpec:
+    """Llama 4's tower (vLLM mllama4.py): an unfold patch embed without bias, class and position embeddings, pre/post
+    LayerNorm, biased ViT blocks, the pixel-shuffle MLP adapter and a bias-free projector to the text model."""
+    h, i, n = _vint(v, "hidden_size"), _vint(v, "intermediate_size"), _vint(v, "num_hidden_layers")
+    p, size, c = _vint(v, "patch_size"), _vint(v, "image_size"), _vint(v, "num_channels", 3)
+    proj_in, proj_out = _vint(v, "projector_input_dim"), _vint(v, "projector_output_dim")
+    out_dim = _vint(v, "vision_output_dim", proj_out)
+    bias = bool(v.get("multi_modal_projector_bias", False))
+    grid = (size // p) ** 2
+    tower = c * p * p * h + h + (grid + 1) * h + 2 * 2 * h
+    tower += n * _vit_layer(h, i, bias=True, gated=False, norm_bias=True)
+    adapter = i * proj_in + proj_in * proj_out + ((proj_in + proj_out) if bias else 0)
+    projector = out_dim * text_hidden
+    ratio = float(v.get("pixel_shuffle_ratio") or 0.5)
+    per_tile = int(grid * ratio * ratio)
+    return VisionSpec(
+        kind="llama4",
+        hidden_size=h,
+        intermediate_size=i,
+        num_layers=n,
+        num_heads=_vint(v, "num_attention_heads", 16),
+        gated_mlp=False,
+        patches_per_token=max(1, grid // per_tile),
+        image_tokens=per_tile * (LLAMA4_MAX_TILES + 1),
+        params=tower + adapter + projector,
+    )
 
 
 def _rough_vision(v: Mapping[str, Any], text_hidden: int) -> VisionSpec | None:

@@ -43,6 +43,11 @@ LLAVA = "llava-hf/llava-1.5-7b-hf"
         # also what sum(p.numel()) gives for Gemma3ForConditionalGeneration at revision 093f9f38).
         ("google/gemma-3-4b-it", 4_300_079_472, "Hugging Face safetensors total"),
         ("google/gemma-3-12b-it", 12_187_325_040, "Hugging Face safetensors total"),
+        # keras-hub's mistral3 preset mistral_small_3.1_24b_instruct_2503_en: "params": 24011361280 (Pixtral tower,
+        # patch merger and projector included).
+        ("mistralai/Mistral-Small-3.1-24B-Instruct-2503", 24_011_361_280, "keras-hub preset metadata"),
+        # Hugging Face safetensors total of meta-llama/Llama-4-Scout-17B-16E-Instruct (its listing: 108,641,793,536).
+        ("meta-llama/Llama-4-Scout-17B-16E-Instruct", 108_641_793_536, "Hugging Face safetensors total"),
     ],
 )
 def test_total_parameters_match_the_checkpoint(model_id: str, published: int, source: str) -> None:
