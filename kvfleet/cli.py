@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--mm-encoder-tp-mode", choices=["weights", "data"], default="weights", help="vLLM: vision encoder sharding"
     )
+    c.add_argument(
+        "--mm-max-pixels", type=_positive_int, help="vLLM --mm-processor-kwargs max_pixels: Qwen-VL's largest image"
+    )
     c.add_argument("--json", action="store_true", help="machine-readable output")
 
     di = sub.add_parser(
@@ -382,6 +385,7 @@ def cmd_capacity(a: argparse.Namespace) -> int:
         kv_cache_memory_bytes=a.kv_cache_memory_bytes,
         limit_mm_per_prompt=a.limit_mm_per_prompt,
         mm_encoder_tp_mode=a.mm_encoder_tp_mode,
+        mm_max_pixels=a.mm_max_pixels,
     )
     cap = capacity(model, gpu_memory_bytes=mem, settings=settings, accelerator_name=acc_name)
     if a.json:

@@ -46,6 +46,7 @@ class EngineArgs:
     # serves text only (no vision tower loaded, no encoder profiled). Empty: vLLM's default.
     limit_mm_per_prompt: tuple[tuple[str, int], ...] = ()
     mm_encoder_tp_mode: str | None = None  # vLLM --mm-encoder-tp-mode: weights (sharded) or data (replicated)
+    mm_max_pixels: int | None = None  # vLLM --mm-processor-kwargs {"max_pixels": N} (Qwen-VL's largest image)
 
     def __post_init__(self) -> None:
         for f in (
@@ -54,6 +55,7 @@ class EngineArgs:
             "max_num_seqs",
             "max_num_batched_tokens",
             "kv_cache_memory_bytes",
+            "mm_max_pixels",
         ):
             v = getattr(self, f)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):

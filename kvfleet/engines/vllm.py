@@ -88,6 +88,8 @@ class Vllm(EngineAdapter):
             out["limit-mm-per-prompt"] = json.dumps(dict(args.limit_mm_per_prompt), sort_keys=True)
         if args.mm_encoder_tp_mode is not None:
             out["mm-encoder-tp-mode"] = args.mm_encoder_tp_mode
+        if args.mm_max_pixels is not None:
+            out["mm-processor-kwargs"] = json.dumps({"max_pixels": args.mm_max_pixels})
         return out
 
     def server_environment(self, version: Version) -> dict[str, str]:

@@ -54,6 +54,7 @@ class EngineSettings:
     # A modality at 0 is not profiled; with every modality at 0 the vision tower is not loaded (text only).
     limit_mm_per_prompt: tuple[tuple[str, int], ...] = ()
     mm_encoder_tp_mode: str = "weights"  # vLLM --mm-encoder-tp-mode: "weights" (sharded) or "data" (replicated)
+    mm_max_pixels: int | None = None  # vLLM --mm-processor-kwargs '{"max_pixels": N}': Qwen-VL's largest image
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -300,6 +301,7 @@ def _knobs(
         ("block_size", s.block_size),
         ("kv_cache_memory_bytes", s.kv_cache_memory_bytes),
         ("max_tokens", s.max_tokens),
+        ("mm_max_pixels", s.mm_max_pixels),
     ):
         _positive(value, name)
     if gpu_memory_bytes <= 0:
@@ -435,7 +437,10 @@ def capacity(
             max_num_seqs=k.max_seqs,
             limits=limits,
             encoder_tp_mode=s.mm_encoder_tp_mode,
+            max_pixels=s.mm_max_pixels,
         )
+        if s.mm_max_pixels is not None and not model.vision.pixel_unit:
+            mm_notes.append("mm_max_pixels sizes Qwen-VL images only; this model's images have a fixed size")
         weights = _vision_weights(
             model,
             weights,

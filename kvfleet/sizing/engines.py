@@ -291,18 +291,21 @@ def encoder_profile(
     max_num_seqs: int,
     limits: dict[str, int],
     encoder_tp_mode: str = "weights",
+    max_pixels: int | None = None,
     constants: ActivationModel = ACTIVATIONS,
     activation_bytes: int = 2,
 ) -> EncoderProfile | None:
-    """None where nothing is profiled: a text-only model, or every modality limited to 0."""
+    """None where nothing is profiled: a text-only model, or every modality limited to 0. ``max_pixels``: the
+    processor's (--mm-processor-kwargs), which sizes Qwen-VL's dummy image and video frames."""
     v = model.vision
     if v is None:
         return None
+    image_tokens = v.image_tokens_at(max_pixels)
     per_item: dict[str, int] = {}
     if limits.get("image", MM_DEFAULT_LIMIT) > 0:
-        per_item["image"] = v.image_tokens
+        per_item["image"] = image_tokens
     if v.video_frame_tokens and limits.get("video", MM_DEFAULT_LIMIT) > 0:
-        per_item["video"] = qwen_vl_video_tokens(v.video_frame_tokens, max_model_len)
+        per_item["video"] = qwen_vl_video_tokens(image_tokens, max_model_len)
     if not per_item:
         return None
     modality, t = max(per_item.items(), key=lambda kv: (kv[1], kv[0]))

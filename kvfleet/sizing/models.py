@@ -10,6 +10,7 @@ differently.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -97,6 +98,13 @@ class VisionSpec:
     image_tokens: int  # language-model tokens of the largest default-size image
     params: int
     video_frame_tokens: int = 0  # Qwen-VL: tokens per pair of video frames (temporal patch 2); 0: no video
+    pixel_unit: int = 0  # Qwen-VL: patch x merge pixels per token side, for a max_pixels override; 0: fixed size
+
+    def image_tokens_at(self, max_pixels: int | None) -> int:
+        """Tokens of the largest image under a processor max_pixels (Qwen-VL's --mm-processor-kwargs)."""
+        if max_pixels is None or not self.pixel_unit:
+            return self.image_tokens
+        return qwen_vl_tokens(max_pixels, self.pixel_unit)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -523,9 +531,19 @@ def _vint(v: Mapping[str, Any], key: str, default: int | None = None) -> int:
     return _int(v, key, where="vision_config.", default=default)
 
 
+def qwen_vl_tokens(max_pixels: int, unit: int) -> int:
+    """Tokens of the image vLLM profiles under max_pixels (qwen2_vl.py get_image_size_with_most_features): the most
+    merged patches, max_pixels // unit^2 or fewer, that factor into a grid no more than 200 times wider than tall."""
+    for n in range(max(1, max_pixels // (unit * unit)), 0, -1):
+        h = next(d for d in range(math.isqrt(n), 0, -1) if n % d == 0)
+        if (n // h) / h <= 200:
+            return n
+    return 1
+
+
 def _qwen_vl_tokens(patch: int, merge: int) -> int:
-    """Tokens of the largest default image: max_pixels // (patch x merge)^2 merged patches (a 128 x 128 grid)."""
-    return QWEN_VL_MAX_PIXELS // (patch * merge) ** 2
+    """Tokens of the largest default image (a 128 x 128 grid of merged patches)."""
+    return qwen_vl_tokens(QWEN_VL_MAX_PIXELS, patch * merge)
 
 
 def _vision(cfg: Mapping[str, Any], *, text_hidden: int) -> VisionSpec | None:
@@ -573,6 +591,7 @@ def _vision(cfg: Mapping[str, Any], *, text_hidden: int) -> VisionSpec | None:
             image_tokens=tokens,
             params=params,
             video_frame_tokens=tokens,
+            pixel_unit=p * m,
         )
     if outer == "qwen2_vl":
         e = _vint(v, "embed_dim")
@@ -603,6 +622,7 @@ def _vision(cfg: Mapping[str, Any], *, text_hidden: int) -> VisionSpec | None:
             image_tokens=tokens,
             params=params,
             video_frame_tokens=tokens,
+            pixel_unit=p * m,
         )
     if vtype in ("siglip_vision_model", "clip_vision_model"):
         h, i, n = _vint(v, "hidden_size"), _vint(v, "intermediate_size"), _vint(v, "num_hidden_layers")
@@ -921,6 +941,8 @@ def _param_groups(m: ModelSpec) -> tuple[ParamGroup, ...]:
     if m.vision_params:
         # vLLM builds the towers from its parallel linear layers (QKVParallelLinear, Column/RowParallelLinear in
         # qwen2_5_vl.py, siglip.py, clip.py, pixtral.py): with the default --mm-encoder-tp-mode weights, each TP rank
-        # holds its share.
+        # holds its share. Part.VISION is in no scheme's quantized parts: vLLM hands the towers the checkpoint's
+        # quant_config, but quantized VL checkpoints leave them out (AWQ modules_to_not_convert ["visual"],
+        # compressed-tensors ignore lists); online --quantization fp8 would quantize them, so 16-bit is the upper bound.
         groups.append(ParamGroup(part=Part.VISION, count=m.vision_params, shardable=True))
     return tuple(groups)

@@ -25,6 +25,7 @@ FULL = EngineArgs(
     served_model_name="chat",
     limit_mm_per_prompt=(("image", 2), ("video", 0)),
     mm_encoder_tp_mode="data",
+    mm_max_pixels=1003520,
 )
 
 

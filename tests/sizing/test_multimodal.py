@@ -239,3 +239,25 @@ def test_vllm_flags_and_engine_args_round_trip() -> None:
     assert "limit-mm-per-prompt" not in Vllm().settings(EngineArgs())
     with pytest.raises(ValueError, match="limit_mm_per_prompt"):
         EngineArgs(limit_mm_per_prompt=(("image", -1),))
+
+
+def test_max_pixels_sizes_the_qwen_vl_dummy_image() -> None:
+    # qwen2_vl.py get_image_size_with_most_features: max_pixels // 28^2 merged patches when they factor into a grid
+    # at most 200:1; 1280 x 28 x 28 is the max_pixels Qwen's README suggests.
+    from kvfleet.sizing.models import qwen_vl_tokens
+
+    assert qwen_vl_tokens(12_845_056, 28) == 16384
+    assert qwen_vl_tokens(1280 * 28 * 28, 28) == 1280
+    assert qwen_vl_tokens(1021 * 28 * 28, 28) == 1020  # 1021 is prime: 1 x 1021 is too wide, 30 x 34 is not
+    p = encoder_profile(
+        catalog_model(QWEN_VL),
+        tp=1,
+        max_model_len=32768,
+        max_num_batched_tokens=8192,
+        max_num_seqs=1024,
+        limits={"video": 0},
+        max_pixels=1280 * 28 * 28,
+    )
+    assert p is not None and (p.tokens_per_item, p.budget_tokens, p.items) == (1280, 8192, 6)
+    flags = Vllm().flags(EngineArgs(mm_max_pixels=1280 * 28 * 28))
+    assert flags[flags.index("--mm-processor-kwargs") + 1] == '{"max_pixels": 1003520}'
