@@ -546,6 +546,22 @@ def _qwen_vl_tokens(patch: int, merge: int) -> int:
     return qwen_vl_tokens(QWEN_VL_MAX_PIXELS, patch * merge)
 
 
+def _llava_next_tokens(cfg: Mapping[str, Any], *, base: int, tile: int, side: int) -> int:
+    """LLaVA-NeXT's largest image (vLLM llava_next.py get_image_size_with_most_features): over the grid pinpoints,
+    the base image's tokens plus, for an image the size of the pinpoint, its tiles' patch grid and one newline per
+    row (the pinpoint fits itself exactly, so nothing is unpadded away)."""
+    pinpoints = cfg.get("image_grid_pinpoints")
+    if not isinstance(pinpoints, list) or not pinpoints:
+        raise ModelConfigError("LLaVA-NeXT config without image_grid_pinpoints", field="image_grid_pinpoints")
+    best = 0
+    for point in pinpoints:
+        if not (isinstance(point, list | tuple) and len(point) == 2):
+            raise ModelConfigError(f"expected [height, width], got {point!r}", field="image_grid_pinpoints")
+        rows, cols = int(point[0]) // tile * side, int(point[1]) // tile * side
+        best = max(best, base + rows * cols + rows)
+    return best
+
+
 def _vision(cfg: Mapping[str, Any], *, text_hidden: int) -> VisionSpec | None:
     """The vision tower of a vision-language config, counted by module as the model files define it.
 
@@ -639,10 +655,12 @@ def _vision(cfg: Mapping[str, Any], *, text_hidden: int) -> VisionSpec | None:
             projector = h * text_hidden + h
             kind = "siglip"
         elif outer in ("llava", "llava_next"):
-            tokens = grid  # "default" feature selection drops the class token
+            # "default" feature selection drops the class token, "full" keeps it.
+            tokens = grid + (1 if cfg.get("vision_feature_select_strategy") == "full" else 0)
             projector = h * text_hidden + text_hidden + text_hidden * text_hidden + text_hidden
             if outer == "llava_next":
                 projector += text_hidden  # image_newline
+                tokens = _llava_next_tokens(cfg, base=tokens, tile=size, side=size // p)
             kind = "clip" if vtype == "clip_vision_model" else "siglip"
         else:
             return _rough_vision(v, text_hidden)

@@ -261,3 +261,17 @@ def test_max_pixels_sizes_the_qwen_vl_dummy_image() -> None:
     assert p is not None and (p.tokens_per_item, p.budget_tokens, p.items) == (1280, 8192, 6)
     flags = Vllm().flags(EngineArgs(mm_max_pixels=1280 * 28 * 28))
     assert flags[flags.index("--mm-processor-kwargs") + 1] == '{"max_pixels": 1003520}'
+
+
+def test_llava_next_largest_image_is_the_largest_pinpoint() -> None:
+    # llava-hf/llava-v1.6 pinpoints, worked through vLLM 0.32.0 llava_next.py get_num_image_tokens by hand: the
+    # 672 x 672 pinpoint is 2 x 2 tiles of 24 x 24 patches, so 576 base tokens + 48 x 48 + 48 newlines = 2,928; the
+    # 1008 x 336 one gives 576 + 72 x 24 + 72 = 2,376.
+    from kvfleet.sizing.catalog import _index
+
+    cfg = dict(_index()[LLAVA.lower()].config)
+    cfg["model_type"] = "llava_next"
+    cfg["image_grid_pinpoints"] = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+    m = parse_hf_config(cfg, model_id="llava-next")
+    assert m.vision is not None and m.vision.image_tokens == 2928
+    assert m.vision_params == catalog_model(LLAVA).vision_params + 4096  # image_newline
