@@ -452,7 +452,7 @@ def capacity(
             mm_notes.append("every modality is limited to 0: vLLM loads no vision tower and profiles no encoder")
         else:
             # The encoder runs first; its outputs stay in the encoder cache through the language model's dummy run.
-            act = max(encoder.encoder_activation_bytes, encoder.encoder_output_bytes + act)
+            act = max(encoder.encoder_activation_bytes, encoder.encoder_output_bytes + act) + encoder.buffer_bytes
             mm_notes.append(
                 f"encoder profiled with {encoder.items} {encoder.modality} item(s) of {encoder.tokens_per_item:,} "
                 f"tokens (budget {encoder.budget_tokens:,} tokens); lower it with limit_mm_per_prompt"

@@ -266,6 +266,7 @@ class EncoderProfile:
     data_parallel: bool  # --mm-encoder-tp-mode data (or vision heads TP cannot split): ranks split the items
     encoder_activation_bytes: int  # the encoder's forward over its share of the dummy batch
     encoder_output_bytes: int  # its outputs, held in the encoder cache through the language model's dummy run
+    buffer_bytes: int = 0  # persistent input buffers of the tower's outputs (Qwen3-VL's deepstack levels)
 
 
 def qwen_vl_video_tokens(frame_tokens: int, max_model_len: int) -> int:
@@ -304,8 +305,11 @@ def encoder_profile(
     per_item: dict[str, int] = {}
     if limits.get("image", MM_DEFAULT_LIMIT) > 0:
         per_item["image"] = image_tokens
-    if v.video_frame_tokens and limits.get("video", MM_DEFAULT_LIMIT) > 0:
-        per_item["video"] = qwen_vl_video_tokens(image_tokens, max_model_len)
+    if limits.get("video", MM_DEFAULT_LIMIT) > 0:
+        if v.video_frame_tokens:
+            per_item["video"] = qwen_vl_video_tokens(image_tokens, max_model_len)
+        elif v.video_tokens:
+            per_item["video"] = v.video_tokens
     if not per_item:
         return None
     modality, t = max(per_item.items(), key=lambda kv: (kv[1], kv[0]))
@@ -321,7 +325,7 @@ def encoder_profile(
     mlp = (3 if v.gated_mlp else 2) * v.intermediate_size // shards
     attn = 4 * h // shards  # q, k, v and the attention output
     forward = int(patches * (constants.residual_copies * h + max(mlp, attn)) * activation_bytes)
-    outputs = items * t * model.hidden_size * activation_bytes
+    outputs = items * t * model.hidden_size * v.embeds_per_token * activation_bytes
     return EncoderProfile(
         modality=modality,
         tokens_per_item=t,
@@ -330,4 +334,6 @@ def encoder_profile(
         data_parallel=data_parallel,
         encoder_activation_bytes=forward,
         encoder_output_bytes=outputs,
+        # qwen3_vl.py: one max_num_batched_tokens x hidden buffer per deepstack level, allocated with the model.
+        buffer_bytes=(v.embeds_per_token - 1) * max_num_batched_tokens * model.hidden_size * activation_bytes,
     )

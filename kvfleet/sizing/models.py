@@ -99,6 +99,8 @@ class VisionSpec:
     params: int
     video_frame_tokens: int = 0  # Qwen-VL: tokens per pair of video frames (temporal patch 2); 0: no video
     pixel_unit: int = 0  # Qwen-VL: patch x merge pixels per token side, for a max_pixels override; 0: fixed size
+    video_tokens: int = 0  # Qwen3-VL: tokens of vLLM's dummy video, whatever max_model_len (two frames)
+    embeds_per_token: int = 1  # LM-width vectors the encoder hands over per token (Qwen3-VL: 1 + deepstack levels)
 
     def image_tokens_at(self, max_pixels: int | None) -> int:
         """Tokens of the largest image under a processor max_pixels (Qwen-VL's --mm-processor-kwargs)."""
@@ -221,6 +223,7 @@ SUPPORTED_MODEL_TYPES = frozenset(
         "qwen2_5_vl",
         "llava",
         "llava_next",
+        "qwen3_vl",
     }
 )
 
@@ -355,7 +358,7 @@ def _layer_kinds(model_type: str, t: Mapping[str, Any], n_layers: int, where: st
             LayerSpec(attention=AttentionKind.CHUNKED, window_tokens=chunk) if nope[i] else full[i]
             for i in range(n_layers)
         ]
-    if model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen2_vl", "qwen2_5_vl"):
+    if model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
         if t.get("use_sliding_window") and window:
             first_full = int(t.get("max_window_layers") or n_layers)
             return [
@@ -513,6 +516,12 @@ def _moe_layers(model_type: str, t: Mapping[str, Any], n_layers: int) -> list[bo
     return [True] * n_layers
 
 
+# Qwen3-VL's processors (preprocessor_config.json / video_preprocessor_config.json of Qwen3VLProcessor checkpoints,
+# e.g. Qwen/Qwen3.5-2B-Base): images up to "longest_edge" 16777216 pixels, videos up to 25165824 over two frames;
+# vLLM 0.32.0 qwen3_vl.py get_max_video_tokens profiles two frames of longest_edge // temporal_patch_size pixels.
+QWEN3_VL_IMAGE_MAX_PIXELS = 16_777_216
+QWEN3_VL_VIDEO_MAX_PIXELS = 25_165_824
+
 # The Qwen-VL image processor's default largest image (preprocessor_config.json of Qwen/Qwen2-VL-7B-Instruct
 # and Qwen/Qwen2.5-VL-7B-Instruct: "max_pixels": 12845056); vLLM profiles the image with the most patches under
 # it (vllm/model_executor/models/qwen2_vl.py get_image_size_with_most_features, 0.32.0).
@@ -544,6 +553,38 @@ def qwen_vl_tokens(max_pixels: int, unit: int) -> int:
 def _qwen_vl_tokens(patch: int, merge: int) -> int:
     """Tokens of the largest default image (a 128 x 128 grid of merged patches)."""
     return qwen_vl_tokens(QWEN_VL_MAX_PIXELS, patch * merge)
+
+
+def _qwen3_vl_vision(v: Mapping[str, Any], text_hidden: int) -> VisionSpec:
+    """Qwen3-VL's tower (vLLM qwen3_vl.py): Conv3d patch embed with bias, learned position embeddings, LayerNorm
+    blocks with biased projections and fc1/fc2 MLP, a merger (LayerNorm over the patch, Linear(4h, 4h),
+    Linear(4h, out)) and one more merger, normed after the shuffle, per deepstack level."""
+    h, i, n = _vint(v, "hidden_size"), _vint(v, "intermediate_size"), _vint(v, "depth")
+    p, m, tp_ = _vint(v, "patch_size", 16), _vint(v, "spatial_merge_size", 2), _vint(v, "temporal_patch_size", 2)
+    c, npos = _vint(v, "in_channels", 3), _vint(v, "num_position_embeddings")
+    out = _vint(v, "out_hidden_size", text_hidden)
+    deepstack = v.get("deepstack_visual_indexes") or []
+    if not isinstance(deepstack, list):
+        raise ModelConfigError("must be a list of layer indexes", field="vision_config.deepstack_visual_indexes")
+    merged = h * m * m
+    fc = merged * merged + merged + merged * out + out
+    tower = c * tp_ * p * p * h + h + npos * h + n * _vit_layer(h, i, bias=True, gated=False, norm_bias=True)
+    params = tower + (2 * h + fc) + len(deepstack) * (2 * merged + fc)
+    unit = p * m
+    return VisionSpec(
+        kind="qwen3_vl",
+        hidden_size=h,
+        intermediate_size=i,
+        num_layers=n,
+        num_heads=_vint(v, "num_heads", 16),
+        gated_mlp=False,
+        patches_per_token=m * m,
+        image_tokens=qwen_vl_tokens(QWEN3_VL_IMAGE_MAX_PIXELS, unit),
+        params=params,
+        pixel_unit=unit,
+        video_tokens=qwen_vl_tokens(QWEN3_VL_VIDEO_MAX_PIXELS // tp_, unit),
+        embeds_per_token=1 + len(deepstack),
+    )
 
 
 def _llava_next_tokens(cfg: Mapping[str, Any], *, base: int, tile: int, side: int) -> int:
@@ -609,6 +650,8 @@ def _vision(cfg: Mapping[str, Any], *, text_hidden: int) -> VisionSpec | None:
             video_frame_tokens=tokens,
             pixel_unit=p * m,
         )
+    if outer == "qwen3_vl":
+        return _qwen3_vl_vision(v, text_hidden)
     if outer == "qwen2_vl":
         e = _vint(v, "embed_dim")
         i = e * _vint(v, "mlp_ratio", 4)
@@ -770,7 +813,9 @@ def parse_hf_config(
     t, where = _text_config(cfg)
     model_type = str(t.get("model_type") or cfg.get("model_type") or "")
     # transformers >= 4.52 writes Qwen-VL's language model as a text_config of its own type.
-    model_type = {"qwen2_5_vl_text": "qwen2_5_vl", "qwen2_vl_text": "qwen2_vl"}.get(model_type, model_type)
+    model_type = {"qwen2_5_vl_text": "qwen2_5_vl", "qwen2_vl_text": "qwen2_vl", "qwen3_vl_text": "qwen3_vl"}.get(
+        model_type, model_type
+    )
     if not model_type:
         raise ModelConfigError("missing required field 'model_type'", field="model_type")
     outer_type = str(cfg.get("model_type") or "")
@@ -907,7 +952,7 @@ def _attention_params(m: ModelSpec) -> int:
     total = q + kv + o
     if m.attention_bias:
         total += (m.num_attention_heads + 2 * m.num_kv_heads) * m.head_dim
-    if m.model_type in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text", "olmo2"):
+    if m.model_type in ("qwen3", "qwen3_moe", "qwen3_vl", "gemma3", "gemma3_text", "olmo2"):
         total += 2 * m.head_dim  # q_norm / k_norm
     if m.model_type == "gpt_oss":
         total += m.num_attention_heads + h  # attention sinks, o_proj bias

@@ -275,3 +275,58 @@ def test_llava_next_largest_image_is_the_largest_pinpoint() -> None:
     m = parse_hf_config(cfg, model_id="llava-next")
     assert m.vision is not None and m.vision.image_tokens == 2928
     assert m.vision_params == catalog_model(LLAVA).vision_params + 4096  # image_newline
+
+
+# Qwen3-VL-4B-Instruct's config as a Qwen3VLConfig literal (transformers 4.57.0.dev0) in DiffSynth-Studio's
+# WanMLLMEncoder; token ids and rope details left out (they size nothing).
+QWEN3_VL_4B = {
+    "architectures": ["Qwen3VLForConditionalGeneration"],
+    "model_type": "qwen3_vl",
+    "text_config": {
+        "attention_bias": False,
+        "head_dim": 128,
+        "hidden_size": 2560,
+        "intermediate_size": 9728,
+        "max_position_embeddings": 262144,
+        "model_type": "qwen3_vl_text",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 36,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": True,
+        "vocab_size": 151936,
+    },
+    "tie_word_embeddings": True,
+    "vision_config": {
+        "deepstack_visual_indexes": [5, 11, 17],
+        "depth": 24,
+        "hidden_size": 1024,
+        "in_channels": 3,
+        "intermediate_size": 4096,
+        "model_type": "qwen3_vl",
+        "num_heads": 16,
+        "num_position_embeddings": 2304,
+        "out_hidden_size": 2560,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    },
+}
+
+
+def test_qwen3_vl_counts_and_profiles_like_vllm() -> None:
+    m = parse_hf_config(QWEN3_VL_4B, model_id="Qwen/Qwen3-VL-4B-Instruct")
+    # Loaded Qwen3-VL-4B-Instruct (bfloat16) reports total_parameters: 4437815808 in a public evaluation log.
+    assert m.total_params == 4_437_815_808
+    v = m.vision
+    assert v is not None
+    # 16777216 // 32^2 image tokens; the dummy video is two frames of 25165824 // 2 pixels, one temporal patch.
+    assert (v.image_tokens, v.video_tokens, v.embeds_per_token) == (16384, 12288, 4)
+    p = encoder_profile(m, tp=1, max_model_len=32768, max_num_batched_tokens=8192, max_num_seqs=256, limits={})
+    assert p is not None and (p.modality, p.tokens_per_item, p.items) == ("image", 16384, 1)
+    # vLLM's Qwen3-VL hands over the merger's output and the three deepstack levels side by side per token.
+    assert p.encoder_output_bytes == 16384 * 2560 * 4 * 2
+    assert p.buffer_bytes == 3 * 8192 * 2560 * 2  # the deepstack input buffers, one per level
+    video = encoder_profile(
+        m, tp=1, max_model_len=32768, max_num_batched_tokens=8192, max_num_seqs=256, limits={"image": 0}
+    )
+    assert video is not None and (video.modality, video.tokens_per_item) == ("video", 12288)
