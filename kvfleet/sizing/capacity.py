@@ -147,6 +147,7 @@ class Capacity:
                 "data_parallel": self.encoder.data_parallel,
                 "encoder_activation_gib": round(self.encoder.encoder_activation_bytes / g, 3),
                 "encoder_output_gib": round(self.encoder.encoder_output_bytes / g, 3),
+                "buffer_gib": round(self.encoder.buffer_bytes / g, 3),
             },
             "problems": list(self.problems),
             "notes": list(self.notes),
@@ -439,6 +440,8 @@ def capacity(
             encoder_tp_mode=s.mm_encoder_tp_mode,
             max_pixels=s.mm_max_pixels,
         )
+        if encoder is not None and s.mm_encoder_tp_mode == "data" and not encoder.data_parallel and tp > 1:
+            mm_notes.append("this vision tower has no data-parallel mode in vLLM; it stays sharded (weights)")
         if s.mm_max_pixels is not None and not model.vision.pixel_unit:
             mm_notes.append("mm_max_pixels sizes Qwen-VL images only; this model's images have a fixed size")
         weights = _vision_weights(

@@ -253,6 +253,7 @@ def cuda_graph_bytes(model: ModelSpec, *, constants: ActivationModel = ACTIVATIO
 MM_DEFAULT_LIMIT = 999  # vllm/config/multimodal.py get_limit_per_prompt: an unspecified modality
 QWEN_VL_MAX_FRAMES_PER_VIDEO = 14  # vllm/model_executor/models/qwen2_vl.py _MAX_FRAMES_PER_VIDEO
 MM_ENCODER_TP_MODES = ("weights", "data")  # vllm/config/multimodal.py MMEncoderTPMode; default "weights"
+MM_ENCODER_TP_DATA_KINDS = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llama4"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -316,8 +317,10 @@ def encoder_profile(
     budget = max(max_num_batched_tokens, t)
     per_prompt = max(1, min(limits.get(modality, MM_DEFAULT_LIMIT), max_model_len // t))
     items = max(1, min(budget // t, max_num_seqs * per_prompt))
-    # vision.py is_vit_use_data_parallel: data mode, or vision heads that TP cannot split, replicate the tower.
-    data_parallel = encoder_tp_mode == "data" or v.num_heads % tp != 0
+    # --mm-encoder-tp-mode data replicates the tower on every rank, for the towers that declare it
+    # (supports_encoder_tp_data in qwen2_vl.py, qwen2_5_vl.py, qwen3_vl.py, mllama4.py); vllm/config/model.py falls
+    # back to weights for the others.
+    data_parallel = encoder_tp_mode == "data" and v.kind in MM_ENCODER_TP_DATA_KINDS and tp > 1
     shards = 1 if data_parallel else tp
     rank_items = -(-items // tp) if data_parallel else items
     patches = rank_items * t * v.patches_per_token

@@ -176,6 +176,11 @@ def test_data_parallel_encoder_replicates_the_tower() -> None:
     assert dict(replicated.weights.bytes_by_part)[Part.VISION] == 676_550_144 * 2
     assert dict(sharded.weights.bytes_by_part)[Part.VISION] == pytest.approx(676_550_144, rel=0.001)
     assert replicated.encoder is not None and replicated.encoder.data_parallel
+    # Gemma 3's SigLIP does not declare supports_encoder_tp_data: vLLM falls back to weights.
+    gemma = catalog_model("google/gemma-3-12b-it")
+    g = capacity(gemma, gpu_memory_bytes=80 * GiB, settings=replace(s, mm_encoder_tp_mode="data", max_model_len=8192))
+    assert g.encoder is not None and not g.encoder.data_parallel
+    assert dict(g.weights.bytes_by_part)[Part.VISION] == pytest.approx(gemma.vision_params, rel=0.001)
 
 
 def test_bad_multimodal_settings_name_the_field() -> None:
