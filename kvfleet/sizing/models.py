@@ -232,8 +232,7 @@ UNSUPPORTED_MODEL_TYPES = {
     "mllama": (
         "Llama 3.2 Vision (mllama) is not served by vLLM 0.32.0: its cross-attention encoder-decoder model was "
         "removed with V0's encoder-decoder support (vllm-project/vllm PR 24907, merged 2025-09-15, before 0.11.0); "
-        "serve Qwen/Qwen2.5-VL-7B-Instruct, google/gemma-3-12b-it or meta-llama/Llama-4-Scout-17B-16E-Instruct, or "
-        "pin engine_version 0.10.2"
+        "serve Qwen/Qwen2.5-VL-7B-Instruct, google/gemma-3-12b-it or meta-llama/Llama-4-Scout-17B-16E-Instruct instead"
     ),
 }
 

@@ -117,7 +117,7 @@ def test_mllama_is_refused_with_the_release_and_alternatives() -> None:
         parse_hf_config(cfg, model_id="meta-llama/Llama-3.2-11B-Vision-Instruct")
     text = str(err.value)
     assert err.value.field == "model_type"
-    assert "24907" in text and "0.10.2" in text and "Qwen2.5-VL" in text
+    assert "24907" in text and "0.11.0" in text and "Qwen2.5-VL" in text
 
 
 # --- vLLM's multimodal profiling --------------------------------------------------------------------------------
