@@ -45,6 +45,25 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"kvfleet: error: {message} (see {see})\n")
 
 
+def _mm_limits(text: str) -> tuple[tuple[str, int], ...]:
+    """vLLM's --limit-mm-per-prompt: a JSON object ({"image": 0}) or image=0,video=0."""
+    text = text.strip()
+    try:
+        raw = json.loads(text) if text.startswith("{") else dict(p.split("=", 1) for p in text.split(",") if p)
+    except (ValueError, json.JSONDecodeError):
+        raise argparse.ArgumentTypeError(f"expected image=N,video=N or a JSON object, got {text!r}") from None
+    if not isinstance(raw, dict) or not raw:
+        raise argparse.ArgumentTypeError(f"expected image=N,video=N or a JSON object, got {text!r}")
+    out: list[tuple[str, int]] = []
+    for k, v in raw.items():
+        try:
+            n = int(v)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"{k}: expected a whole number of items, got {v!r}") from None
+        out.append((str(k).strip(), n))
+    return tuple(sorted(out))
+
+
 def _positive_int(text: str) -> int:
     try:
         v = int(text)
@@ -118,6 +137,18 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         choices=("auto", "float32", "bfloat16", "float16"),
         help="vLLM: the SSM state's dtype in linear-attention / Mamba layers",
+    )
+    c.add_argument(
+        "--limit-mm-per-prompt",
+        type=_mm_limits,
+        default=(),
+        help="vLLM, vision-language models: items per prompt, e.g. image=4,video=0 (image=0,video=0: text only)",
+    )
+    c.add_argument(
+        "--mm-encoder-tp-mode", choices=["weights", "data"], default="weights", help="vLLM: vision encoder sharding"
+    )
+    c.add_argument(
+        "--mm-max-pixels", type=_positive_int, help="vLLM --mm-processor-kwargs max_pixels: Qwen-VL's largest image"
     )
     c.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -366,6 +397,9 @@ def cmd_capacity(a: argparse.Namespace) -> int:
         kv_cache_memory_bytes=a.kv_cache_memory_bytes,
         enable_prefix_caching=a.prefix_caching,
         mamba_ssm_cache_dtype=a.mamba_ssm_cache_dtype,
+        limit_mm_per_prompt=a.limit_mm_per_prompt,
+        mm_encoder_tp_mode=a.mm_encoder_tp_mode,
+        mm_max_pixels=a.mm_max_pixels,
     )
     cap = capacity(model, gpu_memory_bytes=mem, settings=settings, accelerator_name=acc_name)
     if a.json:
@@ -404,6 +438,16 @@ def _print_capacity(cap: Capacity) -> None:
         f"{cap.activation_peak_bytes / GiB:.2f} GiB",
         f"profiling {cap.max_num_batched_tokens} tokens / {cap.max_num_seqs} seqs",
     )
+    if cap.encoder is not None:
+        e = cap.encoder
+        t.add_row(
+            "  vision encoder",
+            f"{e.encoder_activation_bytes / GiB:.2f} GiB",
+            f"{e.items} {e.modality} x {e.tokens_per_item:,} tokens (encoder budget {e.budget_tokens:,})",
+        )
+        t.add_row(
+            "  encoder cache", f"{e.encoder_output_bytes / GiB:.2f} GiB", "outputs held through the LM's dummy run"
+        )
     t.add_row("non-torch", f"{cap.non_torch_bytes / GiB:.2f} GiB", "CUDA / NCCL allocations")
     t.add_row(
         "CUDA graphs",

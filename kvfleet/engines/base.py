@@ -42,6 +42,11 @@ class EngineArgs:
     enforce_eager: bool = False  # no CUDA graphs
     kv_cache_memory_bytes: int | None = None  # vLLM: a fixed cache size, skipping the memory profile
     served_model_name: str | None = None
+    # vLLM --limit-mm-per-prompt for vision-language models: (modality, items per prompt) pairs; image=0,video=0
+    # serves text only (no vision tower loaded, no encoder profiled). Empty: vLLM's default.
+    limit_mm_per_prompt: tuple[tuple[str, int], ...] = ()
+    mm_encoder_tp_mode: str | None = None  # vLLM --mm-encoder-tp-mode: weights (sharded) or data (replicated)
+    mm_max_pixels: int | None = None  # vLLM --mm-processor-kwargs {"max_pixels": N} (Qwen-VL's largest image)
 
     def __post_init__(self) -> None:
         for f in (
@@ -50,6 +55,7 @@ class EngineArgs:
             "max_num_seqs",
             "max_num_batched_tokens",
             "kv_cache_memory_bytes",
+            "mm_max_pixels",
         ):
             v = getattr(self, f)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
@@ -68,6 +74,12 @@ class EngineArgs:
             v = getattr(self, f)
             if v is not None and (not isinstance(v, str) or not v):
                 raise ValueError(f"{f}: must be a non-empty string, got {v!r}")
+        for pair in self.limit_mm_per_prompt:
+            ok = isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
+            if not ok or isinstance(pair[1], bool) or not isinstance(pair[1], int) or pair[1] < 0:
+                raise ValueError(f"limit_mm_per_prompt: expected modality: count (count >= 0), got {pair!r}")
+        if self.mm_encoder_tp_mode not in (None, "weights", "data"):
+            raise ValueError(f"mm_encoder_tp_mode: must be weights or data, got {self.mm_encoder_tp_mode!r}")
 
     def to_json(self) -> str:
         """Compact JSON without the defaults: what the stacks put in ``contract.ENV_ENGINE_ARGS``."""
@@ -77,6 +89,8 @@ class EngineArgs:
             for f in dataclasses.fields(self)
             if getattr(self, f.name) != getattr(defaults, f.name)
         }
+        if "limit_mm_per_prompt" in out:
+            out["limit_mm_per_prompt"] = dict(self.limit_mm_per_prompt)
         return json.dumps(out, sort_keys=True)
 
     @classmethod
@@ -99,6 +113,11 @@ class EngineArgs:
         value = data.get("gpu_memory_utilization")
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError("gpu_memory_utilization: must be a finite number")
+        limits = data.get("limit_mm_per_prompt")
+        if limits is not None:
+            if not isinstance(limits, Mapping):
+                raise ValueError(f"limit_mm_per_prompt: must map modality to count, got {limits!r}")
+            data = {**data, "limit_mm_per_prompt": tuple(sorted((str(k), v) for k, v in limits.items()))}
         return cls(**data)
 
 

@@ -45,6 +45,8 @@ class TensorRtLlm(EngineAdapter):
         """LLM-API options (tensorrt_llm/llmapi/llm_args.py): what --extra_llm_api_options reads."""
         if args.enforce_eager or args.kv_cache_memory_bytes is not None or args.served_model_name is not None:
             raise ValueError("enforce_eager, kv_cache_memory_bytes and served_model_name are vLLM settings")
+        if args.limit_mm_per_prompt or args.mm_encoder_tp_mode is not None or args.mm_max_pixels is not None:
+            raise ValueError("limit_mm_per_prompt, mm_encoder_tp_mode and mm_max_pixels are vLLM settings")
         kv: dict[str, Any] = {}
         if args.gpu_memory_utilization is not None:
             kv["free_gpu_memory_fraction"] = args.gpu_memory_utilization

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar
 
 from kvfleet import contract
@@ -82,6 +83,13 @@ class Vllm(EngineAdapter):
             out["kv-cache-memory-bytes"] = args.kv_cache_memory_bytes
         if args.served_model_name is not None:
             out["served-model-name"] = args.served_model_name
+        if args.limit_mm_per_prompt:
+            # vllm/engine/arg_utils.py: --limit-mm-per-prompt takes a JSON object, e.g. {"image": 0, "video": 0}.
+            out["limit-mm-per-prompt"] = json.dumps(dict(args.limit_mm_per_prompt), sort_keys=True)
+        if args.mm_encoder_tp_mode is not None:
+            out["mm-encoder-tp-mode"] = args.mm_encoder_tp_mode
+        if args.mm_max_pixels is not None:
+            out["mm-processor-kwargs"] = json.dumps({"max_pixels": args.mm_max_pixels})
         return out
 
     def server_environment(self, version: Version) -> dict[str, str]:

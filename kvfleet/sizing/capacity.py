@@ -14,16 +14,19 @@ from kvfleet.sizing.engines import (
     ACTIVATIONS,
     DEFAULT_VERSIONS,
     LARGE_GPU_BYTES,
+    MM_ENCODER_TP_MODES,
+    EncoderProfile,
     EngineName,
     EngineProfile,
     activation_peak_bytes,
     cuda_graph_bytes,
+    encoder_profile,
     engine_profile,
     non_torch_bytes,
 )
 from kvfleet.sizing.memory import KvLayout, WeightBreakdown, kv_layout, weight_bytes
 from kvfleet.sizing.models import AttentionKind, ModelSpec
-from kvfleet.sizing.precision import KvDtype, WeightScheme, weight_scheme
+from kvfleet.sizing.precision import KvDtype, Part, WeightScheme, weight_scheme
 from kvfleet.sizing.units import GiB, cdiv
 
 # vllm/config/cache.py: BlockSize = Literal[1, 8, 16, 32, 64, 128] on CUDA (hybrid models may pick larger).
@@ -52,6 +55,11 @@ class EngineSettings:
     enable_prefix_caching: bool | None = None
     mamba_cache_dtype: str = "auto"  # vLLM --mamba-cache-dtype (conv and SSM state)
     mamba_ssm_cache_dtype: str = "auto"  # vLLM --mamba-ssm-cache-dtype (SSM state only)
+    # vLLM --limit-mm-per-prompt: items per prompt by modality ("image", "video"); unnamed ones take vLLM's 999.
+    # A modality at 0 is not profiled; with every modality at 0 the vision tower is not loaded (text only).
+    limit_mm_per_prompt: tuple[tuple[str, int], ...] = ()
+    mm_encoder_tp_mode: str = "weights"  # vLLM --mm-encoder-tp-mode: "weights" (sharded) or "data" (replicated)
+    mm_max_pixels: int | None = None  # vLLM --mm-processor-kwargs '{"max_pixels": N}': Qwen-VL's largest image
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +89,7 @@ class Capacity:
     max_concurrency: float  # sequences of max_model_len that fit at once
     max_model_len_that_fits: int  # the longest single request the cache can hold
     state_pages_per_request: int = 0  # pages each state-layer group holds per request (hybrid Mamba models)
+    encoder: EncoderProfile | None = None  # vLLM's multimodal profiling (vision-language models)
     problems: tuple[str, ...] = field(default=())
     notes: tuple[str, ...] = field(default=())
 
@@ -144,9 +153,61 @@ class Capacity:
                 else None
             ),
             "weights_by_part_gib": {p.value: round(b / g, 3) for p, b in self.weights.bytes_by_part},
+            "encoder": None
+            if self.encoder is None
+            else {
+                "modality": self.encoder.modality,
+                "tokens_per_item": self.encoder.tokens_per_item,
+                "items": self.encoder.items,
+                "budget_tokens": self.encoder.budget_tokens,
+                "data_parallel": self.encoder.data_parallel,
+                "encoder_activation_gib": round(self.encoder.encoder_activation_bytes / g, 3),
+                "encoder_output_gib": round(self.encoder.encoder_output_bytes / g, 3),
+                "buffer_gib": round(self.encoder.buffer_bytes / g, 3),
+            },
             "problems": list(self.problems),
             "notes": list(self.notes),
         }
+
+
+# The modalities of the vision-language models kvfleet sizes (vLLM's --limit-mm-per-prompt keys).
+MM_MODALITIES = ("image", "video")
+
+
+def mm_limits(s: EngineSettings) -> dict[str, int]:
+    """--limit-mm-per-prompt as a mapping, checked."""
+    if s.mm_encoder_tp_mode not in MM_ENCODER_TP_MODES:
+        raise SizingError(
+            f"must be one of {', '.join(MM_ENCODER_TP_MODES)}, got {s.mm_encoder_tp_mode!r}", field="mm_encoder_tp_mode"
+        )
+    out: dict[str, int] = {}
+    for modality, count in s.limit_mm_per_prompt:
+        if modality not in MM_MODALITIES:
+            raise SizingError(
+                f"unknown modality {modality!r}; use {', '.join(MM_MODALITIES)} (e.g. image=0,video=0 for text only)",
+                field="limit_mm_per_prompt",
+            )
+        if count < 0:
+            raise SizingError(f"{modality} must be 0 or more, got {count}", field="limit_mm_per_prompt")
+        out[modality] = count
+    return out
+
+
+def _vision_weights(
+    model: ModelSpec, weights: WeightBreakdown, *, loaded: bool, replicated: bool, scheme: WeightScheme
+) -> WeightBreakdown:
+    """The vision tower as vLLM holds it: absent when every modality is limited to 0, whole on every rank when the
+    encoder runs data parallel (--mm-encoder-tp-mode data)."""
+    if not model.vision_params:
+        return weights
+    parts: list[tuple[Part, int]] = []
+    for part, b in weights.bytes_by_part:
+        if part is not Part.VISION:
+            parts.append((part, b))
+        elif loaded:
+            full = round(model.vision_params * scheme.bytes_per_param(Part.VISION, unquantized_bytes=2.0))
+            parts.append((part, full if replicated else b))
+    return replace(weights, bytes_by_part=tuple(parts))
 
 
 def _positive(value: int | None, name: str) -> None:
@@ -308,6 +369,7 @@ def _knobs(
         ("block_size", s.block_size),
         ("kv_cache_memory_bytes", s.kv_cache_memory_bytes),
         ("max_tokens", s.max_tokens),
+        ("mm_max_pixels", s.mm_max_pixels),
     ):
         _positive(value, name)
     if gpu_memory_bytes <= 0:
@@ -450,6 +512,7 @@ def capacity(
     k = _knobs(model, s, profile, gpu_memory_bytes=gpu_memory_bytes, accelerator_name=accelerator_name)
 
     scheme = resolve_scheme(model, s.quantization)
+    limits = mm_limits(s)
     weights = weight_bytes(model, tp=tp, scheme=scheme)
     kv = kv_layout(
         model,
@@ -464,6 +527,41 @@ def capacity(
     act = activation_peak_bytes(
         model, tp=tp, max_num_batched_tokens=k.batched, max_num_seqs=k.max_seqs, sort_sampler=profile.sort_sampler
     )
+    encoder: EncoderProfile | None = None
+    mm_notes: list[str] = []
+    if model.vision is not None and profile.engine is EngineName.VLLM:
+        encoder = encoder_profile(
+            model,
+            tp=tp,
+            max_model_len=k.max_len,
+            max_num_batched_tokens=k.batched,
+            max_num_seqs=k.max_seqs,
+            limits=limits,
+            encoder_tp_mode=s.mm_encoder_tp_mode,
+            max_pixels=s.mm_max_pixels,
+        )
+        if encoder is not None and s.mm_encoder_tp_mode == "data" and not encoder.data_parallel and tp > 1:
+            mm_notes.append("this vision tower has no data-parallel mode in vLLM; it stays sharded (weights)")
+        if s.mm_max_pixels is not None and not model.vision.pixel_unit:
+            mm_notes.append("mm_max_pixels sizes Qwen-VL images only; this model's images have a fixed size")
+        weights = _vision_weights(
+            model,
+            weights,
+            loaded=encoder is not None,  # encoder_profile is None only when every tower modality is at 0
+            replicated=encoder is not None and encoder.data_parallel,
+            scheme=scheme,
+        )
+        if encoder is None:
+            mm_notes.append("every modality is limited to 0: vLLM loads no vision tower and profiles no encoder")
+        else:
+            # The encoder runs first; its outputs stay in the encoder cache through the language model's dummy run.
+            act = max(encoder.encoder_activation_bytes, encoder.encoder_output_bytes + act) + encoder.buffer_bytes
+            mm_notes.append(
+                f"encoder profiled with {encoder.items} {encoder.modality} item(s) of {encoder.tokens_per_item:,} "
+                f"tokens (budget {encoder.budget_tokens:,} tokens); lower it with limit_mm_per_prompt"
+            )
+    elif model.vision is not None:
+        mm_notes.append("TensorRT-LLM's vision encoder memory beyond its weights is not modelled")
     non_torch = non_torch_bytes(tp=tp)
     graphs = 0 if s.enforce_eager else cuda_graph_bytes(model)
     graphs_counted = profile.counts_cuda_graphs and not s.enforce_eager
@@ -479,7 +577,7 @@ def capacity(
         graphs_counted=graphs_counted,
         kv_bytes_per_token=kv.kv_bytes_per_token_per_gpu,
     )
-    notes = [profile.note, *budget.notes]
+    notes = [profile.note, *budget.notes, *mm_notes]
     problems = list(budget.problems)
     kv_bytes = budget.kv_bytes
     if kv_bytes <= 0:
@@ -569,6 +667,7 @@ def capacity(
         max_concurrency=concurrency,
         max_model_len_that_fits=fits_len,
         state_pages_per_request=state_pages if kv.state is not None else 0,
+        encoder=encoder,
         problems=tuple(problems),
         notes=tuple(notes),
     )

@@ -288,3 +288,104 @@ def non_torch_bytes(*, tp: int, constants: ActivationModel = ACTIVATIONS) -> int
 def cuda_graph_bytes(model: ModelSpec, *, constants: ActivationModel = ACTIVATIONS) -> int:
     factor = constants.cuda_graph_moe_factor if model.moe is not None else 1.0
     return constants.cuda_graph_base_bytes + int(model.num_layers * constants.cuda_graph_per_layer_bytes * factor)
+
+
+# ---- multimodal start-up profiling (vLLM) ---------------------------------------------------------------
+# vLLM 0.32.0: gpu_model_runner.profile_run runs the vision encoder over a dummy batch before the language model's
+# dummy forward, and keeps its outputs in the encoder cache while that forward runs, so both land in the profiled
+# activation peak. vllm/multimodal/encoder_budget.py MultiModalBudget and vllm/v1/core/encoder_cache_manager.py
+# compute_mm_encoder_budget size the batch:
+#   budget          = max(max_num_batched_tokens, largest item's tokens)   (encoder compute budget = cache size)
+#   items per batch = max(1, min(budget // item tokens, max_num_seqs x max(1, min(limit, max_model_len // item))))
+# profiled with the modality whose item has the most tokens; a modality limited to 0 (--limit-mm-per-prompt) is
+# not profiled, and with every modality at 0 the tower is not even built (interfaces.py _mark_tower_model).
+MM_DEFAULT_LIMIT = 999  # vllm/config/multimodal.py get_limit_per_prompt: an unspecified modality
+QWEN_VL_MAX_FRAMES_PER_VIDEO = 14  # vllm/model_executor/models/qwen2_vl.py _MAX_FRAMES_PER_VIDEO
+MM_ENCODER_TP_MODES = ("weights", "data")  # vllm/config/multimodal.py MMEncoderTPMode; default "weights"
+MM_ENCODER_TP_DATA_KINDS = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llama4"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class EncoderProfile:
+    """What vLLM's start-up profiling runs through the vision encoder, and the memory that costs one GPU."""
+
+    modality: str
+    tokens_per_item: int
+    items: int
+    budget_tokens: int  # "Encoder cache will be initialized with a budget of N tokens"
+    data_parallel: bool  # --mm-encoder-tp-mode data (or vision heads TP cannot split): ranks split the items
+    encoder_activation_bytes: int  # the encoder's forward over its share of the dummy batch
+    encoder_output_bytes: int  # its outputs, held in the encoder cache through the language model's dummy run
+    buffer_bytes: int = 0  # persistent input buffers of the tower's outputs (Qwen3-VL's deepstack levels)
+
+
+def qwen_vl_video_tokens(frame_tokens: int, max_model_len: int) -> int:
+    """Tokens of vLLM's dummy video for one video per prompt (qwen2_vl.py get_max_video_tokens): the most frames
+    whose tokens fit max_model_len, at most 14, two frames to a temporal patch."""
+
+    def tokens(frames: int) -> int:
+        padded = frames + (-frames % 2)
+        return max(padded // 2, 1) * frame_tokens
+
+    frames = 1
+    while frames < QWEN_VL_MAX_FRAMES_PER_VIDEO and tokens(frames + 1) <= max_model_len:
+        frames += 1
+    return tokens(frames)
+
+
+def encoder_profile(
+    model: ModelSpec,
+    *,
+    tp: int,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    limits: dict[str, int],
+    encoder_tp_mode: str = "weights",
+    max_pixels: int | None = None,
+    constants: ActivationModel = ACTIVATIONS,
+    activation_bytes: int = 2,
+) -> EncoderProfile | None:
+    """None where nothing is profiled: a text-only model, or every modality limited to 0. ``max_pixels``: the
+    processor's (--mm-processor-kwargs), which sizes Qwen-VL's dummy image and video frames."""
+    v = model.vision
+    if v is None:
+        return None
+    image_tokens = v.image_tokens_at(max_pixels)
+    per_item: dict[str, int] = {}
+    if limits.get("image", MM_DEFAULT_LIMIT) > 0:
+        per_item["image"] = image_tokens
+    if limits.get("video", MM_DEFAULT_LIMIT) > 0:
+        if v.video_frame_tokens:
+            per_item["video"] = qwen_vl_video_tokens(image_tokens, max_model_len)
+        elif v.video_tokens:
+            per_item["video"] = v.video_tokens
+    if not per_item:
+        return None
+    modality, t = max(per_item.items(), key=lambda kv: (kv[1], kv[0]))
+    budget = max(max_num_batched_tokens, t)
+    per_prompt = max(1, min(limits.get(modality, MM_DEFAULT_LIMIT), max_model_len // t))
+    items = max(1, min(budget // t, max_num_seqs * per_prompt))
+    # --mm-encoder-tp-mode data replicates the tower on every rank, for the towers that declare it
+    # (supports_encoder_tp_data in qwen2_vl.py, qwen2_5_vl.py, qwen3_vl.py, mllama4.py); vllm/config/model.py falls
+    # back to weights for the others.
+    data_parallel = encoder_tp_mode == "data" and v.kind in MM_ENCODER_TP_DATA_KINDS and tp > 1
+    shards = 1 if data_parallel else tp
+    rank_items = -(-items // tp) if data_parallel else items
+    patches = rank_items * t * v.patches_per_token
+    h = v.hidden_size
+    mlp = (3 if v.gated_mlp else 2) * v.intermediate_size // shards
+    attn = 4 * h // shards  # q, k, v and the attention output
+    forward = int(patches * (constants.residual_copies * h + max(mlp, attn)) * activation_bytes)
+    outputs = items * t * model.hidden_size * v.embeds_per_token * activation_bytes
+    return EncoderProfile(
+        modality=modality,
+        tokens_per_item=t,
+        items=items,
+        budget_tokens=budget,
+        data_parallel=data_parallel,
+        encoder_activation_bytes=forward,
+        encoder_output_bytes=outputs,
+        # qwen3_vl.py: one max_num_batched_tokens x hidden buffer per deepstack level, allocated with the model.
+        buffer_bytes=(v.embeds_per_token - 1) * max_num_batched_tokens * model.hidden_size * activation_bytes,
+    )

@@ -10,6 +10,7 @@ differently.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -110,6 +111,36 @@ class ParamGroup:
 
 
 @dataclass(frozen=True, kw_only=True)
+class VisionSpec:
+    """The vision encoder and projector of a vision-language model, as the engine builds them.
+
+    ``params`` counts the encoder and the projector by module (``_vision_tower``); the rest is what
+    vLLM's start-up profiling needs: how many language-model tokens one image (and, for Qwen-VL, one
+    video) becomes at the processor's default size, and how many encoder patches make one token.
+    """
+
+    kind: str  # the tower: qwen2_vl, qwen2_5_vl, siglip, clip, pixtral, llama4
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    gated_mlp: bool
+    patches_per_token: int  # spatial merge (Qwen-VL, Pixtral 2x2), 1 where every patch is a token
+    image_tokens: int  # language-model tokens of the largest default-size image
+    params: int
+    video_frame_tokens: int = 0  # Qwen-VL: tokens per pair of video frames (temporal patch 2); 0: no video
+    pixel_unit: int = 0  # Qwen-VL: patch x merge pixels per token side, for a max_pixels override; 0: fixed size
+    video_tokens: int = 0  # Qwen3-VL: tokens of vLLM's dummy video, whatever max_model_len (two frames)
+    embeds_per_token: int = 1  # LM-width vectors the encoder hands over per token (Qwen3-VL: 1 + deepstack levels)
+
+    def image_tokens_at(self, max_pixels: int | None) -> int:
+        """Tokens of the largest image under a processor max_pixels (Qwen-VL's --mm-processor-kwargs)."""
+        if max_pixels is None or not self.pixel_unit:
+            return self.image_tokens
+        return qwen_vl_tokens(max_pixels, self.pixel_unit)
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     model_id: str
     model_type: str
@@ -132,6 +163,7 @@ class ModelSpec:
     gated_mlp: bool = True
     norms_per_layer: int = 2
     vision_params: int = 0
+    vision: VisionSpec | None = None
     source: str = ""
     family: str = ""
     aliases: tuple[str, ...] = field(default=())
@@ -234,6 +266,11 @@ SUPPORTED_MODEL_TYPES = frozenset(
         "qwen3_5_moe",
         "qwen3_5_moe_text",
         "nemotron_h",
+        "qwen2_vl",
+        "qwen2_5_vl",
+        "llava",
+        "llava_next",
+        "qwen3_vl",
     }
 )
 
@@ -241,12 +278,31 @@ SUPPORTED_MODEL_TYPES = frozenset(
 # qwen3_5.py: the same GatedDeltaNetAttention, gated attention output, q/k norms, shared-expert MoE).
 GDN_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
 
+# Served by vLLM once, no longer: model type -> why, and what to serve instead.
+UNSUPPORTED_MODEL_TYPES = {
+    "mllama": (
+        "Llama 3.2 Vision (mllama) is not served by vLLM 0.32.0: its cross-attention encoder-decoder model was "
+        "removed with V0's encoder-decoder support (vllm-project/vllm PR 24907, merged 2025-09-15, before 0.11.0); "
+        "serve Qwen/Qwen2.5-VL-7B-Instruct, google/gemma-3-12b-it or meta-llama/Llama-4-Scout-17B-16E-Instruct instead"
+    ),
+}
+
 # HF defaults for tie_word_embeddings where a config omits it (each model's configuration_*.py).
 _TIED_BY_DEFAULT = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text"})
 
 # Class defaults that published configs rely on by leaving keys out. Gemma 3's config.json files
 # are sparse: transformers' Gemma3TextConfig supplies the rest (configuration_gemma3.py).
 _CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
+    # LLaVA configs nest a sparse Llama text_config; transformers' LlamaConfig supplies the rest
+    # (configuration_llama.py: 32 layers, hidden 4096, intermediate 11008, 32 heads, vocab 32000).
+    "llava_llama": {
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "max_position_embeddings": 2048,
+    },
     "gemma3_text": {
         "vocab_size": 262_208,
         "hidden_size": 2304,
@@ -284,6 +340,10 @@ def _text_config(cfg: Mapping[str, Any]) -> tuple[Mapping[str, Any], str]:
     """Multimodal configs (Gemma 3, Llama 4, Mistral 3) nest the language model under text_config."""
     text = cfg.get("text_config")
     if isinstance(text, Mapping) and "num_hidden_layers" in text:
+        return text, "text_config."
+    if isinstance(text, Mapping) and cfg.get("model_type") in ("llava", "llava_next"):
+        if text.get("model_type", "llama") == "llama":
+            return {**_CLASS_DEFAULTS["llava_llama"], **text}, "text_config."
         return text, "text_config."
     return cfg, ""
 
@@ -362,7 +422,7 @@ def _layer_kinds(model_type: str, t: Mapping[str, Any], n_layers: int, where: st
             LayerSpec(attention=AttentionKind.CHUNKED, window_tokens=chunk) if nope[i] else full[i]
             for i in range(n_layers)
         ]
-    if model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
+    if model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
         if t.get("use_sliding_window") and window:
             first_full = int(t.get("max_window_layers") or n_layers)
             return [
@@ -575,17 +635,287 @@ def _moe_layers(model_type: str, t: Mapping[str, Any], n_layers: int) -> list[bo
     return [True] * n_layers
 
 
-def _vision_params(cfg: Mapping[str, Any]) -> int:
-    """Rough ViT size from vision_config: per layer 4 h^2 (attention) + 2 h i (MLP)."""
+# Qwen3-VL's processors (preprocessor_config.json / video_preprocessor_config.json of Qwen3VLProcessor checkpoints,
+# e.g. Qwen/Qwen3.5-2B-Base): images up to "longest_edge" 16777216 pixels, videos up to 25165824 over two frames;
+# vLLM 0.32.0 qwen3_vl.py get_max_video_tokens profiles two frames of longest_edge // temporal_patch_size pixels.
+QWEN3_VL_IMAGE_MAX_PIXELS = 16_777_216
+QWEN3_VL_VIDEO_MAX_PIXELS = 25_165_824
+
+# The Qwen-VL image processor's default largest image (preprocessor_config.json of Qwen/Qwen2-VL-7B-Instruct
+# and Qwen/Qwen2.5-VL-7B-Instruct: "max_pixels": 12845056); vLLM profiles the image with the most patches under
+# it (vllm/model_executor/models/qwen2_vl.py get_image_size_with_most_features, 0.32.0).
+QWEN_VL_MAX_PIXELS = 12_845_056
+
+
+def _vit_layer(h: int, i: int, *, bias: bool, gated: bool, norm_bias: bool) -> int:
+    """One pre-norm ViT block: two norms, q/k/v/o projections and the MLP."""
+    norms = 2 * (2 * h if norm_bias else h)
+    attn = 4 * h * h + (4 * h if bias else 0)
+    mlp = (3 * h * i + (2 * i + h if bias else 0)) if gated else (2 * h * i + (i + h if bias else 0))
+    return norms + attn + mlp
+
+
+def _vint(v: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    return _int(v, key, where="vision_config.", default=default)
+
+
+def qwen_vl_tokens(max_pixels: int, unit: int) -> int:
+    """Tokens of the image vLLM profiles under max_pixels (qwen2_vl.py get_image_size_with_most_features): the most
+    merged patches, max_pixels // unit^2 or fewer, that factor into a grid no more than 200 times wider than tall."""
+    for n in range(max(1, max_pixels // (unit * unit)), 0, -1):
+        h = next(d for d in range(math.isqrt(n), 0, -1) if n % d == 0)
+        if (n // h) / h <= 200:
+            return n
+    return 1
+
+
+def _qwen_vl_tokens(patch: int, merge: int) -> int:
+    """Tokens of the largest default image (a 128 x 128 grid of merged patches)."""
+    return qwen_vl_tokens(QWEN_VL_MAX_PIXELS, patch * merge)
+
+
+def _qwen3_vl_vision(v: Mapping[str, Any], text_hidden: int) -> VisionSpec:
+    """Qwen3-VL's tower (vLLM qwen3_vl.py): Conv3d patch embed with bias, learned position embeddings, LayerNorm
+    blocks with biased projections and fc1/fc2 MLP, a merger (LayerNorm over the patch, Linear(4h, 4h),
+    Linear(4h, out)) and one more merger, normed after the shuffle, per deepstack level."""
+    h, i, n = _vint(v, "hidden_size"), _vint(v, "intermediate_size"), _vint(v, "depth")
+    p, m, tp_ = _vint(v, "patch_size", 16), _vint(v, "spatial_merge_size", 2), _vint(v, "temporal_patch_size", 2)
+    c, npos = _vint(v, "in_channels", 3), _vint(v, "num_position_embeddings")
+    out = _vint(v, "out_hidden_size", text_hidden)
+    deepstack = v.get("deepstack_visual_indexes") or []
+    if not isinstance(deepstack, list):
+        raise ModelConfigError("must be a list of layer indexes", field="vision_config.deepstack_visual_indexes")
+    merged = h * m * m
+    fc = merged * merged + merged + merged * out + out
+    tower = c * tp_ * p * p * h + h + npos * h + n * _vit_layer(h, i, bias=True, gated=False, norm_bias=True)
+    params = tower + (2 * h + fc) + len(deepstack) * (2 * merged + fc)
+    unit = p * m
+    return VisionSpec(
+        kind="qwen3_vl",
+        hidden_size=h,
+        intermediate_size=i,
+        num_layers=n,
+        num_heads=_vint(v, "num_heads", 16),
+        gated_mlp=False,
+        patches_per_token=m * m,
+        image_tokens=qwen_vl_tokens(QWEN3_VL_IMAGE_MAX_PIXELS, unit),
+        params=params,
+        pixel_unit=unit,
+        video_tokens=qwen_vl_tokens(QWEN3_VL_VIDEO_MAX_PIXELS // tp_, unit),
+        embeds_per_token=1 + len(deepstack),
+    )
+
+
+def _llava_next_tokens(cfg: Mapping[str, Any], *, base: int, tile: int, side: int) -> int:
+    """LLaVA-NeXT's largest image (vLLM llava_next.py get_image_size_with_most_features): over the grid pinpoints,
+    the base image's tokens plus, for an image the size of the pinpoint, its tiles' patch grid and one newline per
+    row (the pinpoint fits itself exactly, so nothing is unpadded away)."""
+    pinpoints = cfg.get("image_grid_pinpoints")
+    if not isinstance(pinpoints, list) or not pinpoints:
+        raise ModelConfigError("LLaVA-NeXT config without image_grid_pinpoints", field="image_grid_pinpoints")
+    best = 0
+    for point in pinpoints:
+        if not (isinstance(point, list | tuple) and len(point) == 2):
+            raise ModelConfigError(f"expected [height, width], got {point!r}", field="image_grid_pinpoints")
+        rows, cols = int(point[0]) // tile * side, int(point[1]) // tile * side
+        best = max(best, base + rows * cols + rows)
+    return best
+
+
+def _vision(cfg: Mapping[str, Any], *, text_hidden: int) -> VisionSpec | None:
+    """The vision tower of a vision-language config, counted by module as the model files define it.
+
+    Sources (module layouts; vLLM 0.32.0 vllm/model_executor/models/ and the transformers modeling files):
+    qwen2_vl.py (Qwen2VisionTransformer: Conv3d patch embed without bias, LayerNorm blocks, fc1/fc2 MLP of
+    embed_dim x mlp_ratio, PatchMerger LayerNorm + Linear(4e, 4e) + Linear(4e, hidden)); qwen2_5_vl.py (RMSNorm
+    blocks, gated SiLU MLP with biases, merger RMSNorm + Linear(4e, 4e) + Linear(4e, out_hidden_size)); siglip.py
+    with gemma3_mm.py (Conv2d patch embed with bias, learned positions, LayerNorm blocks with biased projections,
+    post_layernorm; projector mm_input_projection_weight and mm_soft_emb_norm); clip.py with llava.py (class
+    embedding, patch embed without bias, positions for patches + 1, pre/post LayerNorm; projector linear_1/linear_2
+    with biases); pixtral.py with mistral3.py (Conv2d without bias, RMSNorm, gated MLP and projections without bias;
+    projector norm, patch merger Linear(4h, h) and linear_1/linear_2 with multimodal_projector_bias).
+    """
     v = cfg.get("vision_config")
     if not isinstance(v, Mapping):
-        return 0
+        return None
+    outer = str(cfg.get("model_type") or "")
+    vtype = str(v.get("model_type") or "")
+    if outer == "qwen2_5_vl":
+        h, i, n = _vint(v, "hidden_size"), _vint(v, "intermediate_size"), _vint(v, "depth")
+        p, m, tp_ = _vint(v, "patch_size", 14), _vint(v, "spatial_merge_size", 2), _vint(v, "temporal_patch_size", 2)
+        out = _vint(v, "out_hidden_size", text_hidden)
+        c = _vint(v, "in_chans", _vint(v, "in_channels", 3))
+        merged = h * m * m
+        params = (
+            c * tp_ * p * p * h
+            + n * _vit_layer(h, i, bias=True, gated=True, norm_bias=False)
+            + h
+            + merged * merged
+            + merged
+            + merged * out
+            + out
+        )
+        tokens = _qwen_vl_tokens(p, m)
+        return VisionSpec(
+            kind=outer,
+            hidden_size=h,
+            intermediate_size=i,
+            num_layers=n,
+            num_heads=_vint(v, "num_heads", 16),
+            gated_mlp=True,
+            patches_per_token=m * m,
+            image_tokens=tokens,
+            params=params,
+            video_frame_tokens=tokens,
+            pixel_unit=p * m,
+        )
+    if outer == "qwen3_vl":
+        return _qwen3_vl_vision(v, text_hidden)
+    if outer == "qwen2_vl":
+        e = _vint(v, "embed_dim")
+        i = e * _vint(v, "mlp_ratio", 4)
+        n = _vint(v, "depth")
+        p, m, tp_ = _vint(v, "patch_size", 14), _vint(v, "spatial_merge_size", 2), _vint(v, "temporal_patch_size", 2)
+        out = _vint(v, "hidden_size", text_hidden)
+        c = _vint(v, "in_chans", 3)
+        merged = e * m * m
+        params = (
+            c * tp_ * p * p * e
+            + n * _vit_layer(e, i, bias=True, gated=False, norm_bias=True)
+            + 2 * e
+            + merged * merged
+            + merged
+            + merged * out
+            + out
+        )
+        tokens = _qwen_vl_tokens(p, m)
+        return VisionSpec(
+            kind=outer,
+            hidden_size=e,
+            intermediate_size=i,
+            num_layers=n,
+            num_heads=_vint(v, "num_heads", 16),
+            gated_mlp=False,
+            patches_per_token=m * m,
+            image_tokens=tokens,
+            params=params,
+            video_frame_tokens=tokens,
+            pixel_unit=p * m,
+        )
+    if vtype in ("siglip_vision_model", "clip_vision_model"):
+        h, i, n = _vint(v, "hidden_size"), _vint(v, "intermediate_size"), _vint(v, "num_hidden_layers")
+        p, size = _vint(v, "patch_size"), _vint(v, "image_size")
+        c = _vint(v, "num_channels", 3)
+        grid = (size // p) ** 2
+        layers = n * _vit_layer(h, i, bias=True, gated=False, norm_bias=True)
+        if vtype == "siglip_vision_model":
+            tower = c * p * p * h + h + grid * h + layers + 2 * h  # post_layernorm; vision_use_head false
+        else:
+            tower = h + c * p * p * h + (grid + 1) * h + 2 * h + layers + 2 * h  # class token, pre/post LayerNorm
+        if outer == "gemma3":
+            tokens = _int(cfg, "mm_tokens_per_image", where="", default=256)
+            projector = h * text_hidden + h
+            kind = "siglip"
+        elif outer in ("llava", "llava_next"):
+            # "default" feature selection drops the class token, "full" keeps it.
+            tokens = grid + (1 if cfg.get("vision_feature_select_strategy") == "full" else 0)
+            projector = h * text_hidden + text_hidden + text_hidden * text_hidden + text_hidden
+            if outer == "llava_next":
+                projector += text_hidden  # image_newline
+                tokens = _llava_next_tokens(cfg, base=tokens, tile=size, side=size // p)
+            kind = "clip" if vtype == "clip_vision_model" else "siglip"
+        else:
+            return _rough_vision(v, text_hidden)
+        return VisionSpec(
+            kind=kind,
+            hidden_size=h,
+            intermediate_size=i,
+            num_layers=n,
+            num_heads=_vint(v, "num_attention_heads", 16),
+            gated_mlp=False,
+            patches_per_token=max(1, grid // tokens),
+            image_tokens=tokens,
+            params=tower + projector,
+        )
+    if vtype == "pixtral" and outer == "mistral3":
+        h, i, n = _vint(v, "hidden_size"), _vint(v, "intermediate_size"), _vint(v, "num_hidden_layers")
+        p, size = _vint(v, "patch_size"), _vint(v, "image_size")
+        c = _vint(v, "num_channels", 3)
+        m = _int(cfg, "spatial_merge_size", where="", default=2)
+        bias = bool(cfg.get("multimodal_projector_bias", False))
+        tower = c * p * p * h + h + n * _vit_layer(h, i, bias=False, gated=True, norm_bias=False)
+        projector = h + h * m * m * h + h * text_hidden + text_hidden * text_hidden + (2 * text_hidden if bias else 0)
+        side = size // (p * m)
+        return VisionSpec(
+            kind="pixtral",
+            hidden_size=h,
+            intermediate_size=i,
+            num_layers=n,
+            num_heads=_vint(v, "num_attention_heads", 16),
+            gated_mlp=True,
+            patches_per_token=m * m,
+            image_tokens=side * side,  # vLLM pixtral.py PixtralHFEncoderInfo: ncols x nrows
+            params=tower + projector,
+        )
+    if vtype == "llama4_vision_model":
+        return _llama4_vision(v, text_hidden)
+    return _rough_vision(v, text_hidden)
+
+
+# transformers' Llama4ImageProcessorFast: max_patches 16 tiles of image_size; vLLM profiles the 16:1 image that
+# fills them (mllama4.py get_image_size_with_most_features), plus the global tile added when there is more than one.
+LLAMA4_MAX_TILES = 16
+
+
+def _llama4_vision(v: Mapping[str, Any], text_hidden: int) -> VisionSpec:
+    """Llama 4's tower (vLLM mllama4.py): an unfold patch embed without bias, class and position embeddings, pre/post
+    LayerNorm, biased ViT blocks, the pixel-shuffle MLP adapter and a bias-free projector to the text model."""
+    h, i, n = _vint(v, "hidden_size"), _vint(v, "intermediate_size"), _vint(v, "num_hidden_layers")
+    p, size, c = _vint(v, "patch_size"), _vint(v, "image_size"), _vint(v, "num_channels", 3)
+    proj_in, proj_out = _vint(v, "projector_input_dim"), _vint(v, "projector_output_dim")
+    out_dim = _vint(v, "vision_output_dim", proj_out)
+    bias = bool(v.get("multi_modal_projector_bias", False))
+    grid = (size // p) ** 2
+    tower = c * p * p * h + h + (grid + 1) * h + 2 * 2 * h
+    tower += n * _vit_layer(h, i, bias=True, gated=False, norm_bias=True)
+    adapter = i * proj_in + proj_in * proj_out + ((proj_in + proj_out) if bias else 0)
+    projector = out_dim * text_hidden
+    ratio = float(v.get("pixel_shuffle_ratio") or 0.5)
+    per_tile = int(grid * ratio * ratio)
+    return VisionSpec(
+        kind="llama4",
+        hidden_size=h,
+        intermediate_size=i,
+        num_layers=n,
+        num_heads=_vint(v, "num_attention_heads", 16),
+        gated_mlp=False,
+        patches_per_token=max(1, grid // per_tile),
+        image_tokens=per_tile * (LLAMA4_MAX_TILES + 1),
+        params=tower + adapter + projector,
+    )
+
+
+def _rough_vision(v: Mapping[str, Any], text_hidden: int) -> VisionSpec | None:
+    """Towers not modelled module by module (Llama 4's): per layer 4 h^2 (attention) + 2 h i (MLP)."""
     h = v.get("hidden_size") or v.get("width")
     i = v.get("intermediate_size") or (4 * h if h else None)
     n = v.get("num_hidden_layers") or v.get("depth")
     if not (h and i and n):
-        return 0
-    return int(n) * (4 * int(h) * int(h) + 2 * int(h) * int(i))
+        return None
+    h, i, n = int(h), int(i), int(n)
+    p = int(v.get("patch_size") or 14)
+    size = int(v.get("image_size") or 336)
+    return VisionSpec(
+        kind=str(v.get("model_type") or "vision"),
+        hidden_size=h,
+        intermediate_size=i,
+        num_layers=n,
+        num_heads=int(v.get("num_attention_heads") or v.get("num_heads") or 16),
+        gated_mlp=False,
+        patches_per_token=1,
+        image_tokens=(size // p) ** 2,
+        params=n * (4 * h * h + 2 * h * i),
+    )
 
 
 def parse_hf_config(
@@ -601,8 +931,17 @@ def parse_hf_config(
         raise ModelConfigError("config.json must hold a JSON object")
     t, where = _text_config(cfg)
     model_type = str(t.get("model_type") or cfg.get("model_type") or "")
+    # transformers >= 4.52 writes Qwen-VL's language model as a text_config of its own type.
+    model_type = {"qwen2_5_vl_text": "qwen2_5_vl", "qwen2_vl_text": "qwen2_vl", "qwen3_vl_text": "qwen3_vl"}.get(
+        model_type, model_type
+    )
     if not model_type:
         raise ModelConfigError("missing required field 'model_type'", field="model_type")
+    outer_type = str(cfg.get("model_type") or "")
+    if outer_type in UNSUPPORTED_MODEL_TYPES or model_type in UNSUPPORTED_MODEL_TYPES:
+        raise ModelConfigError(
+            UNSUPPORTED_MODEL_TYPES.get(outer_type) or UNSUPPORTED_MODEL_TYPES[model_type], field="model_type"
+        )
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelConfigError(
             f"model type {model_type!r} is not supported; supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}",
@@ -654,7 +993,10 @@ def parse_hf_config(
     dense_inter = (
         int(t.get("intermediate_size_mlp") or intermediate) if model_type.startswith("llama4") else intermediate
     )
-    bias = bool(t.get("attention_bias", model_type in ("qwen2", "qwen2_moe", "gpt_oss", "phi")))
+    bias = bool(
+        t.get("attention_bias", model_type in ("qwen2", "qwen2_moe", "gpt_oss", "phi", "qwen2_vl", "qwen2_5_vl"))
+    )
+    vision = _vision(cfg, text_hidden=hidden)
     return ModelSpec(
         model_id=model_id,
         model_type=model_type,
@@ -677,7 +1019,8 @@ def parse_hf_config(
         # Nemotron-H's MLP is up_proj -> relu2 -> down_proj (nemotron_h.py NemotronHMLP).
         gated_mlp=model_type not in ("phi", "nemotron_h"),
         norms_per_layer=_NORMS_PER_LAYER.get(model_type, 2),
-        vision_params=_vision_params(cfg),
+        vision_params=vision.params if vision is not None else 0,
+        vision=vision,
         source=source,
         family=family,
         aliases=aliases,
@@ -736,7 +1079,8 @@ def _attention_params(m: ModelSpec) -> int:
     total = q + kv + o
     if m.attention_bias:
         total += (m.num_attention_heads + 2 * m.num_kv_heads) * m.head_dim
-    if m.model_type in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text", "olmo2") or m.model_type in GDN_MODEL_TYPES:
+    qk_norm = ("qwen3", "qwen3_moe", "qwen3_vl", "gemma3", "gemma3_text", "olmo2")
+    if m.model_type in qk_norm or m.model_type in GDN_MODEL_TYPES:
         total += 2 * m.head_dim  # q_norm / k_norm
     if m.model_type == "gpt_oss":
         total += m.num_attention_heads + h  # attention sinks, o_proj bias
@@ -813,5 +1157,10 @@ def _param_groups(m: ModelSpec) -> tuple[ParamGroup, ...]:
         groups.append(ParamGroup(part=Part.EXPERTS, count=experts, shardable=True))
         groups.append(ParamGroup(part=Part.ROUTER, count=router, shardable=False))
     if m.vision_params:
-        groups.append(ParamGroup(part=Part.VISION, count=m.vision_params, shardable=False))
+        # vLLM builds the towers from its parallel linear layers (QKVParallelLinear, Column/RowParallelLinear in
+        # qwen2_5_vl.py, siglip.py, clip.py, pixtral.py): with the default --mm-encoder-tp-mode weights, each TP rank
+        # holds its share. Part.VISION is in no scheme's quantized parts: vLLM hands the towers the checkpoint's
+        # quant_config, but quantized VL checkpoints leave them out (AWQ modules_to_not_convert ["visual"],
+        # compressed-tensors ignore lists); online --quantization fp8 would quantize them, so 16-bit is the upper bound.
+        groups.append(ParamGroup(part=Part.VISION, count=m.vision_params, shardable=True))
     return tuple(groups)

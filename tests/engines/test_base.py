@@ -23,6 +23,9 @@ FULL = EngineArgs(
     enforce_eager=True,
     kv_cache_memory_bytes=4 << 30,
     served_model_name="chat",
+    limit_mm_per_prompt=(("image", 2), ("video", 0)),
+    mm_encoder_tp_mode="data",
+    mm_max_pixels=1003520,
 )
 
 
