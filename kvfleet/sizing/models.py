@@ -100,6 +100,10 @@ class ModelSpec:
     gated_mlp: bool = True
     norms_per_layer: int = 2
     vision_params: int = 0
+    # Speculative decoding: the multi-token-prediction layers the checkpoint ships after its decoder layers
+    # (num_nextn_predict_layers, or mtp_num_hidden_layers), and an EAGLE-3 head's reduced output vocabulary.
+    mtp_layers: int = 0
+    draft_vocab_size: int | None = None
     source: str = ""
     family: str = ""
     aliases: tuple[str, ...] = field(default=())
@@ -556,6 +560,8 @@ def parse_hf_config(
         gated_mlp=model_type != "phi",
         norms_per_layer=4 if model_type in ("gemma2", "gemma3", "gemma3_text") else 2,
         vision_params=_vision_params(cfg),
+        mtp_layers=_int(t, "num_nextn_predict_layers", where=where, default=int(t.get("mtp_num_hidden_layers") or 0)),
+        draft_vocab_size=_int(cfg, "draft_vocab_size", where="") if cfg.get("draft_vocab_size") else None,
         source=source,
         family=family,
         aliases=aliases,
