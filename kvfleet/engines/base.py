@@ -20,6 +20,10 @@ from kvfleet.versions import Version, parse_version
 
 # kvfleet's KV-cache dtype names (kvfleet.sizing.precision.KvDtype values).
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2")
+# kvfleet's speculative-decoding methods (kvfleet.sizing.speculative.SpecMethod values); the first three draft with
+# a checkpoint of their own (an EAGLE head, a smaller model), mtp with the target's own MTP layers.
+SPECULATIVE_METHODS = ("eagle", "eagle3", "draft_model", "mtp", "ngram")
+SPECULATIVE_WITH_MODEL = SPECULATIVE_METHODS[:3]
 
 SignalNames = Mapping[str, tuple[str, ...]]  # contract signal name -> engine metric names, preferred first
 
@@ -42,6 +46,11 @@ class EngineArgs:
     enforce_eager: bool = False  # no CUDA graphs
     kv_cache_memory_bytes: int | None = None  # vLLM: a fixed cache size, skipping the memory profile
     served_model_name: str | None = None
+    # Speculative decoding: a method of SPECULATIVE_METHODS, the drafter's checkpoint (an EAGLE head or a draft
+    # model; none for mtp and ngram) and the tokens drafted per step (mtp: the model's MTP layer count if unset).
+    speculative_method: str | None = None
+    speculative_model: str | None = None
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for f in (
@@ -50,6 +59,7 @@ class EngineArgs:
             "max_num_seqs",
             "max_num_batched_tokens",
             "kv_cache_memory_bytes",
+            "num_speculative_tokens",
         ):
             v = getattr(self, f)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
@@ -64,10 +74,25 @@ class EngineArgs:
         for f in ("enable_prefix_caching", "enforce_eager"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f}: must be true or false, got {getattr(self, f)!r}")
-        for f in ("quantization", "served_model_name"):
+        for f in ("quantization", "served_model_name", "speculative_model"):
             v = getattr(self, f)
             if v is not None and (not isinstance(v, str) or not v):
                 raise ValueError(f"{f}: must be a non-empty string, got {v!r}")
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        method = self.speculative_method
+        if method is None:
+            if self.speculative_model is not None or self.num_speculative_tokens is not None:
+                raise ValueError("speculative_method: must be set with speculative_model or num_speculative_tokens")
+            return
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method: must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")
+        if (method in SPECULATIVE_WITH_MODEL) != (self.speculative_model is not None):
+            need = "needs" if method in SPECULATIVE_WITH_MODEL else "takes no"
+            raise ValueError(f"speculative_model: {method} {need} a draft checkpoint")
+        if method != "mtp" and self.num_speculative_tokens is None:
+            raise ValueError(f"num_speculative_tokens: {method} needs it")
 
     def to_json(self) -> str:
         """Compact JSON without the defaults: what the stacks put in ``contract.ENV_ENGINE_ARGS``."""

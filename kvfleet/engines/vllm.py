@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar
 
 from kvfleet import contract
@@ -37,6 +38,17 @@ _V0_11: SignalNames = {
     **_V0_9,
     _S.INTER_TOKEN_LATENCY.name: ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
 }
+
+
+def speculative_config(args: EngineArgs) -> dict[str, Any]:
+    """--speculative-config (vllm/config/speculative.py SpeculativeConfig): method, model, num_speculative_tokens.
+    mtp names no model (the target's own layers) and may leave the token count to the model's MTP layer count."""
+    out: dict[str, Any] = {"method": args.speculative_method}
+    if args.speculative_model is not None:
+        out["model"] = args.speculative_model
+    if args.num_speculative_tokens is not None:
+        out["num_speculative_tokens"] = args.num_speculative_tokens
+    return out
 
 
 class Vllm(EngineAdapter):
@@ -82,6 +94,8 @@ class Vllm(EngineAdapter):
             out["kv-cache-memory-bytes"] = args.kv_cache_memory_bytes
         if args.served_model_name is not None:
             out["served-model-name"] = args.served_model_name
+        if args.speculative_method is not None:
+            out["speculative-config"] = json.dumps(speculative_config(args), separators=(",", ":"))
         return out
 
     def server_environment(self, version: Version) -> dict[str, str]:
