@@ -107,6 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--block-size", type=_positive_int)
     c.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     c.add_argument("--kv-cache-memory-bytes", type=_positive_int, help="vLLM: fixed cache size, skips profiling")
+    c.add_argument(
+        "--speculative",
+        metavar="METHOD",
+        help="speculative decoding: eagle, eagle3 or draft_model (with --draft-model), mtp (the model's own MTP "
+        "layers), ngram",
+    )
+    c.add_argument("--draft-model", help="the EAGLE head or draft model: catalog id/alias, or a path to config.json")
+    c.add_argument("--num-speculative-tokens", type=_positive_int, help="tokens drafted per step (mtp: its layers)")
     c.add_argument("--json", action="store_true", help="machine-readable output")
 
     di = sub.add_parser(
@@ -327,9 +335,19 @@ def cmd_capacity(a: argparse.Namespace) -> int:
     from kvfleet.sizing.engines import EngineName
     from kvfleet.sizing.hardware import accelerator
     from kvfleet.sizing.precision import kv_dtype
+    from kvfleet.sizing.speculative import Speculative, parse_method
     from kvfleet.sizing.units import GiB
 
     model = resolve_model(a.model)
+    speculative = None
+    if a.speculative is not None:
+        speculative = Speculative(
+            method=parse_method(a.speculative, field="speculative"),
+            draft_model=a.draft_model,
+            num_speculative_tokens=a.num_speculative_tokens,
+        )
+    elif a.draft_model is not None or a.num_speculative_tokens is not None:
+        raise KvfleetError("--draft-model and --num-speculative-tokens need --speculative METHOD", field="speculative")
     acc_name = ""
     if a.gpu:
         acc = accelerator(a.gpu)
@@ -352,6 +370,7 @@ def cmd_capacity(a: argparse.Namespace) -> int:
         block_size=a.block_size,
         enforce_eager=a.enforce_eager,
         kv_cache_memory_bytes=a.kv_cache_memory_bytes,
+        speculative=speculative,
     )
     cap = capacity(model, gpu_memory_bytes=mem, settings=settings, accelerator_name=acc_name)
     if a.json:
@@ -385,6 +404,14 @@ def _print_capacity(cap: Capacity) -> None:
         f"x {util} gpu_memory_utilization" if cap.engine.value == "vllm" else f"fraction {util} of what is free",
     )
     t.add_row("weights", f"{cap.weights_bytes_per_gpu / GiB:.2f} GiB", cap.weights.scheme.description)
+    if cap.drafter is not None:
+        d = cap.drafter
+        t.add_row(
+            "  of which drafter",
+            f"{d.weights_bytes_per_gpu / GiB:.2f} GiB",
+            f"{d.method.value}, {d.num_speculative_tokens} tokens per step"
+            + (f"; reads the target's {' and '.join(d.shares)}" if d.shares else ""),
+        )
     t.add_row(
         "activation peak",
         f"{cap.activation_peak_bytes / GiB:.2f} GiB",
@@ -401,7 +428,9 @@ def _print_capacity(cap: Capacity) -> None:
         "KV bytes / token",
         f"{cap.kv_bytes_per_token_per_gpu:,}",
         ", ".join(
-            f"{g.num_layers} {g.attention.value}" + (f"({g.window_tokens})" if g.window_tokens else "")
+            f"{g.num_layers} {g.attention.value}"
+            + (f"({g.window_tokens})" if g.window_tokens else "")
+            + (" drafter" if g.draft else "")
             for g in cap.kv.groups
         ),
     )

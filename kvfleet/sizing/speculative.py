@@ -113,7 +113,11 @@ def parse_method(text: str, *, field: str = _FIELD + ".method") -> SpecMethod:
         return SpecMethod(text.strip().lower().replace("-", "_"))
     except ValueError:
         names = ", ".join(m.value for m in SpecMethod)
-        raise SizingError(f"unknown speculative method {text!r}; use one of {names}", field=field) from None
+        raise SizingError(
+            f"speculative method {text!r} is not sized here; use one of {names} (vLLM's medusa, mlp_speculator, "
+            "suffix, dflash and dspark drafters are not modelled)",
+            field=field,
+        ) from None
 
 
 def _tokens(target: ModelSpec, spec: Speculative) -> int:
