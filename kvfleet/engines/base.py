@@ -89,8 +89,8 @@ class EngineArgs:
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_method: must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")
         if (method in SPECULATIVE_WITH_MODEL) != (self.speculative_model is not None):
-            need = "needs" if method in SPECULATIVE_WITH_MODEL else "takes no"
-            raise ValueError(f"speculative_model: {method} {need} a draft checkpoint")
+            need = "needs a" if method in SPECULATIVE_WITH_MODEL else "takes no"
+            raise ValueError(f"speculative_model: {method} {need} draft checkpoint")
         if method != "mtp" and self.num_speculative_tokens is None:
             raise ValueError(f"num_speculative_tokens: {method} needs it")
 

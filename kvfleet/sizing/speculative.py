@@ -186,8 +186,7 @@ def _eagle(target: ModelSpec, head: ModelSpec, method: SpecMethod, tp: int) -> t
     if method is SpecMethod.EAGLE:
         if h != target.hidden_size:
             raise SizingError(
-                f"an EAGLE-1 head reads the target's hidden states: its hidden_size {h} must be "
-                f"{target.hidden_size}",
+                f"an EAGLE-1 head reads the target's hidden states: its hidden_size {h} must be {target.hidden_size}",
                 field=_FIELD + ".draft_model",
             )
         fc = 2 * h * h * _UNQUANTIZED_BYTES

@@ -23,6 +23,9 @@ FULL = EngineArgs(
     enforce_eager=True,
     kv_cache_memory_bytes=4 << 30,
     served_model_name="chat",
+    speculative_method="eagle3",
+    speculative_model="yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
+    num_speculative_tokens=3,
 )
 
 
