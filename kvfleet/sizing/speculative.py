@@ -83,6 +83,7 @@ class Drafter:
 
     method: SpecMethod
     num_speculative_tokens: int
+    draft_ref: str | None  # the reference the drafter was named by (what the engine loads)
     model: ModelSpec | None  # the drafter's layers as a model; None for ngram
     weights_bytes_per_gpu: int
     shares: tuple[str, ...]  # the target's weights it reads instead of its own
@@ -249,6 +250,7 @@ def resolve_drafter(
         return Drafter(
             method=method,
             num_speculative_tokens=k,
+            draft_ref=None,
             model=None,
             weights_bytes_per_gpu=0,
             shares=(),
@@ -306,6 +308,7 @@ def resolve_drafter(
     return Drafter(
         method=method,
         num_speculative_tokens=k,
+        draft_ref=spec.draft_model,
         model=draft,
         weights_bytes_per_gpu=weights,
         shares=shares,
