@@ -525,6 +525,7 @@ def _drafter_notes(d: Drafter) -> list[str]:
             f"a decoding request holds {d.extra_slots_per_request} slots past its next token (drafts and "
             "lookahead), capped at max_model_len"
         )
+    out.append("the speed model does not price drafting or credit accepted tokens: throughput is as without it")
     return [*out, *d.notes]
 
 
