@@ -681,3 +681,22 @@ def test_plan_states_the_binding_limit(capsys: pytest.CaptureFixture[str]) -> No
         assert b["kv_ceiling"] == pytest.approx(min(1.0, ceiling), abs=1e-4)
     code, out, _ = run(capsys, *PLAN_8B)
     assert code == 0 and "binding limit at the planned load: " in out
+
+
+def test_capacity_speculative_mtp(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ("capacity", "--model", "deepseek-ai/DeepSeek-V3", "--gpu", "H200", "--tp", "8")
+    plain = run_json(capsys, *argv)
+    cap = run_json(capsys, *argv, "--speculative", "mtp")
+    assert plain["speculative"] is None
+    spec = cap["speculative"]
+    assert (spec["method"], spec["num_speculative_tokens"], spec["kv_layers"]) == ("mtp", 1, 1)
+    assert cap["kv_bytes_per_token_per_gpu"] == plain["kv_bytes_per_token_per_gpu"] + 1152  # one more MLA latent
+    assert cap["kv_cache_tokens"] < plain["kv_cache_tokens"]
+    assert cap["kv_groups"][-1]["draft"] is True
+
+
+def test_capacity_speculative_bad_input_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "capacity", "--model", LLAMA_8B, "--gpu", "H100", "--speculative", "eagle3")
+    assert code == 2 and err.count("\n") == 1 and "num_speculative_tokens" in err
+    code, _, err = run(capsys, "capacity", "--model", LLAMA_8B, "--gpu", "H100", "--draft-model", LLAMA_8B)
+    assert code == 2 and "--speculative METHOD" in err

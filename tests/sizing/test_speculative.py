@@ -229,3 +229,15 @@ def test_unknown_method_names_the_supported_ones() -> None:
     assert parse_method("draft-model") is SpecMethod.DRAFT_MODEL
     with pytest.raises(SizingError, match=r"medusa.*not modelled"):
         parse_method("medusa")
+
+
+def test_eagle1_head_reads_the_targets_embedding_and_lm_head() -> None:
+    """vLLM builds EagleLlamaForCausalLM (llama_eagle.py) from a one-layer llama config: one decoder layer over h
+    inputs, fc 2 h -> h replicated, no lm_head (the target's). The 70B EAGLE-3 config stands in for a head."""
+    spec = Speculative(method=SpecMethod.EAGLE, draft_model=LLAMA3_70B_EAGLE3, num_speculative_tokens=3)
+    d = _drafter("meta-llama/Llama-3.3-70B-Instruct", spec, tp=2)
+    h, heads, kv, hd, inter = 8192, 64, 8, 128, 28672
+    layer = (h * (heads + 2 * kv) * hd + heads * hd * h + 3 * h * inter) // 2 + 3 * h
+    assert d.weights_bytes_per_gpu == 2 * (layer + 2 * h * h)
+    assert d.shares == ("embedding", "lm_head")
+    assert d.kv_bytes_per_token_per_gpu == 2 * (kv // 2) * hd * 2
