@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from kvfleet.sim.policy import Outcome
     from kvfleet.sizing.capacity import Capacity
     from kvfleet.sizing.planner import Candidate, Measured, Plan, PlanRequest, Workload
+    from kvfleet.sizing.speculative import Speculative
     from kvfleet.workload.traces import Trace
 
 EXIT_USAGE = 2
@@ -86,6 +87,33 @@ def _fraction(text: str) -> float:
     return v
 
 
+def _speculative_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--speculative",
+        metavar="METHOD",
+        help="speculative decoding: eagle, eagle3 or draft_model (with --draft-model), mtp (the model's own MTP "
+        "layers), ngram",
+    )
+    p.add_argument("--draft-model", help="the EAGLE head or draft model: catalog id/alias, or a path to config.json")
+    p.add_argument("--num-speculative-tokens", type=_positive_int, help="tokens drafted per step (mtp: its layers)")
+
+
+def _speculative(a: argparse.Namespace) -> Speculative | None:
+    from kvfleet.sizing.speculative import Speculative, parse_method
+
+    if a.speculative is None:
+        if a.draft_model is not None or a.num_speculative_tokens is not None:
+            raise KvfleetError(
+                "--draft-model and --num-speculative-tokens need --speculative METHOD", field="speculative"
+            )
+        return None
+    return Speculative(
+        method=parse_method(a.speculative, field="speculative"),
+        draft_model=a.draft_model,
+        num_speculative_tokens=a.num_speculative_tokens,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="kvfleet", description="Size, plan and deploy LLM serving on AWS.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -107,14 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--block-size", type=_positive_int)
     c.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     c.add_argument("--kv-cache-memory-bytes", type=_positive_int, help="vLLM: fixed cache size, skips profiling")
-    c.add_argument(
-        "--speculative",
-        metavar="METHOD",
-        help="speculative decoding: eagle, eagle3 or draft_model (with --draft-model), mtp (the model's own MTP "
-        "layers), ngram",
-    )
-    c.add_argument("--draft-model", help="the EAGLE head or draft model: catalog id/alias, or a path to config.json")
-    c.add_argument("--num-speculative-tokens", type=_positive_int, help="tokens drafted per step (mtp: its layers)")
+    _speculative_flags(c)
     c.add_argument("--json", action="store_true", help="machine-readable output")
 
     di = sub.add_parser(
@@ -147,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--instance-type", action="append", default=[], help="only this instance type (repeatable)")
     pl.add_argument("--region")
     pl.add_argument("--max-usd-per-hour", type=_positive_float, help="fleet price ceiling")
+    _speculative_flags(pl)  # without an environment file (a deployment's speculative section there)
     pl.add_argument("--top", type=_positive_int, default=5, help="candidates to show (default 5)")
     pl.add_argument("--rejections", action="store_true", help="list every rejected candidate")
     pl.add_argument(
@@ -335,19 +357,10 @@ def cmd_capacity(a: argparse.Namespace) -> int:
     from kvfleet.sizing.engines import EngineName
     from kvfleet.sizing.hardware import accelerator
     from kvfleet.sizing.precision import kv_dtype
-    from kvfleet.sizing.speculative import Speculative, parse_method
     from kvfleet.sizing.units import GiB
 
     model = resolve_model(a.model)
-    speculative = None
-    if a.speculative is not None:
-        speculative = Speculative(
-            method=parse_method(a.speculative, field="speculative"),
-            draft_model=a.draft_model,
-            num_speculative_tokens=a.num_speculative_tokens,
-        )
-    elif a.draft_model is not None or a.num_speculative_tokens is not None:
-        raise KvfleetError("--draft-model and --num-speculative-tokens need --speculative METHOD", field="speculative")
+    speculative = _speculative(a)
     acc_name = ""
     if a.gpu:
         acc = accelerator(a.gpu)
@@ -488,6 +501,7 @@ def _request_from_flags(a: argparse.Namespace) -> PlanRequest:
         instance_types=tuple(a.instance_type),
         region=a.region,
         max_fleet_usd_per_hour=a.max_usd_per_hour,
+        speculative=_speculative(a),
     )
 
 
@@ -616,6 +630,8 @@ def cmd_plan(a: argparse.Namespace) -> int:
 
         measured = (read_calibration(a.calibration).measured(a.calibration),)
     scalings: list[dict[str, Any] | None]
+    if a.environment and a.speculative is not None:
+        raise KvfleetError("set speculative in the environment file's deployment", field="speculative")
     if a.environment:
         results, scalings = _plan_environment(a.environment, measured=measured, derive=a.derive, standby=a.standby)
     else:

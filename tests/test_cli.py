@@ -700,3 +700,15 @@ def test_capacity_speculative_bad_input_is_one_line(capsys: pytest.CaptureFixtur
     assert code == 2 and err.count("\n") == 1 and "num_speculative_tokens" in err
     code, _, err = run(capsys, "capacity", "--model", LLAMA_8B, "--gpu", "H100", "--draft-model", LLAMA_8B)
     assert code == 2 and "--speculative METHOD" in err
+
+
+def test_plan_flags_carry_the_drafter_to_the_engine(capsys: pytest.CaptureFixture[str]) -> None:
+    out = json.dumps(
+        run_json(
+            capsys,
+            *("plan", "--model", LLAMA_8B, "--max-input-tokens", "4096", "--max-output-tokens", "1024"),
+            *("--concurrency", "16", "--platform", "ec2", "--top", "1", "--json"),
+            *("--speculative", "ngram", "--num-speculative-tokens", "3"),
+        )
+    )
+    assert '"speculative-config": "{\\"method\\":\\"ngram\\",\\"num_speculative_tokens\\":3}"' in out

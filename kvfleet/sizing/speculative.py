@@ -222,6 +222,15 @@ def _mtp_layers(target: ModelSpec, scheme: WeightScheme, tp: int) -> tuple[Model
     return layers, body + eh_proj + norms
 
 
+def _lookahead(method: SpecMethod, k: int, engine: EngineName) -> int:
+    if engine is EngineName.TRTLLM:
+        # One-model EAGLE-3 and MTP reserve num_extra_kv_tokens = max_draft_len - 1 per sequence (TensorRT-LLM
+        # tests/unittest/_torch/speculative/test_eagle3.py, test_kv_lens_runtime_with_eagle3_one_model; a later
+        # release than 1.0.0, not checked there); two-model drafters keep their own cache.
+        return k - 1 if method in (SpecMethod.EAGLE3, SpecMethod.MTP) else 0
+    return k  # vLLM config/vllm.py num_lookahead_tokens: eagle, eagle3, mtp and draft_model
+
+
 def resolve_drafter(
     target: ModelSpec,
     spec: Speculative,
@@ -313,7 +322,7 @@ def resolve_drafter(
         weights_bytes_per_gpu=weights,
         shares=shares,
         kv_groups=groups,
-        lookahead_tokens=k,
+        lookahead_tokens=_lookahead(method, k, engine),
         new_slots_for_drafting=1 if method is SpecMethod.DRAFT_MODEL else 0,
         activation_peak_bytes=max(0, forward - c.workspace_bytes),
         hidden_state_bytes=hidden_copies * max_num_batched_tokens * target.hidden_size * a,
