@@ -396,6 +396,13 @@ def capacity(
         # Its layers join the target's pool; its forward follows the target's in the profile run, reading the
         # target's hidden states (see sizing/speculative.py).
         kv = replace(kv, groups=kv.groups + drafter.kv_groups)
+        # The dummy sampler run then runs the rejection sampler over one draft per request (gpu_model_runner.py
+        # _dummy_sampler_run): bf16 logits of twice the rows (4 B per request's logit) stay alive while it samples
+        # the bonus tokens through the same sort path as the sampler (v1/sample/rejection_sampler.py forward).
+        spec_constants = replace(ACTIVATIONS, sampler_bytes_per_logit=ACTIVATIONS.sampler_bytes_per_logit + 4)
+        act = activation_peak_bytes(
+            model, tp=tp, max_num_batched_tokens=k.batched, max_num_seqs=k.max_seqs, constants=spec_constants
+        )
         act = max(act, drafter.activation_peak_bytes + ACTIVATIONS.workspace_bytes) + drafter.hidden_state_bytes
         graphs += 0 if s.enforce_eager else drafter.cuda_graph_bytes
         drafter_weights = drafter.weights_bytes_per_gpu

@@ -10,7 +10,8 @@ vLLM 0.32.0, read in its source:
   when the draft's heads or head size differ), so every block costs the target's and the drafter's bytes.
 * Weights the drafter borrows (llm_base_proposer.py ``_maybe_share_embeddings`` / ``_maybe_share_lm_head``):
   EAGLE heads and MTP layers read the target's embedding (an EAGLE checkpoint's own copy is dropped when it
-  equals the target's or is absent; a draft whose hidden size differs keeps its own). EAGLE-1 heads
+  equals the target's or is absent; a draft whose hidden size differs keeps its own; a head shipping a distinct
+  copy keeps it too, which config.json cannot tell: it is taken as shared). EAGLE-1 heads
   (models/llama_eagle.py) have no lm_head and use the target's; EAGLE-3 heads (models/llama_eagle3.py) carry
   their own over ``draft_vocab_size`` rows; MTP layers share the target's (``shared_head.head``). A separate
   draft model shares nothing (v1/spec_decode/draft_model.py), must run at the target's tensor parallelism and
@@ -28,8 +29,9 @@ vLLM 0.32.0, read in its source:
   model; vLLM refuses max_num_batched_tokens at or below it (config/vllm.py ``_set_max_num_scheduled_tokens``).
 * The memory profile runs the drafter after the target in the same dummy run (gpu_model_runner.py
   ``_dummy_run``: ``self.drafter.dummy_run(num_tokens, ...)``), over the same token count; the target's hidden
-  states the drafter reads (three layers' for EAGLE-3) stay alive through it. CUDA graphs are captured for the
-  drafter too (PIECEWISE).
+  states the drafter reads (three layers' for EAGLE-3) stay alive through it; the dummy sampler run adds a
+  rejection-sampler pass over one draft per request, holding twice the rows of bf16 logits while it samples
+  (v1/sample/rejection_sampler.py). CUDA graphs are captured for the drafter too (PIECEWISE).
 
 TensorRT-LLM's PyTorch backend (``speculative_config`` in the LLM-API options: decoding_type Eagle with
 ``eagle3_one_model``, MTP, NGram, DraftTarget) keeps one-model drafter layers in the target's KV-cache manager

@@ -200,11 +200,15 @@ def test_draft_model_leaves_a_token_per_step() -> None:
     assert err.value.field == "max_num_batched_tokens"
 
 
-def test_ngram_adds_no_memory() -> None:
+def test_ngram_adds_no_weights_or_kv_layers() -> None:
     spec = Speculative(method=SpecMethod.NGRAM, num_speculative_tokens=3)
     base = _cap("meta-llama/Llama-3.1-8B", None)
     cap = _cap("meta-llama/Llama-3.1-8B", spec)
-    assert (cap.kv_cache_tokens, cap.weights_bytes_per_gpu) == (base.kv_cache_tokens, base.weights_bytes_per_gpu)
+    assert cap.weights_bytes_per_gpu == base.weights_bytes_per_gpu
+    assert cap.kv_bytes_per_token_per_gpu == base.kv_bytes_per_token_per_gpu
+    # Only the profile's rejection-sampler pass: 4 B more per logit of the sampler's rows (1024 x 128,256 here).
+    rows, vocab = min(cap.max_num_seqs, cap.max_num_batched_tokens), 128_256
+    assert cap.activation_peak_bytes - base.activation_peak_bytes == pytest.approx(rows * vocab * 4, rel=0.01)
 
 
 # ---- slots -------------------------------------------------------------------------------------------------
