@@ -53,7 +53,8 @@ def engine_args(c: Candidate) -> EngineArgs:
         enable_prefix_caching=True,
         # The drafter the plan sized, with the token count it resolved (mtp: the model's layer count).
         speculative_method=None if d is None else d.method.value,
-        speculative_model=None if d is None else d.draft_ref,
+        # The checkpoint the engine downloads: the drafter's Hugging Face id (catalog id or _name_or_path).
+        speculative_model=None if d is None or d.draft_ref is None or d.model is None else d.model.model_id,
         num_speculative_tokens=None if d is None else d.num_speculative_tokens,
     )
 
@@ -352,6 +353,16 @@ def resolve(env: Environment, dr: DeploymentRequest) -> ResolvedDeployment:
             field=f"deployments[{dr.index}].model.id",
         )
     ckpt = weight_bytes(dr.model, tp=1, scheme=dr.model.native_scheme).weights_bytes_per_gpu
+    drafter = result.best.capacity.drafter
+    if drafter is not None and drafter.draft_ref is not None and drafter.model is not None:
+        # An EAGLE head or draft model is a checkpoint of its own: downloaded by its id and read at start-up.
+        if "/" not in drafter.model.model_id:  # as for model.id: a local config.json without _name_or_path
+            raise KvfleetError(
+                f"{drafter.draft_ref!r} names no Hugging Face id, so the engine cannot download it: use a catalog id, "
+                "or a config.json whose _name_or_path is the checkpoint's id",
+                field=f"deployments[{dr.index}].speculative.draft_model",
+            )
+        ckpt += weight_bytes(drafter.model, tp=1, scheme=drafter.model.native_scheme).weights_bytes_per_gpu
     r = ResolvedDeployment(
         environment=env,
         deployment=d,

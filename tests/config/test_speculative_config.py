@@ -4,6 +4,7 @@ engine's own settings."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -36,6 +37,8 @@ def test_a_draft_model_costs_cache() -> None:
     [r] = resolve_environment(environment(text))
     assert r.candidate.capacity.kv_cache_tokens < plain.candidate.capacity.kv_cache_tokens
     assert r.engine_args.speculative_model == "meta-llama/Llama-3.2-1B-Instruct"
+    # The draft model is downloaded and read too: 1.24B parameters in bf16.
+    assert (r.checkpoint_bytes - plain.checkpoint_bytes) / 2**30 == pytest.approx(2.3, abs=0.1)
 
 
 @pytest.mark.parametrize(
@@ -56,3 +59,14 @@ def test_mtp_on_a_model_without_mtp_layers_names_the_field() -> None:
     with pytest.raises(KvfleetError, match="ships no MTP layers") as err:
         resolve_environment(environment(SAGEMAKER_ENV + "    speculative:\n      method: mtp\n"))
     assert "speculative.method" in str(err.value)
+
+
+def test_a_drafter_named_by_a_local_config_cannot_be_deployed() -> None:
+    head = Path(__file__).resolve().parents[1] / "fixtures" / "hf_configs" / "specforge-qwen3-32b-eagle3"
+    text = (
+        SAGEMAKER_ENV.replace("meta-llama/Llama-3.1-8B", "Qwen/Qwen3-32B").replace("g6e.xlarge", "g6e.12xlarge")
+        + f"    speculative:\n      method: eagle3\n      draft_model: {head}\n      num_speculative_tokens: 3\n"
+    )
+    with pytest.raises(KvfleetError, match="names no Hugging Face id") as err:
+        resolve_environment(environment(text))
+    assert "speculative.draft_model" in str(err.value)
