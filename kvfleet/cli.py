@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from kvfleet.sim.policy import Outcome
     from kvfleet.sizing.capacity import Capacity
     from kvfleet.sizing.planner import Candidate, Measured, Plan, PlanRequest, Workload
+    from kvfleet.sizing.speculative import Speculative
     from kvfleet.workload.traces import Trace
 
 EXIT_USAGE = 2
@@ -105,6 +106,33 @@ def _fraction(text: str) -> float:
     return v
 
 
+def _speculative_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--speculative",
+        metavar="METHOD",
+        help="speculative decoding: eagle, eagle3 or draft_model (with --draft-model), mtp (the model's own MTP "
+        "layers), ngram",
+    )
+    p.add_argument("--draft-model", help="the EAGLE head or draft model: catalog id/alias, or a path to config.json")
+    p.add_argument("--num-speculative-tokens", type=_positive_int, help="tokens drafted per step (mtp: its layers)")
+
+
+def _speculative(a: argparse.Namespace) -> Speculative | None:
+    from kvfleet.sizing.speculative import Speculative, parse_method
+
+    if a.speculative is None:
+        if a.draft_model is not None or a.num_speculative_tokens is not None:
+            raise KvfleetError(
+                "--draft-model and --num-speculative-tokens need --speculative METHOD", field="speculative"
+            )
+        return None
+    return Speculative(
+        method=parse_method(a.speculative, field="speculative"),
+        draft_model=a.draft_model,
+        num_speculative_tokens=a.num_speculative_tokens,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="kvfleet", description="Size, plan and deploy LLM serving on AWS.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -150,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--mm-max-pixels", type=_positive_int, help="vLLM --mm-processor-kwargs max_pixels: Qwen-VL's largest image"
     )
+    _speculative_flags(c)
     c.add_argument("--json", action="store_true", help="machine-readable output")
 
     di = sub.add_parser(
@@ -182,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--instance-type", action="append", default=[], help="only this instance type (repeatable)")
     pl.add_argument("--region")
     pl.add_argument("--max-usd-per-hour", type=_positive_float, help="fleet price ceiling")
+    _speculative_flags(pl)  # without an environment file (a deployment's speculative section there)
     pl.add_argument("--top", type=_positive_int, default=5, help="candidates to show (default 5)")
     pl.add_argument("--rejections", action="store_true", help="list every rejected candidate")
     pl.add_argument(
@@ -373,6 +403,7 @@ def cmd_capacity(a: argparse.Namespace) -> int:
     from kvfleet.sizing.units import GiB
 
     model = resolve_model(a.model)
+    speculative = _speculative(a)
     acc_name = ""
     if a.gpu:
         acc = accelerator(a.gpu)
@@ -400,6 +431,7 @@ def cmd_capacity(a: argparse.Namespace) -> int:
         limit_mm_per_prompt=a.limit_mm_per_prompt,
         mm_encoder_tp_mode=a.mm_encoder_tp_mode,
         mm_max_pixels=a.mm_max_pixels,
+        speculative=speculative,
     )
     cap = capacity(model, gpu_memory_bytes=mem, settings=settings, accelerator_name=acc_name)
     if a.json:
@@ -433,6 +465,14 @@ def _print_capacity(cap: Capacity) -> None:
         f"x {util} gpu_memory_utilization" if cap.engine.value == "vllm" else f"fraction {util} of what is free",
     )
     t.add_row("weights", f"{cap.weights_bytes_per_gpu / GiB:.2f} GiB", cap.weights.scheme.description)
+    if cap.drafter is not None:
+        d = cap.drafter
+        t.add_row(
+            "  of which drafter",
+            f"{d.weights_bytes_per_gpu / GiB:.2f} GiB",
+            f"{d.method.value}, {d.num_speculative_tokens} tokens per step"
+            + (f"; reads the target's {' and '.join(d.shares)}" if d.shares else ""),
+        )
     t.add_row(
         "activation peak",
         f"{cap.activation_peak_bytes / GiB:.2f} GiB",
@@ -459,7 +499,9 @@ def _print_capacity(cap: Capacity) -> None:
         "KV bytes / token",
         f"{cap.kv_bytes_per_token_per_gpu:,}",
         ", ".join(
-            f"{g.num_layers} {g.attention.value}" + (f"({g.window_tokens})" if g.window_tokens else "")
+            f"{g.num_layers} {g.attention.value}"
+            + (f"({g.window_tokens})" if g.window_tokens else "")
+            + (" drafter" if g.draft else "")
             for g in cap.kv.groups
         ),
     )
@@ -524,6 +566,7 @@ def _request_from_flags(a: argparse.Namespace) -> PlanRequest:
         instance_types=tuple(a.instance_type),
         region=a.region,
         max_fleet_usd_per_hour=a.max_usd_per_hour,
+        speculative=_speculative(a),
     )
 
 
@@ -652,6 +695,8 @@ def cmd_plan(a: argparse.Namespace) -> int:
 
         measured = (read_calibration(a.calibration).measured(a.calibration),)
     scalings: list[dict[str, Any] | None]
+    if a.environment and a.speculative is not None:
+        raise KvfleetError("set speculative in the environment file's deployment", field="speculative")
     if a.environment:
         results, scalings = _plan_environment(a.environment, measured=measured, derive=a.derive, standby=a.standby)
     else:

@@ -22,7 +22,8 @@ from kvfleet.sizing.engines import EngineName
 from kvfleet.sizing.memory import weight_bytes
 from kvfleet.sizing.models import ModelSpec
 from kvfleet.sizing.planner import Admission, Candidate, PlanRequest, Workload, admission, plan
-from kvfleet.sizing.precision import kv_dtype
+from kvfleet.sizing.precision import KvDtype, kv_dtype
+from kvfleet.sizing.speculative import SpecMethod, Speculative, resolve_drafter
 from kvfleet.sizing.startup import StartupEstimate, startup_estimate
 from kvfleet.sizing.units import GiB
 
@@ -40,6 +41,7 @@ def engine_args(c: Candidate) -> EngineArgs:
     """The settings that admit exactly what the plan sized: ``max_num_seqs`` is the concurrency that fits (not
     the engine default), ``max_model_len`` the workload's longest sequence."""
     cap = c.capacity
+    d = cap.drafter
     return EngineArgs(
         tensor_parallel_size=c.tensor_parallel_size,
         max_model_len=cap.max_model_len,
@@ -49,6 +51,11 @@ def engine_args(c: Candidate) -> EngineArgs:
         kv_cache_dtype=c.kv_cache_dtype.value,
         quantization=c.online_quantization,
         enable_prefix_caching=True,
+        # The drafter the plan sized, with the token count it resolved (mtp: the model's layer count).
+        speculative_method=None if d is None else d.method.value,
+        # The checkpoint the engine downloads: the drafter's Hugging Face id (catalog id or _name_or_path).
+        speculative_model=None if d is None or d.draft_ref is None or d.model is None else d.model.model_id,
+        num_speculative_tokens=None if d is None else d.num_speculative_tokens,
     )
 
 
@@ -106,6 +113,7 @@ PLANNER_FIELDS: dict[str, str] = {
     "max_model_len": "workload.max_input_tokens",
     "model": "model.id",
     **{f"workload.{k}": f"workload.{k}" for k in _WORKLOAD_KEYS},
+    **{f"speculative.{k}": f"speculative.{k}" for k in ("method", "draft_model", "num_speculative_tokens")},
 }
 
 
@@ -166,7 +174,28 @@ def _request(env: Environment, d: Deployment, model: ModelSpec) -> PlanRequest:
         gpu_memory_utilization=d.sizing.gpu_memory_utilization,
         min_replicas=max(1, d.scaling.min_replicas),
         max_replicas=d.scaling.max_replicas,
+        speculative=_speculative(d, model),
     )
+
+
+def _speculative(d: Deployment, model: ModelSpec) -> Speculative | None:
+    """The deployment's drafter, checked once against its model (the planner sizes it per candidate)."""
+    s = d.speculative
+    if s is None:
+        return None
+    spec = Speculative(
+        method=SpecMethod(s.method), draft_model=s.draft_model, num_speculative_tokens=s.num_speculative_tokens
+    )
+    resolve_drafter(  # a drafter that fits no tensor parallelism fails here, naming the field, not per candidate
+        model,
+        spec,
+        tp=1,
+        kv_dtype=KvDtype.AUTO,
+        target_scheme=model.native_scheme,
+        max_num_batched_tokens=1,
+        engine=EngineName(d.engine.name),
+    )
+    return spec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -324,6 +353,16 @@ def resolve(env: Environment, dr: DeploymentRequest) -> ResolvedDeployment:
             field=f"deployments[{dr.index}].model.id",
         )
     ckpt = weight_bytes(dr.model, tp=1, scheme=dr.model.native_scheme).weights_bytes_per_gpu
+    drafter = result.best.capacity.drafter
+    if drafter is not None and drafter.draft_ref is not None and drafter.model is not None:
+        # An EAGLE head or draft model is a checkpoint of its own: downloaded by its id and read at start-up.
+        if "/" not in drafter.model.model_id:  # as for model.id: a local config.json without _name_or_path
+            raise KvfleetError(
+                f"{drafter.draft_ref!r} names no Hugging Face id, so the engine cannot download it: use a catalog id, "
+                "or a config.json whose _name_or_path is the checkpoint's id",
+                field=f"deployments[{dr.index}].speculative.draft_model",
+            )
+        ckpt += weight_bytes(drafter.model, tp=1, scheme=drafter.model.native_scheme).weights_bytes_per_gpu
     r = ResolvedDeployment(
         environment=env,
         deployment=d,

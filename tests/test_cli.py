@@ -695,3 +695,34 @@ def test_capacity_of_a_gated_delta_net_hybrid(capsys: pytest.CaptureFixture[str]
     off = run_json(capsys, *base, "--no-prefix-caching", "--mamba-ssm-cache-dtype", "float32")
     assert off["state_layers"]["pages_per_request"] == 1
     assert off["state_layers"]["bytes_per_layer"] == 3 * 2048 * 2 + 8 * 128 * 128 * 4
+
+
+def test_capacity_speculative_mtp(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ("capacity", "--model", "deepseek-ai/DeepSeek-V3", "--gpu", "H200", "--tp", "8")
+    plain = run_json(capsys, *argv)
+    cap = run_json(capsys, *argv, "--speculative", "mtp")
+    assert plain["speculative"] is None
+    spec = cap["speculative"]
+    assert (spec["method"], spec["num_speculative_tokens"], spec["kv_layers"]) == ("mtp", 1, 1)
+    assert cap["kv_bytes_per_token_per_gpu"] == plain["kv_bytes_per_token_per_gpu"] + 1152  # one more MLA latent
+    assert cap["kv_cache_tokens"] < plain["kv_cache_tokens"]
+    assert cap["kv_groups"][-1]["draft"] is True
+
+
+def test_capacity_speculative_bad_input_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "capacity", "--model", LLAMA_8B, "--gpu", "H100", "--speculative", "eagle3")
+    assert code == 2 and err.count("\n") == 1 and "num_speculative_tokens" in err
+    code, _, err = run(capsys, "capacity", "--model", LLAMA_8B, "--gpu", "H100", "--draft-model", LLAMA_8B)
+    assert code == 2 and "--speculative METHOD" in err
+
+
+def test_plan_flags_carry_the_drafter_to_the_engine(capsys: pytest.CaptureFixture[str]) -> None:
+    out = json.dumps(
+        run_json(
+            capsys,
+            *("plan", "--model", LLAMA_8B, "--max-input-tokens", "4096", "--max-output-tokens", "1024"),
+            *("--concurrency", "16", "--platform", "ec2", "--top", "1", "--json"),
+            *("--speculative", "ngram", "--num-speculative-tokens", "3"),
+        )
+    )
+    assert '"speculative-config": "{\\"method\\":\\"ngram\\",\\"num_speculative_tokens\\":3}"' in out

@@ -494,6 +494,36 @@ class ServingConfig(Frozen):
         return self.tenant_header is not None
 
 
+class SpeculativeConfig(Frozen):
+    """Speculative decoding: a drafter proposes tokens the model verifies in one step (sized by
+    kvfleet.sizing.speculative: its weights, its KV layers in the model's cache, its lookahead slots)."""
+
+    method: Literal["eagle", "eagle3", "mtp", "draft_model", "ngram"] = Field(
+        description=(
+            "eagle / eagle3: an EAGLE head (draft_model); mtp: the model's own multi-token-prediction layers "
+            "(DeepSeek-V3/R1); draft_model: a smaller model with the same tokenizer; ngram: prompt lookup, no weights."
+        )
+    )
+    draft_model: str | None = Field(
+        default=None,
+        description="The EAGLE head or draft model, as model.id: catalog id or alias, or a path to its config.json.",
+    )
+    num_speculative_tokens: Int | None = Field(
+        default=None, ge=1, description="Tokens drafted per step. Default for mtp: the model's MTP layer count."
+    )
+
+    @model_validator(mode="after")
+    def _complete(self) -> SpeculativeConfig:
+        with_model = self.method in ("eagle", "eagle3", "draft_model")
+        if with_model and self.draft_model is None:
+            raise ValueError(f"draft_model: {self.method} needs the head or model that drafts; name it")
+        if not with_model and self.draft_model is not None:
+            raise ValueError(f"draft_model: {self.method} drafts without one; remove it")
+        if self.method != "mtp" and self.num_speculative_tokens is None:
+            raise ValueError(f"num_speculative_tokens: {self.method} needs it (3 to 5 is usual)")
+        return self
+
+
 class Deployment(Frozen):
     name: str = Field(
         pattern=r"^[a-z]([a-z0-9-]{0,29}[a-z0-9])?$",
@@ -507,6 +537,7 @@ class Deployment(Frozen):
     sizing: SizingConfig = Field(default_factory=SizingConfig)
     image: ImageConfig = Field(default_factory=ImageConfig)
     serving: ServingConfig = Field(default_factory=ServingConfig)
+    speculative: SpeculativeConfig | None = Field(default=None, description="Speculative decoding. Default: none.")
 
     @model_validator(mode="after")
     def _consistent(self) -> Deployment:

@@ -20,6 +20,10 @@ from kvfleet.versions import Version, parse_version
 
 # kvfleet's KV-cache dtype names (kvfleet.sizing.precision.KvDtype values).
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2")
+# kvfleet's speculative-decoding methods (kvfleet.sizing.speculative.SpecMethod values); the first three draft with
+# a checkpoint of their own (an EAGLE head, a smaller model), mtp with the target's own MTP layers.
+SPECULATIVE_METHODS = ("eagle", "eagle3", "draft_model", "mtp", "ngram")
+SPECULATIVE_WITH_MODEL = SPECULATIVE_METHODS[:3]
 
 SignalNames = Mapping[str, tuple[str, ...]]  # contract signal name -> engine metric names, preferred first
 
@@ -47,6 +51,11 @@ class EngineArgs:
     limit_mm_per_prompt: tuple[tuple[str, int], ...] = ()
     mm_encoder_tp_mode: str | None = None  # vLLM --mm-encoder-tp-mode: weights (sharded) or data (replicated)
     mm_max_pixels: int | None = None  # vLLM --mm-processor-kwargs {"max_pixels": N} (Qwen-VL's largest image)
+    # Speculative decoding: a method of SPECULATIVE_METHODS, the drafter's checkpoint (an EAGLE head or a draft
+    # model; none for mtp and ngram) and the tokens drafted per step (mtp: the model's MTP layer count if unset).
+    speculative_method: str | None = None
+    speculative_model: str | None = None
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for f in (
@@ -56,6 +65,7 @@ class EngineArgs:
             "max_num_batched_tokens",
             "kv_cache_memory_bytes",
             "mm_max_pixels",
+            "num_speculative_tokens",
         ):
             v = getattr(self, f)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
@@ -70,7 +80,7 @@ class EngineArgs:
         for f in ("enable_prefix_caching", "enforce_eager"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f}: must be true or false, got {getattr(self, f)!r}")
-        for f in ("quantization", "served_model_name"):
+        for f in ("quantization", "served_model_name", "speculative_model"):
             v = getattr(self, f)
             if v is not None and (not isinstance(v, str) or not v):
                 raise ValueError(f"{f}: must be a non-empty string, got {v!r}")
@@ -80,6 +90,21 @@ class EngineArgs:
                 raise ValueError(f"limit_mm_per_prompt: expected modality: count (count >= 0), got {pair!r}")
         if self.mm_encoder_tp_mode not in (None, "weights", "data"):
             raise ValueError(f"mm_encoder_tp_mode: must be weights or data, got {self.mm_encoder_tp_mode!r}")
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        method = self.speculative_method
+        if method is None:
+            if self.speculative_model is not None or self.num_speculative_tokens is not None:
+                raise ValueError("speculative_method: must be set with speculative_model or num_speculative_tokens")
+            return
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method: must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")
+        if (method in SPECULATIVE_WITH_MODEL) != (self.speculative_model is not None):
+            need = "needs a" if method in SPECULATIVE_WITH_MODEL else "takes no"
+            raise ValueError(f"speculative_model: {method} {need} draft checkpoint")
+        if method != "mtp" and self.num_speculative_tokens is None:
+            raise ValueError(f"num_speculative_tokens: {method} needs it")
 
     def to_json(self) -> str:
         """Compact JSON without the defaults: what the stacks put in ``contract.ENV_ENGINE_ARGS``."""

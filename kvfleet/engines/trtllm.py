@@ -30,6 +30,33 @@ _V0_0: SignalNames = {
 OBSERVABILITY_OPTIONS: dict[str, Any] = {"return_perf_metrics": True, "enable_iter_perf_stats": True}
 
 
+# speculative_config's decoding_type per method (tensorrt_llm/llmapi/llm_args.py: EagleDecodingConfig,
+# MTPDecodingConfig, NGramDecodingConfig, DraftTargetDecodingConfig; docs/source/features/speculative-decoding.md:
+# "decoding_type: Eagle" and "speculative_model_dir", the 1.0 spellings later releases keep as aliases). The
+# PyTorch backend runs EAGLE-3 heads only, in the target's model ("eagle3_one_model").
+_DECODING_TYPES = {"eagle3": "Eagle", "mtp": "MTP", "ngram": "NGram", "draft_model": "DraftTarget"}
+
+
+def speculative_config(args: EngineArgs) -> dict[str, Any]:
+    """The LLM-API speculative_config for these settings; ValueError for a method the PyTorch backend lacks."""
+    method = args.speculative_method
+    if method not in _DECODING_TYPES:
+        raise ValueError(f"speculative_method: TensorRT-LLM's PyTorch backend has no {method}; use eagle3 or vllm")
+    out: dict[str, Any] = {"decoding_type": _DECODING_TYPES[method]}
+    drafts = args.num_speculative_tokens or 1  # only mtp may leave it unset: DeepSeek-V3/R1 ship one MTP layer
+    out["max_draft_len"] = drafts
+    if method == "mtp":
+        # "num_nextn_predict_layers: Number of MTP modules to use. Currently must match max_draft_len."
+        out["num_nextn_predict_layers"] = drafts
+    elif method == "ngram":
+        out["max_matching_ngram_size"] = 4  # the documented example's; vLLM's prompt_lookup_max defaults to 5
+    if args.speculative_model is not None:
+        out["speculative_model_dir"] = args.speculative_model
+    if method == "eagle3":
+        out["eagle3_one_model"] = True  # drafter layers in the target's engine and KV cache, as sized
+    return out
+
+
 class TensorRtLlm(EngineAdapter):
     name: ClassVar[str] = "trtllm"
     title: ClassVar[str] = "TensorRT-LLM"
@@ -63,6 +90,8 @@ class TensorRtLlm(EngineAdapter):
             if value is not None:
                 out[key] = value
         out["kv_cache_config"] = kv
+        if args.speculative_method is not None:
+            out["speculative_config"] = speculative_config(args)
         return out
 
     def server_command(
@@ -93,6 +122,10 @@ class TensorRtLlm(EngineAdapter):
         ):
             if value is not None:
                 env[name] = str(value)
+        if "speculative_config" in opts:
+            raise ValueError(
+                "speculative_method: DJL's TensorRT-LLM container takes no speculative_config; use the kvfleet image"
+            )
         env["OPTION_ENABLE_KV_CACHE_REUSE"] = str(bool(kv["enable_block_reuse"])).lower()
         if args.quantization:
             env["OPTION_QUANTIZE"] = args.quantization

@@ -40,6 +40,17 @@ _V0_11: SignalNames = {
 }
 
 
+def speculative_config(args: EngineArgs) -> dict[str, Any]:
+    """--speculative-config (vllm/config/speculative.py SpeculativeConfig): method, model, num_speculative_tokens.
+    mtp names no model (the target's own layers) and may leave the token count to the model's MTP layer count."""
+    out: dict[str, Any] = {"method": args.speculative_method}
+    if args.speculative_model is not None:
+        out["model"] = args.speculative_model
+    if args.num_speculative_tokens is not None:
+        out["num_speculative_tokens"] = args.num_speculative_tokens
+    return out
+
+
 class Vllm(EngineAdapter):
     name: ClassVar[str] = "vllm"
     title: ClassVar[str] = "vLLM"
@@ -90,6 +101,8 @@ class Vllm(EngineAdapter):
             out["mm-encoder-tp-mode"] = args.mm_encoder_tp_mode
         if args.mm_max_pixels is not None:
             out["mm-processor-kwargs"] = json.dumps({"max_pixels": args.mm_max_pixels})
+        if args.speculative_method is not None:
+            out["speculative-config"] = json.dumps(speculative_config(args), separators=(",", ":"))
         return out
 
     def server_environment(self, version: Version) -> dict[str, str]:

@@ -27,6 +27,7 @@ from kvfleet.sizing.engines import (
 from kvfleet.sizing.memory import KvLayout, WeightBreakdown, kv_layout, weight_bytes
 from kvfleet.sizing.models import AttentionKind, ModelSpec
 from kvfleet.sizing.precision import KvDtype, Part, WeightScheme, weight_scheme
+from kvfleet.sizing.speculative import Drafter, Speculative, resolve_drafter
 from kvfleet.sizing.units import GiB, cdiv
 
 # vllm/config/cache.py: BlockSize = Literal[1, 8, 16, 32, 64, 128] on CUDA (hybrid models may pick larger).
@@ -60,6 +61,7 @@ class EngineSettings:
     limit_mm_per_prompt: tuple[tuple[str, int], ...] = ()
     mm_encoder_tp_mode: str = "weights"  # vLLM --mm-encoder-tp-mode: "weights" (sharded) or "data" (replicated)
     mm_max_pixels: int | None = None  # vLLM --mm-processor-kwargs '{"max_pixels": N}': Qwen-VL's largest image
+    speculative: Speculative | None = None  # a drafter (EAGLE head, MTP layers, draft model, n-gram)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,10 +94,12 @@ class Capacity:
     encoder: EncoderProfile | None = None  # vLLM's multimodal profiling (vision-language models)
     problems: tuple[str, ...] = field(default=())
     notes: tuple[str, ...] = field(default=())
+    drafter: Drafter | None = None  # its weights are in weights_bytes_per_gpu, its layers in kv.groups
 
     @property
     def weights_bytes_per_gpu(self) -> int:
-        return self.weights.weights_bytes_per_gpu
+        """The target's weights and the drafter's, per GPU."""
+        return self.weights.weights_bytes_per_gpu + (self.drafter.weights_bytes_per_gpu if self.drafter else 0)
 
     @property
     def kv_bytes_per_token_per_gpu(self) -> int:
@@ -139,6 +143,7 @@ class Capacity:
                     "window_tokens": grp.window_tokens,
                     "layers": grp.num_layers,
                     "bytes_per_token_per_layer": grp.bytes_per_token_per_layer,
+                    **({"draft": True} if grp.draft else {}),
                 }
                 for grp in self.kv.groups
             ],
@@ -165,6 +170,7 @@ class Capacity:
                 "encoder_output_gib": round(self.encoder.encoder_output_bytes / g, 3),
                 "buffer_gib": round(self.encoder.buffer_bytes / g, 3),
             },
+            "speculative": None if self.drafter is None else _drafter_dict(self.drafter),
             "problems": list(self.problems),
             "notes": list(self.notes),
         }
@@ -210,6 +216,20 @@ def _vision_weights(
     return replace(weights, bytes_by_part=tuple(parts))
 
 
+def _drafter_dict(d: Drafter) -> dict[str, object]:
+    return {
+        "method": d.method.value,
+        "draft_model": None if d.model is None else d.model.model_id,
+        "num_speculative_tokens": d.num_speculative_tokens,
+        "weights_gib_per_gpu": round(d.weights_bytes_per_gpu / GiB, 3),
+        "shares_with_target": list(d.shares),
+        "kv_layers": d.layers,
+        "kv_bytes_per_token_per_gpu": d.kv_bytes_per_token_per_gpu,
+        "lookahead_tokens": d.lookahead_tokens,
+        "extra_slots_per_request": d.extra_slots_per_request,
+    }
+
+
 def _positive(value: int | None, name: str) -> None:
     if value is not None and value <= 0:
         raise SizingError(f"must be positive, got {value}", field=name)
@@ -251,7 +271,7 @@ class _Pool:
 
     group_size: int
     groups: tuple[tuple[AttentionKind, int | None], ...]  # one entry per KV-cache group
-    page_bytes: int  # one block of one layer
+    page_bytes: int  # one block of one group's layer (of every layer where there is one group)
     state_pages: int = 0  # pages a state-layer group holds per request
 
 
@@ -302,22 +322,25 @@ def _pool(kv: KvLayout, *, block_size: int, hybrid: bool, group_ratio: float, st
     if kv.state is not None:
         return _state_pool(kv, block_size=block_size, group_ratio=group_ratio, state_pages=state_pages)
     page = block_size * max(g.bytes_per_token_per_layer for g in kv.groups)
-    if not hybrid or len(kv.groups) == 1:
-        # One group holding every layer; windowed layers are treated as full when hybrid is off.
-        layers = sum(g.num_layers for g in kv.groups)
-        if len(kv.groups) == 1:
-            only = kv.groups[0]
-            return _Pool(group_size=layers, groups=((only.attention, only.window_tokens),), page_bytes=page)
-        return _Pool(group_size=layers, groups=((AttentionKind.FULL, None),), page_bytes=page)
+    # Layers of one kind and window (a drafter's among the target's) fill one group.
+    by_kind: dict[tuple[AttentionKind, int | None], int] = {}
+    for g in kv.groups:
+        by_kind[g.attention, g.window_tokens] = by_kind.get((g.attention, g.window_tokens), 0) + g.num_layers
+    if not hybrid or len(by_kind) == 1:
+        # One group holding every layer; windowed layers are treated as full when hybrid is off. A block holds
+        # one page of every layer, each at its own size (UniformTypeKVCacheSpecs when a drafter's heads differ).
+        block_bytes = block_size * kv.kv_bytes_per_token_per_gpu
+        only = next(iter(by_kind)) if len(by_kind) == 1 else (AttentionKind.FULL, None)
+        return _Pool(group_size=1, groups=(only,), page_bytes=block_bytes)
     # vllm/v1/core/kv_cache_utils.py: group size is the smallest per-type layer count (the "1" of
     # the n:1 patterns), or the largest when all types are within `group_ratio` of each other.
-    counts = [g.num_layers for g in kv.groups]
+    counts = list(by_kind.values())
     group_size = min(counts)
     if max(counts) < min(counts) * group_ratio:
         group_size = max(counts)
     groups: list[tuple[AttentionKind, int | None]] = []
-    for g in kv.groups:
-        groups.extend([(g.attention, g.window_tokens)] * cdiv(g.num_layers, group_size))
+    for (kind, window), n in by_kind.items():
+        groups.extend([(kind, window)] * cdiv(n, group_size))
     return _Pool(group_size=group_size, groups=tuple(groups), page_bytes=page)
 
 
@@ -565,12 +588,28 @@ def capacity(
     non_torch = non_torch_bytes(tp=tp)
     graphs = 0 if s.enforce_eager else cuda_graph_bytes(model)
     graphs_counted = profile.counts_cuda_graphs and not s.enforce_eager
+    drafter = _drafter(model, s, k, profile, tp=tp, scheme=scheme)
+    drafter_weights = 0
+    if drafter is not None:
+        # Its layers join the target's pool; its forward follows the target's in the profile run, reading the
+        # target's hidden states (see sizing/speculative.py).
+        kv = replace(kv, groups=kv.groups + drafter.kv_groups)
+        # The dummy sampler run then runs the rejection sampler over one draft per request (gpu_model_runner.py
+        # _dummy_sampler_run): bf16 logits of twice the rows (4 B per request's logit) stay alive while it samples
+        # the bonus tokens through the same sort path as the sampler (v1/sample/rejection_sampler.py forward).
+        spec_constants = replace(ACTIVATIONS, sampler_bytes_per_logit=ACTIVATIONS.sampler_bytes_per_logit + 4)
+        act = activation_peak_bytes(
+            model, tp=tp, max_num_batched_tokens=k.batched, max_num_seqs=k.max_seqs, constants=spec_constants
+        )
+        act = max(act, drafter.activation_peak_bytes + ACTIVATIONS.workspace_bytes) + drafter.hidden_state_bytes
+        graphs += 0 if s.enforce_eager else drafter.cuda_graph_bytes
+        drafter_weights = drafter.weights_bytes_per_gpu
     budget = _kv_budget(
         s,
         profile,
         k,
         gpu_memory_bytes=gpu_memory_bytes,
-        weights_bytes=weights.weights_bytes_per_gpu,
+        weights_bytes=weights.weights_bytes_per_gpu + drafter_weights,
         act=act,
         non_torch=non_torch,
         graphs=graphs,
@@ -578,11 +617,13 @@ def capacity(
         kv_bytes_per_token=kv.kv_bytes_per_token_per_gpu,
     )
     notes = [profile.note, *budget.notes, *mm_notes]
+    if drafter is not None:
+        notes.extend(_drafter_notes(drafter))
     problems = list(budget.problems)
     kv_bytes = budget.kv_bytes
     if kv_bytes <= 0:
         runtime = act + non_torch + (graphs if graphs_counted else 0)
-        need = (weights.weights_bytes_per_gpu + runtime) / GiB
+        need = (weights.weights_bytes_per_gpu + drafter_weights + runtime) / GiB
         problems.append(
             f"no memory left for the KV cache: weights + activations + runtime need {need:.2f} GiB per GPU, "
             f"{budget.requested / GiB:.2f} GiB available; "
@@ -670,7 +711,48 @@ def capacity(
         encoder=encoder,
         problems=tuple(problems),
         notes=tuple(notes),
+        drafter=drafter,
     )
+
+
+def _drafter(
+    model: ModelSpec, s: EngineSettings, k: _Knobs, profile: EngineProfile, *, tp: int, scheme: WeightScheme
+) -> Drafter | None:
+    if s.speculative is None:
+        return None
+    d = resolve_drafter(
+        model,
+        s.speculative,
+        tp=tp,
+        kv_dtype=s.kv_cache_dtype,
+        target_scheme=scheme,
+        max_num_batched_tokens=k.batched,
+        engine=profile.engine,
+    )
+    if profile.engine is EngineName.VLLM and k.batched <= d.new_slots_for_drafting:
+        # config/vllm.py _set_max_num_scheduled_tokens: "not enough slots to schedule a token"
+        raise SizingError(
+            f"{k.batched} leaves no token per step beside the draft model's {d.new_slots_for_drafting} slot; "
+            f"use at least {d.new_slots_for_drafting + 1}",
+            field="max_num_batched_tokens",
+        )
+    return d
+
+
+def _drafter_notes(d: Drafter) -> list[str]:
+    shared = f", reading the target's {' and '.join(d.shares)}" if d.shares else ""
+    out = [
+        f"speculative {d.method.value}, {d.num_speculative_tokens} tokens: drafter weights "
+        f"{d.weights_bytes_per_gpu / GiB:.2f} GiB per GPU{shared}; {d.layers} drafter KV layer(s) "
+        f"({d.kv_bytes_per_token_per_gpu:,} B per token) share the target's blocks",
+    ]
+    if d.extra_slots_per_request:
+        out.append(
+            f"a decoding request holds {d.extra_slots_per_request} slots past its next token (drafts and "
+            "lookahead), capped at max_model_len"
+        )
+    out.append("the speed model does not price drafting or credit accepted tokens: throughput is as without it")
+    return [*out, *d.notes]
 
 
 def _longest_request(

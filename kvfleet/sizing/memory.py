@@ -73,6 +73,7 @@ class KvGroup:
     window_tokens: int | None
     num_layers: int
     bytes_per_token_per_layer: int
+    draft: bool = False  # a speculative drafter's layers, in the target's cache pool
 
     @property
     def bytes_per_token(self) -> int:

@@ -164,6 +164,10 @@ class ModelSpec:
     norms_per_layer: int = 2
     vision_params: int = 0
     vision: VisionSpec | None = None
+    # Speculative decoding: the multi-token-prediction layers the checkpoint ships after its decoder layers
+    # (num_nextn_predict_layers, or mtp_num_hidden_layers), and an EAGLE-3 head's reduced output vocabulary.
+    mtp_layers: int = 0
+    draft_vocab_size: int | None = None
     source: str = ""
     family: str = ""
     aliases: tuple[str, ...] = field(default=())
@@ -1021,6 +1025,8 @@ def parse_hf_config(
         norms_per_layer=_NORMS_PER_LAYER.get(model_type, 2),
         vision_params=vision.params if vision is not None else 0,
         vision=vision,
+        mtp_layers=_int(t, "num_nextn_predict_layers", where=where, default=int(t.get("mtp_num_hidden_layers") or 0)),
+        draft_vocab_size=_int(cfg, "draft_vocab_size", where="") if cfg.get("draft_vocab_size") else None,
         source=source,
         family=family,
         aliases=aliases,

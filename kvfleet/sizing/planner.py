@@ -24,6 +24,7 @@ from kvfleet.sizing.hosting import Hosting, PriceList, Routing
 from kvfleet.sizing.models import ModelSpec
 from kvfleet.sizing.perf import PerfEstimate, estimate, missing_perf_data
 from kvfleet.sizing.precision import KvDtype, Part, WeightScheme, weight_scheme
+from kvfleet.sizing.speculative import Speculative
 from kvfleet.sizing.step import Limits, Replica, SteadyState, replica, steady_state
 from kvfleet.sizing.step import Workload as StepWorkload
 from kvfleet.sizing.units import GiB
@@ -121,6 +122,7 @@ class PlanRequest:
     max_replicas: int | None = None
     enable_prefix_caching: bool = True
     measured: tuple[Measured, ...] = ()  # calibrations; each prices the candidates it applies to
+    speculative: Speculative | None = None  # a drafter every candidate carries (its weights, KV layers, slots)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -410,6 +412,7 @@ class _Option:
             max_num_seqs=max_num_seqs,
             kv_cache_dtype=self.kv,
             quantization=self.scheme.name if self.scheme.name != req.model.native_scheme.name else None,
+            speculative=req.speculative,
         )
 
     def capacity(self, *, max_num_seqs: int | None = None) -> Capacity:

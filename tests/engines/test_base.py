@@ -26,6 +26,9 @@ FULL = EngineArgs(
     limit_mm_per_prompt=(("image", 2), ("video", 0)),
     mm_encoder_tp_mode="data",
     mm_max_pixels=1003520,
+    speculative_method="eagle3",
+    speculative_model="yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
+    num_speculative_tokens=3,
 )
 
 
