@@ -13,16 +13,17 @@ from kvfleet.errors import SizingError
 from kvfleet.sizing.engines import (
     ACTIVATIONS,
     DEFAULT_VERSIONS,
-    LARGE_GPU_BYTES,
     EngineName,
     EngineProfile,
     activation_peak_bytes,
     cuda_graph_bytes,
     engine_profile,
     non_torch_bytes,
+    rope_rules,
+    vllm_batch_defaults,
 )
 from kvfleet.sizing.memory import KvLayout, WeightBreakdown, kv_layout, weight_bytes
-from kvfleet.sizing.models import AttentionKind, ModelSpec
+from kvfleet.sizing.models import AttentionKind, ContextLimit, ModelSpec, context_limit
 from kvfleet.sizing.precision import KvDtype, WeightScheme, weight_scheme
 from kvfleet.sizing.units import GiB, cdiv
 
@@ -248,22 +249,23 @@ def _knobs(
     util = profile.gpu_memory_utilization if s.gpu_memory_utilization is None else s.gpu_memory_utilization
     if not 0 < util <= 1:
         raise SizingError(f"must be in (0, 1], got {util}", field="gpu_memory_utilization")
-    max_len = model.max_position_embeddings if s.max_model_len is None else s.max_model_len
-    if max_len > model.max_position_embeddings:
-        raise SizingError(
-            f"{max_len} exceeds the model's max_position_embeddings ({model.max_position_embeddings}); "
-            f"use at most {model.max_position_embeddings}",
-            field="max_model_len",
-        )
-    large = gpu_memory_bytes >= LARGE_GPU_BYTES and "a100" not in accelerator_name.lower()
-    max_seqs = s.max_num_seqs or (profile.max_num_seqs_large_gpu if large else profile.max_num_seqs_small_gpu)
+    limit = context_limit(model, rope_rules(profile.engine, s.version))
+    max_len = limit.default_len_tokens if s.max_model_len is None else s.max_model_len
+    if max_len > limit.max_len_tokens:
+        raise SizingError(_too_long(model, profile, max_len, limit), field="max_model_len")
+    if profile.engine is EngineName.VLLM:
+        tier = vllm_batch_defaults(s.version, gpu_memory_bytes=gpu_memory_bytes, accelerator_name=accelerator_name)
+        default_seqs, default_batched = tier.max_num_seqs, tier.max_num_batched_tokens
+    else:
+        default_seqs, default_batched = profile.max_num_seqs_large_gpu, profile.max_num_batched_tokens_large_gpu
+    max_seqs = s.max_num_seqs or default_seqs
     if s.max_num_batched_tokens is not None:
         batched = s.max_num_batched_tokens
     elif profile.engine is EngineName.VLLM and profile.since < (0, 8, 0):
         # V0 without chunked prefill schedules a whole prompt at once.
         batched = max(max_len, 2048) if max_len <= 32768 else 2048
     else:
-        batched = profile.max_num_batched_tokens_large_gpu if large else profile.max_num_batched_tokens_small_gpu
+        batched = default_batched
     if profile.engine is EngineName.VLLM and batched < max_seqs and s.max_num_batched_tokens is not None:
         raise SizingError(
             f"{batched} is below max_num_seqs ({max_seqs}); vLLM requires max_num_batched_tokens >= max_num_seqs",
@@ -277,6 +279,25 @@ def _knobs(
     if profile.engine is EngineName.TRTLLM and block & (block - 1):
         raise SizingError(f"TensorRT-LLM tokens_per_block must be a power of two, got {block}", field="block_size")
     return _Knobs(util=util, max_len=max_len, max_seqs=max_seqs, batched=batched, block=block)
+
+
+def _too_long(model: ModelSpec, profile: EngineProfile, max_len: int, limit: ContextLimit) -> str:
+    """The engine's refusal in the user's terms: its limit, where the limit comes from, and what to change."""
+    engine = "vLLM" if profile.engine is EngineName.VLLM else "TensorRT-LLM"
+    text = f"{max_len:,} exceeds {engine}'s limit for {model.model_id}, {limit.max_len_tokens:,} ({limit.source}); "
+    text += f"use at most {limit.max_len_tokens:,}"
+    if model.rope_override:
+        return text
+    text += (
+        ', or extend the context with a RoPE scaling the model supports (--rope-scaling \'{"rope_type": "yarn", '
+        '"factor": F, "original_max_position_embeddings": N}\', deployments[].model.rope_scaling: vLLM --hf-overrides)'
+    )
+    if profile.engine is EngineName.VLLM:
+        text += (
+            "; vLLM's own override VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 starts it anyway, but positions past the limit "
+            "give NaN with RoPE or read out of bounds with absolute positions"
+        )
+    return text
 
 
 @dataclass(frozen=True, kw_only=True)
