@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from kvfleet.sim.fleet import FleetResult, FleetSpec
     from kvfleet.sim.policy import Outcome
     from kvfleet.sizing.capacity import Capacity
+    from kvfleet.sizing.models import ModelSpec
     from kvfleet.sizing.planner import Candidate, Measured, Plan, PlanRequest, Workload
     from kvfleet.workload.traces import Trace
 
@@ -92,9 +93,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("capacity", help="the KV cache one engine start gets")
     c.add_argument("--model", required=True, help="catalog id/alias, or a path to config.json or its directory")
-    g = c.add_mutually_exclusive_group(required=True)
-    g.add_argument("--gpu", help="catalog accelerator (kvfleet instances lists them), e.g. A10G, H100")
-    g.add_argument("--gpu-memory-gib", type=_positive_float, help="total memory per GPU as the engine sees it")
+    c.add_argument(
+        "--gpu",
+        help="catalog accelerator (kvfleet instances lists them), e.g. A10G, H100: its memory and the engine's "
+        "defaults for that device",
+    )
+    c.add_argument(
+        "--gpu-memory-gib",
+        type=_positive_float,
+        help="total memory per GPU as the engine sees it; with --gpu, replaces the catalog's figure and keeps the "
+        "device (vLLM gives A100s its small scheduler defaults at any memory)",
+    )
+    c.add_argument(
+        "--rope-scaling",
+        metavar="JSON",
+        help='extend the context as the engine\'s config override would, e.g. \'{"rope_type": "yarn", "factor": 4, '
+        '"original_max_position_embeddings": 32768}\' (vLLM --hf-overrides)',
+    )
     c.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size (default 1)")
     c.add_argument("--engine", choices=list(ENGINES), default="vllm")
     c.add_argument("--engine-version", help="engine release, e.g. 0.11.0 (default: newest modelled)")
@@ -329,16 +344,18 @@ def cmd_capacity(a: argparse.Namespace) -> int:
     from kvfleet.sizing.precision import kv_dtype
     from kvfleet.sizing.units import GiB
 
-    model = resolve_model(a.model)
-    acc_name = ""
-    if a.gpu:
-        acc = accelerator(a.gpu)
-        if acc.memory_bytes is None:
-            raise KvfleetError(f"the catalog has no memory figure for {acc.model}; give --gpu-memory-gib", field="gpu")
-        mem = acc.usable_memory_bytes or acc.memory_bytes
-        acc_name = acc.name
-    else:
+    model = _with_rope_flag(resolve_model(a.model), a.rope_scaling)
+    if a.gpu is None and a.gpu_memory_gib is None:
+        raise KvfleetError("give --gpu NAME, --gpu-memory-gib GIB, or both", field="gpu")
+    acc = accelerator(a.gpu) if a.gpu else None
+    acc_name = acc.name if acc is not None else ""
+    if a.gpu_memory_gib is not None:  # an exact figure; the device, if named, still sets the engine's defaults
         mem = int(a.gpu_memory_gib * GiB)
+    elif acc is not None and acc.memory_bytes is not None:
+        mem = acc.usable_memory_bytes or acc.memory_bytes
+    else:
+        model_name = acc.model if acc is not None else a.gpu
+        raise KvfleetError(f"the catalog has no memory figure for {model_name}; give --gpu-memory-gib", field="gpu")
     settings = EngineSettings(
         engine=EngineName(a.engine),
         version=a.engine_version,
@@ -362,6 +379,23 @@ def cmd_capacity(a: argparse.Namespace) -> int:
         print(f"kvfleet: error: the engine would not start: {cap.problems[0]}", file=sys.stderr)
         return EXIT_USAGE
     return 0
+
+
+def _with_rope_flag(model: ModelSpec, text: str | None) -> ModelSpec:
+    """``model`` under a --rope-scaling override (a JSON object), as the engine would load it."""
+    if text is None:
+        return model
+    from kvfleet.sizing.models import rope_scaling_from, with_rope_scaling
+
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise KvfleetError(
+            f'not JSON ({err.msg}); e.g. \'{{"rope_type": "yarn", "factor": 4}}\'', field="rope_scaling"
+        ) from None
+    if not isinstance(raw, dict):
+        raise KvfleetError('must be a JSON object, e.g. {"rope_type": "yarn", "factor": 4}', field="rope_scaling")
+    return with_rope_scaling(model, rope_scaling_from(raw, field="rope_scaling"))
 
 
 def _print_capacity(cap: Capacity) -> None:

@@ -42,6 +42,9 @@ class EngineArgs:
     enforce_eager: bool = False  # no CUDA graphs
     kv_cache_memory_bytes: int | None = None  # vLLM: a fixed cache size, skipping the memory profile
     served_model_name: str | None = None
+    # vLLM --hf-overrides: a JSON object of config.json changes the plan sized the model with (a RoPE scaling
+    # that extends the context, and the length it extends to).
+    hf_overrides: str | None = None
 
     def __post_init__(self) -> None:
         for f in (
@@ -64,10 +67,17 @@ class EngineArgs:
         for f in ("enable_prefix_caching", "enforce_eager"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f}: must be true or false, got {getattr(self, f)!r}")
-        for f in ("quantization", "served_model_name"):
+        for f in ("quantization", "served_model_name", "hf_overrides"):
             v = getattr(self, f)
             if v is not None and (not isinstance(v, str) or not v):
                 raise ValueError(f"{f}: must be a non-empty string, got {v!r}")
+        if self.hf_overrides is not None:
+            try:
+                overrides = json.loads(self.hf_overrides)
+            except (json.JSONDecodeError, RecursionError):
+                overrides = None
+            if not isinstance(overrides, dict) or not overrides:
+                raise ValueError(f"hf_overrides: must be a JSON object of config.json keys, got {self.hf_overrides!r}")
 
     def to_json(self) -> str:
         """Compact JSON without the defaults: what the stacks put in ``contract.ENV_ENGINE_ARGS``."""

@@ -43,8 +43,15 @@ class TensorRtLlm(EngineAdapter):
 
     def settings(self, args: EngineArgs) -> dict[str, Any]:
         """LLM-API options (tensorrt_llm/llmapi/llm_args.py): what --extra_llm_api_options reads."""
-        if args.enforce_eager or args.kv_cache_memory_bytes is not None or args.served_model_name is not None:
-            raise ValueError("enforce_eager, kv_cache_memory_bytes and served_model_name are vLLM settings")
+        if (
+            args.enforce_eager
+            or args.kv_cache_memory_bytes is not None
+            or args.served_model_name is not None
+            or args.hf_overrides is not None
+        ):
+            raise ValueError(
+                "enforce_eager, kv_cache_memory_bytes, served_model_name and hf_overrides are vLLM settings"
+            )
         kv: dict[str, Any] = {}
         if args.gpu_memory_utilization is not None:
             kv["free_gpu_memory_fraction"] = args.gpu_memory_utilization

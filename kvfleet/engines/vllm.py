@@ -82,6 +82,8 @@ class Vllm(EngineAdapter):
             out["kv-cache-memory-bytes"] = args.kv_cache_memory_bytes
         if args.served_model_name is not None:
             out["served-model-name"] = args.served_model_name
+        if args.hf_overrides is not None:
+            out["hf-overrides"] = args.hf_overrides
         return out
 
     def server_environment(self, version: Version) -> dict[str, str]:

@@ -7,6 +7,7 @@ these settings, how many tokens of KV cache does the engine allocate, and how ma
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from kvfleet.errors import SizingError
@@ -23,7 +24,7 @@ from kvfleet.sizing.engines import (
     vllm_batch_defaults,
 )
 from kvfleet.sizing.memory import KvLayout, WeightBreakdown, kv_layout, weight_bytes
-from kvfleet.sizing.models import AttentionKind, ContextLimit, ModelSpec, context_limit
+from kvfleet.sizing.models import AttentionKind, ContextLimit, ModelSpec, config_overrides, context_limit
 from kvfleet.sizing.precision import KvDtype, WeightScheme, weight_scheme
 from kvfleet.sizing.units import GiB, cdiv
 
@@ -76,6 +77,9 @@ class Capacity:
     blocks_per_max_len_request: int
     max_concurrency: float  # sequences of max_model_len that fit at once
     max_model_len_that_fits: int  # the longest single request the cache can hold
+    max_model_len_limit: int = 0  # the longest max_model_len this engine release accepts for the model
+    max_model_len_source: str = ""  # where that limit comes from (config keys and RoPE scaling)
+    hf_overrides: str | None = None  # JSON of the config changes the engine must start with (vLLM --hf-overrides)
     problems: tuple[str, ...] = field(default=())
     notes: tuple[str, ...] = field(default=())
 
@@ -119,6 +123,9 @@ class Capacity:
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_concurrency": round(self.max_concurrency, 2),
             "max_model_len_that_fits": self.max_model_len_that_fits,
+            "max_model_len_limit": self.max_model_len_limit,
+            "max_model_len_source": self.max_model_len_source,
+            "hf_overrides": None if self.hf_overrides is None else json.loads(self.hf_overrides),
             "kv_groups": [
                 {
                     "attention": grp.attention.value,
@@ -230,6 +237,7 @@ class _Knobs:
     max_seqs: int
     batched: int
     block: int
+    limit: ContextLimit
 
 
 def _knobs(
@@ -249,6 +257,12 @@ def _knobs(
     util = profile.gpu_memory_utilization if s.gpu_memory_utilization is None else s.gpu_memory_utilization
     if not 0 < util <= 1:
         raise SizingError(f"must be in (0, 1], got {util}", field="gpu_memory_utilization")
+    if model.rope_override and profile.engine is not EngineName.VLLM:
+        raise SizingError(
+            "TensorRT-LLM takes no config override at start-up; use vLLM (--hf-overrides), or a checkpoint whose "
+            "config.json carries this rope_scaling",
+            field="rope_scaling",
+        )
     limit = context_limit(model, rope_rules(profile.engine, s.version))
     max_len = limit.default_len_tokens if s.max_model_len is None else s.max_model_len
     if max_len > limit.max_len_tokens:
@@ -278,7 +292,7 @@ def _knobs(
         raise SizingError(f"vLLM accepts block sizes {allowed}; got {block}", field="block_size")
     if profile.engine is EngineName.TRTLLM and block & (block - 1):
         raise SizingError(f"TensorRT-LLM tokens_per_block must be a power of two, got {block}", field="block_size")
-    return _Knobs(util=util, max_len=max_len, max_seqs=max_seqs, batched=batched, block=block)
+    return _Knobs(util=util, max_len=max_len, max_seqs=max_seqs, batched=batched, block=block, limit=limit)
 
 
 def _too_long(model: ModelSpec, profile: EngineProfile, max_len: int, limit: ContextLimit) -> str:
@@ -436,6 +450,7 @@ def capacity(
                 f"KV cache as measured: {measured_kv_cache_tokens:,} tokens per replica (this model predicts "
                 f"{predicted:,})"
             )
+    overrides = config_overrides(model)
     fits_len = _longest_request(
         pool, num_blocks=num_blocks, block_size=k.block, max_num_batched_tokens=k.batched, limit=k.max_len
     )
@@ -470,6 +485,9 @@ def capacity(
         blocks_per_max_len_request=blocks_per_request,
         max_concurrency=concurrency,
         max_model_len_that_fits=fits_len,
+        max_model_len_limit=k.limit.max_len_tokens,
+        max_model_len_source=k.limit.source,
+        hf_overrides=None if overrides is None else json.dumps(overrides, sort_keys=True),
         problems=tuple(problems),
         notes=tuple(notes),
     )

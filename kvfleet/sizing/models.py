@@ -668,6 +668,17 @@ def with_rope_scaling(model: ModelSpec, rope: RopeScaling) -> ModelSpec:
     )
 
 
+def config_overrides(model: ModelSpec) -> dict[str, object] | None:
+    """The config.json changes the engine must start with for this spec (its ``--hf-overrides``), or None.
+
+    ``rope_scaling`` is the key under transformers 4 and an alias of ``rope_parameters`` under 5
+    (configuration_utils.py), so one spelling serves every release; the length goes with it because vLLM derives
+    its limit from ``max_position_embeddings`` alone for YaRN from 0.32.0 on."""
+    if not model.rope_override or model.rope_scaling is None:
+        return None
+    return {"max_position_embeddings": model.max_position_embeddings, "rope_scaling": model.rope_scaling.as_override()}
+
+
 @dataclass(frozen=True, kw_only=True)
 class RopeLengthRules:
     """How one engine release derives its longest context from a config's length and RoPE scaling."""

@@ -23,6 +23,7 @@ FULL = EngineArgs(
     enforce_eager=True,
     kv_cache_memory_bytes=4 << 30,
     served_model_name="chat",
+    hf_overrides='{"max_position_embeddings": 131072}',
 )
 
 
