@@ -1066,12 +1066,15 @@ def _print_plan(name: str, target: str, p: Plan, top: int, all_rejections: bool)
 
 def cmd_models(a: argparse.Namespace) -> int:
     from kvfleet.sizing.catalog import all_models
+    from kvfleet.sizing.engines import EngineName, rope_rules
     from kvfleet.sizing.memory import kv_layout
+    from kvfleet.sizing.models import context_limit
     from kvfleet.sizing.precision import KvDtype
 
     rows = []
     for m in all_models():
         kv = kv_layout(m, tp=1, kv_dtype=KvDtype.AUTO)
+        limit = context_limit(m, rope_rules(EngineName.VLLM))  # the newest modelled vLLM's
         rows.append(
             {
                 "id": m.model_id,
@@ -1084,6 +1087,8 @@ def cmd_models(a: argparse.Namespace) -> int:
                 "head_dim": m.head_dim,
                 "kv_bytes_per_token": kv.kv_bytes_per_token_per_gpu,
                 "max_position_embeddings": m.max_position_embeddings,
+                "max_model_len_limit": limit.max_len_tokens,
+                "max_model_len_source": limit.source,
                 "precision": m.native_scheme.name,
                 "attention": m.summary(),
                 "aliases": list(m.aliases),
@@ -1106,7 +1111,7 @@ def cmd_models(a: argparse.Namespace) -> int:
             str(r["layers"]),
             str(r["kv_heads"]),
             f"{r['kv_bytes_per_token']:,}",
-            f"{r['max_position_embeddings']:,}",
+            f"{r['max_model_len_limit']:,}",
             str(r["precision"]),
         )
     _console().print(t)

@@ -723,9 +723,9 @@ def context_limit(model: ModelSpec, rules: RopeLengthRules) -> ContextLimit:
         source = f"{key} {base:,} x {rope.key}.factor {rope.factor:g} ({rope.rope_type})"
     default = limit
     if rules.longrope_default_original and rope is not None and rope.rope_type == "longrope":
-        original = model.original_max_position_embeddings or rope.original_max_position_embeddings
-        if original:
-            default = original
+        pretrained = model.original_max_position_embeddings or rope.original_max_position_embeddings
+        if pretrained:
+            default = pretrained
     return ContextLimit(max_len_tokens=limit, default_len_tokens=default, source=source)
 
 
