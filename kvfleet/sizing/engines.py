@@ -64,8 +64,8 @@ class EngineProfile:
     hybrid_kv_cache: bool  # sliding-window layers only hold their window (hybrid allocator)
     hybrid_group_ratio: float  # kv_cache_utils grouping: use the largest type count below this ratio
     hybrid_tokens_from_concurrency: bool  # hybrid models log max_concurrency x max_model_len tokens
-    # Scheduler defaults for the OpenAI server, keyed by whether the GPU has >= 70 GiB
-    # (vllm/engine/arg_utils.py, get_batch_defaults; A100s get the small ones, PR 17885).
+    # Scheduler defaults for the OpenAI server, keyed by whether the GPU has >= 70 GiB. vLLM's own rule (tiers by
+    # memory, A100s excluded by name) is VLLM_BATCH_DEFAULTS; capacity reads these fields for TensorRT-LLM only.
     max_num_batched_tokens_small_gpu: int
     max_num_batched_tokens_large_gpu: int
     max_num_seqs_small_gpu: int
@@ -254,7 +254,7 @@ class BatchDefaultsRule:
 
 _SMALL = BatchDefaults(min_memory_bytes=0, excluded_names=(), max_num_batched_tokens=2048, max_num_seqs=256)
 _LARGE = BatchDefaults(
-    min_memory_bytes=70 * GiB, excluded_names=("a100",), max_num_batched_tokens=8192, max_num_seqs=1024
+    min_memory_bytes=LARGE_GPU_BYTES, excluded_names=("a100",), max_num_batched_tokens=8192, max_num_seqs=1024
 )
 VLLM_BATCH_DEFAULTS: tuple[BatchDefaultsRule, ...] = (
     BatchDefaultsRule(since=(0, 6, 0), tiers=(_SMALL,), source="V0 scheduler: 256 sequences, no chunked prefill"),
