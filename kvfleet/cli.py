@@ -136,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="ranked deployment candidates, from flags or an environment file")
     pl.add_argument("environment", nargs="?", help="environments/<name>.yaml: plan every deployment in it")
     pl.add_argument("--model", help="catalog id/alias, or a path to config.json")
+    pl.add_argument(
+        "--rope-scaling",
+        metavar="JSON",
+        help="extend the model's context with a RoPE scaling, as kvfleet capacity --rope-scaling (vLLM --hf-overrides)",
+    )
     pl.add_argument("--engine", choices=list(ENGINES), default="vllm")
     pl.add_argument("--engine-version")
     pl.add_argument("--platform", choices=list(TARGETS), default="sagemaker", help="deployment target")
@@ -482,7 +487,7 @@ def _request_from_flags(a: argparse.Namespace) -> PlanRequest:
     )
     kvs = tuple(kv_dtype(k) for k in a.kv_cache_dtype) or (KvDtype.AUTO,)
     return PlanRequest(
-        model=resolve_model(a.model),
+        model=_with_rope_flag(resolve_model(a.model), a.rope_scaling),
         workload=wl,
         engine=EngineName(a.engine),
         engine_version=a.engine_version,

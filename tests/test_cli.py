@@ -270,6 +270,23 @@ def test_rope_scaling_flag_extends_the_context(capsys: pytest.CaptureFixture[str
     assert d["hf_overrides"]["rope_scaling"]["rope_type"] == "yarn"
 
 
+def test_plan_with_rope_scaling_starts_vllm_with_the_override(capsys: pytest.CaptureFixture[str]) -> None:
+    plan = ("plan", "--model", "Qwen/Qwen2.5-1.5B-Instruct", "--max-input-tokens", "100000", "--max-output-tokens")
+    rope = '{"rope_type": "yarn", "factor": 4}'
+    code, out, err = run(capsys, *plan, "1000", "--concurrency", "2", "--rope-scaling", rope, "--json")
+    assert code == 0, err
+
+    def commands(node: Any) -> list[str]:
+        if isinstance(node, dict):
+            found = [node["command"]] if isinstance(node.get("command"), str) else []
+            return found + [c for v in node.values() for c in commands(v)]
+        return [c for v in node for c in commands(v)] if isinstance(node, list) else []
+
+    best = commands(json.loads(out))[0]
+    assert "--max-model-len 101000" in best
+    assert "--hf-overrides '{" in best  # quoted: the line pastes into a shell
+
+
 @pytest.mark.parametrize(
     ("value", "needle"), [("{yarn", "not JSON"), ("[1]", "JSON object"), ('{"factor": 4}', "rope_type")]
 )

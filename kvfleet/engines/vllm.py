@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from typing import Any, ClassVar
 
 from kvfleet import contract
@@ -126,4 +127,4 @@ class Vllm(EngineAdapter):
         return env
 
     def describe(self, args: EngineArgs) -> str:
-        return "vllm serve <model> " + " ".join(self.flags(args))
+        return "vllm serve <model> " + shlex.join(self.flags(args))  # pasteable: --hf-overrides is JSON

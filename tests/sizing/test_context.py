@@ -36,6 +36,8 @@ def test_scalings_that_leave_the_length(version: str) -> None:
     assert limit(catalog_model("meta-llama/Llama-3.1-8B"), version) == (131072, 131072)
     # Gemma 3: rope_scaling linear x8, but max_position_embeddings (131,072) is already the scaled length.
     assert limit(catalog_model("google/gemma-3-4b-it"), version) == (131072, 131072)
+    # TensorRT-LLM has no Gemma 3 exception: infer_max_seq_len multiplies linear scaling's factor in.
+    assert limit(catalog_model("google/gemma-3-4b-it"), "1.0.0", EngineName.TRTLLM) == (131072 * 8,) * 2
     # DeepSeek-V3 and gpt-oss ship a consistent YaRN: original x factor equals max_position_embeddings.
     assert limit(catalog_model("deepseek-ai/DeepSeek-V3"), version) == (4096 * 40, 4096 * 40)
     assert limit(catalog_model("openai/gpt-oss-20b"), version) == (4096 * 32, 4096 * 32)
