@@ -83,6 +83,15 @@ def test_longrope_starts_at_the_original_length_when_none_is_given() -> None:
     assert capacity(m, gpu_memory_bytes=80 * GiB, settings=longer, accelerator_name="H100").max_model_len == 131072
 
 
+def test_phi_3_5_mini_ships_longrope() -> None:
+    # The catalog's Phi-3.5-mini-instruct config.json: 131,072 positions, LongRoPE over 4,096.
+    m = catalog_model("microsoft/Phi-3.5-mini-instruct")
+    assert limit(m, "0.32.0") == (131072, 4096)
+    cap = capacity(m, gpu_memory_bytes=int(22.35 * GiB), settings=EngineSettings(), accelerator_name="A10G")
+    assert (cap.max_model_len, cap.max_model_len_limit) == (4096, 131072)
+    assert "longrope" in cap.max_model_len_source
+
+
 def test_rope_parameters_and_nested_layer_types_are_read() -> None:
     # transformers 5 writes rope_parameters, nested per layer type for models that mix them.
     flat = make_model(max_position_embeddings=4096, rope_parameters={"rope_type": "linear", "factor": 2.0})
