@@ -1,8 +1,8 @@
 """The longest context an engine release accepts, from a config's length and its RoPE scaling.
 
 The expected numbers are what vLLM's ``_get_and_verify_max_len`` (vllm/config/model.py) computes: at 0.32.0,
-lines 2581-2611 (types whose factor lengthens the context; "gemma3" skipped) and 2622-2631 (LongRoPE's default);
-before PR 56446 (the release rows in kvfleet.sizing.engines), YaRN's limit was
+lines 2581-2616 (types whose factor lengthens the context; "gemma3" skipped), 2627-2635 (LongRoPE's default)
+and 2639-2666 (the refusal); before PR 56446 (the release rows in kvfleet.sizing.engines), YaRN's limit was
 ``rope_scaling["original_max_position_embeddings"] * factor``. TensorRT-LLM: tensorrt_llm/_torch/models/
 modeling_utils.py ``infer_max_seq_len``.
 """
@@ -148,9 +148,10 @@ def test_bad_rope_scaling_names_the_field(raw: dict[str, Any], needle: str) -> N
     assert (info.value.field or "").startswith("rope_scaling")
 
 
-# vllm/engine/arg_utils.py get_batch_defaults, 0.32.0, UsageContext.OPENAI_API_SERVER: >= 160 GiB -> 16,384 tokens /
-# 1,024 sequences; >= 70 GiB and no "a100" in the device name -> 8,192 / 1,024; else 2,048 / 256. Memory is CUDA's
-# total (an 80 GB part reports 79.2 GiB; a B200 about 179 GiB; an H200 about 139.8 GiB).
+# vllm/engine/arg_utils.py get_batch_defaults (lines 2923-2952 at 0.32.0), UsageContext.OPENAI_API_SERVER:
+# >= 160 GiB -> 16,384 tokens / 1,024 sequences; >= 70 GiB and no "a100" in the device name -> 8,192 / 1,024;
+# else 2,048 / 256. Memory is CUDA's total (an 80 GB part reports 79.2 GiB; a B200 about 179 GiB; an H200 about
+# 139.8 GiB).
 @pytest.mark.parametrize(
     ("name", "memory_gib", "version", "expected"),
     [
