@@ -447,10 +447,17 @@ def _print_capacity(cap: Capacity) -> None:
     t.add_row("blocks", f"{cap.num_blocks:,}", f"{cap.block_size} tokens each")
     t.add_row("KV cache tokens", f"{cap.kv_cache_tokens:,}", "GPU KV cache size")
     t.add_row("max concurrency", f"{cap.max_concurrency:.2f}x", f"sequences of {cap.max_model_len:,} tokens")
+    t.add_row(
+        "max model len",
+        f"{cap.max_model_len:,}",
+        f"the engine accepts up to {cap.max_model_len_limit:,}: {cap.max_model_len_source}",
+    )
     console = _console()
     console.print(t)
     for n in cap.notes:
         console.print(f"  note: {n}")
+    if cap.hf_overrides is not None:
+        console.print(f"  note: the engine starts with --hf-overrides '{cap.hf_overrides}'")
 
 
 # ---- plan ----------------------------------------------------------------------------------------
