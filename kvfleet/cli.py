@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from kvfleet.sim.fleet import FleetResult, FleetSpec
     from kvfleet.sim.policy import Outcome
     from kvfleet.sizing.capacity import Capacity
+    from kvfleet.sizing.models import ModelSpec
     from kvfleet.sizing.planner import Candidate, Measured, Plan, PlanRequest, Workload
     from kvfleet.sizing.speculative import Speculative
     from kvfleet.workload.traces import Trace
@@ -139,9 +140,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("capacity", help="the KV cache one engine start gets")
     c.add_argument("--model", required=True, help="catalog id/alias, or a path to config.json or its directory")
-    g = c.add_mutually_exclusive_group(required=True)
-    g.add_argument("--gpu", help="catalog accelerator (kvfleet instances lists them), e.g. A10G, H100")
-    g.add_argument("--gpu-memory-gib", type=_positive_float, help="total memory per GPU as the engine sees it")
+    c.add_argument(
+        "--gpu",
+        help="catalog accelerator (kvfleet instances lists them), e.g. A10G, H100: its memory and the engine's "
+        "defaults for that device",
+    )
+    c.add_argument(
+        "--gpu-memory-gib",
+        type=_positive_float,
+        help="total memory per GPU as the engine sees it; with --gpu, replaces the catalog's figure and keeps the "
+        "device (vLLM gives A100s its small scheduler defaults at any memory)",
+    )
+    c.add_argument(
+        "--rope-scaling",
+        metavar="JSON",
+        help='extend the context as the engine\'s config override would, e.g. \'{"rope_type": "yarn", "factor": 4, '
+        '"original_max_position_embeddings": 32768}\' (vLLM --hf-overrides)',
+    )
     c.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size (default 1)")
     c.add_argument("--engine", choices=list(ENGINES), default="vllm")
     c.add_argument("--engine-version", help="engine release, e.g. 0.11.0 (default: newest modelled)")
@@ -193,6 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="ranked deployment candidates, from flags or an environment file")
     pl.add_argument("environment", nargs="?", help="environments/<name>.yaml: plan every deployment in it")
     pl.add_argument("--model", help="catalog id/alias, or a path to config.json")
+    pl.add_argument(
+        "--rope-scaling",
+        metavar="JSON",
+        help="extend the model's context with a RoPE scaling, as kvfleet capacity --rope-scaling (vLLM --hf-overrides)",
+    )
     pl.add_argument("--engine", choices=list(ENGINES), default="vllm")
     pl.add_argument("--engine-version")
     pl.add_argument("--platform", choices=list(TARGETS), default="sagemaker", help="deployment target")
@@ -402,17 +422,19 @@ def cmd_capacity(a: argparse.Namespace) -> int:
     from kvfleet.sizing.precision import kv_dtype
     from kvfleet.sizing.units import GiB
 
-    model = resolve_model(a.model)
+    model = _with_rope_flag(resolve_model(a.model), a.rope_scaling)
     speculative = _speculative(a)
-    acc_name = ""
-    if a.gpu:
-        acc = accelerator(a.gpu)
-        if acc.memory_bytes is None:
-            raise KvfleetError(f"the catalog has no memory figure for {acc.model}; give --gpu-memory-gib", field="gpu")
-        mem = acc.usable_memory_bytes or acc.memory_bytes
-        acc_name = acc.name
-    else:
+    if a.gpu is None and a.gpu_memory_gib is None:
+        raise KvfleetError("give --gpu NAME, --gpu-memory-gib GIB, or both", field="gpu")
+    acc = accelerator(a.gpu) if a.gpu else None
+    acc_name = acc.name if acc is not None else ""
+    if a.gpu_memory_gib is not None:  # an exact figure; the device, if named, still sets the engine's defaults
         mem = int(a.gpu_memory_gib * GiB)
+    elif acc is not None and acc.memory_bytes is not None:
+        mem = acc.usable_memory_bytes or acc.memory_bytes
+    else:
+        model_name = acc.model if acc is not None else a.gpu
+        raise KvfleetError(f"the catalog has no memory figure for {model_name}; give --gpu-memory-gib", field="gpu")
     settings = EngineSettings(
         engine=EngineName(a.engine),
         version=a.engine_version,
@@ -442,6 +464,23 @@ def cmd_capacity(a: argparse.Namespace) -> int:
         print(f"kvfleet: error: the engine would not start: {cap.problems[0]}", file=sys.stderr)
         return EXIT_USAGE
     return 0
+
+
+def _with_rope_flag(model: ModelSpec, text: str | None) -> ModelSpec:
+    """``model`` under a --rope-scaling override (a JSON object), as the engine would load it."""
+    if text is None:
+        return model
+    from kvfleet.sizing.models import rope_scaling_from, with_rope_scaling
+
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise KvfleetError(
+            f'not JSON ({err.msg}); e.g. \'{{"rope_type": "yarn", "factor": 4}}\'', field="rope_scaling"
+        ) from None
+    if not isinstance(raw, dict):
+        raise KvfleetError('must be a JSON object, e.g. {"rope_type": "yarn", "factor": 4}', field="rope_scaling")
+    return with_rope_scaling(model, rope_scaling_from(raw, field="rope_scaling"))
 
 
 def _print_capacity(cap: Capacity) -> None:
@@ -515,10 +554,17 @@ def _print_capacity(cap: Capacity) -> None:
     t.add_row("blocks", f"{cap.num_blocks:,}", f"{cap.block_size} tokens each")
     t.add_row("KV cache tokens", f"{cap.kv_cache_tokens:,}", "GPU KV cache size")
     t.add_row("max concurrency", f"{cap.max_concurrency:.2f}x", f"sequences of {cap.max_model_len:,} tokens")
+    t.add_row(
+        "max model len",
+        f"{cap.max_model_len:,}",
+        f"the engine accepts up to {cap.max_model_len_limit:,}: {cap.max_model_len_source}",
+    )
     console = _console()
     console.print(t)
     for n in cap.notes:
         console.print(f"  note: {n}")
+    if cap.hf_overrides is not None:
+        console.print(f"  note: the engine starts with --hf-overrides '{cap.hf_overrides}'")
 
 
 # ---- plan ----------------------------------------------------------------------------------------
@@ -555,7 +601,7 @@ def _request_from_flags(a: argparse.Namespace) -> PlanRequest:
     )
     kvs = tuple(kv_dtype(k) for k in a.kv_cache_dtype) or (KvDtype.AUTO,)
     return PlanRequest(
-        model=resolve_model(a.model),
+        model=_with_rope_flag(resolve_model(a.model), a.rope_scaling),
         workload=wl,
         engine=EngineName(a.engine),
         engine_version=a.engine_version,
@@ -1142,12 +1188,15 @@ def _print_plan(name: str, target: str, p: Plan, top: int, all_rejections: bool)
 
 def cmd_models(a: argparse.Namespace) -> int:
     from kvfleet.sizing.catalog import all_models
+    from kvfleet.sizing.engines import EngineName, rope_rules
     from kvfleet.sizing.memory import kv_layout
+    from kvfleet.sizing.models import context_limit
     from kvfleet.sizing.precision import KvDtype
 
     rows = []
     for m in all_models():
         kv = kv_layout(m, tp=1, kv_dtype=KvDtype.AUTO)
+        limit = context_limit(m, rope_rules(EngineName.VLLM))  # the newest modelled vLLM's
         rows.append(
             {
                 "id": m.model_id,
@@ -1160,6 +1209,8 @@ def cmd_models(a: argparse.Namespace) -> int:
                 "head_dim": m.head_dim,
                 "kv_bytes_per_token": kv.kv_bytes_per_token_per_gpu,
                 "max_position_embeddings": m.max_position_embeddings,
+                "max_model_len_limit": limit.max_len_tokens,
+                "max_model_len_source": limit.source,
                 "precision": m.native_scheme.name,
                 "attention": m.summary(),
                 "aliases": list(m.aliases),
@@ -1182,7 +1233,7 @@ def cmd_models(a: argparse.Namespace) -> int:
             str(r["layers"]),
             str(r["kv_heads"]),
             f"{r['kv_bytes_per_token']:,}",
-            f"{r['max_position_embeddings']:,}",
+            f"{r['max_model_len_limit']:,}",
             str(r["precision"]),
         )
     _console().print(t)

@@ -20,7 +20,7 @@ from kvfleet.errors import KvfleetError
 from kvfleet.sizing.catalog import resolve_model
 from kvfleet.sizing.engines import EngineName
 from kvfleet.sizing.memory import weight_bytes
-from kvfleet.sizing.models import ModelSpec
+from kvfleet.sizing.models import ModelSpec, RopeScaling, with_rope_scaling
 from kvfleet.sizing.planner import Admission, Candidate, PlanRequest, Workload, admission, plan
 from kvfleet.sizing.precision import KvDtype, kv_dtype
 from kvfleet.sizing.speculative import SpecMethod, Speculative, resolve_drafter
@@ -56,6 +56,7 @@ def engine_args(c: Candidate) -> EngineArgs:
         # The checkpoint the engine downloads: the drafter's Hugging Face id (catalog id or _name_or_path).
         speculative_model=None if d is None or d.draft_ref is None or d.model is None else d.model.model_id,
         num_speculative_tokens=None if d is None else d.num_speculative_tokens,
+        hf_overrides=cap.hf_overrides,
     )
 
 
@@ -112,6 +113,7 @@ PLANNER_FIELDS: dict[str, str] = {
     "gpu_memory_utilization": "sizing.gpu_memory_utilization",
     "max_model_len": "workload.max_input_tokens",
     "model": "model.id",
+    "rope_scaling": "model.rope_scaling",
     **{f"workload.{k}": f"workload.{k}" for k in _WORKLOAD_KEYS},
     **{f"speculative.{k}": f"speculative.{k}" for k in ("method", "draft_model", "num_speculative_tokens")},
 }
@@ -150,6 +152,16 @@ def plan_requests(env: Environment) -> tuple[DeploymentRequest, ...]:
             model = resolve_model(d.model.id)
         except KvfleetError as err:
             raise config_error(err, i, within="model.id") from None
+        if d.model.rope_scaling is not None:
+            rope = d.model.rope_scaling
+            model = with_rope_scaling(
+                model,
+                RopeScaling(
+                    rope_type=rope.rope_type,
+                    factor=rope.factor,
+                    original_max_position_embeddings=rope.original_max_position_embeddings,
+                ),
+            )
         try:
             req = _request(env, d, model)
         except KvfleetError as err:

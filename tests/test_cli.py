@@ -227,9 +227,72 @@ def test_unknown_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     one_error_line(code, err, "gpu:", "unknown accelerator 'H900'", "H100", "--gpu-memory-gib")
 
 
-def test_gpu_and_gpu_memory_are_exclusive(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = run(capsys, "capacity", "--model", LLAMA_8B, "--gpu", "H100", "--gpu-memory-gib", "80")
-    one_error_line(code, err, "--gpu-memory-gib", "not allowed with argument --gpu")
+def test_an_exact_memory_keeps_the_device_and_its_engine_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    # vllm/engine/arg_utils.py get_batch_defaults (0.32.0): 2,048 tokens / 256 sequences for an A100 at any memory,
+    # 8,192 / 1,024 for another device of >= 70 GiB. 79.2 GiB: what CUDA reports for an 80 GB A100 or H100.
+    def knobs(*gpu: str) -> tuple[float, int, int]:
+        code, out, err = run(capsys, "capacity", "--model", LLAMA_8B, *gpu, "--json")
+        assert code == 0, err
+        d = json.loads(out)
+        return d["gpu_memory_gib"], d["max_num_batched_tokens"], d["max_num_seqs"]
+
+    assert knobs("--gpu", "A100-80GB", "--gpu-memory-gib", "79.2") == (79.2, 2048, 256)
+    assert knobs("--gpu-memory-gib", "79.2") == (79.2, 8192, 1024)  # no device named: memory alone decides
+    assert knobs("--gpu", "H100", "--gpu-memory-gib", "79.2") == (79.2, 8192, 1024)
+
+
+def test_capacity_needs_a_device_or_a_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "capacity", "--model", LLAMA_8B)
+    one_error_line(code, err, "gpu:", "--gpu NAME", "--gpu-memory-gib")
+
+
+def test_rope_scaling_flag_extends_the_context(capsys: pytest.CaptureFixture[str]) -> None:
+    # Qwen2.5-72B-Instruct's model card: add rope_scaling yarn factor 4 over 32,768 for 128K.
+    qwen = (
+        "capacity",
+        "--model",
+        "Qwen/Qwen2.5-72B-Instruct",
+        "--gpu",
+        "H100",
+        "--tp",
+        "4",
+        "--max-model-len",
+        "131072",
+    )
+    code, _, err = run(capsys, *qwen)
+    one_error_line(code, err, "max_model_len:", "32,768", "--rope-scaling", "VLLM_ALLOW_LONG_MAX_MODEL_LEN")
+    rope = '{"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}'
+    code, out, err = run(capsys, *qwen, "--rope-scaling", rope, "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["max_model_len"] == d["max_model_len_limit"] == 131072
+    assert d["hf_overrides"]["max_position_embeddings"] == 131072
+    assert d["hf_overrides"]["rope_scaling"]["rope_type"] == "yarn"
+
+
+def test_plan_with_rope_scaling_starts_vllm_with_the_override(capsys: pytest.CaptureFixture[str]) -> None:
+    plan = ("plan", "--model", "Qwen/Qwen2.5-1.5B-Instruct", "--max-input-tokens", "100000", "--max-output-tokens")
+    rope = '{"rope_type": "yarn", "factor": 4}'
+    code, out, err = run(capsys, *plan, "1000", "--concurrency", "2", "--rope-scaling", rope, "--json")
+    assert code == 0, err
+
+    def commands(node: Any) -> list[str]:
+        if isinstance(node, dict):
+            found = [node["command"]] if isinstance(node.get("command"), str) else []
+            return found + [c for v in node.values() for c in commands(v)]
+        return [c for v in node for c in commands(v)] if isinstance(node, list) else []
+
+    best = commands(json.loads(out))[0]
+    assert "--max-model-len 101000" in best
+    assert "--hf-overrides '{" in best  # quoted: the line pastes into a shell
+
+
+@pytest.mark.parametrize(
+    ("value", "needle"), [("{yarn", "not JSON"), ("[1]", "JSON object"), ('{"factor": 4}', "rope_type")]
+)
+def test_bad_rope_scaling_flag(capsys: pytest.CaptureFixture[str], value: str, needle: str) -> None:
+    code, _, err = run(capsys, "capacity", "--model", LLAMA_8B, "--gpu", "H100", "--rope-scaling", value)
+    one_error_line(code, err, "rope_scaling", needle)
 
 
 def test_unknown_kv_cache_dtype(capsys: pytest.CaptureFixture[str]) -> None:
@@ -245,12 +308,13 @@ def test_gpu_memory_utilization_out_of_range(capsys: pytest.CaptureFixture[str],
 
 def test_max_model_len_above_max_position_embeddings(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "capacity", "--model", LLAMA_8B, "--gpu", "H100", "--max-model-len", "131073")
-    one_error_line(code, err, "max_model_len", "131073", "max_position_embeddings (131072)", "at most 131072")
+    # Llama 3.1's llama3 scaling leaves max_position_embeddings as is (vllm/config/model.py, 0.32.0).
+    one_error_line(code, err, "max_model_len", "131,073", "max_position_embeddings 131,072", "at most 131,072")
 
 
 def test_max_model_len_above_local_config_limit(capsys: pytest.CaptureFixture[str], config_dir: Path) -> None:
     code, _, err = run(capsys, "capacity", "--model", str(config_dir), "--gpu", "H100", "--max-model-len", "8193")
-    one_error_line(code, err, "max_model_len", "(8192)")
+    one_error_line(code, err, "max_model_len", "8,192 (max_position_embeddings 8,192)")
 
 
 def test_model_that_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:

@@ -203,3 +203,32 @@ def test_the_agent_admits_what_runs_plus_what_can_start_within_the_ttft_target()
     queued = admission(c, target).queued
     assert queued == int(3.0 * c.requests_per_s_per_replica)
     assert admission(c, replace(wl, ttft_target_s=c.under_load.ttft_s / 2)).queued == 0
+
+
+def test_a_rope_scaling_in_the_file_is_sized_and_reaches_the_engine() -> None:
+    # Qwen2.5's model cards extend 32,768 tokens to 128K with rope_scaling yarn factor 4; the file says so under
+    # model.rope_scaling, the plan sizes the longer context and vLLM starts with the same override.
+    long = (
+        SAGEMAKER_ENV.replace("id: meta-llama/Llama-3.1-8B", "id: Qwen/Qwen2.5-1.5B-Instruct")
+        .replace("max_input_tokens: 4096", "max_input_tokens: 100000")
+        .replace("concurrency_per_replica: 16", "concurrency_per_replica: 2")
+    )
+    with pytest.raises(KvfleetError, match=r"101,024 exceeds vLLM's limit .* 32,768 .*model\.rope_scaling"):
+        resolve(long)
+    rope = "      rope_scaling: {rope_type: yarn, factor: 4.0, original_max_position_embeddings: 32768}\n"
+    r = resolve(
+        long.replace("      hf_token_secret: kvfleet/hf-token\n", "      hf_token_secret: kvfleet/hf-token\n" + rope)
+    )
+    args = EngineArgs.from_json(r.container_environment()[contract.ENV_ENGINE_ARGS])
+    assert args.max_model_len == 101024
+    assert args.hf_overrides is not None
+    overrides = json.loads(args.hf_overrides)
+    assert overrides["max_position_embeddings"] == 131072
+    assert overrides["rope_scaling"] == {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,  # the config's, kept: the override replaces the whole object
+    }
+    flags = ENGINES["vllm"].flags(args)  # type: ignore[attr-defined]
+    assert flags[flags.index("--hf-overrides") + 1] == args.hf_overrides

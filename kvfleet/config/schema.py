@@ -22,8 +22,29 @@ from kvfleet.sizing.engines import DEFAULT_VERSIONS, TRTLLM_PROFILES, VLLM_PROFI
 from kvfleet.workload.traces import TraceFormat
 
 
+class RopeScalingRef(Frozen):
+    """A RoPE scaling the model card documents for longer contexts, applied as the engine's config override."""
+
+    rope_type: Literal["yarn", "linear", "dynamic"] = Field(
+        description="The scaling: yarn (e.g. Qwen2.5's model cards), linear or dynamic."
+    )
+    factor: float = Field(gt=1, description="How many times the context grows, e.g. 4.0.")
+    original_max_position_embeddings: int | None = Field(
+        default=None,
+        gt=0,
+        description="The length the model was trained at (yarn). Default: the config's max_position_embeddings.",
+    )
+
+
 class ModelRef(Frozen):
     id: str = Field(description="Catalog id or alias (kvfleet models), or a path to a local config.json.")
+    rope_scaling: RopeScalingRef | None = Field(
+        default=None,
+        description=(
+            "Extend the context beyond the config's with a RoPE scaling: the plan sizes the longer context and vLLM "
+            "starts with it (--hf-overrides with rope_scaling and max_position_embeddings). vLLM only."
+        ),
+    )
     s3_uri: str | None = Field(
         default=None,
         description=(

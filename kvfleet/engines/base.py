@@ -56,6 +56,9 @@ class EngineArgs:
     speculative_method: str | None = None
     speculative_model: str | None = None
     num_speculative_tokens: int | None = None
+    # vLLM --hf-overrides: a JSON object of config.json changes the plan sized the model with (a RoPE scaling
+    # that extends the context, and the length it extends to).
+    hf_overrides: str | None = None
 
     def __post_init__(self) -> None:
         for f in (
@@ -80,10 +83,17 @@ class EngineArgs:
         for f in ("enable_prefix_caching", "enforce_eager"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f}: must be true or false, got {getattr(self, f)!r}")
-        for f in ("quantization", "served_model_name", "speculative_model"):
+        for f in ("quantization", "served_model_name", "speculative_model", "hf_overrides"):
             v = getattr(self, f)
             if v is not None and (not isinstance(v, str) or not v):
                 raise ValueError(f"{f}: must be a non-empty string, got {v!r}")
+        if self.hf_overrides is not None:
+            try:
+                overrides = json.loads(self.hf_overrides)
+            except (json.JSONDecodeError, RecursionError):
+                overrides = None
+            if not isinstance(overrides, dict) or not overrides:
+                raise ValueError(f"hf_overrides: must be a JSON object of config.json keys, got {self.hf_overrides!r}")
         for pair in self.limit_mm_per_prompt:
             ok = isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
             if not ok or isinstance(pair[1], bool) or not isinstance(pair[1], int) or pair[1] < 0:

@@ -70,8 +70,15 @@ class TensorRtLlm(EngineAdapter):
 
     def settings(self, args: EngineArgs) -> dict[str, Any]:
         """LLM-API options (tensorrt_llm/llmapi/llm_args.py): what --extra_llm_api_options reads."""
-        if args.enforce_eager or args.kv_cache_memory_bytes is not None or args.served_model_name is not None:
-            raise ValueError("enforce_eager, kv_cache_memory_bytes and served_model_name are vLLM settings")
+        if (
+            args.enforce_eager
+            or args.kv_cache_memory_bytes is not None
+            or args.served_model_name is not None
+            or args.hf_overrides is not None
+        ):
+            raise ValueError(
+                "enforce_eager, kv_cache_memory_bytes, served_model_name and hf_overrides are vLLM settings"
+            )
         if args.limit_mm_per_prompt or args.mm_encoder_tp_mode is not None or args.mm_max_pixels is not None:
             raise ValueError("limit_mm_per_prompt, mm_encoder_tp_mode and mm_max_pixels are vLLM settings")
         kv: dict[str, Any] = {}

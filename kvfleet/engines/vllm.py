@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from typing import Any, ClassVar
 
 from kvfleet import contract
@@ -103,6 +104,8 @@ class Vllm(EngineAdapter):
             out["mm-processor-kwargs"] = json.dumps({"max_pixels": args.mm_max_pixels})
         if args.speculative_method is not None:
             out["speculative-config"] = json.dumps(speculative_config(args), separators=(",", ":"))
+        if args.hf_overrides is not None:
+            out["hf-overrides"] = args.hf_overrides
         return out
 
     def server_environment(self, version: Version) -> dict[str, str]:
@@ -145,4 +148,4 @@ class Vllm(EngineAdapter):
         return env
 
     def describe(self, args: EngineArgs) -> str:
-        return "vllm serve <model> " + " ".join(self.flags(args))
+        return "vllm serve <model> " + shlex.join(self.flags(args))  # pasteable: --hf-overrides is JSON

@@ -7,13 +7,13 @@ these settings, how many tokens of KV cache does the engine allocate, and how ma
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 
 from kvfleet.errors import SizingError
 from kvfleet.sizing.engines import (
     ACTIVATIONS,
     DEFAULT_VERSIONS,
-    LARGE_GPU_BYTES,
     MM_ENCODER_TP_MODES,
     EncoderProfile,
     EngineName,
@@ -23,9 +23,11 @@ from kvfleet.sizing.engines import (
     encoder_profile,
     engine_profile,
     non_torch_bytes,
+    rope_rules,
+    vllm_batch_defaults,
 )
 from kvfleet.sizing.memory import KvLayout, WeightBreakdown, kv_layout, weight_bytes
-from kvfleet.sizing.models import AttentionKind, ModelSpec
+from kvfleet.sizing.models import AttentionKind, ContextLimit, ModelSpec, config_overrides, context_limit
 from kvfleet.sizing.precision import KvDtype, Part, WeightScheme, weight_scheme
 from kvfleet.sizing.speculative import Drafter, Speculative, resolve_drafter
 from kvfleet.sizing.units import GiB, cdiv
@@ -92,6 +94,9 @@ class Capacity:
     max_model_len_that_fits: int  # the longest single request the cache can hold
     state_pages_per_request: int = 0  # pages each state-layer group holds per request (hybrid Mamba models)
     encoder: EncoderProfile | None = None  # vLLM's multimodal profiling (vision-language models)
+    max_model_len_limit: int = 0  # the longest max_model_len this engine release accepts for the model
+    max_model_len_source: str = ""  # where that limit comes from (config keys and RoPE scaling)
+    hf_overrides: str | None = None  # JSON of the config changes the engine must start with (vLLM --hf-overrides)
     problems: tuple[str, ...] = field(default=())
     notes: tuple[str, ...] = field(default=())
     drafter: Drafter | None = None  # its weights are in weights_bytes_per_gpu, its layers in kv.groups
@@ -137,6 +142,9 @@ class Capacity:
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_concurrency": round(self.max_concurrency, 2),
             "max_model_len_that_fits": self.max_model_len_that_fits,
+            "max_model_len_limit": self.max_model_len_limit,
+            "max_model_len_source": self.max_model_len_source,
+            "hf_overrides": None if self.hf_overrides is None else json.loads(self.hf_overrides),
             "kv_groups": [
                 {
                     "attention": grp.attention.value,
@@ -380,6 +388,7 @@ class _Knobs:
     max_seqs: int
     batched: int
     block: int
+    limit: ContextLimit
 
 
 def _knobs(
@@ -400,22 +409,29 @@ def _knobs(
     util = profile.gpu_memory_utilization if s.gpu_memory_utilization is None else s.gpu_memory_utilization
     if not 0 < util <= 1:
         raise SizingError(f"must be in (0, 1], got {util}", field="gpu_memory_utilization")
-    max_len = model.max_position_embeddings if s.max_model_len is None else s.max_model_len
-    if max_len > model.max_position_embeddings:
+    if model.rope_override and profile.engine is not EngineName.VLLM:
         raise SizingError(
-            f"{max_len} exceeds the model's max_position_embeddings ({model.max_position_embeddings}); "
-            f"use at most {model.max_position_embeddings}",
-            field="max_model_len",
+            "TensorRT-LLM takes no config override at start-up; use vLLM (--hf-overrides), or a checkpoint whose "
+            "config.json carries this rope_scaling",
+            field="rope_scaling",
         )
-    large = gpu_memory_bytes >= LARGE_GPU_BYTES and "a100" not in accelerator_name.lower()
-    max_seqs = s.max_num_seqs or (profile.max_num_seqs_large_gpu if large else profile.max_num_seqs_small_gpu)
+    limit = context_limit(model, rope_rules(profile.engine, s.version))
+    max_len = limit.default_len_tokens if s.max_model_len is None else s.max_model_len
+    if max_len > limit.max_len_tokens:
+        raise SizingError(_too_long(model, profile, max_len, limit), field="max_model_len")
+    if profile.engine is EngineName.VLLM:
+        tier = vllm_batch_defaults(s.version, gpu_memory_bytes=gpu_memory_bytes, accelerator_name=accelerator_name)
+        default_seqs, default_batched = tier.max_num_seqs, tier.max_num_batched_tokens
+    else:
+        default_seqs, default_batched = profile.max_num_seqs_large_gpu, profile.max_num_batched_tokens_large_gpu
+    max_seqs = s.max_num_seqs or default_seqs
     if s.max_num_batched_tokens is not None:
         batched = s.max_num_batched_tokens
     elif profile.engine is EngineName.VLLM and profile.since < (0, 8, 0):
         # V0 without chunked prefill schedules a whole prompt at once.
         batched = max(max_len, 2048) if max_len <= 32768 else 2048
     else:
-        batched = profile.max_num_batched_tokens_large_gpu if large else profile.max_num_batched_tokens_small_gpu
+        batched = default_batched
     if profile.engine is EngineName.VLLM and batched < max_seqs and s.max_num_batched_tokens is not None:
         raise SizingError(
             f"{batched} is below max_num_seqs ({max_seqs}); vLLM requires max_num_batched_tokens >= max_num_seqs",
@@ -428,7 +444,26 @@ def _knobs(
         raise SizingError(f"vLLM accepts block sizes {allowed}; got {block}", field="block_size")
     if profile.engine is EngineName.TRTLLM and block & (block - 1):
         raise SizingError(f"TensorRT-LLM tokens_per_block must be a power of two, got {block}", field="block_size")
-    return _Knobs(util=util, max_len=max_len, max_seqs=max_seqs, batched=batched, block=block)
+    return _Knobs(util=util, max_len=max_len, max_seqs=max_seqs, batched=batched, block=block, limit=limit)
+
+
+def _too_long(model: ModelSpec, profile: EngineProfile, max_len: int, limit: ContextLimit) -> str:
+    """The engine's refusal in the user's terms: its limit, where the limit comes from, and what to change."""
+    engine = "vLLM" if profile.engine is EngineName.VLLM else "TensorRT-LLM"
+    text = f"{max_len:,} exceeds {engine}'s limit for {model.model_id}, {limit.max_len_tokens:,} ({limit.source}); "
+    text += f"use at most {limit.max_len_tokens:,}"
+    if model.rope_override:
+        return text
+    text += (
+        ', or extend the context with a RoPE scaling the model supports (--rope-scaling \'{"rope_type": "yarn", '
+        '"factor": F, "original_max_position_embeddings": N}\', deployments[].model.rope_scaling: vLLM --hf-overrides)'
+    )
+    if profile.engine is EngineName.VLLM:
+        text += (
+            "; vLLM's own override VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 starts it anyway, but positions past the limit "
+            "give NaN with RoPE or read out of bounds with absolute positions"
+        )
+    return text
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -668,6 +703,7 @@ def capacity(
                 f"KV cache as measured: {measured_kv_cache_tokens:,} tokens per replica (this model predicts "
                 f"{predicted:,})"
             )
+    overrides = config_overrides(model)
     fits_len = _longest_request(
         pool,
         num_blocks=num_blocks,
@@ -709,6 +745,9 @@ def capacity(
         max_model_len_that_fits=fits_len,
         state_pages_per_request=state_pages if kv.state is not None else 0,
         encoder=encoder,
+        max_model_len_limit=k.limit.max_len_tokens,
+        max_model_len_source=k.limit.source,
+        hf_overrides=None if overrides is None else json.dumps(overrides, sort_keys=True),
         problems=tuple(problems),
         notes=tuple(notes),
         drafter=drafter,

@@ -41,7 +41,7 @@ from enum import StrEnum
 
 from kvfleet import versions
 from kvfleet.errors import SizingError
-from kvfleet.sizing.models import ModelSpec
+from kvfleet.sizing.models import ModelSpec, RopeLengthRules
 from kvfleet.sizing.units import GiB, MiB
 from kvfleet.versions import Version
 
@@ -77,8 +77,8 @@ class EngineProfile:
     # Prefix caching on by default for hybrid attention/Mamba models, which puts their state layers in
     # mamba_cache_mode "align": two state pages per request instead of one (MambaSpec.max_memory_usage_bytes).
     mamba_align_by_default: bool
-    # Scheduler defaults for the OpenAI server, keyed by whether the GPU has >= 70 GiB
-    # (vllm/engine/arg_utils.py, get_batch_defaults; A100s get the small ones, PR 17885).
+    # Scheduler defaults for the OpenAI server, keyed by whether the GPU has >= 70 GiB. vLLM's own rule (tiers by
+    # memory, A100s excluded by name) is VLLM_BATCH_DEFAULTS; capacity reads these fields for TensorRT-LLM only.
     max_num_batched_tokens_small_gpu: int
     max_num_batched_tokens_large_gpu: int
     max_num_seqs_small_gpu: int
@@ -198,6 +198,139 @@ TRTLLM_PROFILES: tuple[EngineProfile, ...] = (
 DEFAULT_VERSIONS = {EngineName.VLLM: "0.32.0", EngineName.TRTLLM: "1.0.0"}
 # 70 GiB: vLLM's threshold for its larger scheduler defaults (H100-class GPUs).
 LARGE_GPU_BYTES = 70 * GiB
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeRules:
+    """A row of ``VLLM_ROPE_RULES`` / ``TRTLLM_ROPE_RULES``: the length rules from release ``since`` on."""
+
+    since: Version
+    rules: RopeLengthRules
+
+
+_VLLM_MODEL_PY = "vllm/config/model.py _get_and_verify_max_len"
+VLLM_ROPE_RULES: tuple[RopeRules, ...] = (
+    RopeRules(
+        since=(0, 6, 0),
+        rules=RopeLengthRules(
+            # `if rope_type not in ("su", "longrope", "llama3")`: factor x max_position_embeddings, but YaRN
+            # resets the base to rope_scaling["original_max_position_embeddings"] first.
+            no_factor_types=frozenset({"su", "longrope", "llama3"}),
+            yarn_from_original=True,
+            gemma3_exempt=True,
+            longrope_default_original=False,
+            source=f"{_VLLM_MODEL_PY} (vllm/config.py before 0.10)",
+        ),
+    ),
+    RopeRules(
+        # PR 27431 (merged 2025-10-24): with no --max-model-len, LongRoPE models start at
+        # original_max_position_embeddings, where the short factors hold. First release after the merge (approx.).
+        since=(0, 11, 1),
+        rules=RopeLengthRules(
+            no_factor_types=frozenset({"su", "longrope", "llama3"}),
+            yarn_from_original=True,
+            gemma3_exempt=True,
+            longrope_default_original=True,
+            source=f"{_VLLM_MODEL_PY}; PR 27431 (LongRoPE default length)",
+        ),
+    ),
+    RopeRules(
+        # PR 56446 (merged 2026-09-11) aligned YaRN with transformers: max_position_embeddings is already the
+        # scaled length and `factor` no longer lengthens it (YaRN variants join the list). 0.32.0's source has it;
+        # the first release with it is not pinned.
+        since=(0, 32, 0),
+        rules=RopeLengthRules(
+            no_factor_types=frozenset({"su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling"}),
+            yarn_from_original=False,
+            gemma3_exempt=True,
+            longrope_default_original=True,
+            source=f"{_VLLM_MODEL_PY} 0.32.0; PR 56446 (YaRN no longer rescales)",
+        ),
+    ),
+)
+
+# tensorrt_llm/_torch/models/modeling_utils.py DecoderModelForCausalLM.infer_max_seq_len ("Modified from
+# tensorrt_llm/builder.py _init_max_seq_len"): factor x max_position_embeddings unless su/longrope/llama3/yarn;
+# no Gemma 3 exception, no LongRoPE default.
+TRTLLM_ROPE_RULES: tuple[RopeRules, ...] = (
+    RopeRules(
+        since=(0, 17, 0),
+        rules=RopeLengthRules(
+            no_factor_types=frozenset({"su", "longrope", "llama3", "yarn"}),
+            yarn_from_original=False,
+            gemma3_exempt=False,
+            longrope_default_original=False,
+            source="tensorrt_llm/_torch/models/modeling_utils.py infer_max_seq_len",
+        ),
+    ),
+)
+
+
+def rope_rules(engine: EngineName, version: str | None = None) -> RopeLengthRules:
+    table = VLLM_ROPE_RULES if engine is EngineName.VLLM else TRTLLM_ROPE_RULES
+    v = parse_version(version or DEFAULT_VERSIONS[engine])
+    rows = [r for r in table if r.since <= v] or [table[0]]
+    return rows[-1].rules
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchDefaults:
+    """One tier of vLLM's scheduler defaults for the OpenAI server (``UsageContext.OPENAI_API_SERVER``)."""
+
+    min_memory_bytes: int  # CUDA's total memory of one device, at least
+    excluded_names: tuple[str, ...]  # device-name substrings (lower case) that never get this tier
+    max_num_batched_tokens: int
+    max_num_seqs: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchDefaultsRule:
+    """vLLM's ``EngineArgs.get_batch_defaults`` (vllm/engine/arg_utils.py) from release ``since``: the first tier whose
+    memory threshold and name test the device passes; the last tier (threshold 0) is everyone else's."""
+
+    since: Version
+    tiers: tuple[BatchDefaults, ...]
+    source: str
+
+
+_SMALL = BatchDefaults(min_memory_bytes=0, excluded_names=(), max_num_batched_tokens=2048, max_num_seqs=256)
+_LARGE = BatchDefaults(
+    min_memory_bytes=LARGE_GPU_BYTES, excluded_names=("a100",), max_num_batched_tokens=8192, max_num_seqs=1024
+)
+VLLM_BATCH_DEFAULTS: tuple[BatchDefaultsRule, ...] = (
+    BatchDefaultsRule(since=(0, 6, 0), tiers=(_SMALL,), source="V0 scheduler: 256 sequences, no chunked prefill"),
+    BatchDefaultsRule(
+        # PR 12369 (H100/H200 by name), PR 17073 (>= 70 GiB), PR 17885 (A100s excluded: larger budgets cut their
+        # throughput); modelled as one boundary (approx.).
+        since=(0, 8, 0),
+        tiers=(_LARGE, _SMALL),
+        source="vllm/engine/arg_utils.py get_batch_defaults; PRs 12369, 17073, 17885",
+    ),
+    BatchDefaultsRule(
+        # ">= 160GB memory (B200/B300): the largest defaults" -- in 0.32.0's source; the first release with it is
+        # not pinned.
+        since=(0, 32, 0),
+        tiers=(
+            BatchDefaults(
+                min_memory_bytes=160 * GiB, excluded_names=(), max_num_batched_tokens=16384, max_num_seqs=1024
+            ),
+            _LARGE,
+            _SMALL,
+        ),
+        source="vllm/engine/arg_utils.py get_batch_defaults, 0.32.0",
+    ),
+)
+
+
+def vllm_batch_defaults(version: str | None, *, gpu_memory_bytes: int, accelerator_name: str) -> BatchDefaults:
+    """The tier vLLM gives this device: by CUDA's total memory and, for A100s, by name."""
+    v = parse_version(version or DEFAULT_VERSIONS[EngineName.VLLM])
+    rows = [r for r in VLLM_BATCH_DEFAULTS if r.since <= v] or [VLLM_BATCH_DEFAULTS[0]]
+    name = accelerator_name.lower()
+    for tier in rows[-1].tiers:
+        if gpu_memory_bytes >= tier.min_memory_bytes and not any(x in name for x in tier.excluded_names):
+            return tier
+    return _SMALL
 
 
 def engine_profile(engine: EngineName, version: str | None = None) -> EngineProfile:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -102,6 +102,33 @@ class Quantization:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """A config's ``rope_scaling`` (transformers < 5) or ``rope_parameters`` (>= 5), as engines read it for length.
+
+    ``rope_type`` is the config's ``rope_type``, else its legacy ``type``; the legacy ``su`` is read as
+    ``longrope`` (vllm/transformers_utils/config.py ``patch_legacy_rope_type``, 0.32.0)."""
+
+    rope_type: str
+    factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    rope_theta: float | None = None
+    key: str = "rope_scaling"  # where the config holds it, for messages
+
+    def as_override(self) -> dict[str, object]:
+        """The ``rope_scaling`` object of an engine's config override (vLLM ``--hf-overrides``)."""
+        out: dict[str, object] = {"rope_type": self.rope_type}
+        if self.factor is not None:
+            out["factor"] = self.factor
+        if self.original_max_position_embeddings is not None:
+            out["original_max_position_embeddings"] = self.original_max_position_embeddings
+        if self.rope_theta is not None:
+            # transformers 5 keeps rope_theta inside rope_parameters: an override that replaces the object
+            # without it would lose the base frequency.
+            out["rope_theta"] = self.rope_theta
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
 class ParamGroup:
     """Parameters of one part. ``shardable`` ones split across TP ranks; the others are replicated."""
 
@@ -171,6 +198,12 @@ class ModelSpec:
     source: str = ""
     family: str = ""
     aliases: tuple[str, ...] = field(default=())
+    rope_scaling: RopeScaling | None = None
+    # Phi-3 keeps the pre-extension length beside rope_scaling, not in it.
+    original_max_position_embeddings: int | None = None
+    max_position_embeddings_key: str = "max_position_embeddings"  # the config key the length was read from
+    rope_theta: float | None = None
+    rope_override: bool = False  # rope_scaling was set by the user (an engine config override), not the checkpoint
 
     # ---- parameter counts -------------------------------------------------------------------
     @property
@@ -969,7 +1002,11 @@ def parse_hf_config(
     head_dim = _int(t, "head_dim", where=where, default=t.get("attention_head_dim") or default_head)
     intermediate = _int(t, "intermediate_size", where=where, default=4 * hidden)
     vocab = _int(t, "vocab_size", where=where)
-    max_pos = int(_first(t, "max_position_embeddings", "n_positions", "max_sequence_length", "seq_length") or 4096)
+    max_pos_key = next(
+        (k for k in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length") if t.get(k)),
+        "max_position_embeddings",
+    )
+    max_pos = int(t.get(max_pos_key) or 4096)
     tied_default = model_type in _TIED_BY_DEFAULT
     tied = bool(t.get("tie_word_embeddings", cfg.get("tie_word_embeddings", tied_default)))
     dtype = str(t.get("torch_dtype") or t.get("dtype") or cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
@@ -1030,11 +1067,141 @@ def parse_hf_config(
         source=source,
         family=family,
         aliases=aliases,
+        rope_scaling=_rope_scaling(t, where),
+        original_max_position_embeddings=(
+            _int(t, "original_max_position_embeddings", where=where)
+            if t.get("original_max_position_embeddings")
+            else None
+        ),
+        max_position_embeddings_key=where + max_pos_key,
+        rope_theta=_theta(t.get("rope_theta")),
     )
 
 
 # Norms per block: Gemma 2/3 wrap attention and MLP in two each; a Nemotron-H block has one.
 _NORMS_PER_LAYER = {"gemma2": 4, "gemma3": 4, "gemma3_text": 4, "nemotron_h": 1}
+
+
+def _theta(value: object) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _rope_scaling(t: Mapping[str, Any], where: str) -> RopeScaling | None:
+    """``rope_scaling`` or ``rope_parameters``; nested per layer type (Gemma 3 under transformers 5), the full-attention
+    layers' entry, the one that sets the context."""
+    key = "rope_scaling" if isinstance(t.get("rope_scaling"), Mapping) else "rope_parameters"
+    raw = t.get(key)
+    if not isinstance(raw, Mapping) or not raw:
+        return None
+    if "full_attention" in raw and isinstance(raw["full_attention"], Mapping):
+        raw, key = raw["full_attention"], key + ".full_attention"
+    return rope_scaling_from(raw, field=where + key, rope_theta=t.get("rope_theta"))
+
+
+def rope_scaling_from(raw: Mapping[str, Any], *, field: str, rope_theta: object = None) -> RopeScaling:
+    """A rope_scaling object from a config or a user's override; ModelConfigError names what is wrong."""
+    kind = raw.get("rope_type") or raw.get("type")
+    if not isinstance(kind, str) or not kind:
+        raise ModelConfigError("needs a 'rope_type' (or legacy 'type'), e.g. yarn, linear, dynamic", field=field)
+    kind = "longrope" if kind == "su" else kind
+    factor = raw.get("factor")
+    if factor is not None and (isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 0):
+        raise ModelConfigError(f"factor must be a positive number, got {factor!r}", field=field + ".factor")
+    original = raw.get("original_max_position_embeddings")
+    if original is not None and (isinstance(original, bool) or not isinstance(original, int) or original <= 0):
+        raise ModelConfigError(
+            f"original_max_position_embeddings must be a positive integer, got {original!r}",
+            field=field + ".original_max_position_embeddings",
+        )
+    theta = _theta(raw.get("rope_theta", rope_theta))
+    return RopeScaling(
+        rope_type=kind,
+        factor=None if factor is None else float(factor),
+        original_max_position_embeddings=original,
+        rope_theta=theta,
+        key=field,
+    )
+
+
+def with_rope_scaling(model: ModelSpec, rope: RopeScaling) -> ModelSpec:
+    """The model as the engine loads it with a rope-scaling override (vLLM ``--hf-overrides``): the scaling
+    replaced and, for YaRN, ``max_position_embeddings`` set to the extended length, which every release derives
+    its limit from (see ``context_limit``)."""
+    max_pos, key = model.max_position_embeddings, model.max_position_embeddings_key
+    original = rope.original_max_position_embeddings or model.max_position_embeddings
+    if rope.factor is not None and rope.rope_type in ("yarn", "deepseek_yarn"):
+        max_pos, key = int(original * rope.factor), "max_position_embeddings (override)"
+    if rope.rope_type in ("yarn", "deepseek_yarn", "longrope", "llama3"):
+        # transformers 5 fills this in from max_position_embeddings; the override keeps the config's own length.
+        rope = replace(rope, original_max_position_embeddings=original)
+    return replace(
+        model,
+        rope_scaling=replace(rope, key="rope_scaling (override)", rope_theta=rope.rope_theta or model.rope_theta),
+        max_position_embeddings=max_pos,
+        max_position_embeddings_key=key,
+        rope_override=True,
+    )
+
+
+def config_overrides(model: ModelSpec) -> dict[str, object] | None:
+    """The config.json changes the engine must start with for this spec (its ``--hf-overrides``), or None.
+
+    ``rope_scaling`` is the key under transformers 4 and an alias of ``rope_parameters`` under 5
+    (configuration_utils.py), so one spelling serves every release; the length goes with it because vLLM derives
+    its limit from ``max_position_embeddings`` alone for YaRN from 0.32.0 on."""
+    if not model.rope_override or model.rope_scaling is None:
+        return None
+    return {"max_position_embeddings": model.max_position_embeddings, "rope_scaling": model.rope_scaling.as_override()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeLengthRules:
+    """How one engine release derives its longest context from a config's length and RoPE scaling."""
+
+    no_factor_types: frozenset[str]  # scaling types whose factor never lengthens the context
+    yarn_from_original: bool  # YaRN: original_max_position_embeddings x factor (else max_position_embeddings as is)
+    gemma3_exempt: bool  # Gemma 3's max_position_embeddings is already scaled
+    longrope_default_original: bool  # with no max_model_len given, LongRoPE models start at the original length
+    source: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ContextLimit:
+    """The longest ``max_model_len`` an engine release accepts for a model, what it uses when none is given, and why."""
+
+    max_len_tokens: int
+    default_len_tokens: int
+    source: str
+
+
+def context_limit(model: ModelSpec, rules: RopeLengthRules) -> ContextLimit:
+    """vLLM's ``_get_and_verify_max_len`` (vllm/config/model.py) / TensorRT-LLM's ``infer_max_seq_len`` on this
+    model under ``rules``."""
+    key = model.max_position_embeddings_key
+    base = model.max_position_embeddings
+    rope = model.rope_scaling
+    if rope is None or rope.rope_type in rules.no_factor_types:
+        limit, source = base, f"{key} {base:,}"
+        if rope is not None:
+            source += f" ({rope.rope_type} scaling leaves it as is)"
+    elif rules.gemma3_exempt and "gemma3" in model.model_type:
+        limit, source = base, f"{key} {base:,} (Gemma 3's is already scaled)"
+    elif rope.rope_type in ("yarn",) and rules.yarn_from_original:
+        original = rope.original_max_position_embeddings or base
+        factor = rope.factor or 1.0
+        limit = int(original * factor)
+        source = f"{rope.key}.original_max_position_embeddings {original:,} x factor {factor:g} (yarn)"
+    elif rope.factor is None or rope.factor == 1:
+        limit, source = base, f"{key} {base:,}"
+    else:
+        limit = int(base * rope.factor)
+        source = f"{key} {base:,} x {rope.key}.factor {rope.factor:g} ({rope.rope_type})"
+    default = limit
+    if rules.longrope_default_original and rope is not None and rope.rope_type == "longrope":
+        pretrained = model.original_max_position_embeddings or rope.original_max_position_embeddings
+        if pretrained:
+            default = pretrained
+    return ContextLimit(max_len_tokens=limit, default_len_tokens=default, source=source)
 
 
 def load_config_file(path: str | Path) -> ModelSpec:

@@ -123,6 +123,16 @@ def test_wrong_type() -> None:
     assert "expected a whole number" in lines[0]
 
 
+def test_rope_scaling_names_its_key() -> None:
+    rope = "      id: meta-llama/Llama-3.1-8B\n      rope_scaling: {rope_type: longrope, factor: 0.5}\n"
+    lines = problems(BASE.replace("      id: meta-llama/Llama-3.1-8B\n", rope))
+    assert [line.split(": ")[1] for line in lines] == [
+        "deployments[0].model.rope_scaling.rope_type",
+        "deployments[0].model.rope_scaling.factor",
+    ]
+    assert all(line.startswith("envs/test.yaml:7: ") for line in lines)
+
+
 def test_negative_value() -> None:
     lines = problems(BASE.replace("max_output_tokens: 1024", "max_output_tokens: -3"))
     assert lines[0] == "envs/test.yaml:12: deployments[0].workload.max_output_tokens: must be greater than 0"

@@ -29,6 +29,7 @@ FULL = EngineArgs(
     speculative_method="eagle3",
     speculative_model="yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
     num_speculative_tokens=3,
+    hf_overrides='{"max_position_embeddings": 131072}',
 )
 
 

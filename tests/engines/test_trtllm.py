@@ -47,7 +47,12 @@ def test_unset_settings_leave_the_engines_defaults() -> None:
 
 @pytest.mark.parametrize(
     "args",
-    [EngineArgs(enforce_eager=True), EngineArgs(kv_cache_memory_bytes=1 << 20), EngineArgs(served_model_name="x")],
+    [
+        EngineArgs(enforce_eager=True),
+        EngineArgs(kv_cache_memory_bytes=1 << 20),
+        EngineArgs(served_model_name="x"),
+        EngineArgs(hf_overrides='{"max_position_embeddings": 131072}'),
+    ],
 )
 def test_vllm_only_settings_are_refused(args: EngineArgs) -> None:
     with pytest.raises(ValueError, match="vLLM settings"):

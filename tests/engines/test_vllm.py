@@ -138,3 +138,19 @@ def test_the_api_servers_keep_alive_is_raised_where_the_release_reads_the_variab
     assert VLLM.server_environment((0, 9, 1)) == {} and VLLM.keep_alive_s((0, 9, 1)) == 5.0
     trtllm = ENGINES["trtllm"]
     assert trtllm.server_environment((1, 0, 0)) == {} and trtllm.keep_alive_s((1, 0, 0)) == 5.0
+
+
+def test_config_overrides_reach_the_engine_as_one_argument() -> None:
+    # vllm/engine/arg_utils.py (0.32.0): --hf-overrides takes a JSON object; the agent passes argv, no shell.
+    overrides = '{"max_position_embeddings": 131072, "rope_scaling": {"factor": 4.0, "rope_type": "yarn"}}'
+    args = EngineArgs(max_model_len=131072, hf_overrides=overrides)
+    flags = VLLM.flags(args)
+    assert flags[flags.index("--hf-overrides") + 1] == overrides
+    env = VLLM.dlc_environment(args, model="Qwen/Qwen2.5-72B-Instruct", max_input_tokens=1, max_output_tokens=1)
+    assert env["SM_VLLM_HF_OVERRIDES"] == overrides
+
+
+@pytest.mark.parametrize("text", ["{", "[]", "{}", '"yarn"'])
+def test_config_overrides_must_be_a_json_object(text: str) -> None:
+    with pytest.raises(ValueError, match="hf_overrides"):
+        EngineArgs(hf_overrides=text)
