@@ -29,6 +29,10 @@ class EngineArgs:
     """The settings of one engine start, engine-neutral. ``None`` leaves the engine's own default."""
 
     tensor_parallel_size: int | None = None
+    # GPUs of one engine start = tensor x pipeline parallelism; expert parallelism keeps MoE experts whole and
+    # spreads them over the tensor-parallel ranks (None / False: the engine's default, off).
+    pipeline_parallel_size: int | None = None
+    enable_expert_parallel: bool = False
     max_model_len: int | None = None
     max_num_seqs: int | None = None  # concurrent sequences (TensorRT-LLM: max_batch_size)
     max_num_batched_tokens: int | None = None  # tokens per step (TensorRT-LLM: max_num_tokens)
@@ -46,6 +50,7 @@ class EngineArgs:
     def __post_init__(self) -> None:
         for f in (
             "tensor_parallel_size",
+            "pipeline_parallel_size",
             "max_model_len",
             "max_num_seqs",
             "max_num_batched_tokens",
@@ -61,13 +66,18 @@ class EngineArgs:
             raise ValueError(
                 f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
             )
-        for f in ("enable_prefix_caching", "enforce_eager"):
+        for f in ("enable_prefix_caching", "enforce_eager", "enable_expert_parallel"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f}: must be true or false, got {getattr(self, f)!r}")
         for f in ("quantization", "served_model_name"):
             v = getattr(self, f)
             if v is not None and (not isinstance(v, str) or not v):
                 raise ValueError(f"{f}: must be a non-empty string, got {v!r}")
+
+    @property
+    def gpus(self) -> int:
+        """GPUs one engine start takes."""
+        return (self.tensor_parallel_size or 1) * (self.pipeline_parallel_size or 1)
 
     def to_json(self) -> str:
         """Compact JSON without the defaults: what the stacks put in ``contract.ENV_ENGINE_ARGS``."""

@@ -384,12 +384,19 @@ def capacity(
     )
     if pp == 1:
         cap = _stage_capacity(
-            model, model, frozenset(), gpu_memory_bytes, s, accelerator_name, measured_kv_cache_tokens
+            model,
+            model,
+            without=frozenset(),
+            gpu_memory_bytes=gpu_memory_bytes,
+            s=s,
+            accelerator_name=accelerator_name,
+            measured_kv_cache_tokens=measured_kv_cache_tokens,
         )
         return replace(cap, expert_parallel=layout.ep, notes=cap.notes + layout_notes)
     stages = []
     first = 0
-    for i, n in enumerate(pp_partition(model.num_layers, pp)):
+    split = pp_partition(model.num_layers, pp, engine=s.engine.value)
+    for i, n in enumerate(split):
         layers = model.layers[first : first + n]
         first += n
         without = set()
@@ -400,15 +407,21 @@ def capacity(
         stage = replace(model, layers=layers, num_layers=n)
         stages.append(
             _stage_capacity(
-                stage, model, frozenset(without), gpu_memory_bytes, s, accelerator_name, measured_kv_cache_tokens
+                stage,
+                model,
+                without=frozenset(without),
+                gpu_memory_bytes=gpu_memory_bytes,
+                s=s,
+                accelerator_name=accelerator_name,
+                measured_kv_cache_tokens=measured_kv_cache_tokens,
             )
         )
     binding = min(stages, key=lambda c: (c.num_blocks, -c.weights_bytes_per_gpu))
     counts = tuple(c.num_blocks for c in stages)
-    split = ", ".join(str(n) for n in pp_partition(model.num_layers, pp))
+    layers, blocks = ", ".join(map(str, split)), ", ".join(map(str, counts))
     note = (
-        f"{pp} pipeline stages of [{split}] layers hold {', '.join(map(str, counts))} KV blocks; every stage gets "
-        f"the fewest, {binding.num_blocks}"
+        f"{pp} pipeline stages of [{layers}] layers hold {blocks} KV blocks; every stage gets the fewest, "
+        f"{binding.num_blocks}"
     )
     problems = binding.problems or next((c.problems for c in stages if c.problems), ())
     return replace(
@@ -424,6 +437,7 @@ def capacity(
 def _stage_capacity(
     model: ModelSpec,
     full: ModelSpec,
+    *,
     without: frozenset[Part],
     gpu_memory_bytes: int,
     s: EngineSettings,

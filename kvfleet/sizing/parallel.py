@@ -114,6 +114,25 @@ RULES: tuple[Rule, ...] = (
         what="every pipeline stage holds at least one layer",
     ),
     Rule(
+        name="pipeline-layers",
+        engine="trtllm",
+        since=(0, 0, 0),
+        until=None,
+        source="tensorrt_llm/mapping.py Mapping.pp_layers (NVIDIA/TensorRT-LLM commit 05ebebb2)",
+        what="pipeline stages at most the hidden layers; the first num_layers % pp stages hold one layer more",
+    ),
+    Rule(
+        name="expert-parallel-even",
+        engine="trtllm",
+        since=(0, 0, 0),
+        until=None,
+        source=(
+            "tensorrt_llm/mapping.py Mapping.ep_experts and Mapping.__init__ (tp_size = moe_tp_size x moe_ep_size) "
+            "(NVIDIA/TensorRT-LLM commit 05ebebb2)"
+        ),
+        what="expert parallelism gives every rank num_experts // ep experts: the experts divide over the ranks",
+    ),
+    Rule(
         name="expert-parallel-needs-moe",
         engine="vllm",
         since=(0, 0, 0),
@@ -152,10 +171,11 @@ class Layout:
         return out
 
 
-def pp_partition(num_layers: int, pp: int) -> tuple[int, ...]:
-    """Layers per pipeline stage as vLLM splits them (vllm/distributed/utils.py get_pp_indices, vLLM 0.32.0): an
-    even share, and the remainder one each to the stages before the last, counting back from the second-to-last
-    (the last stage also holds the final norm and the lm_head)."""
+def pp_partition(num_layers: int, pp: int, *, engine: str = "vllm") -> tuple[int, ...]:
+    """Layers per pipeline stage as the engine splits them. vLLM (vllm/distributed/utils.py get_pp_indices, vLLM
+    0.32.0): an even share, and the remainder one each to the stages before the last, counting back from the
+    second-to-last (the last stage also holds the final norm and the lm_head). TensorRT-LLM (``RULES``
+    pipeline-layers): torch.tensor_split, the first stages one more."""
     if pp < 1:
         raise SizingError(f"must be at least 1, got {pp}", field="pipeline_parallel_size")
     if pp > num_layers:
@@ -164,6 +184,10 @@ def pp_partition(num_layers: int, pp: int) -> tuple[int, ...]:
             field="pipeline_parallel_size",
         )
     parts = [num_layers // pp] * pp
+    if engine == "trtllm":
+        for i in range(num_layers % pp):
+            parts[i] += 1
+        return tuple(parts)
     for i in range(2, num_layers % pp + 2):
         parts[-i] += 1
     return tuple(parts)
@@ -231,7 +255,8 @@ def _group_problems(model: ModelSpec, tp: int, scheme: WeightScheme) -> list[str
         out.append(f"each rank's attention output projection input is {o_in} wide, not whole groups of {g}")
     dense = model.moe is None or any(not layer.moe for layer in model.layers)
     if dense and (model.intermediate_size // tp) % g:
-        out.append(f"each rank's MLP down projection input is {model.intermediate_size // tp} wide, not whole groups of {g}")
+        width = model.intermediate_size // tp
+        out.append(f"each rank's MLP down projection input is {width} wide, not whole groups of {g}")
     return out
 
 
@@ -250,6 +275,11 @@ def layout_problems(
         problems.append(f"{layout.pp} pipeline stages for {model.num_layers} layers leave a stage without layers")
     if layout.ep and model.moe is None:
         problems.append("expert parallelism needs a mixture-of-experts model")
+    if engine == "trtllm" and layout.ep and model.moe is not None and model.moe.num_experts % layout.tp:
+        problems.append(
+            f"TensorRT-LLM gives each of {layout.tp} expert-parallel ranks {model.moe.num_experts} // {layout.tp} "
+            "experts, which leaves some out"
+        )
     if engine == "vllm":
         p, n = _fp8_block_problems(model, layout.tp, layout.ep, v)
         problems += p
@@ -258,7 +288,9 @@ def layout_problems(
     return tuple(problems), tuple(notes)
 
 
-def check_layout(model: ModelSpec, layout: Layout, *, engine: str, version: str, scheme: WeightScheme) -> tuple[str, ...]:
+def check_layout(
+    model: ModelSpec, layout: Layout, *, engine: str, version: str, scheme: WeightScheme
+) -> tuple[str, ...]:
     """Notes on how the engine runs ``layout``; SizingError naming the broken rule and a layout that starts."""
     problems, notes = layout_problems(model, layout, engine=engine, version=version, scheme=scheme)
     if not problems:

@@ -753,7 +753,7 @@ def _layout_notes(layout: Layout) -> tuple[str, ...]:
             "(the engine's overlap of several batches across stages is not counted)"
         )
     if layout.ep:
-        out.append("expert parallel: speed is priced as tensor parallelism over the same GPUs (all-to-all not modelled)")
+        out.append("expert parallel: speed is priced as tensor parallelism over the same GPUs (no all-to-all term)")
     return tuple(out)
 
 

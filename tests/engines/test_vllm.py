@@ -138,3 +138,15 @@ def test_the_api_servers_keep_alive_is_raised_where_the_release_reads_the_variab
     assert VLLM.server_environment((0, 9, 1)) == {} and VLLM.keep_alive_s((0, 9, 1)) == 5.0
     trtllm = ENGINES["trtllm"]
     assert trtllm.server_environment((1, 0, 0)) == {} and trtllm.keep_alive_s((1, 0, 0)) == 5.0
+
+
+def test_pipeline_and_expert_parallel_flags() -> None:
+    # vllm/engine/arg_utils.py (vLLM 0.32.0): --pipeline-parallel-size, --enable-expert-parallel (a bare flag).
+    args = EngineArgs(tensor_parallel_size=4, pipeline_parallel_size=2, enable_expert_parallel=True)
+    flags = VLLM.flags(args)
+    assert flags[flags.index("--pipeline-parallel-size") + 1] == "2"
+    assert "--enable-expert-parallel" in flags
+    assert args.gpus == 8
+    env = VLLM.dlc_environment(args, model="m", max_input_tokens=1, max_output_tokens=1)
+    assert env["SM_VLLM_PIPELINE_PARALLEL_SIZE"] == "2" and env["SM_VLLM_ENABLE_EXPERT_PARALLEL"] == ""
+    assert "--enable-expert-parallel" not in VLLM.flags(EngineArgs(tensor_parallel_size=4))
