@@ -399,7 +399,7 @@ def capacity(
     for i, n in enumerate(split):
         layers = model.layers[first : first + n]
         first += n
-        without = set()
+        without: set[Part] = set()
         if i > 0 and not (model.tie_word_embeddings and i == pp - 1):
             without.add(Part.EMBEDDING)
         if i < pp - 1:
@@ -418,9 +418,9 @@ def capacity(
         )
     binding = min(stages, key=lambda c: (c.num_blocks, -c.weights_bytes_per_gpu))
     counts = tuple(c.num_blocks for c in stages)
-    layers, blocks = ", ".join(map(str, split)), ", ".join(map(str, counts))
+    per_stage, blocks = ", ".join(map(str, split)), ", ".join(map(str, counts))
     note = (
-        f"{pp} pipeline stages of [{layers}] layers hold {blocks} KV blocks; every stage gets the fewest, "
+        f"{pp} pipeline stages of [{per_stage}] layers hold {blocks} KV blocks; every stage gets the fewest, "
         f"{binding.num_blocks}"
     )
     problems = binding.problems or next((c.problems for c in stages if c.problems), ())

@@ -226,6 +226,14 @@ def _fp8_block_problems(model: ModelSpec, tp: int, ep: bool, version: Version) -
             f"each rank's MLP intermediate shard is {model.intermediate_size // tp} wide, not a multiple of the "
             f"{bn}-wide FP8 block"
         )
+    shared = model.moe.shared_expert_intermediate_size if model.moe is not None else 0
+    if linear is not None and shared and (shared // tp) % bn:
+        # Shared experts are plain tensor-parallel MLPs (vLLM builds them as MergedColumnParallelLinear), even
+        # under expert parallelism.
+        problems.append(
+            f"each rank's shared-expert intermediate shard is {shared // tp} wide, not a multiple of the {bn}-wide "
+            "FP8 block"
+        )
     if model.moe is not None and not ep:
         shard = model.moe.expert_intermediate_size // tp
         if shard % bn or shard % bk:
@@ -312,6 +320,6 @@ def _alternatives(model: ModelSpec, layout: Layout) -> list[Layout]:
         out.append(Layout(tp=layout.tp, pp=layout.pp, ep=True))
     for pp in range(2, gpus + 1):
         if gpus % pp == 0 and pp != layout.pp:
-            out.append(Layout(tp=gpus // pp, pp=pp, ep=layout.ep))
-    out += [Layout(tp=t, pp=layout.pp, ep=layout.ep) for t in range(layout.tp - 1, 0, -1)]
-    return out
+            out.append(Layout(tp=gpus // pp, pp=pp, ep=layout.ep and gpus // pp > 1))
+    out += [Layout(tp=t, pp=layout.pp, ep=layout.ep and t > 1) for t in range(layout.tp - 1, 0, -1)]
+    return list(dict.fromkeys(out))  # expert parallelism over one rank is plain TP: drop the duplicates

@@ -173,3 +173,20 @@ def test_planner_plans_pipeline_where_tensor_parallelism_cannot_fill_the_instanc
     # Where TP fills the instance, no pipeline layout is planned (it would only be slower in the step model).
     llama = replace(req, model=catalog_model("meta-llama/Llama-3.1-8B"))
     assert all(c.pipeline_parallel_size == 1 for c in enumerate_candidates(llama).candidates)
+
+
+def test_deepseek_v3_block_fp8_at_tp8_is_not_refused() -> None:
+    # DeepSeek-V3 (weight_block_size [128, 128]) is served at TP 8 on one H200 node: 18432 / 8 dense, 2048 / 8
+    # routed and shared expert shards are all whole 128-blocks.
+    m = catalog_model("deepseek-ai/DeepSeek-V3")
+    assert m.quantization is not None and m.quantization.weight_block_size == (128, 128)
+    assert check_layout(m, Layout(tp=8), engine="vllm", version="0.8.5", scheme=m.native_scheme) == ()
+
+
+def test_trtllm_splits_stages_first_heavy_and_needs_even_experts() -> None:
+    # tensorrt_llm/mapping.py Mapping.pp_layers: torch.tensor_split, the first num_layers % pp stages one more.
+    assert pp_partition(94, 4, engine="trtllm") == (24, 24, 23, 23)
+    m = catalog_model("mistralai/Mixtral-8x7B-v0.1")  # 8 experts over 16 ranks: ep_experts gives each 8 // 16 = 0
+    with pytest.raises(SizingError, match="leaves some out"):
+        check_layout(m, Layout(tp=16, ep=True), engine="trtllm", version="1.0.0", scheme=m.native_scheme)
+    check_layout(m, Layout(tp=8, ep=True), engine="trtllm", version="1.0.0", scheme=m.native_scheme)
