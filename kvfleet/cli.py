@@ -158,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
         '"original_max_position_embeddings": 32768}\' (vLLM --hf-overrides)',
     )
     c.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size (default 1)")
+    c.add_argument("--pp", type=_positive_int, default=1, help="pipeline-parallel size (default 1); GPUs = tp x pp")
+    c.add_argument(
+        "--ep", action="store_true", help="expert parallelism (MoE): experts whole, spread over the tp ranks"
+    )
     c.add_argument("--engine", choices=list(ENGINES), default="vllm")
     c.add_argument("--engine-version", help="engine release, e.g. 0.11.0 (default: newest modelled)")
     c.add_argument("--gpu-memory-utilization", type=_fraction, help="vLLM gpu_memory_utilization / TRT-LLM fraction")
@@ -439,6 +443,8 @@ def cmd_capacity(a: argparse.Namespace) -> int:
         engine=EngineName(a.engine),
         version=a.engine_version,
         tensor_parallel_size=a.tp,
+        pipeline_parallel_size=a.pp,
+        enable_expert_parallel=a.ep,
         gpu_memory_utilization=a.gpu_memory_utilization,
         max_model_len=a.max_model_len,
         max_num_seqs=a.max_num_seqs,
@@ -489,7 +495,7 @@ def _print_capacity(cap: Capacity) -> None:
     from kvfleet.sizing.units import GiB
 
     t = Table(
-        title=f"{cap.model_id} on {cap.gpu_memory_bytes / GiB:.2f} GiB x {cap.tensor_parallel_size} "
+        title=f"{cap.model_id} on {cap.gpu_memory_bytes / GiB:.2f} GiB x {cap.gpus_per_replica} "
         f"({cap.engine.value} {cap.engine_version})",
         show_header=True,
     )
@@ -987,6 +993,8 @@ def _candidate_json(c: Candidate, wl: Workload) -> dict[str, Any]:
     return {
         "instance_type": c.name,
         "tensor_parallel_size": c.tensor_parallel_size,
+        "pipeline_parallel_size": c.pipeline_parallel_size,
+        "expert_parallel": c.expert_parallel,
         "weight_precision": c.weight_scheme.name,
         "kv_cache_dtype": c.kv_cache_dtype.value,
         "concurrency_per_replica": c.concurrency_per_replica,
@@ -1069,6 +1077,8 @@ def _plan_json(name: str, target: str, p: Plan, top: int) -> dict[str, Any]:
             {
                 "instance_type": r.instance_type,
                 "tensor_parallel_size": r.tensor_parallel_size,
+                "pipeline_parallel_size": r.pipeline_parallel_size,
+                "expert_parallel": r.expert_parallel,
                 "weight_precision": r.weight_precision,
                 "kv_cache_dtype": r.kv_cache_dtype,
                 "reason": r.reason,
@@ -1114,7 +1124,7 @@ def _print_plan(name: str, target: str, p: Plan, top: int, all_rejections: bool)
         t.add_row(
             str(n),
             c.name,
-            str(c.tensor_parallel_size),
+            c.layout.label().removeprefix("tp="),
             c.weight_scheme.name,
             c.kv_cache_dtype.value,
             str(c.concurrency_per_replica),

@@ -44,6 +44,8 @@ def engine_args(c: Candidate) -> EngineArgs:
     d = cap.drafter
     return EngineArgs(
         tensor_parallel_size=c.tensor_parallel_size,
+        pipeline_parallel_size=c.pipeline_parallel_size if c.pipeline_parallel_size > 1 else None,
+        enable_expert_parallel=c.expert_parallel,
         max_model_len=cap.max_model_len,
         max_num_seqs=c.concurrency_per_replica,
         max_num_batched_tokens=cap.max_num_batched_tokens,

@@ -34,6 +34,8 @@ FIELDS: tuple[tuple[str, Callable[[Mapping[str, Any]], Any], bool], ...] = (
     ("instances", _get("instance_count"), False),
     ("replicas", _get("replicas"), False),
     ("tensor parallel", _get("tensor_parallel_size"), False),
+    ("pipeline parallel", _get("pipeline_parallel_size"), False),
+    ("expert parallel", _get("expert_parallel"), False),
     ("weights", _get("weight_precision"), False),
     ("KV cache dtype", _get("kv_cache_dtype"), False),
     ("KV tokens per replica", _get("memory", "kv_cache_tokens"), True),

@@ -394,7 +394,17 @@ def test_plan_from_flags_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert len(rej) > 10
     assert all(r["reason"] for r in rej)
     assert all(
-        set(r) == {"instance_type", "tensor_parallel_size", "weight_precision", "kv_cache_dtype", "reason"} for r in rej
+        set(r)
+        == {
+            "instance_type",
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+            "expert_parallel",
+            "weight_precision",
+            "kv_cache_dtype",
+            "reason",
+        }
+        for r in rej
     )
     reasons = " | ".join(r["reason"] for r in rej)
     assert "Neuron" in reasons

@@ -232,3 +232,18 @@ def test_a_rope_scaling_in_the_file_is_sized_and_reaches_the_engine() -> None:
     }
     flags = ENGINES["vllm"].flags(args)  # type: ignore[attr-defined]
     assert flags[flags.index("--hf-overrides") + 1] == args.hf_overrides
+
+
+def test_engine_args_carry_the_candidates_parallel_layout() -> None:
+    from kvfleet.sizing.planner import enumerate_candidates
+
+    req = PlanRequest(
+        model=catalog_model("Qwen/Qwen2.5-7B"),  # 28 heads: 8 GPUs only as tp=4 x pp=2
+        workload=Workload(max_input_tokens=2048, max_output_tokens=512),
+        hosting=TARGETS["sagemaker"].hosting,
+        instance_types=("p5.48xlarge",),
+    )
+    c = next(c for c in enumerate_candidates(req).candidates if c.pipeline_parallel_size == 2)
+    args = engine_args(c)
+    assert (args.tensor_parallel_size, args.pipeline_parallel_size, args.gpus) == (4, 2, 8)
+    assert c.gpus_per_replica == c.instance.accelerator_count and c.engines_per_instance == 1

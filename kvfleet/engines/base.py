@@ -33,6 +33,10 @@ class EngineArgs:
     """The settings of one engine start, engine-neutral. ``None`` leaves the engine's own default."""
 
     tensor_parallel_size: int | None = None
+    # GPUs of one engine start = tensor x pipeline parallelism; expert parallelism keeps MoE experts whole and
+    # spreads them over the tensor-parallel ranks (None / False: the engine's default, off).
+    pipeline_parallel_size: int | None = None
+    enable_expert_parallel: bool = False
     max_model_len: int | None = None
     max_num_seqs: int | None = None  # concurrent sequences (TensorRT-LLM: max_batch_size)
     max_num_batched_tokens: int | None = None  # tokens per step (TensorRT-LLM: max_num_tokens)
@@ -63,6 +67,7 @@ class EngineArgs:
     def __post_init__(self) -> None:
         for f in (
             "tensor_parallel_size",
+            "pipeline_parallel_size",
             "max_model_len",
             "max_num_seqs",
             "max_num_batched_tokens",
@@ -80,7 +85,7 @@ class EngineArgs:
             raise ValueError(
                 f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
             )
-        for f in ("enable_prefix_caching", "enforce_eager"):
+        for f in ("enable_prefix_caching", "enforce_eager", "enable_expert_parallel"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f}: must be true or false, got {getattr(self, f)!r}")
         for f in ("quantization", "served_model_name", "speculative_model", "hf_overrides"):
@@ -115,6 +120,11 @@ class EngineArgs:
             raise ValueError(f"speculative_model: {method} {need} draft checkpoint")
         if method != "mtp" and self.num_speculative_tokens is None:
             raise ValueError(f"num_speculative_tokens: {method} needs it")
+
+    @property
+    def gpus(self) -> int:
+        """GPUs one engine start takes."""
+        return (self.tensor_parallel_size or 1) * (self.pipeline_parallel_size or 1)
 
     def to_json(self) -> str:
         """Compact JSON without the defaults: what the stacks put in ``contract.ENV_ENGINE_ARGS``."""

@@ -90,6 +90,11 @@ class TensorRtLlm(EngineAdapter):
         out: dict[str, Any] = {}
         for key, value in (
             ("tensor_parallel_size", args.tensor_parallel_size),
+            ("pipeline_parallel_size", args.pipeline_parallel_size),
+            # Experts whole over the tensor-parallel ranks: moe_expert_parallel_size x moe_tensor_parallel_size
+            # must equal tensor_parallel_size (tensorrt_llm/llmapi/llm_args.py, TensorRT-LLM 1.0.0).
+            ("moe_expert_parallel_size", (args.tensor_parallel_size or 1) if args.enable_expert_parallel else None),
+            ("moe_tensor_parallel_size", 1 if args.enable_expert_parallel else None),
             ("max_batch_size", args.max_num_seqs),
             ("max_num_tokens", args.max_num_batched_tokens),
             ("max_seq_len", args.max_model_len),
@@ -121,6 +126,8 @@ class TensorRtLlm(EngineAdapter):
         env = {"HF_MODEL_ID": model, "OPTION_ROLLING_BATCH": "trtllm"}
         for name, value in (
             ("OPTION_TENSOR_PARALLEL_DEGREE", opts.get("tensor_parallel_size")),
+            # option.pipeline_parallel_degree (deepjavalibrary/djl-serving: world size = tp x pp degrees)
+            ("OPTION_PIPELINE_PARALLEL_DEGREE", opts.get("pipeline_parallel_size")),
             ("OPTION_MAX_ROLLING_BATCH_SIZE", opts.get("max_batch_size")),
             ("OPTION_MAX_NUM_TOKENS", opts.get("max_num_tokens")),
             ("OPTION_MAX_INPUT_LEN", max_input_tokens),

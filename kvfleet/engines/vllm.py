@@ -72,6 +72,7 @@ class Vllm(EngineAdapter):
         out: dict[str, Any] = {}
         for flag, value in (
             ("tensor-parallel-size", args.tensor_parallel_size),
+            ("pipeline-parallel-size", args.pipeline_parallel_size),
             ("max-model-len", args.max_model_len),
             ("max-num-seqs", args.max_num_seqs),
             ("max-num-batched-tokens", args.max_num_batched_tokens),
@@ -89,6 +90,8 @@ class Vllm(EngineAdapter):
         elif q is not None:
             out["quantization"] = _QUANTIZATION.get(q, q)
         out["enable-prefix-caching" if args.enable_prefix_caching else "no-enable-prefix-caching"] = True
+        if args.enable_expert_parallel:
+            out["enable-expert-parallel"] = True  # vllm/engine/arg_utils.py (vLLM 0.32.0)
         if args.enforce_eager:
             out["enforce-eager"] = True
         if args.kv_cache_memory_bytes is not None:

@@ -28,6 +28,7 @@ from kvfleet.sizing.engines import (
 )
 from kvfleet.sizing.memory import KvLayout, WeightBreakdown, kv_layout, weight_bytes
 from kvfleet.sizing.models import AttentionKind, ContextLimit, ModelSpec, config_overrides, context_limit
+from kvfleet.sizing.parallel import Layout, check_layout, pp_partition
 from kvfleet.sizing.precision import KvDtype, Part, WeightScheme, weight_scheme
 from kvfleet.sizing.speculative import Drafter, Speculative, resolve_drafter
 from kvfleet.sizing.units import GiB, cdiv
@@ -43,6 +44,8 @@ class EngineSettings:
     engine: EngineName = EngineName.VLLM
     version: str | None = None
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1  # vLLM --pipeline-parallel-size, TRT-LLM pipeline_parallel_size
+    enable_expert_parallel: bool = False  # vLLM --enable-expert-parallel, TRT-LLM moe_expert_parallel_size = tp
     gpu_memory_utilization: float | None = None  # TRT-LLM: free_gpu_memory_fraction
     max_model_len: int | None = None
     max_num_seqs: int | None = None
@@ -100,6 +103,15 @@ class Capacity:
     problems: tuple[str, ...] = field(default=())
     notes: tuple[str, ...] = field(default=())
     drafter: Drafter | None = None  # its weights are in weights_bytes_per_gpu, its layers in kv.groups
+    # With pipeline parallelism every figure above is the stage that holds the fewest KV blocks: the engine gives
+    # every stage that many (vllm/v1/core/kv_cache_utils.py get_kv_cache_configs, vLLM 0.32.0).
+    pipeline_parallel_size: int = 1
+    expert_parallel: bool = False
+    stage_num_blocks: tuple[int, ...] = field(default=())  # each stage's own count before the minimum
+
+    @property
+    def gpus_per_replica(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def weights_bytes_per_gpu(self) -> int:
@@ -122,6 +134,9 @@ class Capacity:
             "engine": self.engine.value,
             "engine_version": self.engine_version,
             "tensor_parallel_size": self.tensor_parallel_size,
+            "pipeline_parallel_size": self.pipeline_parallel_size,
+            "expert_parallel": self.expert_parallel,
+            "stage_num_blocks": list(self.stage_num_blocks),
             "gpu_memory_gib": round(self.gpu_memory_bytes / g, 3),
             "gpu_memory_utilization": self.gpu_memory_utilization,
             "requested_gib": round(self.requested_bytes / g, 3),
@@ -562,16 +577,99 @@ def capacity(
     ``measured_kv_cache_tokens``: what this engine reported for these settings on this hardware (a calibration);
     the cache's bytes are scaled so that its tokens are that, and everything that follows from them (blocks,
     concurrency, the longest request) is computed from the measured cache.
+
+    With pipeline parallelism each stage is sized on its own layers (the first holding the embedding, the last the
+    lm_head, and the embedding too where it is tied), and the replica gets the fewest blocks of any stage.
     """
     s = settings
+    version = s.version or DEFAULT_VERSIONS[s.engine]
+    engine_profile(s.engine, s.version)
+    pp = s.pipeline_parallel_size
+    if pp < 1:
+        raise SizingError(f"must be at least 1, got {pp}", field="pipeline_parallel_size")
+    if pp > 1 and s.speculative is not None:
+        raise SizingError(
+            "a drafter with pipeline parallelism is not modelled (where its layers and lookahead slots sit across "
+            "stages); plan speculative decoding with tensor parallelism only (pipeline_parallel_size 1)",
+            field="speculative",
+        )
+    layout = Layout(tp=s.tensor_parallel_size, pp=pp, ep=s.enable_expert_parallel)
+    layout_notes = check_layout(
+        model, layout, engine=s.engine.value, version=version, scheme=resolve_scheme(model, s.quantization)
+    )
+    if pp == 1:
+        cap = _stage_capacity(
+            model,
+            model,
+            without=frozenset(),
+            gpu_memory_bytes=gpu_memory_bytes,
+            s=s,
+            accelerator_name=accelerator_name,
+            measured_kv_cache_tokens=measured_kv_cache_tokens,
+        )
+        return replace(cap, expert_parallel=layout.ep, notes=cap.notes + layout_notes)
+    stages = []
+    first = 0
+    split = pp_partition(model.num_layers, pp, engine=s.engine.value)
+    for i, n in enumerate(split):
+        layers = model.layers[first : first + n]
+        first += n
+        without: set[Part] = set()
+        if i > 0 and not (model.tie_word_embeddings and i == pp - 1):
+            without.add(Part.EMBEDDING)
+        if i < pp - 1:
+            without.add(Part.LM_HEAD)
+        if i > 0:
+            without.add(Part.VISION)  # the vision tower runs where the embeddings are merged, on the first stage
+        stage = replace(model, layers=layers, num_layers=n)
+        stages.append(
+            _stage_capacity(
+                stage,
+                model,
+                without=frozenset(without),
+                gpu_memory_bytes=gpu_memory_bytes,
+                s=s,
+                accelerator_name=accelerator_name,
+                measured_kv_cache_tokens=measured_kv_cache_tokens,
+            )
+        )
+    binding = min(stages, key=lambda c: (c.num_blocks, -c.weights_bytes_per_gpu))
+    counts = tuple(c.num_blocks for c in stages)
+    per_stage, blocks = ", ".join(map(str, split)), ", ".join(map(str, counts))
+    note = (
+        f"{pp} pipeline stages of [{per_stage}] layers hold {blocks} KV blocks; every stage gets the fewest, "
+        f"{binding.num_blocks}"
+    )
+    problems = binding.problems or next((c.problems for c in stages if c.problems), ())
+    return replace(
+        binding,
+        pipeline_parallel_size=pp,
+        expert_parallel=layout.ep,
+        stage_num_blocks=counts,
+        problems=problems,
+        notes=binding.notes + layout_notes + (note,),
+    )
+
+
+def _stage_capacity(
+    model: ModelSpec,
+    full: ModelSpec,
+    *,
+    without: frozenset[Part],
+    gpu_memory_bytes: int,
+    s: EngineSettings,
+    accelerator_name: str,
+    measured_kv_cache_tokens: int | None,
+) -> Capacity:
+    """One GPU's start-up: ``model`` holds the layers it serves (a pipeline stage's, or all), ``full`` the rest."""
     profile = engine_profile(s.engine, s.version)
     version = s.version or DEFAULT_VERSIONS[s.engine]
     tp = s.tensor_parallel_size
-    k = _knobs(model, s, profile, gpu_memory_bytes=gpu_memory_bytes, accelerator_name=accelerator_name)
+    k = _knobs(full, s, profile, gpu_memory_bytes=gpu_memory_bytes, accelerator_name=accelerator_name)
 
-    scheme = resolve_scheme(model, s.quantization)
+    scheme = resolve_scheme(full, s.quantization)
     limits = mm_limits(s)
-    weights = weight_bytes(model, tp=tp, scheme=scheme)
+    weights = weight_bytes(model, tp=tp, scheme=scheme, ep=s.enable_expert_parallel, without=without)
     kv = kv_layout(
         model,
         tp=tp,
@@ -587,7 +685,9 @@ def capacity(
     )
     encoder: EncoderProfile | None = None
     mm_notes: list[str] = []
-    if model.vision is not None and profile.engine is EngineName.VLLM:
+    # With pipeline parallelism the vision tower runs on the first stage only (its weights are left out of the
+    # others by ``without``).
+    if model.vision is not None and profile.engine is EngineName.VLLM and Part.VISION not in without:
         encoder = encoder_profile(
             model,
             tp=tp,
@@ -618,7 +718,7 @@ def capacity(
                 f"encoder profiled with {encoder.items} {encoder.modality} item(s) of {encoder.tokens_per_item:,} "
                 f"tokens (budget {encoder.budget_tokens:,} tokens); lower it with limit_mm_per_prompt"
             )
-    elif model.vision is not None:
+    elif model.vision is not None and Part.VISION not in without:
         mm_notes.append("TensorRT-LLM's vision encoder memory beyond its weights is not modelled")
     non_torch = non_torch_bytes(tp=tp)
     graphs = 0 if s.enforce_eager else cuda_graph_bytes(model)
@@ -662,7 +762,7 @@ def capacity(
         problems.append(
             f"no memory left for the KV cache: weights + activations + runtime need {need:.2f} GiB per GPU, "
             f"{budget.requested / GiB:.2f} GiB available; "
-            f"{_memory_hint(model, tp, scheme, budget.requested, runtime)}"
+            f"{_memory_hint(full, tp, scheme, budget.requested, runtime)}"
         )
         kv_bytes = 0
 
@@ -719,7 +819,7 @@ def capacity(
             "or raise gpu_memory_utilization)"
         )
     return Capacity(
-        model_id=model.model_id,
+        model_id=full.model_id,
         engine=profile.engine,
         engine_version=version,
         profile=profile,

@@ -226,12 +226,18 @@ class WeightBreakdown:
         return sum(b for _, b in self.bytes_by_part)
 
 
-def weight_bytes(model: ModelSpec, *, tp: int, scheme: WeightScheme) -> WeightBreakdown:
-    """Weight bytes one TP rank holds under ``scheme``. MoE experts are all resident."""
+def weight_bytes(
+    model: ModelSpec, *, tp: int, scheme: WeightScheme, ep: bool = False, without: frozenset[Part] = frozenset()
+) -> WeightBreakdown:
+    """Weight bytes one TP rank holds under ``scheme``. MoE experts are all resident: split in width over the ranks,
+    or with ``ep`` (expert parallelism) whole, the fullest rank holding ceil(experts / tp) of them (vLLM's
+    determine_expert_map). ``without``: parts this GPU does not hold (a pipeline stage without the embedding)."""
     validate_tp(model, tp)
     unq = 2.0  # unquantized parts stay in the activation dtype (bf16/fp16)
     out: list[tuple[Part, int]] = []
     for g in model.param_groups:
+        if g.part in without:
+            continue
         per_param = scheme.bytes_per_param(g.part, unquantized_bytes=unq)
         if g.part in (Part.EMBEDDING, Part.LM_HEAD):
             rows = cdiv(cdiv(model.vocab_size, tp), VOCAB_PADDING) * VOCAB_PADDING
@@ -241,6 +247,11 @@ def weight_bytes(model: ModelSpec, *, tp: int, scheme: WeightScheme) -> WeightBr
             kv = 2 * model.hidden_size * model.num_kv_heads * model.head_dim * model.attention_layers
             kv_rank = 2 * model.hidden_size * kv_heads_per_rank(model, tp) * model.head_dim * model.attention_layers
             count = (g.count - kv) // tp + kv_rank
+        elif g.part is Part.EXPERTS and model.moe is not None and ep:
+            inter = model.moe.expert_intermediate_size
+            pad = max(1, scheme.expert_intermediate_pad)
+            padded = cdiv(inter, pad) * pad
+            count = g.count * cdiv(model.moe.num_experts, tp) // model.moe.num_experts * padded // inter
         elif g.part is Part.EXPERTS and model.moe is not None and scheme.expert_intermediate_pad > 1:
             inter = cdiv(model.moe.expert_intermediate_size, tp)
             padded = cdiv(inter, scheme.expert_intermediate_pad) * scheme.expert_intermediate_pad

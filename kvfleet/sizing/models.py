@@ -99,6 +99,9 @@ class Quantization:
     scheme: WeightScheme
     detail: str = ""
     kv_cache_fp8: bool = False  # checkpoint ships fp8 KV scales (compressed-tensors kv_cache_scheme)
+    # quantization_config.weight_block_size ([block_n, block_k]) of block-quantized FP8 checkpoints: each rank's
+    # shard must be whole blocks (kvfleet.sizing.parallel).
+    weight_block_size: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -559,7 +562,8 @@ def _quantization(cfg: Mapping[str, Any], where: str) -> Quantization | None:
         detail = f"block {block[0]}x{block[1]}" if isinstance(block, list) and len(block) == 2 else "per-tensor"
         if method == "modelopt" and "FP4" in str(q.get("quant_algo", "")).upper():
             return Quantization(method=method, scheme=weight_scheme("nvfp4"), detail="NVFP4")
-        return Quantization(method=method, scheme=weight_scheme("fp8"), detail=detail)
+        blocks = (int(block[0]), int(block[1])) if isinstance(block, list) and len(block) == 2 else None
+        return Quantization(method=method, scheme=weight_scheme("fp8"), detail=detail, weight_block_size=blocks)
     if method == "mxfp4":
         return Quantization(method=method, scheme=weight_scheme("mxfp4"), detail="MoE experts in MXFP4")
     if method == "bitsandbytes":

@@ -22,6 +22,7 @@ from kvfleet.sizing.engines import DEFAULT_VERSIONS, EngineName, engine_profile
 from kvfleet.sizing.hardware import AcceleratorKind, InstanceType, instance, instances, offered_in_region
 from kvfleet.sizing.hosting import Hosting, PriceList, Routing
 from kvfleet.sizing.models import ModelSpec
+from kvfleet.sizing.parallel import Layout
 from kvfleet.sizing.perf import PerfEstimate, estimate, missing_perf_data
 from kvfleet.sizing.precision import KvDtype, Part, WeightScheme, weight_scheme
 from kvfleet.sizing.speculative import Speculative
@@ -134,11 +135,17 @@ class Rejection:
     reason: str
     needed_gib: float | None = None  # per GPU, where memory was the problem
     available_gib: float | None = None
+    pipeline_parallel_size: int = 1
+    expert_parallel: bool = False
 
     def describe(self) -> str:
         parts = [self.instance_type]
         if self.tensor_parallel_size:
             parts.append(f"tp={self.tensor_parallel_size}")
+        if self.pipeline_parallel_size > 1:
+            parts.append(f"pp={self.pipeline_parallel_size}")
+        if self.expert_parallel:
+            parts.append("ep")
         if self.weight_precision:
             parts.append(self.weight_precision)
         if self.kv_cache_dtype:
@@ -175,6 +182,17 @@ class Candidate:
     limited_by: str  # what capped concurrency: "kv-cache", "itl-target", "concurrency-target", "max_num_seqs"
     notes: tuple[str, ...] = field(default=())
     measured: Measured | None = None  # the calibration this candidate was priced with
+    pipeline_parallel_size: int = 1
+    expert_parallel: bool = False  # MoE experts whole, spread over the tensor-parallel ranks
+
+    @property
+    def gpus_per_replica(self) -> int:
+        """GPUs one engine start takes: tensor x pipeline parallelism."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(tp=self.tensor_parallel_size, pp=self.pipeline_parallel_size, ep=self.expert_parallel)
 
     @property
     def fleet_usd_per_hour(self) -> float:
@@ -195,7 +213,7 @@ class Candidate:
         return it.sagemaker_name if self.hosting.price_list is PriceList.SAGEMAKER and it.sagemaker_name else it.name
 
     def label(self) -> str:
-        return f"{self.name} tp={self.tensor_parallel_size} {self.weight_scheme.name} kv={self.kv_cache_dtype.value}"
+        return f"{self.name} {self.layout.label()} {self.weight_scheme.name} kv={self.kv_cache_dtype.value}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -309,6 +327,29 @@ def _tp_degrees(model: ModelSpec, gpus: int) -> list[int]:
     return out
 
 
+def _layouts(model: ModelSpec, gpus: int) -> list[Layout]:
+    """The layouts planned on an instance of ``gpus`` GPUs, each using a divisor of them.
+
+    Tensor parallelism at every valid degree; for MoE models the same degrees with expert parallelism (both engines
+    run it: vLLM --enable-expert-parallel, TensorRT-LLM moe_expert_parallel_size). Pipeline parallelism only where
+    no tensor-parallel degree fills the instance (e.g. 40 heads on 8 GPUs: tp=4 pp=2): inside one NVLink instance
+    the step model prices a pipeline as one batch passing its stages in turn, never faster than tensor parallelism
+    over the same GPUs, so it is worth planning only where it lets one replica use GPUs TP alone cannot."""
+    tps = _tp_degrees(model, gpus)
+    out = [Layout(tp=t) for t in tps]
+    if model.moe is not None:
+        out += [Layout(tp=t, ep=True) for t in tps if t > 1]
+    if gpus not in tps:
+        for pp in range(2, min(gpus, model.num_layers) + 1):
+            t = gpus // pp
+            if gpus % pp or t not in tps:
+                continue
+            out.append(Layout(tp=t, pp=pp))
+            if model.moe is not None and t > 1:
+                out.append(Layout(tp=t, pp=pp, ep=True))
+    return out
+
+
 def _schemes(req: PlanRequest) -> list[WeightScheme]:
     if not req.weight_precisions:
         return [req.model.native_scheme]
@@ -389,6 +430,12 @@ class _Option:
     scheme: WeightScheme
     kv: KvDtype
     measured: Measured | None = None
+    pp: int = 1
+    ep: bool = False
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp
 
     def reject(self, reason: str, *, needed_gib: float | None = None, available_gib: float | None = None) -> Rejection:
         return Rejection(
@@ -399,6 +446,8 @@ class _Option:
             reason=reason,
             needed_gib=needed_gib,
             available_gib=available_gib,
+            pipeline_parallel_size=self.pp,
+            expert_parallel=self.ep,
         )
 
     def settings(self, *, max_num_seqs: int | None = None) -> EngineSettings:
@@ -407,6 +456,8 @@ class _Option:
             engine=req.engine,
             version=req.engine_version,
             tensor_parallel_size=self.tp,
+            pipeline_parallel_size=self.pp,
+            enable_expert_parallel=self.ep,
             gpu_memory_utilization=req.gpu_memory_utilization,
             max_model_len=req.workload.max_model_len,
             max_num_seqs=max_num_seqs,
@@ -485,10 +536,10 @@ def _layout_reason(o: _Option) -> str | None:
     reason = _precision_reason(o.it, o.scheme, o.kv, o.req)
     if reason:
         return reason
-    if o.req.hosting.one_engine_per_instance and o.tp != o.it.accelerator_count:
+    if o.req.hosting.one_engine_per_instance and o.gpus != o.it.accelerator_count:
         return (
             f"this target runs one engine per instance; it would leave "
-            f"{o.it.accelerator_count - o.tp} of {o.it.accelerator_count} GPUs idle"
+            f"{o.it.accelerator_count - o.gpus} of {o.it.accelerator_count} GPUs idle"
         )
     return None
 
@@ -624,10 +675,15 @@ def _replicas(
     )
 
 
-def _evaluate(req: PlanRequest, it: InstanceType, tp: int, scheme: WeightScheme, kv: KvDtype) -> Candidate | Rejection:
+def _evaluate(
+    req: PlanRequest, it: InstanceType, layout: Layout, scheme: WeightScheme, kv: KvDtype
+) -> Candidate | Rejection:
     version = req.engine_version or DEFAULT_VERSIONS[req.engine]
-    measured = next((m for m in req.measured if m.applies(it, tp, req.model.model_id, req.engine, version)), None)
-    o = _Option(req=req, it=it, tp=tp, scheme=scheme, kv=kv, measured=measured)
+    tp = layout.tp
+    measured = None
+    if layout.pp == 1 and not layout.ep:  # a calibration names a tensor-parallel degree only
+        measured = next((m for m in req.measured if m.applies(it, tp, req.model.model_id, req.engine, version)), None)
+    o = _Option(req=req, it=it, tp=tp, scheme=scheme, kv=kv, measured=measured, pp=layout.pp, ep=layout.ep)
     reason = _layout_reason(o)
     if reason:
         return o.reject(reason)
@@ -652,7 +708,7 @@ def _evaluate(req: PlanRequest, it: InstanceType, tp: int, scheme: WeightScheme,
     price = _price(it, req.hosting)
     if price is None:
         return o.reject("the catalog has no on-demand price for this type; pin it to plan anyway")
-    per_instance = 1 if req.hosting.one_engine_per_instance else it.accelerator_count // tp
+    per_instance = 1 if req.hosting.one_engine_per_instance else it.accelerator_count // layout.gpus
     rate = req.workload.peak_requests_per_s / replicas if req.workload.peak_requests_per_s else None
     cand = Candidate(
         instance=it,
@@ -680,14 +736,28 @@ def _evaluate(req: PlanRequest, it: InstanceType, tp: int, scheme: WeightScheme,
         price_as_of=price[1],
         price_source=price[2],
         limited_by=limited,
-        notes=price[3] + answer + _precision_notes(it, kv, req) + _measured_notes(measured),
+        notes=price[3] + answer + _precision_notes(it, kv, req) + _measured_notes(measured) + _layout_notes(layout),
         measured=measured,
+        pipeline_parallel_size=layout.pp,
+        expert_parallel=layout.ep,
     )
     if req.max_fleet_usd_per_hour is not None and cand.fleet_usd_per_hour > req.max_fleet_usd_per_hour:
         return o.reject(
             f"fleet costs ${cand.fleet_usd_per_hour:.2f}/h, above the ${req.max_fleet_usd_per_hour:.2f}/h ceiling",
         )
     return cand
+
+
+def _layout_notes(layout: Layout) -> tuple[str, ...]:
+    out = []
+    if layout.pp > 1:
+        out.append(
+            f"pipeline parallel over {layout.pp} stages: speed is priced as one batch passing the stages in turn "
+            "(the engine's overlap of several batches across stages is not counted)"
+        )
+    if layout.ep:
+        out.append("expert parallel: speed is priced as tensor parallelism over the same GPUs (no all-to-all term)")
+    return tuple(out)
 
 
 def _measured_notes(m: Measured | None) -> tuple[str, ...]:
@@ -708,10 +778,10 @@ def enumerate_candidates(req: PlanRequest) -> Plan:
     rejs: list[Rejection] = []
     schemes = _schemes(req)
     for it in _instances(req):
-        tps = _tp_degrees(req.model, it.accelerator_count)
+        layouts = _layouts(req.model, it.accelerator_count)
         reason = _hardware_reason(it, req) or (
             None
-            if tps
+            if layouts
             else f"no tensor-parallel degree divides both {req.model.num_attention_heads} heads and "
             f"{it.accelerator_count} GPUs"
         )
@@ -726,12 +796,21 @@ def enumerate_candidates(req: PlanRequest) -> Plan:
                 )
             )
             continue
-        for tp in tps:
+        for layout in layouts:
             for scheme in schemes:
                 for kv in req.kv_cache_dtypes:
-                    out = _evaluate(req, it, tp, scheme, kv)
+                    out = _evaluate(req, it, layout, scheme, kv)
                     (cands if isinstance(out, Candidate) else rejs).append(out)  # type: ignore[arg-type]
-    cands.sort(key=lambda c: (c.fleet_usd_per_hour, c.usd_per_million_output_tokens, c.instance.name))
+    # At equal cost plain tensor parallelism first: the simpler layout, and the one the step model prices directly.
+    cands.sort(
+        key=lambda c: (
+            c.fleet_usd_per_hour,
+            c.usd_per_million_output_tokens,
+            c.instance.name,
+            c.expert_parallel,
+            c.pipeline_parallel_size,
+        )
+    )
     return Plan(request=req, candidates=tuple(cands), rejections=tuple(rejs))
 
 
@@ -780,6 +859,8 @@ def _longest_fitting_context(req: PlanRequest, best: Rejection) -> str | None:
         tp=best.tensor_parallel_size,
         scheme=weight_scheme(best.weight_precision) if best.weight_precision else req.model.native_scheme,
         kv=KvDtype(best.kv_cache_dtype or "auto"),
+        pp=best.pipeline_parallel_size,
+        ep=best.expert_parallel,
     )
     try:
         cap = o.capacity()

@@ -13,6 +13,8 @@ from kvfleet.versions import parse_version
 
 FULL = EngineArgs(
     tensor_parallel_size=2,
+    pipeline_parallel_size=2,
+    enable_expert_parallel=True,
     max_model_len=8192,
     max_num_seqs=64,
     max_num_batched_tokens=8192,

@@ -127,3 +127,16 @@ def test_metric_names(version: str) -> None:
     assert TRT.iteration_stats_path == "/metrics"  # the KV cache and the queue where the text has neither
     # trtllm-serve exports no preemption or generated-token counter: those signals stay absent.
     assert contract.PREEMPTIONS.name not in names and contract.OUTPUT_TOKENS.name not in names
+
+
+def test_pipeline_and_expert_parallel_options() -> None:
+    # LLM-API options: pipeline_parallel_size; experts whole over the TP ranks is moe_expert_parallel_size = tp
+    # with moe_tensor_parallel_size 1 (tensorrt_llm/mapping.py requires tp = moe_tp x moe_ep).
+    opts = TRT.settings(dataclasses.replace(PLAN, pipeline_parallel_size=2, enable_expert_parallel=True))
+    assert opts["pipeline_parallel_size"] == 2
+    assert opts["moe_expert_parallel_size"] * opts["moe_tensor_parallel_size"] == opts["tensor_parallel_size"] == 2
+    assert "moe_expert_parallel_size" not in TRT.settings(PLAN)
+    env = TRT.dlc_environment(
+        dataclasses.replace(PLAN, pipeline_parallel_size=2), model="m", max_input_tokens=1, max_output_tokens=1
+    )
+    assert env["OPTION_PIPELINE_PARALLEL_DEGREE"] == "2"

@@ -154,3 +154,15 @@ def test_config_overrides_reach_the_engine_as_one_argument() -> None:
 def test_config_overrides_must_be_a_json_object(text: str) -> None:
     with pytest.raises(ValueError, match="hf_overrides"):
         EngineArgs(hf_overrides=text)
+
+
+def test_pipeline_and_expert_parallel_flags() -> None:
+    # vllm/engine/arg_utils.py (vLLM 0.32.0): --pipeline-parallel-size, --enable-expert-parallel (a bare flag).
+    args = EngineArgs(tensor_parallel_size=4, pipeline_parallel_size=2, enable_expert_parallel=True)
+    flags = VLLM.flags(args)
+    assert flags[flags.index("--pipeline-parallel-size") + 1] == "2"
+    assert "--enable-expert-parallel" in flags
+    assert args.gpus == 8
+    env = VLLM.dlc_environment(args, model="m", max_input_tokens=1, max_output_tokens=1)
+    assert env["SM_VLLM_PIPELINE_PARALLEL_SIZE"] == "2" and env["SM_VLLM_ENABLE_EXPERT_PARALLEL"] == ""
+    assert "--enable-expert-parallel" not in VLLM.flags(EngineArgs(tensor_parallel_size=4))

@@ -27,6 +27,7 @@ def check_consistency(
     gpus_per_node: int,
     tensor_parallel_size: int,
     drain_budget_s: int,
+    pipeline_parallel_size: int = 1,
     gpu_resource: str = "nvidia.com/gpu",
     startup_estimate_s: float | None = None,
     node_labels: Mapping[str, str] | None = None,
@@ -51,9 +52,13 @@ def check_consistency(
     return [
         *_check_scheduling(pod, node_taints=node_taints, node_labels=node_labels),
         *_check_gpus(
-            c, gpu_resource=gpu_resource, gpus_per_node=gpus_per_node, tensor_parallel_size=tensor_parallel_size
+            c,
+            gpu_resource=gpu_resource,
+            gpus_per_node=gpus_per_node,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
         ),
-        *_check_engine(env, tensor_parallel_size=tensor_parallel_size),
+        *_check_engine(env, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size),
         *_check_drain(pod, c, env, drain_budget_s=drain_budget_s),
         *_check_startup(c, estimate),
         *_check_selectors(manifests, dep),
@@ -86,22 +91,35 @@ def _check_scheduling(
     return problems
 
 
-def _check_gpus(c: Mapping[str, Any], *, gpu_resource: str, gpus_per_node: int, tensor_parallel_size: int) -> list[str]:
-    """GPUs: requests == limits == the tensor-parallel degree, within one node."""
+def _check_gpus(
+    c: Mapping[str, Any],
+    *,
+    gpu_resource: str,
+    gpus_per_node: int,
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int,
+) -> list[str]:
+    """GPUs: requests == limits == the engine's GPUs (tensor x pipeline parallelism), within one node."""
     problems = []
     res = c.get("resources", {})
     req = _int(res.get("requests", {}).get(gpu_resource))
     lim = _int(res.get("limits", {}).get(gpu_resource))
     if req != lim:
         problems.append(f"{gpu_resource} requests ({req}) differ from limits ({lim})")
-    if lim != tensor_parallel_size:
-        problems.append(f"{gpu_resource} limit is {lim}, the tensor-parallel degree is {tensor_parallel_size}")
+    gpus = tensor_parallel_size * pipeline_parallel_size
+    if lim != gpus:
+        what = (
+            f"the tensor-parallel degree is {tensor_parallel_size}"
+            if pipeline_parallel_size == 1
+            else f"tensor x pipeline parallelism is {tensor_parallel_size} x {pipeline_parallel_size}"
+        )
+        problems.append(f"{gpu_resource} limit is {lim}, {what}")
     if lim is not None and lim > gpus_per_node:
         problems.append(f"{gpu_resource} limit is {lim}, a node has {gpus_per_node}: the pod never schedules")
     return problems
 
 
-def _check_engine(env: Mapping[str, Any], *, tensor_parallel_size: int) -> list[str]:
+def _check_engine(env: Mapping[str, Any], *, tensor_parallel_size: int, pipeline_parallel_size: int = 1) -> list[str]:
     """The engine inside the pod runs the plan's tensor-parallel degree, read the way the agent reads it.
 
     Every pod here runs the kvfleet agent (its preStop drain and its signals are what the hooks and KEDA use), so
@@ -122,6 +140,9 @@ def _check_engine(env: Mapping[str, Any], *, tensor_parallel_size: int) -> list[
     engine_tp = args.tensor_parallel_size or 1
     if engine_tp != tensor_parallel_size:
         return [f"the engine runs tensor parallel {engine_tp}, the plan says {tensor_parallel_size}"]
+    engine_pp = args.pipeline_parallel_size or 1
+    if engine_pp != pipeline_parallel_size:
+        return [f"the engine runs pipeline parallel {engine_pp}, the plan says {pipeline_parallel_size}"]
     return []
 
 

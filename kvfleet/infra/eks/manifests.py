@@ -147,8 +147,8 @@ def scale_down_stabilization_s(r: ResolvedDeployment, opts: WorkloadOptions) -> 
 
 
 def _gpus(r: ResolvedDeployment) -> int:
-    # One pod is one engine: it gets exactly its tensor-parallel ranks, so several engines can share a node.
-    return r.candidate.tensor_parallel_size
+    # One pod is one engine: it gets exactly its GPUs (tensor x pipeline ranks), so several engines can share a node.
+    return r.candidate.gpus_per_replica
 
 
 def _cpu_memory(r: ResolvedDeployment, opts: WorkloadOptions) -> tuple[str, str]:

@@ -221,7 +221,7 @@ class EksService(Construct):
             else None
         )
         s = r.deployment.scaling
-        per_node = max(1, r.candidate.instance.accelerator_count // r.candidate.tensor_parallel_size)  # replicas
+        per_node = max(1, r.candidate.instance.accelerator_count // r.candidate.gpus_per_replica)  # replicas
         self.nodegroup = eks.Nodegroup(
             self,
             "Gpu",
@@ -480,6 +480,7 @@ class EksService(Construct):
             node_taints=[GPU_TAINT],
             gpus_per_node=instance.accelerator_count,
             tensor_parallel_size=r.candidate.tensor_parallel_size,
+            pipeline_parallel_size=r.candidate.pipeline_parallel_size,
             drain_budget_s=r.deployment.scaling.drain_budget_s,
             startup_estimate_s=r.startup.ready_s,
             node_labels={**gpu_node_labels(r), INSTANCE_TYPE_LABEL: instance.name},
