@@ -24,6 +24,7 @@ from kvfleet.sizing.engines import (
 from kvfleet.sizing.memory import KvLayout, WeightBreakdown, kv_layout, weight_bytes
 from kvfleet.sizing.models import AttentionKind, ModelSpec
 from kvfleet.sizing.precision import KvDtype, WeightScheme, weight_scheme
+from kvfleet.sizing.quantization import checkpoint_note, checkpoint_refusal, scheme_refusal
 from kvfleet.sizing.units import GiB, cdiv
 
 # vllm/config/cache.py: BlockSize = Literal[1, 8, 16, 32, 64, 128] on CUDA (hybrid models may pick larger).
@@ -154,16 +155,34 @@ def _positive(value: int | None, name: str) -> None:
         raise SizingError(f"must be positive, got {value}", field=name)
 
 
-def resolve_scheme(model: ModelSpec, quantization: str | None) -> WeightScheme:
-    if quantization is None:
-        return model.native_scheme
-    scheme = weight_scheme(quantization)
+def resolve_scheme(
+    model: ModelSpec,
+    quantization: str | None,
+    *,
+    engine: EngineName = EngineName.VLLM,
+    version: str | None = None,
+) -> WeightScheme:
+    """The weights' scheme, refused where the engine release would not load it (``data/engine_quantization.json``):
+    a checkpoint whose quant_method the release does not load (field ``model``), or a scheme it does not apply to
+    an unquantized checkpoint (field ``quantization``)."""
     native = model.native_scheme
-    if model.quantization is not None and scheme.name != native.name:
+    q = model.quantization
+    if q is not None:
+        reason = checkpoint_refusal(q.method, native, engine=engine, version=version)
+        if reason:
+            raise SizingError(reason, field="model")
+    if quantization is None:
+        return native
+    scheme = weight_scheme(quantization)
+    if q is not None and scheme.name != native.name:
         raise SizingError(
             f"the checkpoint is already quantized as {native.name}; drop --quantization or pick another checkpoint",
             field="quantization",
         )
+    if q is None:
+        reason = scheme_refusal(scheme, engine=engine, version=version)
+        if reason:
+            raise SizingError(reason, field="quantization")
     return scheme
 
 
@@ -449,7 +468,7 @@ def capacity(
     tp = s.tensor_parallel_size
     k = _knobs(model, s, profile, gpu_memory_bytes=gpu_memory_bytes, accelerator_name=accelerator_name)
 
-    scheme = resolve_scheme(model, s.quantization)
+    scheme = resolve_scheme(model, s.quantization, engine=profile.engine, version=version)
     weights = weight_bytes(model, tp=tp, scheme=scheme)
     kv = kv_layout(
         model,
@@ -480,6 +499,8 @@ def capacity(
         kv_bytes_per_token=kv.kv_bytes_per_token_per_gpu,
     )
     notes = [profile.note, *budget.notes]
+    if model.quantization is None and (as_checkpoint := checkpoint_note(scheme, engine=s.engine, version=version)):
+        notes.append(as_checkpoint)
     problems = list(budget.problems)
     kv_bytes = budget.kv_bytes
     if kv_bytes <= 0:
