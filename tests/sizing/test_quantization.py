@@ -111,7 +111,7 @@ def test_bnb_4bit_refused_at_0_32_with_the_nearest_scheme() -> None:
     assert "vLLM 0.32.0" in msg and "bitsandbytes" in msg and "nearest it loads: awq" in msg
     assert "\n" not in msg
     # The default release is 0.32.0: no version means the same refusal.
-    with pytest.raises(SizingError, match="vLLM 0.32.0"):
+    with pytest.raises(SizingError, match=r"vLLM 0\.32\.0"):
         capacity(model, gpu_memory_bytes=80 * GiB, settings=_settings(None, "bnb-4bit"))
 
 
@@ -165,7 +165,7 @@ def test_trtllm_fp8_of_an_unquantized_model_is_sized_as_its_checkpoint() -> None
         settings=_settings("1.0.0", "fp8", engine=EngineName.TRTLLM),
     )
     assert any("quantizes no weights at load" in n and "modelopt" in n for n in cap.notes)
-    with pytest.raises(SizingError, match="TensorRT-LLM 1.0.0 does not load bitsandbytes"):
+    with pytest.raises(SizingError, match=r"TensorRT-LLM 1\.0\.0 does not load bitsandbytes"):
         resolve_scheme(catalog_model(LLAMA), "bnb-4bit", engine=EngineName.TRTLLM, version="1.0.0")
 
 
