@@ -24,7 +24,7 @@ from kvfleet.sizing.hosting import Hosting, PriceList, Routing
 from kvfleet.sizing.models import ModelSpec
 from kvfleet.sizing.perf import PerfEstimate, estimate, missing_perf_data
 from kvfleet.sizing.precision import KvDtype, Part, WeightScheme, weight_scheme
-from kvfleet.sizing.quantization import checkpoint_refusal, scheme_refusal
+from kvfleet.sizing.quantization import checkpoint_note, checkpoint_refusal, scheme_refusal
 from kvfleet.sizing.step import Limits, Replica, SteadyState, replica, steady_state
 from kvfleet.sizing.step import Workload as StepWorkload
 from kvfleet.sizing.units import GiB
@@ -347,6 +347,14 @@ def _release_reason(scheme: WeightScheme, req: PlanRequest) -> str | None:
     if q is not None:
         return checkpoint_refusal(q.method, req.model.native_scheme, engine=req.engine, version=req.engine_version)
     return scheme_refusal(scheme, engine=req.engine, version=req.engine_version)
+
+
+def _release_notes(scheme: WeightScheme, req: PlanRequest) -> tuple[str, ...]:
+    """A scheme the release loads only as a checkpoint: the plan is sized for that checkpoint."""
+    if req.model.quantization is not None:
+        return ()
+    note = checkpoint_note(scheme, engine=req.engine, version=req.engine_version)
+    return (note,) if note else ()
 
 
 def _check_release(req: PlanRequest) -> None:
@@ -703,7 +711,11 @@ def _evaluate(req: PlanRequest, it: InstanceType, tp: int, scheme: WeightScheme,
         price_as_of=price[1],
         price_source=price[2],
         limited_by=limited,
-        notes=price[3] + answer + _precision_notes(it, kv, req) + _measured_notes(measured),
+        notes=price[3]
+        + answer
+        + _precision_notes(it, kv, req)
+        + _release_notes(scheme, req)
+        + _measured_notes(measured),
         measured=measured,
     )
     if req.max_fleet_usd_per_hour is not None and cand.fleet_usd_per_hour > req.max_fleet_usd_per_hour:

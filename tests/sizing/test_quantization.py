@@ -8,6 +8,7 @@ rule to what those sources say a release does, not to the code's restatement of 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -206,3 +207,12 @@ def test_planner_refuses_a_checkpoint_the_release_does_not_load() -> None:
         plan(_req(version="0.32.0", model=BNB))
     assert err.value.field == "model"
     assert plan(_req(version="0.30.0", model=BNB)).best.weight_scheme.name == "bnb-4bit"
+
+
+def test_planner_says_a_trtllm_fp8_plan_needs_the_fp8_checkpoint() -> None:
+    req = _req("fp8", version="1.0.0")
+    best = plan(replace(req, engine=EngineName.TRTLLM)).best
+    assert best.weight_scheme.name == "fp8"
+    assert any(n.startswith("TensorRT-LLM 1.0.0 quantizes no weights at load") for n in best.notes)
+    # vLLM quantizes to fp8 at load: no such note.
+    assert not any("quantizes no weights" in n for n in plan(_req("fp8")).best.notes)
