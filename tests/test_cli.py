@@ -800,3 +800,28 @@ def test_plan_flags_carry_the_drafter_to_the_engine(capsys: pytest.CaptureFixtur
         )
     )
     assert '"speculative-config": "{\\"method\\":\\"ngram\\",\\"num_speculative_tokens\\":3}"' in out
+
+
+def test_precision_the_release_does_not_load_names_the_files_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # vLLM 0.32.0 registers no bitsandbytes method (data/engine_quantization.json): the plan names the key to change.
+    f, text = _dev_with(tmp_path, "      kv_cache_dtypes: [auto, fp8]", "      weight_precisions: [bnb-4bit]")
+    text = text.replace('version: "0.30.0"', 'version: "0.32.0"', 1)
+    f.write_text(text, encoding="utf-8")
+    code, _, err = run(capsys, "plan", str(f))
+    line = one_error_line(code, err, "vLLM 0.32.0", "bitsandbytes", "nearest it loads: awq")
+    where = f"kvfleet: error: {f}:{_line_of(text, 'weight_precisions:')}: deployments[0].sizing.weight_precisions: "
+    assert line.startswith(where), line
+    # The release the file pinned before still loads it.
+    f.write_text(text.replace('version: "0.32.0"', 'version: "0.30.0"', 1), encoding="utf-8")
+    code, _, err = run(capsys, "plan", str(f))
+    assert code == 0, err
+
+
+def test_capacity_refuses_a_bitsandbytes_checkpoint_at_0_32(capsys: pytest.CaptureFixture[str]) -> None:
+    bnb = str(REPO / "tests" / "fixtures" / "hf_configs" / "Kocdigital-LLM-8b-v0.1-bnb-4bit")
+    code, _, err = run(capsys, "capacity", "--model", bnb, "--gpu", "H100", "--engine-version", "0.32.0")
+    one_error_line(code, err, "model: vLLM 0.32.0 does not load this checkpoint's quant_method 'bitsandbytes'")
+    code, _, err = run(capsys, "capacity", "--model", bnb, "--gpu", "H100", "--engine-version", "0.30.0", "--json")
+    assert code == 0, err

@@ -30,6 +30,7 @@ from kvfleet.sizing.memory import KvLayout, WeightBreakdown, kv_layout, weight_b
 from kvfleet.sizing.models import AttentionKind, ContextLimit, ModelSpec, config_overrides, context_limit
 from kvfleet.sizing.parallel import Layout, check_layout, pp_partition
 from kvfleet.sizing.precision import KvDtype, Part, WeightScheme, weight_scheme
+from kvfleet.sizing.quantization import checkpoint_note, checkpoint_refusal, scheme_refusal
 from kvfleet.sizing.speculative import Drafter, Speculative, resolve_drafter
 from kvfleet.sizing.units import GiB, cdiv
 
@@ -258,16 +259,34 @@ def _positive(value: int | None, name: str) -> None:
         raise SizingError(f"must be positive, got {value}", field=name)
 
 
-def resolve_scheme(model: ModelSpec, quantization: str | None) -> WeightScheme:
-    if quantization is None:
-        return model.native_scheme
-    scheme = weight_scheme(quantization)
+def resolve_scheme(
+    model: ModelSpec,
+    quantization: str | None,
+    *,
+    engine: EngineName = EngineName.VLLM,
+    version: str | None = None,
+) -> WeightScheme:
+    """The weights' scheme, refused where the engine release would not load it (``data/engine_quantization.json``):
+    a checkpoint whose quant_method the release does not load (field ``model``), or a scheme it does not apply to
+    an unquantized checkpoint (field ``quantization``)."""
     native = model.native_scheme
-    if model.quantization is not None and scheme.name != native.name:
+    q = model.quantization
+    if q is not None:
+        reason = checkpoint_refusal(q.method, native, engine=engine, version=version)
+        if reason:
+            raise SizingError(reason, field="model")
+    if quantization is None:
+        return native
+    scheme = weight_scheme(quantization)
+    if q is not None and scheme.name != native.name:
         raise SizingError(
             f"the checkpoint is already quantized as {native.name}; drop --quantization or pick another checkpoint",
             field="quantization",
         )
+    if q is None:
+        reason = scheme_refusal(scheme, engine=engine, version=version)
+        if reason:
+            raise SizingError(reason, field="quantization")
     return scheme
 
 
@@ -595,7 +614,11 @@ def capacity(
         )
     layout = Layout(tp=s.tensor_parallel_size, pp=pp, ep=s.enable_expert_parallel)
     layout_notes = check_layout(
-        model, layout, engine=s.engine.value, version=version, scheme=resolve_scheme(model, s.quantization)
+        model,
+        layout,
+        engine=s.engine.value,
+        version=version,
+        scheme=resolve_scheme(model, s.quantization, engine=s.engine, version=version),
     )
     if pp == 1:
         cap = _stage_capacity(
@@ -667,7 +690,7 @@ def _stage_capacity(
     tp = s.tensor_parallel_size
     k = _knobs(full, s, profile, gpu_memory_bytes=gpu_memory_bytes, accelerator_name=accelerator_name)
 
-    scheme = resolve_scheme(full, s.quantization)
+    scheme = resolve_scheme(full, s.quantization, engine=profile.engine, version=version)
     limits = mm_limits(s)
     weights = weight_bytes(model, tp=tp, scheme=scheme, ep=s.enable_expert_parallel, without=without)
     kv = kv_layout(
@@ -754,6 +777,8 @@ def _stage_capacity(
     notes = [profile.note, *budget.notes, *mm_notes]
     if drafter is not None:
         notes.extend(_drafter_notes(drafter))
+    if model.quantization is None and (as_checkpoint := checkpoint_note(scheme, engine=s.engine, version=version)):
+        notes.append(as_checkpoint)
     problems = list(budget.problems)
     kv_bytes = budget.kv_bytes
     if kv_bytes <= 0:

@@ -25,6 +25,7 @@ from kvfleet.sizing.models import ModelSpec
 from kvfleet.sizing.parallel import Layout
 from kvfleet.sizing.perf import PerfEstimate, estimate, missing_perf_data
 from kvfleet.sizing.precision import KvDtype, Part, WeightScheme, weight_scheme
+from kvfleet.sizing.quantization import checkpoint_note, checkpoint_refusal, scheme_refusal
 from kvfleet.sizing.speculative import Speculative
 from kvfleet.sizing.step import Limits, Replica, SteadyState, replica, steady_state
 from kvfleet.sizing.step import Workload as StepWorkload
@@ -383,7 +384,40 @@ def _hardware_reason(it: InstanceType, req: PlanRequest) -> str | None:
     return missing_perf_data(acc)
 
 
+def _release_reason(scheme: WeightScheme, req: PlanRequest) -> str | None:
+    """Why the chosen engine release would not run the model at ``scheme`` (data/engine_quantization.json)."""
+    q = req.model.quantization
+    if q is not None:
+        return checkpoint_refusal(q.method, req.model.native_scheme, engine=req.engine, version=req.engine_version)
+    return scheme_refusal(scheme, engine=req.engine, version=req.engine_version)
+
+
+def _release_notes(scheme: WeightScheme, req: PlanRequest) -> tuple[str, ...]:
+    """A scheme the release loads only as a checkpoint: the plan is sized for that checkpoint."""
+    if req.model.quantization is not None:
+        return ()
+    note = checkpoint_note(scheme, engine=req.engine, version=req.engine_version)
+    return (note,) if note else ()
+
+
+def _check_release(req: PlanRequest) -> None:
+    """A checkpoint the release does not load, or precisions it loads none of, is the file's error (one line at
+    the key to change), not a list of misfits."""
+    q = req.model.quantization
+    if q is not None:
+        reason = _release_reason(req.model.native_scheme, req)
+        if reason:
+            raise SizingError(reason, field="model")
+        return
+    reasons = [r for r in (_release_reason(s, req) for s in _schemes(req)) if r]
+    if req.weight_precisions and len(reasons) == len(_schemes(req)):
+        raise SizingError(reasons[0], field="weight_precisions")
+
+
 def _precision_reason(it: InstanceType, scheme: WeightScheme, kv: KvDtype, req: PlanRequest) -> str | None:
+    release = _release_reason(scheme, req)
+    if release:
+        return release
     acc = it.accelerator
     cc = acc.compute_capability or 0.0
     if scheme.name == "fp8" and not acc.fp8_support and (req.engine is EngineName.TRTLLM or cc < 8.0):
@@ -736,7 +770,12 @@ def _evaluate(
         price_as_of=price[1],
         price_source=price[2],
         limited_by=limited,
-        notes=price[3] + answer + _precision_notes(it, kv, req) + _measured_notes(measured) + _layout_notes(layout),
+        notes=price[3]
+        + answer
+        + _precision_notes(it, kv, req)
+        + _release_notes(scheme, req)
+        + _measured_notes(measured)
+        + _layout_notes(layout),
         measured=measured,
         pipeline_parallel_size=layout.pp,
         expert_parallel=layout.ep,
@@ -817,6 +856,7 @@ def enumerate_candidates(req: PlanRequest) -> Plan:
 def plan(req: PlanRequest) -> Plan:
     """Rank the candidates; raise NothingFitsError with the nearest miss and what would fit."""
     engine_profile(req.engine, req.engine_version)  # an unknown release is the user's error, not a misfit
+    _check_release(req)
     result = enumerate_candidates(req)
     if result.candidates:
         return result
