@@ -361,6 +361,19 @@ def resolve(env: Environment, dr: DeploymentRequest) -> ResolvedDeployment:
         result = plan(dr.request)
     except KvfleetError as err:
         raise config_error(err, dr.index) from None
+    scheme = result.best.weight_scheme
+    if scheme.needs_quantized_checkpoint and dr.model.quantization is None:
+        # The plan was sized for weights the engine cannot make from this checkpoint at load (it would load them as
+        # they are, in 16 bits, and the cache the plan promised would not fit).
+        raise config_error(
+            KvfleetError(
+                f"{scheme.name} was chosen, but {dr.model.model_id} is not a {scheme.name} checkpoint and no engine "
+                f"quantizes to {scheme.name} at load: name a {scheme.name} checkpoint of this model in model.id, or "
+                "allow only precisions applied at load (bf16, fp16, fp8)",
+                field="weight_precisions",
+            ),
+            dr.index,
+        )
     if "/" not in dr.model.model_id and d.model.s3_uri is None:
         raise KvfleetError(
             f"{d.model.id!r} is not a Hugging Face id, so the engine cannot download it: set model.s3_uri",

@@ -396,8 +396,23 @@ def _release_notes(scheme: WeightScheme, req: PlanRequest) -> tuple[str, ...]:
     """A scheme the release loads only as a checkpoint: the plan is sized for that checkpoint."""
     if req.model.quantization is not None:
         return ()
+    if scheme.needs_quantized_checkpoint:
+        # No engine makes these at load: --quantization awq on an unquantized checkpoint fails at start-up (vLLM
+        # reads the method and its scales from the checkpoint's quantization_config), so the flags carry none.
+        return (
+            f"sized for a checkpoint of this model in {scheme.name} ({scheme.description}): serve one; the engine "
+            "reads the method from its config.json, and the flags name none",
+        )
     note = checkpoint_note(scheme, engine=req.engine, version=req.engine_version)
     return (note,) if note else ()
+
+
+def online_quantization(scheme: WeightScheme, model: ModelSpec) -> str | None:
+    """The engine's --quantization for ``scheme`` on ``model``: None for the checkpoint's own precision, and for a
+    scheme that only comes as a checkpoint (the engine reads it from that checkpoint's config)."""
+    if scheme.name == model.native_scheme.name or scheme.needs_quantized_checkpoint:
+        return None
+    return scheme.name
 
 
 def _check_release(req: PlanRequest) -> None:
@@ -749,7 +764,7 @@ def _evaluate(
         hosting=req.hosting,
         tensor_parallel_size=tp,
         weight_scheme=scheme,
-        online_quantization=o.settings().quantization,
+        online_quantization=online_quantization(scheme, req.model),
         kv_cache_dtype=kv,
         # The engine settings admit exactly `batch` sequences: the breakdown shown is the one the engine prints
         # (the same as at start-up when the batch is the engine's own max_num_seqs).

@@ -6,9 +6,12 @@ fitted to the simulator's ``LinearStepModel``. The engine's own per-request time
 tokenizing, the first event's way back) is what the shortest prefill took beyond its step, and is added to every
 simulated time to first token. vLLM's forward pass has a core of its own, as it has a GPU on a real host.
 Then forty seconds of the Azure 2023 conversation trace, lengths scaled to the tiny model, are replayed open-loop
-at their recorded arrival times, and the same requests are simulated with the engine's settings (token budget,
-sequence limit, the KV blocks vLLM reports). Median TTFT and median per-request ITL, and their 95th percentiles,
-must agree within 50%.
+at their recorded arrival times (compressed where the host is fast enough that the recorded rate would keep too
+few generations in flight: see RATE_SCALES), and the same requests are simulated with the engine's settings (token
+budget, sequence limit, the KV blocks vLLM reports). Median TTFT and median per-request ITL, and their 95th percentiles,
+must agree within 50%. The forward pass runs at the lowest priority, and requests whose first token was timed across
+a stall of the clients' own event loop are set aside (at most a fifth): on two cores the spinning OpenMP threads of
+the CPU build otherwise held a client back by up to a second now and then, which a GPU host does not do.
 
 Why those bounds, and not the issue's 15%: on two cores shared by the clients, the agent, vLLM's API server and
 its engine loop, the comparison itself is that noisy. The profile is measured in the same run (the CPU's speed
@@ -48,7 +51,11 @@ require_vllm()
 
 TRACE = REPO / "traces/azure2023/AzureLLMInferenceTrace_conv.csv"
 WINDOW_S = 40.0
-RATE_SCALE = 1.0  # half the recorded rate: busy, below saturation on two cores (see the module docstring)
+# The slice's requests are replayed at the recorded rate times the first of these whose simulation on the measured
+# profile keeps MIN_IN_FLIGHT generations going at once: a faster host finishes each request sooner, and at the
+# recorded rate it would serve them one or two at a time (continuous batching with nothing to batch).
+RATE_SCALES = (1.0, 1.5, 2.0, 3.0, 4.0)
+MIN_IN_FLIGHT = 6
 # The tiny model's context is 1,024 tokens: prompts and outputs are the trace's divided by these, within bounds.
 PROMPT_DIV, PROMPT_MIN, PROMPT_MAX = 4, 8, 480
 OUTPUT_DIV, OUTPUT_MIN, OUTPUT_MAX = 4, 4, 96
@@ -176,26 +183,56 @@ def fit(decode: list[tuple[int, int, float]], prefill: list[tuple[int, float]]) 
     return Profile(model=model, request_overhead_s=max(overhead, 0.0), decode=decode, prefill=prefill)
 
 
-def trace_slice() -> Trace:
-    t = read_trace(TRACE, duration_s=WINDOW_S, rate_scale=RATE_SCALE)
+def trace_slice(rate_scale: float = 1.0) -> Trace:
+    t = read_trace(TRACE, duration_s=WINDOW_S, rate_scale=rate_scale)
     inputs = array("q", (min(max(x // PROMPT_DIV, PROMPT_MIN), PROMPT_MAX) for x in t.input_tokens))
     outputs = array("q", (min(max(x // OUTPUT_DIV, OUTPUT_MIN), OUTPUT_MAX) for x in t.output_tokens))
     return Trace(source=t.source, fmt=t.fmt, arrival_s=t.arrival_s, input_tokens=inputs, output_tokens=outputs)
 
 
-async def replay(http: aiohttp.ClientSession, url: str, trace: Trace) -> list[Timed]:
-    """Open loop: each request is sent at its arrival time, whatever the engine is doing."""
+async def replay(http: aiohttp.ClientSession, url: str, trace: Trace) -> tuple[list[Timed], list[tuple[float, float]]]:
+    """Open loop: each request is sent at its arrival time, whatever the engine is doing. Also the spans in which
+    this process's event loop (the clients' and the agent's) did not run for more than STALL_S: a request timed
+    across one is timed by the host, not by the engine."""
     start = time.perf_counter() + 0.5
+    stalls: list[tuple[float, float]] = []
+
+    async def watch() -> None:
+        while True:
+            before = time.perf_counter()
+            await asyncio.sleep(STALL_TICK_S)
+            if time.perf_counter() - before - STALL_TICK_S > STALL_S:
+                stalls.append((before, time.perf_counter()))
 
     async def at(i: int) -> Timed:
         await asyncio.sleep(max(0.0, start + trace.arrival_s[i] - time.perf_counter()))
         return await generate(http, url, i, trace.input_tokens[i], trace.output_tokens[i])
 
-    return list(await asyncio.gather(*(at(i) for i in range(len(trace)))))
+    watcher = asyncio.create_task(watch())
+    try:
+        return list(await asyncio.gather(*(at(i) for i in range(len(trace))))), stalls
+    finally:
+        watcher.cancel()
 
 
-def simulated(trace: Trace, profile: Profile, kv_blocks: int, block_tokens: int) -> list[tuple[float, float]]:
-    spec = FleetSpec(
+def busy_enough(profile: Profile, kv_blocks: int, block_tokens: int) -> tuple[Trace, float]:
+    """The slice at the slowest of RATE_SCALES whose simulation keeps MIN_IN_FLIGHT generations in flight at once
+    (the fastest, if none does)."""
+    for scale in RATE_SCALES:
+        scaled = trace_slice(scale)
+        done = simulate(scaled, fleet_spec(profile, kv_blocks, block_tokens)).stats.finished
+        if peak_in_flight([(r.arrival_s, r.last_token_s) for r in done]) >= MIN_IN_FLIGHT:
+            return scaled, scale
+    return trace_slice(RATE_SCALES[-1]), RATE_SCALES[-1]
+
+
+def peak_in_flight(spans: list[tuple[float, float]]) -> int:
+    edges = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+    return max(itertools.accumulate(step for _, step in edges))
+
+
+def fleet_spec(profile: Profile, kv_blocks: int, block_tokens: int) -> FleetSpec:
+    return FleetSpec(
         limits=EngineLimits(
             max_num_seqs=MAX_NUM_SEQS,
             max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
@@ -210,7 +247,10 @@ def simulated(trace: Trace, profile: Profile, kv_blocks: int, block_tokens: int)
         usd_per_replica_hour=None,
         exact_steps=True,  # a few hundred requests: every step on its own costs nothing here
     )
-    result = simulate(trace, spec)
+
+
+def simulated(trace: Trace, profile: Profile, kv_blocks: int, block_tokens: int) -> list[tuple[float, float]]:
+    result = simulate(trace, fleet_spec(profile, kv_blocks, block_tokens))
     assert len(result.stats.finished) == len(trace)
     return [
         (
@@ -231,6 +271,19 @@ async def engine_cache(http: aiohttp.ClientSession, engine_url: str) -> tuple[in
     return int(labels["num_gpu_blocks"].strip('"')), int(labels["block_size"].strip('"'))
 
 
+def yield_forward_pass() -> None:
+    """The forward pass at the lowest priority. On a GPU host it runs on the GPU and takes no host CPU from the API
+    server, the agent or the clients; vLLM's CPU build runs it on OpenMP threads that spin at their barriers, and
+    at equal priority the kernel let a client or the engine's scheduler loop wait behind them for hundreds of
+    milliseconds now and then (TTFTs of a second on a trace the simulator serves in 15 ms)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "comm").read_text().startswith("VLLM::Worker"):
+                os.setpriority(os.PRIO_PROCESS, int(proc.name), 19)
+        except OSError:  # gone meanwhile, or not ours
+            continue
+
+
 def pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1]
 
@@ -248,13 +301,13 @@ async def scenario(model_dir: Path) -> dict[str, Any]:
         # at the other tests' 0.2 s it held streams back by hundreds.
         publish_interval_s=10.0,
     )
-    trace = trace_slice()
     async with running(s, ready_timeout=240) as r:
         http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=600))
         async with http:
             kv_blocks, block_tokens = await engine_cache(http, f"http://127.0.0.1:{s.engine_port}")
+            yield_forward_pass()
             await prefill_s(http, r.url, 64, -1)  # warm-up
-            # Each probe three times, interleaved, and the median kept: one slow batch must not bend the whole line
+            # Each probe PROBE_REPEATS times, interleaved, and the median kept: one slow batch must not bend the line
             # (a median of two is their mean, and one stalled (8, 16) batch once made the fixed step cost 6.5 ms
             # where the engine's real gaps were 4 ms).
             runs: dict[tuple[int, int], list[float]] = {}
@@ -267,14 +320,27 @@ async def scenario(model_dir: Path) -> dict[str, Any]:
             # Every sample kept (the line is fitted through all of them), the lengths interleaved.
             prefill = [(p, await prefill_s(http, r.url, p, k)) for k in range(PROBE_REPEATS) for p in PREFILL_PROBES]
             profile = fit(decode, prefill)
-            real = await replay(http, r.url, trace)
-    return {"trace": trace, "profile": profile, "real": real, "kv_blocks": kv_blocks, "block_tokens": block_tokens}
+            trace, scale = busy_enough(profile, kv_blocks, block_tokens)
+            real, stalls = await replay(http, r.url, trace)
+    return {
+        "trace": trace,
+        "scale": scale,
+        "profile": profile,
+        "real": real,
+        "stalls": stalls,
+        "kv_blocks": kv_blocks,
+        "block_tokens": block_tokens,
+    }
 
 
 # (batch, prompt tokens): the KV read grows with both; one long-context batch separates the two.
 DECODE_PROBES = ((1, 16), (4, 16), (8, 16), (16, 16), (32, 16), (8, 400))
 DECODE_PROBE_TOKENS = (16, 128)  # two lengths; their difference is pure decode
-PROBE_REPEATS = 3
+PROBE_REPEATS = 5
+# A host stall: the event loop woke more than STALL_S late from a STALL_TICK_S sleep. On two cores beside vLLM's CPU
+# build it happens now and then (tens to hundreds of milliseconds); on a GPU host the engine takes no host core.
+STALL_TICK_S, STALL_S = 0.005, 0.02
+UNDISTURBED_SHARE = 0.8  # at most a fifth of the requests may be set aside for host stalls
 PREFILL_PROBES = (32, 64, 128, 192, 256, 320, 384, 448, 512)
 
 
@@ -298,9 +364,13 @@ def test_simulated_ttft_and_itl_match_the_real_engine_on_a_trace_slice(
     sim = simulated(trace, profile, out["kv_blocks"], out["block_tokens"])
     assert len(sim) == len(real)
     # Under load, not one request at a time: generations overlapped (continuous batching had a batch to form).
-    edges = sorted([(t.sent_s, 1) for t in real] + [(t.last_s, -1) for t in real])
-    in_flight = max(itertools.accumulate(step for _, step in edges))
+    in_flight = peak_in_flight([(t.sent_s, t.last_s) for t in real])
     assert in_flight >= 5, in_flight
+    # Requests whose first token was timed across a host stall are compared by neither side.
+    stalls: list[tuple[float, float]] = out["stalls"]
+    kept = [i for i, t in enumerate(real) if not any(a < t.first_s and b > t.sent_s for a, b in stalls)]
+    assert len(kept) >= UNDISTURBED_SHARE * len(real), f"{len(real) - len(kept)} requests timed across host stalls"
+    real, sim = [real[i] for i in kept], [sim[i] for i in kept]
     rows = []
     for name, r_xs, s_xs in (
         ("TTFT", [t.ttft_s for t in real], [x[0] for x in sim]),
@@ -312,5 +382,6 @@ def test_simulated_ttft_and_itl_match_the_real_engine_on_a_trace_slice(
     report = "\n".join(
         f"{n} p{q}: real {rv * 1e3:.1f} ms, simulated {sv * 1e3:.1f} ms ({e:+.1%})" for n, q, rv, sv, e in rows
     )
-    print(f"\n{len(trace)} requests, at most {in_flight} in flight; profile {profile}\n{report}")
+    rate = f"{out['scale']:g}x the recorded rate, {len(out['real']) - len(real)} set aside for host stalls"
+    print(f"\n{len(trace)} requests at {rate}, at most {in_flight} in flight; profile {profile}\n{report}")
     assert all(abs(e) <= TOLERANCE[q] for _, q, _, _, e in rows), report
