@@ -60,6 +60,7 @@ TERMS = (
     "available_kv_cache_gib",
     "kv_cache_tokens",
     "tokens_from_logged_cache",
+    "allocated_kv_cache_gib",
 )
 
 
@@ -80,23 +81,29 @@ def model_of(rec: dict[str, Any]) -> ModelSpec:
 
 
 def settings_of(rec: dict[str, Any]) -> EngineSettings:
+    """The record's settings; TensorRT-LLM records use the LLM API's names (free_gpu_memory_fraction, max_seq_len,
+    max_batch_size, max_num_tokens), mapped onto the shared fields."""
     s = rec["settings"]
     return EngineSettings(
         engine=EngineName(rec["engine"]),
         version=rec["release"],
         tensor_parallel_size=s.get("tensor_parallel_size", 1),
-        gpu_memory_utilization=s.get("gpu_memory_utilization"),
-        max_model_len=s.get("max_model_len"),
-        max_num_seqs=s.get("max_num_seqs"),
-        max_num_batched_tokens=s.get("max_num_batched_tokens"),
+        enable_expert_parallel=s.get("enable_expert_parallel", False),
+        gpu_memory_utilization=s.get("gpu_memory_utilization", s.get("free_gpu_memory_fraction")),
+        max_model_len=s.get("max_model_len", s.get("max_seq_len")),
+        max_num_seqs=s.get("max_num_seqs", s.get("max_batch_size")),
+        max_num_batched_tokens=s.get("max_num_batched_tokens", s.get("max_num_tokens")),
+        max_tokens=s.get("max_tokens"),
+        kv_cache_dtype=KvDtype(s.get("kv_cache_dtype", "auto")),
     )
 
 
 def bucket(rec: dict[str, Any]) -> str:
     if rec["release"] is None:
         return "unknown"
-    since = engine_profile(EngineName(rec["engine"]), rec["release"]).since
-    return ">=" + ".".join(map(str, since))
+    engine = EngineName(rec["engine"])
+    since = ">=" + ".".join(map(str, engine_profile(engine, rec["release"]).since))
+    return since if engine is EngineName.VLLM else f"{engine.value} {since}"
 
 
 @contextmanager
@@ -187,7 +194,8 @@ def predicted_terms(rec: dict[str, Any], c: ActivationModel) -> dict[str, float]
     m = model_of(rec)
     out: dict[str, float] = {}
     if "weights_gib" in logged:
-        out["weights_gib"] = weight_bytes(m, tp=tp, scheme=m.native_scheme).weights_bytes_per_gpu / GiB
+        ep = rec["settings"].get("enable_expert_parallel", False)
+        out["weights_gib"] = weight_bytes(m, tp=tp, scheme=m.native_scheme, ep=ep).weights_bytes_per_gpu / GiB
     if "non_torch_gib" in logged:
         out["non_torch_gib"] = non_torch_bytes(tp=tp, constants=c) / GiB
     if "cuda_graph_estimate_gib" in logged:
@@ -199,7 +207,14 @@ def predicted_terms(rec: dict[str, Any], c: ActivationModel) -> dict[str, float]
         per_block = kv.kv_bytes_per_token_per_gpu * 16
         out["tokens_from_logged_cache"] = int(logged["available_kv_cache_gib"] * GiB) // per_block * 16
     p = predict(rec, c)
-    if p is not None:
+    if p is not None and rec["engine"] == EngineName.TRTLLM:
+        # TensorRT-LLM prints the pool it allocated: whole blocks of the capped, rounded-up token count.
+        cap = p.cap
+        if "kv_cache_tokens" in logged:
+            out["kv_cache_tokens"] = cap.kv_cache_tokens
+        if "allocated_kv_cache_gib" in logged:
+            out["allocated_kv_cache_gib"] = cap.kv_cache_tokens * cap.kv.kv_bytes_per_token_per_gpu / GiB
+    elif p is not None:
         if "available_kv_cache_gib" in logged:
             out["available_kv_cache_gib"] = p.available_kv_cache_gib
         if "kv_cache_tokens" in logged:

@@ -24,6 +24,7 @@ from kvfleet.sizing.engines import (
     engine_profile,
     non_torch_bytes,
     rope_rules,
+    trtllm_profiling_requests,
     vllm_batch_defaults,
 )
 from kvfleet.sizing.memory import KvLayout, WeightBreakdown, kv_layout, weight_bytes
@@ -545,8 +546,18 @@ def _kv_budget(
         requested = gpu_memory_bytes
         used = weights_bytes + act + non_torch + graphs + ACTIVATIONS.trtllm_context_bytes
         kv_bytes = int((gpu_memory_bytes - used) * k.util)
-        if s.max_tokens is not None:
-            kv_bytes = min(kv_bytes, s.max_tokens * kv_bytes_per_token)
+        if kv_bytes > 0 and kv_bytes_per_token > 0:
+            # _cal_max_tokens floors to whole tokens and KvCacheConfig.max_tokens caps them; calculate_max_num_blocks
+            # then rounds the tokens up to whole blocks (ceil), so a cap that is not a block multiple gains a block.
+            tokens = kv_bytes // kv_bytes_per_token
+            if s.max_tokens is not None:
+                tokens = min(tokens, s.max_tokens)
+            kv_bytes = cdiv(tokens, k.block) * k.block * kv_bytes_per_token
+        runs = trtllm_profiling_requests(max_num_tokens=k.batched, max_seq_len=k.max_len)
+        notes.append(
+            f"profiled with {runs} dummy context request(s) filling max_num_tokens {k.batched}; the activation term "
+            f"keeps {k.max_seqs} sampler rows (max_batch_size) as an allowance for what warm-up holds per batch slot"
+        )
     return _Budget(requested=requested, kv_bytes=kv_bytes, problems=tuple(problems), notes=tuple(notes))
 
 

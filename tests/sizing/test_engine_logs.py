@@ -153,7 +153,10 @@ def test_trtllm_uses_fraction_of_free_memory_and_max_tokens_cap() -> None:
         + cap.cuda_graph_bytes
         + 512 * 1024**2  # CUDA context
     )
-    assert cap.kv_cache_bytes_per_gpu == int((80 * GiB - used) * 0.9)
+    # _cal_max_tokens floors to tokens; calculate_max_num_blocks rounds them up to whole 32-token blocks.
+    tokens = int((80 * GiB - used) * 0.9) // 131072
+    assert cap.kv_cache_tokens == -(-tokens // 32) * 32
+    assert cap.kv_cache_bytes_per_gpu == cap.kv_cache_tokens * 131072
     assert cap.block_size == 32  # tokens_per_block
     capped = capacity(m, gpu_memory_bytes=80 * GiB, settings=replace(base, max_tokens=100_000))
     assert capped.kv_cache_tokens <= 100_000
