@@ -85,7 +85,8 @@ class TensorRtLlm(EngineAdapter):
             # Later LLM APIs have KvCacheConfig.mamba_ssm_cache_dtype, but kvfleet does not size TensorRT-LLM's Mamba
             # state pool (kvfleet.sizing.capacity refuses hybrid models on it), so no plan could follow it.
             raise ValueError(
-                "mamba_cache_dtype and mamba_ssm_cache_dtype: kvfleet sizes hybrid Mamba models on vLLM only; use vllm"
+                "mamba_cache_dtype and mamba_ssm_cache_dtype are vLLM settings: kvfleet sizes hybrid Mamba models on "
+                "vLLM only"
             )
         kv: dict[str, Any] = {}
         if args.gpu_memory_utilization is not None:

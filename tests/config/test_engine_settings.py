@@ -194,7 +194,7 @@ def test_a_bad_value_is_one_line_at_its_key(setting: str, field: str, message: s
 
     text = BASE.replace('      version: "0.11.0"\n', f'      version: "0.11.0"\n      {setting}\n')
     [line] = lines_of(text)
-    key = setting.split(":")[0]
+    key = setting.split(":", maxsplit=1)[0]
     assert line.startswith(f"envs/test.yaml:{line_of(text, key + ':')}: deployments[0].engine.{field}: {message}")
 
 
