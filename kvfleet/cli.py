@@ -107,19 +107,9 @@ def _fraction(text: str) -> float:
     return v
 
 
-# The engine settings both kvfleet capacity and kvfleet plan take (an environment file's `engine:` section has them
-# by the same names), as their argparse destinations.
-ENGINE_SETTING_FLAGS = (
-    "prefix_caching",
-    "mamba_cache_dtype",
-    "mamba_ssm_cache_dtype",
-    "limit_mm_per_prompt",
-    "mm_encoder_tp_mode",
-    "mm_max_pixels",
-)
-
-
 def _engine_setting_flags(p: argparse.ArgumentParser) -> None:
+    """The engine settings kvfleet capacity and kvfleet plan both take (an environment file's `engine:` section has
+    them by the same names)."""
     p.add_argument(
         "--prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -780,7 +770,6 @@ def cmd_plan(a: argparse.Namespace) -> int:
         given = [k for k, v in _engine_settings(a).items() if v not in (None, (), "auto", "weights")]
         if given:
             raise KvfleetError("set it under the deployment's engine section of the environment file", field=given[0])
-    if a.environment:
         results, scalings = _plan_environment(a.environment, measured=measured, derive=a.derive, standby=a.standby)
     else:
         results = [("plan", a.platform, plan(replace(_request_from_flags(a), measured=measured)))]
