@@ -107,6 +107,48 @@ def _fraction(text: str) -> float:
     return v
 
 
+def _engine_setting_flags(p: argparse.ArgumentParser) -> None:
+    """The engine settings kvfleet capacity and kvfleet plan both take (an environment file's `engine:` section has
+    them by the same names)."""
+    p.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="vLLM prefix caching (default: the release's); for Mamba hybrids it sets mamba_cache_mode",
+    )
+    for flag, what in (("--mamba-cache-dtype", "conv and SSM state"), ("--mamba-ssm-cache-dtype", "SSM state")):
+        p.add_argument(
+            flag,
+            default="auto",
+            choices=("auto", "float32", "bfloat16", "float16"),
+            help=f"vLLM: the {what}'s dtype in linear-attention / Mamba layers",
+        )
+    p.add_argument(
+        "--limit-mm-per-prompt",
+        type=_mm_limits,
+        default=(),
+        help="vLLM, vision-language models: items per prompt, e.g. image=4,video=0 (image=0,video=0: text only)",
+    )
+    p.add_argument(
+        "--mm-encoder-tp-mode", choices=["weights", "data"], default="weights", help="vLLM: vision encoder sharding"
+    )
+    p.add_argument(
+        "--mm-max-pixels", type=_positive_int, help="vLLM --mm-processor-kwargs max_pixels: Qwen-VL's largest image"
+    )
+
+
+def _engine_settings(a: argparse.Namespace) -> dict[str, Any]:
+    """The flags' engine settings, by the names EngineSettings and PlanRequest give them."""
+    return {
+        "enable_prefix_caching": a.prefix_caching,
+        "mamba_cache_dtype": a.mamba_cache_dtype,
+        "mamba_ssm_cache_dtype": a.mamba_ssm_cache_dtype,
+        "limit_mm_per_prompt": a.limit_mm_per_prompt,
+        "mm_encoder_tp_mode": a.mm_encoder_tp_mode,
+        "mm_max_pixels": a.mm_max_pixels,
+    }
+
+
 def _speculative_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speculative",
@@ -173,30 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--block-size", type=_positive_int)
     c.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     c.add_argument("--kv-cache-memory-bytes", type=_positive_int, help="vLLM: fixed cache size, skips profiling")
-    c.add_argument(
-        "--prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="vLLM prefix caching (default: the release's); for Mamba hybrids it sets mamba_cache_mode",
-    )
-    c.add_argument(
-        "--mamba-ssm-cache-dtype",
-        default="auto",
-        choices=("auto", "float32", "bfloat16", "float16"),
-        help="vLLM: the SSM state's dtype in linear-attention / Mamba layers",
-    )
-    c.add_argument(
-        "--limit-mm-per-prompt",
-        type=_mm_limits,
-        default=(),
-        help="vLLM, vision-language models: items per prompt, e.g. image=4,video=0 (image=0,video=0: text only)",
-    )
-    c.add_argument(
-        "--mm-encoder-tp-mode", choices=["weights", "data"], default="weights", help="vLLM: vision encoder sharding"
-    )
-    c.add_argument(
-        "--mm-max-pixels", type=_positive_int, help="vLLM --mm-processor-kwargs max_pixels: Qwen-VL's largest image"
-    )
+    _engine_setting_flags(c)
     _speculative_flags(c)
     c.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -236,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--region")
     pl.add_argument("--max-usd-per-hour", type=_positive_float, help="fleet price ceiling")
     _speculative_flags(pl)  # without an environment file (a deployment's speculative section there)
+    _engine_setting_flags(pl)  # without an environment file (a deployment's engine section there)
     pl.add_argument("--top", type=_positive_int, default=5, help="candidates to show (default 5)")
     pl.add_argument("--rejections", action="store_true", help="list every rejected candidate")
     pl.add_argument(
@@ -454,11 +474,7 @@ def cmd_capacity(a: argparse.Namespace) -> int:
         block_size=a.block_size,
         enforce_eager=a.enforce_eager,
         kv_cache_memory_bytes=a.kv_cache_memory_bytes,
-        enable_prefix_caching=a.prefix_caching,
-        mamba_ssm_cache_dtype=a.mamba_ssm_cache_dtype,
-        limit_mm_per_prompt=a.limit_mm_per_prompt,
-        mm_encoder_tp_mode=a.mm_encoder_tp_mode,
-        mm_max_pixels=a.mm_max_pixels,
+        **_engine_settings(a),
         speculative=speculative,
     )
     cap = capacity(model, gpu_memory_bytes=mem, settings=settings, accelerator_name=acc_name)
@@ -619,6 +635,7 @@ def _request_from_flags(a: argparse.Namespace) -> PlanRequest:
         region=a.region,
         max_fleet_usd_per_hour=a.max_usd_per_hour,
         speculative=_speculative(a),
+        **_engine_settings(a),
     )
 
 
@@ -750,6 +767,9 @@ def cmd_plan(a: argparse.Namespace) -> int:
     if a.environment and a.speculative is not None:
         raise KvfleetError("set speculative in the environment file's deployment", field="speculative")
     if a.environment:
+        given = [k for k, v in _engine_settings(a).items() if v not in (None, (), "auto", "weights")]
+        if given:
+            raise KvfleetError("set it under the deployment's engine section of the environment file", field=given[0])
         results, scalings = _plan_environment(a.environment, measured=measured, derive=a.derive, standby=a.standby)
     else:
         results = [("plan", a.platform, plan(replace(_request_from_flags(a), measured=measured)))]

@@ -20,8 +20,8 @@ from enum import StrEnum
 # Bump on any change an already-built image would not understand (a renamed variable, route or signal).
 # 2: the stacks scale on ReplicaSaturation, which only the agent of contract 2 publishes, and name the tenant salt key
 #    by KVFLEET_TENANT_SECRET_ARN, which an older agent would ignore (serving without isolation).
-# 3: KVFLEET_ENGINE_ARGS may carry hf_overrides (a RoPE scaling that extends the context), which an agent of
-#    contract 2 refuses as an unknown setting.
+# 3: KVFLEET_ENGINE_ARGS may carry hf_overrides (a RoPE scaling that extends the context), mamba_cache_dtype and
+#    mamba_ssm_cache_dtype (hybrid models' state), which an agent of contract 2 refuses as unknown settings.
 CONTRACT_VERSION = 3
 
 NAMESPACE = "Kvfleet"

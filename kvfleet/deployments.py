@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvfleet import contract
 from kvfleet.engines import EngineAdapter, EngineArgs, adapter
@@ -40,7 +40,7 @@ LOAD_PADDING = 2.0
 def engine_args(c: Candidate) -> EngineArgs:
     """The settings that admit exactly what the plan sized: ``max_num_seqs`` is the concurrency that fits (not
     the engine default), ``max_model_len`` the workload's longest sequence."""
-    cap = c.capacity
+    cap, s = c.capacity, c.settings
     d = cap.drafter
     return EngineArgs(
         tensor_parallel_size=c.tensor_parallel_size,
@@ -52,7 +52,14 @@ def engine_args(c: Candidate) -> EngineArgs:
         gpu_memory_utilization=cap.gpu_memory_utilization,
         kv_cache_dtype=c.kv_cache_dtype.value,
         quantization=c.online_quantization,
-        enable_prefix_caching=True,
+        # Resolved (the release's default where the file leaves it) and always given, so the engine caches prefixes
+        # exactly as sized: for a hybrid Mamba model it sets the state pages each request holds.
+        enable_prefix_caching=cap.prefix_caching,
+        limit_mm_per_prompt=s.limit_mm_per_prompt,
+        mm_encoder_tp_mode=None if s.mm_encoder_tp_mode == "weights" else s.mm_encoder_tp_mode,  # vLLM's default
+        mm_max_pixels=s.mm_max_pixels,
+        mamba_cache_dtype=None if s.mamba_cache_dtype == "auto" else s.mamba_cache_dtype,
+        mamba_ssm_cache_dtype=None if s.mamba_ssm_cache_dtype == "auto" else s.mamba_ssm_cache_dtype,
         # The drafter the plan sized, with the token count it resolved (mtp: the model's layer count).
         speculative_method=None if d is None else d.method.value,
         # The checkpoint the engine downloads: the drafter's Hugging Face id (catalog id or _name_or_path).
@@ -99,6 +106,17 @@ def workload(
     )
 
 
+# The engine settings a deployment's `engine:` section gives the planner, by the same names there and in the planner.
+ENGINE_SETTINGS = (
+    "enable_prefix_caching",
+    "limit_mm_per_prompt",
+    "mm_encoder_tp_mode",
+    "mm_max_pixels",
+    "mamba_cache_dtype",
+    "mamba_ssm_cache_dtype",
+)
+
+
 # The planner's own names for what it was given, as the environment file's key paths (under deployments[i]),
 # so an error points at the key the user wrote. Anything else the planner names is said of the deployment.
 PLANNER_FIELDS: dict[str, str] = {
@@ -116,6 +134,7 @@ PLANNER_FIELDS: dict[str, str] = {
     "max_model_len": "workload.max_input_tokens",
     "model": "model.id",
     "rope_scaling": "model.rope_scaling",
+    **{k: f"engine.{k}" for k in ENGINE_SETTINGS},
     **{f"workload.{k}": f"workload.{k}" for k in _WORKLOAD_KEYS},
     **{f"speculative.{k}": f"speculative.{k}" for k in ("method", "draft_model", "num_speculative_tokens")},
 }
@@ -189,7 +208,37 @@ def _request(env: Environment, d: Deployment, model: ModelSpec) -> PlanRequest:
         min_replicas=max(1, d.scaling.min_replicas),
         max_replicas=d.scaling.max_replicas,
         speculative=_speculative(d, model),
+        **_engine_settings(d, model),
     )
+
+
+def _engine_settings(d: Deployment, model: ModelSpec) -> dict[str, Any]:
+    """The `engine:` section's settings for the planner, refused where the model has nothing they would change (the
+    engine would ignore them, and the plan would size nothing different)."""
+    e = d.engine
+    if model.vision is None:
+        for name in ("limit_mm_per_prompt", "mm_encoder_tp_mode", "mm_max_pixels"):
+            if getattr(e, name) is not None:
+                raise KvfleetError(
+                    f"{model.model_id} takes no images or videos (no vision tower), so vLLM ignores it; remove it",
+                    field=name,
+                )
+    if model.state is None or not model.state_layers:
+        for name in ("mamba_cache_dtype", "mamba_ssm_cache_dtype"):
+            if getattr(e, name) != "auto":
+                raise KvfleetError(
+                    f"{model.model_id} has no linear-attention / Mamba layers, so there is no state to store; "
+                    "remove it",
+                    field=name,
+                )
+    return {
+        "enable_prefix_caching": e.enable_prefix_caching,
+        "limit_mm_per_prompt": e.mm_limits,
+        "mm_encoder_tp_mode": e.mm_encoder_tp_mode or "weights",
+        "mm_max_pixels": e.mm_max_pixels,
+        "mamba_cache_dtype": e.mamba_cache_dtype,
+        "mamba_ssm_cache_dtype": e.mamba_ssm_cache_dtype,
+    }
 
 
 def _speculative(d: Deployment, model: ModelSpec) -> Speculative | None:

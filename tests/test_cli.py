@@ -825,3 +825,25 @@ def test_capacity_refuses_a_bitsandbytes_checkpoint_at_0_32(capsys: pytest.Captu
     one_error_line(code, err, "model: vLLM 0.32.0 does not load this checkpoint's quant_method 'bitsandbytes'")
     code, _, err = run(capsys, "capacity", "--model", bnb, "--gpu", "H100", "--engine-version", "0.30.0", "--json")
     assert code == 0, err
+
+
+def test_plan_flags_carry_the_engine_settings_to_plan_and_engine(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ("plan", "--model", "Qwen/Qwen2.5-VL-7B-Instruct", "--max-input-tokens", "120000")
+    base += ("--max-output-tokens", "8000", "--concurrency", "1", "--instance-type", "g6e.xlarge", "--top", "1")
+    video = run_json(capsys, *base)
+    image = run_json(capsys, *base, "--limit-mm-per-prompt", "image=1,video=0", "--no-prefix-caching")
+
+    b0, b1 = video[0]["candidates"][0], image[0]["candidates"][0]
+    # vLLM's dummy video at 128,000 tokens (114,688 encoder tokens) against one 16,384-token image.
+    assert (b0["memory"]["encoder"]["modality"], b0["memory"]["encoder"]["budget_tokens"]) == ("video", 114688)
+    assert (b1["memory"]["encoder"]["modality"], b1["memory"]["encoder"]["budget_tokens"]) == ("image", 16384)
+    assert b1["memory"]["kv_cache_tokens"] > b0["memory"]["kv_cache_tokens"]
+    settings = b1["engine_settings"]["settings"]
+    assert settings["limit-mm-per-prompt"] == '{"image": 1, "video": 0}' and settings["no-enable-prefix-caching"]
+    assert '--limit-mm-per-prompt \'{"image": 1, "video": 0}\'' in b1["engine_settings"]["command"]
+    assert "limit-mm-per-prompt" not in b0["engine_settings"]["settings"]
+
+
+def test_plan_engine_flags_with_an_environment_file_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "plan", "environments/dev.yaml", "--no-prefix-caching")
+    one_error_line(code, err, "enable_prefix_caching", "engine section")

@@ -72,12 +72,84 @@ class ModelRef(Frozen):
         return v
 
 
+class MmLimits(Frozen):
+    """vLLM's --limit-mm-per-prompt: items of each modality one prompt may carry."""
+
+    image: Int | None = Field(default=None, ge=0, description="Images per prompt; 0: none. Default: vLLM's (999).")
+    video: Int | None = Field(default=None, ge=0, description="Videos per prompt; 0: none. Default: vLLM's (999).")
+
+    @property
+    def pairs(self) -> tuple[tuple[str, int], ...]:
+        """The limits set, as (modality, items) pairs."""
+        return tuple((m, n) for m, n in (("image", self.image), ("video", self.video)) if n is not None)
+
+
+# The engine settings vLLM alone takes (TensorRT-LLM has no such option, or kvfleet does not size it there).
+VLLM_ONLY_SETTINGS = (
+    "limit_mm_per_prompt",
+    "mm_encoder_tp_mode",
+    "mm_max_pixels",
+    "mamba_cache_dtype",
+    "mamba_ssm_cache_dtype",
+)
+MambaDtype = Literal["auto", "float32", "float16", "bfloat16"]  # vllm/config/cache.py MambaDType (vLLM 0.32.0)
+
+
 class EngineRef(Frozen):
     # The names come from the engine registry (kvfleet.engines.ENGINES): a new engine needs no change here.
     name: str = Field(description="Serving engine.", json_schema_extra={"enum": list(ENGINES)})
     version: str = Field(
         description="Pinned engine release, e.g. 0.11.0. Capacity semantics differ between releases.",
         examples=["0.11.0"],
+    )
+    # Settings the plan sizes with and the engine starts with, so the two cannot differ.
+    enable_prefix_caching: Bool | None = Field(
+        default=None,
+        description=(
+            "Cache prompt prefixes (vLLM --enable-prefix-caching, TensorRT-LLM enable_block_reuse). Default: the "
+            "release's, which the plan resolves and the engine is started with: on, except for hybrid "
+            "linear-attention / Mamba models on vLLM before 0.32. On a hybrid model it keeps two state pages per "
+            "request instead of one (vLLM's mamba_cache_mode align), so false holds more sequences."
+        ),
+    )
+    limit_mm_per_prompt: MmLimits | None = Field(
+        default=None,
+        description=(
+            "Vision-language models (vLLM): items per prompt by modality, e.g. {image: 1, video: 0}. vLLM profiles "
+            "the vision encoder for the largest item allowed (by default a video, up to the whole context), so "
+            "limiting it leaves more memory for the KV cache; {image: 0, video: 0} serves text only (no vision "
+            "tower loaded). Requests with more items are refused by the engine."
+        ),
+    )
+    mm_encoder_tp_mode: Literal["weights", "data"] | None = Field(
+        default=None,
+        description=(
+            "Vision-language models (vLLM --mm-encoder-tp-mode): weights shards the vision tower over the "
+            "tensor-parallel ranks; data keeps it whole on each (where the model supports it). Default: weights."
+        ),
+    )
+    mm_max_pixels: Int | None = Field(
+        default=None,
+        gt=0,
+        description=(
+            "Qwen-VL models (vLLM --mm-processor-kwargs max_pixels): the largest image, in pixels, e.g. 1003520 "
+            "(1280 x 28 x 28); smaller images need a smaller encoder budget. Default: the processor's."
+        ),
+    )
+    mamba_cache_dtype: MambaDtype = Field(
+        default="auto",
+        description=(
+            "Hybrid linear-attention / Mamba models (vLLM --mamba-cache-dtype): the dtype of their conv and SSM "
+            "state. auto: the model's."
+        ),
+    )
+    mamba_ssm_cache_dtype: MambaDtype = Field(
+        default="auto",
+        description=(
+            "Hybrid linear-attention / Mamba models (vLLM --mamba-ssm-cache-dtype): the SSM state's dtype alone, "
+            "e.g. float32 where the model card asks for it. auto: as mamba_cache_dtype (or the config's "
+            "mamba_ssm_dtype)."
+        ),
     )
 
     @field_validator("name")
@@ -110,6 +182,25 @@ class EngineRef(Frozen):
                 f"{newest[0]}.{newest[1]}.x (profiles from {releases}); pin one of those"
             )
         return self
+
+    @model_validator(mode="after")
+    def _vllm_settings(self) -> EngineRef:
+        if self.name == EngineName.VLLM.value:
+            return self
+        unsupported = [f for f in VLLM_ONLY_SETTINGS if getattr(self, f) not in (None, "auto")]
+        if unsupported:
+            raise ValueError(
+                "\n".join(
+                    f"{f}: a vLLM setting; {self.name} has no such option, or kvfleet does not size it there; remove "
+                    "it, or use engine vllm"
+                    for f in unsupported
+                )
+            )
+        return self
+
+    @property
+    def mm_limits(self) -> tuple[tuple[str, int], ...]:
+        return () if self.limit_mm_per_prompt is None else self.limit_mm_per_prompt.pairs
 
 
 # The trace percentile that stands for "longest" when the file gives no maximum: the single longest request of a

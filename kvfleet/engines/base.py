@@ -24,6 +24,8 @@ KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2")
 # a checkpoint of their own (an EAGLE head, a smaller model), mtp with the target's own MTP layers.
 SPECULATIVE_METHODS = ("eagle", "eagle3", "draft_model", "mtp", "ngram")
 SPECULATIVE_WITH_MODEL = SPECULATIVE_METHODS[:3]
+# vLLM's state dtypes for linear-attention / Mamba layers (vllm/config/cache.py MambaDType, vLLM 0.32.0).
+MAMBA_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 SignalNames = Mapping[str, tuple[str, ...]]  # contract signal name -> engine metric names, preferred first
 
@@ -55,6 +57,10 @@ class EngineArgs:
     limit_mm_per_prompt: tuple[tuple[str, int], ...] = ()
     mm_encoder_tp_mode: str | None = None  # vLLM --mm-encoder-tp-mode: weights (sharded) or data (replicated)
     mm_max_pixels: int | None = None  # vLLM --mm-processor-kwargs {"max_pixels": N} (Qwen-VL's largest image)
+    # vLLM --mamba-cache-dtype (conv and SSM state) and --mamba-ssm-cache-dtype (SSM state only) of hybrid
+    # linear-attention / Mamba models: one of MAMBA_DTYPES; None: vLLM's default, auto.
+    mamba_cache_dtype: str | None = None
+    mamba_ssm_cache_dtype: str | None = None
     # Speculative decoding: a method of SPECULATIVE_METHODS, the drafter's checkpoint (an EAGLE head or a draft
     # model; none for mtp and ngram) and the tokens drafted per step (mtp: the model's MTP layer count if unset).
     speculative_method: str | None = None
@@ -105,6 +111,9 @@ class EngineArgs:
                 raise ValueError(f"limit_mm_per_prompt: expected modality: count (count >= 0), got {pair!r}")
         if self.mm_encoder_tp_mode not in (None, "weights", "data"):
             raise ValueError(f"mm_encoder_tp_mode: must be weights or data, got {self.mm_encoder_tp_mode!r}")
+        for f in ("mamba_cache_dtype", "mamba_ssm_cache_dtype"):
+            if getattr(self, f) not in (None, *MAMBA_DTYPES):
+                raise ValueError(f"{f}: must be one of {', '.join(MAMBA_DTYPES)}, got {getattr(self, f)!r}")
         self._check_speculative()
 
     def _check_speculative(self) -> None:

@@ -81,6 +81,13 @@ class TensorRtLlm(EngineAdapter):
             )
         if args.limit_mm_per_prompt or args.mm_encoder_tp_mode is not None or args.mm_max_pixels is not None:
             raise ValueError("limit_mm_per_prompt, mm_encoder_tp_mode and mm_max_pixels are vLLM settings")
+        if args.mamba_cache_dtype is not None or args.mamba_ssm_cache_dtype is not None:
+            # Later LLM APIs have KvCacheConfig.mamba_ssm_cache_dtype, but kvfleet does not size TensorRT-LLM's Mamba
+            # state pool (kvfleet.sizing.capacity refuses hybrid models on it), so no plan could follow it.
+            raise ValueError(
+                "mamba_cache_dtype and mamba_ssm_cache_dtype are vLLM settings: kvfleet sizes hybrid Mamba models on "
+                "vLLM only"
+            )
         kv: dict[str, Any] = {}
         if args.gpu_memory_utilization is not None:
             kv["free_gpu_memory_fraction"] = args.gpu_memory_utilization

@@ -105,6 +105,11 @@ class Vllm(EngineAdapter):
             out["mm-encoder-tp-mode"] = args.mm_encoder_tp_mode
         if args.mm_max_pixels is not None:
             out["mm-processor-kwargs"] = json.dumps({"max_pixels": args.mm_max_pixels})
+        # vllm/engine/arg_utils.py --mamba-cache-dtype, --mamba-ssm-cache-dtype (vLLM 0.32.0)
+        if args.mamba_cache_dtype is not None:
+            out["mamba-cache-dtype"] = args.mamba_cache_dtype
+        if args.mamba_ssm_cache_dtype is not None:
+            out["mamba-ssm-cache-dtype"] = args.mamba_ssm_cache_dtype
         if args.speculative_method is not None:
             out["speculative-config"] = json.dumps(speculative_config(args), separators=(",", ":"))
         if args.hf_overrides is not None:

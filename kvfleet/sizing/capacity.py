@@ -110,6 +110,9 @@ class Capacity:
     pipeline_parallel_size: int = 1
     expert_parallel: bool = False
     stage_num_blocks: tuple[int, ...] = field(default=())  # each stage's own count before the minimum
+    # Whether the engine caches prefixes at these settings (the setting, else the release's default): the engine
+    # must start with the same, since for hybrid Mamba models it sets the state pages each request holds.
+    prefix_caching: bool = True
 
     @property
     def gpus_per_replica(self) -> int:
@@ -577,10 +580,23 @@ def _state_pages(model: ModelSpec, s: EngineSettings, profile: EngineProfile) ->
             "allocator; releases before it are not modelled; use engine_version 0.10.0 or later",
             field="engine_version",
         )
-    caching = profile.mamba_align_by_default if s.enable_prefix_caching is None else s.enable_prefix_caching
     # vllm/model_executor/models/config.py MambaModelConfig: prefix caching sets mamba_cache_mode "align";
     # MambaSpec.max_memory_usage_bytes then holds 2 pages per request (no speculative or checkpoint blocks).
-    return 2 if caching else 1
+    return 2 if prefix_caching(model, s) else 1
+
+
+def prefix_caching(model: ModelSpec, s: EngineSettings) -> bool:
+    """Whether the engine caches prefixes: the setting, else the release's default. vLLM 0.32.0 turns it on for
+    every generative decoder, hybrid ones included (vllm/engine/arg_utils.py
+    _set_default_chunked_prefill_and_prefix_caching_args, vllm/config/model.py is_prefix_caching_supported);
+    earlier releases left it off for hybrid Mamba models (``mamba_align_by_default``). TensorRT-LLM's
+    KvCacheConfig.enable_block_reuse defaults to on."""
+    if s.enable_prefix_caching is not None:
+        return s.enable_prefix_caching
+    profile = engine_profile(s.engine, s.version)
+    if profile.engine is EngineName.VLLM and model.state is not None and model.state_layers:
+        return profile.mamba_align_by_default
+    return True
 
 
 def _tokens(pool: _Pool, *, num_blocks: int, concurrency: float, k: _Knobs, profile: EngineProfile) -> int:
@@ -880,6 +896,7 @@ def _stage_capacity(
         max_concurrency=concurrency,
         max_model_len_that_fits=fits_len,
         state_pages_per_request=state_pages if kv.state is not None else 0,
+        prefix_caching=prefix_caching(full, s),
         encoder=encoder,
         max_model_len_limit=k.limit.max_len_tokens,
         max_model_len_source=k.limit.source,

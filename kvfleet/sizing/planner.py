@@ -122,9 +122,15 @@ class PlanRequest:
     gpu_memory_utilization: float | None = None
     min_replicas: int = 1
     max_replicas: int | None = None
-    enable_prefix_caching: bool = True
     measured: tuple[Measured, ...] = ()  # calibrations; each prices the candidates it applies to
     speculative: Speculative | None = None  # a drafter every candidate carries (its weights, KV layers, slots)
+    # Engine settings every candidate is sized with and started with (EngineSettings' fields of the same names).
+    enable_prefix_caching: bool | None = None  # None: the release's default
+    mamba_cache_dtype: str = "auto"
+    mamba_ssm_cache_dtype: str = "auto"
+    limit_mm_per_prompt: tuple[tuple[str, int], ...] = ()
+    mm_encoder_tp_mode: str = "weights"
+    mm_max_pixels: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -185,6 +191,8 @@ class Candidate:
     measured: Measured | None = None  # the calibration this candidate was priced with
     pipeline_parallel_size: int = 1
     expert_parallel: bool = False  # MoE experts whole, spread over the tensor-parallel ranks
+    # The engine settings this candidate was sized with, at its batch: what the engine must start with.
+    settings: EngineSettings = field(default_factory=EngineSettings)
 
     @property
     def gpus_per_replica(self) -> int:
@@ -513,6 +521,12 @@ class _Option:
             kv_cache_dtype=self.kv,
             quantization=self.scheme.name if self.scheme.name != req.model.native_scheme.name else None,
             speculative=req.speculative,
+            enable_prefix_caching=req.enable_prefix_caching,
+            mamba_cache_dtype=req.mamba_cache_dtype,
+            mamba_ssm_cache_dtype=req.mamba_ssm_cache_dtype,
+            limit_mm_per_prompt=req.limit_mm_per_prompt,
+            mm_encoder_tp_mode=req.mm_encoder_tp_mode,
+            mm_max_pixels=req.mm_max_pixels,
         )
 
     def capacity(self, *, max_num_seqs: int | None = None) -> Capacity:
@@ -794,6 +808,7 @@ def _evaluate(
         measured=measured,
         pipeline_parallel_size=layout.pp,
         expert_parallel=layout.ep,
+        settings=o.settings(max_num_seqs=batch),
     )
     if req.max_fleet_usd_per_hour is not None and cand.fleet_usd_per_hour > req.max_fleet_usd_per_hour:
         return o.reject(

@@ -28,6 +28,8 @@ FULL = EngineArgs(
     limit_mm_per_prompt=(("image", 2), ("video", 0)),
     mm_encoder_tp_mode="data",
     mm_max_pixels=1003520,
+    mamba_cache_dtype="bfloat16",
+    mamba_ssm_cache_dtype="float32",
     speculative_method="eagle3",
     speculative_model="yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
     num_speculative_tokens=3,
@@ -88,6 +90,8 @@ def test_the_stacks_snake_case_keys() -> None:
         ('{"enable_prefix_caching": null}', "enable_prefix_caching: must be true or false"),
         ('{"quantization": ""}', "quantization: must be a non-empty string"),
         ('{"served_model_name": 7}', "served_model_name: must be a non-empty string"),
+        ('{"mamba_ssm_cache_dtype": "fp8"}', "mamba_ssm_cache_dtype: must be one of auto, float32"),
+        ('{"mamba_cache_dtype": 4}', "mamba_cache_dtype: must be one of"),
     ],
 )
 def test_unknown_keys_and_bad_types_are_refused_by_name(text: str, message: str) -> None:

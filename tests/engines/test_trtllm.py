@@ -52,6 +52,9 @@ def test_unset_settings_leave_the_engines_defaults() -> None:
         EngineArgs(kv_cache_memory_bytes=1 << 20),
         EngineArgs(served_model_name="x"),
         EngineArgs(hf_overrides='{"max_position_embeddings": 131072}'),
+        EngineArgs(limit_mm_per_prompt=(("image", 1),)),
+        EngineArgs(mamba_ssm_cache_dtype="float32"),
+        EngineArgs(mamba_cache_dtype="bfloat16"),
     ],
 )
 def test_vllm_only_settings_are_refused(args: EngineArgs) -> None:

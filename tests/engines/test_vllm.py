@@ -166,3 +166,16 @@ def test_pipeline_and_expert_parallel_flags() -> None:
     env = VLLM.dlc_environment(args, model="m", max_input_tokens=1, max_output_tokens=1)
     assert env["SM_VLLM_PIPELINE_PARALLEL_SIZE"] == "2" and env["SM_VLLM_ENABLE_EXPERT_PARALLEL"] == ""
     assert "--enable-expert-parallel" not in VLLM.flags(EngineArgs(tensor_parallel_size=4))
+
+
+def test_state_dtypes_of_hybrid_models() -> None:
+    # vllm/engine/arg_utils.py (vLLM 0.32.0): --mamba-cache-dtype and --mamba-ssm-cache-dtype, choices
+    # vllm/config/cache.py MambaDType ("auto", "float32", "float16", "bfloat16").
+    flags = VLLM.flags(EngineArgs(mamba_cache_dtype="bfloat16", mamba_ssm_cache_dtype="float32"))
+    assert flags[flags.index("--mamba-cache-dtype") + 1] == "bfloat16"
+    assert flags[flags.index("--mamba-ssm-cache-dtype") + 1] == "float32"
+    assert not any(f.startswith("--mamba") for f in VLLM.flags(EngineArgs()))
+    env = VLLM.dlc_environment(
+        EngineArgs(mamba_ssm_cache_dtype="float32"), model="m", max_input_tokens=1, max_output_tokens=1
+    )
+    assert env["SM_VLLM_MAMBA_SSM_CACHE_DTYPE"] == "float32"
