@@ -416,9 +416,9 @@ def resolve(env: Environment, dr: DeploymentRequest) -> ResolvedDeployment:
         # they are, in 16 bits, and the cache the plan promised would not fit).
         raise config_error(
             KvfleetError(
-                f"{scheme.name} was chosen, but {dr.model.model_id} is not a {scheme.name} checkpoint and no engine "
-                f"quantizes to {scheme.name} at load: name a {scheme.name} checkpoint of this model in model.id, or "
-                "allow only precisions applied at load (bf16, fp16, fp8)",
+                f"{scheme.name} was chosen, but the checkpoint {dr.model.model_id} is {dr.model.native_scheme.name} "
+                f"and no engine quantizes to {scheme.name} at load: put a checkpoint of this model in {scheme.name} "
+                "in model.id, or allow only precisions applied at load (bf16, fp16, fp8)",
                 field="weight_precisions",
             ),
             dr.index,

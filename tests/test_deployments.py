@@ -170,6 +170,24 @@ def test_quantization_flag_only_for_on_the_fly_quantization() -> None:
     assert "quantization" not in vllm(ckpt)
 
 
+def test_a_precision_that_only_comes_as_a_checkpoint_names_no_engine_flag() -> None:
+    # vLLM has no AWQ method that quantizes at load: --quantization awq on an unquantized checkpoint fails at start
+    # (the method and its scales come from the checkpoint's quantization_config). A plan for AWQ weights of a bf16
+    # model is sized for an AWQ checkpoint of it, says so, and emits no flag.
+    awq = plan(_req(weight_precisions=("awq",))).best
+    assert awq.weight_scheme.name == "awq" and awq.online_quantization is None
+    assert "quantization" not in vllm(awq)
+    assert any("sized for a checkpoint of this model in awq" in n for n in awq.notes)
+
+
+def test_a_file_that_plans_a_checkpoint_only_precision_for_an_unquantized_model_is_refused() -> None:
+    text = SAGEMAKER_ENV.replace(
+        "      instance_type: ml.g6e.xlarge\n", "      instance_type: ml.g6e.xlarge\n      weight_precisions: [awq]\n"
+    )
+    with pytest.raises(KvfleetError, match=r"awq was chosen.*put a checkpoint of this model in awq in model\.id"):
+        resolve(text)
+
+
 def test_buffered_workloads_reach_the_planner() -> None:
     env = environment(
         SAGEMAKER_ENV.replace(
