@@ -117,7 +117,8 @@ def test_every_agent_variable_is_read_by_its_contract_name(tmp_path: Path) -> No
         # A vLLM-only setting on TensorRT-LLM fails at start, not when the engine is spawned.
         (
             {**M, contract.ENV_ENGINE: "trtllm", contract.ENV_ENGINE_ARGS: '{"enforce_eager": true}'},
-            f"{contract.ENV_ENGINE_ARGS}: enforce_eager, kv_cache_memory_bytes and served_model_name are vLLM",
+            f"{contract.ENV_ENGINE_ARGS}: enforce_eager, kv_cache_memory_bytes, served_model_name and hf_overrides "
+            "are vLLM",
         ),
         ({**M, contract.ENV_ENGINE_COMMAND: '["a", 1]'}, f"{contract.ENV_ENGINE_COMMAND}: must be a JSON list"),
         ({**M, contract.ENV_DRAIN_BUDGET_S: "soon"}, f"{contract.ENV_DRAIN_BUDGET_S}: must be a number"),

@@ -342,13 +342,15 @@ def test_hostile_bodies_are_400_in_front_of_the_real_engine(agent: AgentProcess)
 
 
 def test_saturated_cache_and_queue_show_in_prometheus_and_emf(agent: AgentProcess) -> None:
+    # Long enough that the cache stays full across several of the agent's one-second publications: at 200 tokens a
+    # fast CPU ran the burst in about three, and one sample saw 27 of the 31 blocks.
+    tokens = 400
+
     async def go() -> tuple[list[dict[str, Any]], float, float]:
         peak_cache = peak_waiting = 0.0
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
-            tasks = [
-                asyncio.create_task(stream_completion(http, agent.url, model="tiny", max_tokens=200, ignore_eos=True))
-                for _ in range(32)
-            ]
+            one: dict[str, Any] = {"model": "tiny", "max_tokens": tokens, "ignore_eos": True}
+            tasks = [asyncio.create_task(stream_completion(http, agent.url, **one)) for _ in range(32)]
             while not all(t.done() for t in tasks):
                 async with http.get(agent.url + "/metrics") as m:
                     text = await m.text()
@@ -369,7 +371,7 @@ def test_saturated_cache_and_queue_show_in_prometheus_and_emf(agent: AgentProces
     deadline = time.monotonic() + 15
     while True:
         recs = agent.emf()
-        if sum(r.get("OutputTokens", 0) for r in recs) >= 32 * 200 or time.monotonic() > deadline:
+        if sum(r.get("OutputTokens", 0) for r in recs) >= 32 * tokens or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert max(r.get("KvCacheUtilization", 0) for r in recs) >= 0.9
@@ -377,7 +379,7 @@ def test_saturated_cache_and_queue_show_in_prometheus_and_emf(agent: AgentProces
     # Saturation is never below KV use. Here the cache binds (the CPU build's blocks are 128 tokens, so 31 sequences
     # of any length fill it before max_num_seqs 32 does); tests/agent/test_metrics.py has the case where the slots do.
     assert all(r["ReplicaSaturation"] >= r["KvCacheUtilization"] for r in recs if "KvCacheUtilization" in r)
-    assert sum(r.get("OutputTokens", 0) for r in recs) >= 32 * 200
+    assert sum(r.get("OutputTokens", 0) for r in recs) >= 32 * tokens
     assert all(r["Deployment"] == "it-tiny" for r in recs)
 
 
