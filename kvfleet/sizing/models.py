@@ -763,6 +763,40 @@ def _llava_next_tokens(cfg: Mapping[str, Any], *, base: int, tile: int, side: in
     return best
 
 
+def _qwen_vl_tower(
+    v: Mapping[str, Any], *, kind: str, width: int, inter: int, out: int, channels: int, gated: bool, norm_bias: bool
+) -> VisionSpec:
+    """Qwen2-VL and Qwen2.5-VL towers: a Conv3d patch embed without bias over temporal_patch_size frames, ``depth``
+    ViT blocks and the PatchMerger: its norm ln_q over the tower's width (with a bias where the blocks' norms have
+    one), then Linear(m^2 w, m^2 w) and Linear(m^2 w, out), both with biases."""
+    n = _vint(v, "depth")
+    p, m, frames = _vint(v, "patch_size", 14), _vint(v, "spatial_merge_size", 2), _vint(v, "temporal_patch_size", 2)
+    merged = width * m * m
+    params = (
+        channels * frames * p * p * width
+        + n * _vit_layer(width, inter, bias=True, gated=gated, norm_bias=norm_bias)
+        + (2 if norm_bias else 1) * width
+        + merged * merged
+        + merged
+        + merged * out
+        + out
+    )
+    tokens = _qwen_vl_tokens(p, m)
+    return VisionSpec(
+        kind=kind,
+        hidden_size=width,
+        intermediate_size=inter,
+        num_layers=n,
+        num_heads=_vint(v, "num_heads", 16),
+        gated_mlp=gated,
+        patches_per_token=m * m,
+        image_tokens=tokens,
+        params=params,
+        video_frame_tokens=tokens,
+        pixel_unit=p * m,
+    )
+
+
 def _vision(cfg: Mapping[str, Any], *, text_hidden: int) -> VisionSpec | None:
     """The vision tower of a vision-language config, counted by module as the model files define it.
 
@@ -782,66 +816,31 @@ def _vision(cfg: Mapping[str, Any], *, text_hidden: int) -> VisionSpec | None:
     outer = str(cfg.get("model_type") or "")
     vtype = str(v.get("model_type") or "")
     if outer == "qwen2_5_vl":
-        h, i, n = _vint(v, "hidden_size"), _vint(v, "intermediate_size"), _vint(v, "depth")
-        p, m, tp_ = _vint(v, "patch_size", 14), _vint(v, "spatial_merge_size", 2), _vint(v, "temporal_patch_size", 2)
-        out = _vint(v, "out_hidden_size", text_hidden)
-        c = _vint(v, "in_chans", _vint(v, "in_channels", 3))
-        merged = h * m * m
-        params = (
-            c * tp_ * p * p * h
-            + n * _vit_layer(h, i, bias=True, gated=True, norm_bias=False)
-            + h
-            + merged * merged
-            + merged
-            + merged * out
-            + out
-        )
-        tokens = _qwen_vl_tokens(p, m)
-        return VisionSpec(
+        # RMSNorm blocks (one weight, no bias), gated SiLU MLP; the merger maps to out_hidden_size.
+        return _qwen_vl_tower(
+            v,
             kind=outer,
-            hidden_size=h,
-            intermediate_size=i,
-            num_layers=n,
-            num_heads=_vint(v, "num_heads", 16),
-            gated_mlp=True,
-            patches_per_token=m * m,
-            image_tokens=tokens,
-            params=params,
-            video_frame_tokens=tokens,
-            pixel_unit=p * m,
+            width=_vint(v, "hidden_size"),
+            inter=_vint(v, "intermediate_size"),
+            out=_vint(v, "out_hidden_size", text_hidden),
+            channels=_vint(v, "in_chans", _vint(v, "in_channels", 3)),
+            gated=True,
+            norm_bias=False,
         )
     if outer == "qwen3_vl":
         return _qwen3_vl_vision(v, text_hidden)
     if outer == "qwen2_vl":
+        # LayerNorm blocks (weight and bias), fc1/fc2 MLP of embed_dim x mlp_ratio; the merger maps to hidden_size.
         e = _vint(v, "embed_dim")
-        i = e * _vint(v, "mlp_ratio", 4)
-        n = _vint(v, "depth")
-        p, m, tp_ = _vint(v, "patch_size", 14), _vint(v, "spatial_merge_size", 2), _vint(v, "temporal_patch_size", 2)
-        out = _vint(v, "hidden_size", text_hidden)
-        c = _vint(v, "in_chans", 3)
-        merged = e * m * m
-        params = (
-            c * tp_ * p * p * e
-            + n * _vit_layer(e, i, bias=True, gated=False, norm_bias=True)
-            + 2 * e
-            + merged * merged
-            + merged
-            + merged * out
-            + out
-        )
-        tokens = _qwen_vl_tokens(p, m)
-        return VisionSpec(
+        return _qwen_vl_tower(
+            v,
             kind=outer,
-            hidden_size=e,
-            intermediate_size=i,
-            num_layers=n,
-            num_heads=_vint(v, "num_heads", 16),
-            gated_mlp=False,
-            patches_per_token=m * m,
-            image_tokens=tokens,
-            params=params,
-            video_frame_tokens=tokens,
-            pixel_unit=p * m,
+            width=e,
+            inter=e * _vint(v, "mlp_ratio", 4),
+            out=_vint(v, "hidden_size", text_hidden),
+            channels=_vint(v, "in_chans", 3),
+            gated=False,
+            norm_bias=True,
         )
     if vtype in ("siglip_vision_model", "clip_vision_model"):
         h, i, n = _vint(v, "hidden_size"), _vint(v, "intermediate_size"), _vint(v, "num_hidden_layers")
