@@ -6,10 +6,6 @@ errors beside vLLM's). No constant is fitted for TensorRT-LLM: the one FIT recor
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -17,20 +13,8 @@ import pytest
 from kvfleet.sizing.capacity import capacity
 from kvfleet.sizing.engines import ACTIVATIONS, TRTLLM_PROFILES, EngineName, trtllm_profiling_requests
 from kvfleet.sizing.units import GiB
+from tests.sizing.test_engine_log_calibration import TOOL as tool  # the fit script, loaded once
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fit_engine_logs", ROOT / "tools" / "fit_engine_logs.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-tool = _tool()
 TRT = [r for r in tool.load() if r["engine"] == EngineName.TRTLLM]
 
 
