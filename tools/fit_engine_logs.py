@@ -24,7 +24,6 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from functools import partial
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -108,8 +107,8 @@ def bucket(rec: dict[str, Any]) -> str:
 
 @contextmanager
 def constants(c: ActivationModel) -> Iterator[None]:
-    """capacity() with these activation constants (it reads the module's defaults otherwise)."""
-    with mock.patch.object(capacity_module, "activation_peak_bytes", partial(activation_peak_bytes, constants=c)):
+    """capacity() with these activation constants (it reads its module's ACTIVATIONS otherwise)."""
+    with mock.patch.object(capacity_module, "ACTIVATIONS", c):
         yield
 
 

@@ -730,8 +730,24 @@ def _stage_capacity(
     state_pages = _state_pages(model, s, profile)
     if kv.state is not None:
         k = replace(k, block=hybrid_block_size(kv, block_size=k.block))
+    drafter = _drafter(model, s, k, profile, tp=tp, scheme=scheme)
+    constants = ACTIVATIONS
+    if drafter is not None:
+        # The dummy sampler run then runs the rejection sampler over one draft per request (gpu_model_runner.py
+        # _dummy_sampler_run): bf16 logits of twice the rows (4 B per request's logit) stay alive while it samples
+        # the bonus tokens through the same path as the sampler (v1/sample/rejection_sampler.py forward).
+        constants = replace(
+            ACTIVATIONS,
+            sampler_bytes_per_logit=ACTIVATIONS.sampler_bytes_per_logit + 4,
+            sampler_sort_bytes_per_logit=ACTIVATIONS.sampler_sort_bytes_per_logit + 4,
+        )
     act = activation_peak_bytes(
-        model, tp=tp, max_num_batched_tokens=k.batched, max_num_seqs=k.max_seqs, sort_sampler=profile.sort_sampler
+        model,
+        tp=tp,
+        max_num_batched_tokens=k.batched,
+        max_num_seqs=k.max_seqs,
+        sort_sampler=profile.sort_sampler,
+        constants=constants,
     )
     encoder: EncoderProfile | None = None
     mm_notes: list[str] = []
@@ -773,19 +789,11 @@ def _stage_capacity(
     non_torch = non_torch_bytes(tp=tp)
     graphs = 0 if s.enforce_eager else cuda_graph_bytes(model)
     graphs_counted = profile.counts_cuda_graphs and not s.enforce_eager
-    drafter = _drafter(model, s, k, profile, tp=tp, scheme=scheme)
     drafter_weights = 0
     if drafter is not None:
         # Its layers join the target's pool; its forward follows the target's in the profile run, reading the
         # target's hidden states (see sizing/speculative.py).
         kv = replace(kv, groups=kv.groups + drafter.kv_groups)
-        # The dummy sampler run then runs the rejection sampler over one draft per request (gpu_model_runner.py
-        # _dummy_sampler_run): bf16 logits of twice the rows (4 B per request's logit) stay alive while it samples
-        # the bonus tokens through the same sort path as the sampler (v1/sample/rejection_sampler.py forward).
-        spec_constants = replace(ACTIVATIONS, sampler_bytes_per_logit=ACTIVATIONS.sampler_bytes_per_logit + 4)
-        act = activation_peak_bytes(
-            model, tp=tp, max_num_batched_tokens=k.batched, max_num_seqs=k.max_seqs, constants=spec_constants
-        )
         act = max(act, drafter.activation_peak_bytes + ACTIVATIONS.workspace_bytes) + drafter.hidden_state_bytes
         graphs += 0 if s.enforce_eager else drafter.cuda_graph_bytes
         drafter_weights = drafter.weights_bytes_per_gpu

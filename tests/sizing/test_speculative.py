@@ -14,6 +14,7 @@ Every expectation is the engine's or the model's own number, not kvfleet's formu
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -245,3 +246,22 @@ def test_eagle1_head_reads_the_targets_embedding_and_lm_head() -> None:
     assert d.weights_bytes_per_gpu == 2 * (layer + 2 * h * h)
     assert d.shares == ("embedding", "lm_head")
     assert d.kv_bytes_per_token_per_gpu == 2 * (kv // 2) * hd * 2
+
+
+@pytest.mark.parametrize(
+    ("model", "version"),
+    [
+        # A vision-language target: the encoder's profiling stays in the peak beside the drafter's.
+        ("Qwen/Qwen2.5-VL-7B-Instruct", None),  # at its full context vLLM profiles a video
+        # A release whose sampler sorts the vocabulary: its bytes per logit stay the sort path's.
+        ("meta-llama/Llama-3.1-8B", "0.11.0"),
+    ],
+)
+def test_a_drafter_adds_to_the_profile_run_and_takes_nothing_from_it(model: str, version: str | None) -> None:
+    settings = EngineSettings(version=version)
+    plain = capacity(resolve_model(model), gpu_memory_bytes=H100, settings=settings)
+    spec = Speculative(method=SpecMethod.NGRAM, num_speculative_tokens=3)
+    drafted = capacity(resolve_model(model), gpu_memory_bytes=H100, settings=replace(settings, speculative=spec))
+    # N-gram has no drafter forward: what it adds is the rejection sampler's rows of logits, never less than before.
+    assert drafted.activation_peak_bytes >= plain.activation_peak_bytes
+    assert drafted.activation_peak_bytes - plain.activation_peak_bytes < 1 * GiB
