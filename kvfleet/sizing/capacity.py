@@ -343,51 +343,41 @@ def hybrid_block_size(kv: KvLayout, *, block_size: int) -> int:
     return max(block_size, raised)
 
 
-def _state_pool(kv: KvLayout, *, block_size: int, group_ratio: float, state_pages: int) -> _Pool:
-    """Attention and state layers in one block pool: the state page padded to the attention page, layers
-    grouped by the same n:1 rule as sliding/full mixes (kv_cache_utils._get_kv_cache_groups_uniform_page_size)."""
-    assert kv.state is not None
-    page = block_size * max(g.bytes_per_token_per_layer for g in kv.groups)
-    buckets: list[tuple[tuple[AttentionKind, int | None], int]] = [
-        ((g.attention, g.window_tokens), g.num_layers) for g in kv.groups
-    ]
-    buckets.append(((AttentionKind.STATE, None), kv.state.num_layers))
-    counts = [n for _, n in buckets]
+def _grouped(
+    by_kind: dict[tuple[AttentionKind, int | None], int], *, page_bytes: int, group_ratio: float, state_pages: int = 0
+) -> _Pool:
+    """Layers of several kinds in one block pool (vllm/v1/core/kv_cache_utils.py
+    _get_kv_cache_groups_uniform_page_size): the group size is the smallest per-kind layer count (the "1" of the
+    n:1 patterns), or the largest when every kind is within ``group_ratio`` of the others."""
+    counts = list(by_kind.values())
     group_size = min(counts)
     if max(counts) < min(counts) * group_ratio:
         group_size = max(counts)
     groups: list[tuple[AttentionKind, int | None]] = []
-    for key, n in buckets:
+    for key, n in by_kind.items():
         groups.extend([key] * cdiv(n, group_size))
-    return _Pool(group_size=group_size, groups=tuple(groups), page_bytes=page, state_pages=state_pages)
+    return _Pool(group_size=group_size, groups=tuple(groups), page_bytes=page_bytes, state_pages=state_pages)
 
 
 def _pool(kv: KvLayout, *, block_size: int, hybrid: bool, group_ratio: float, state_pages: int = 1) -> _Pool:
     if not kv.groups:
         raise SizingError("the model has no attention layers that hold a KV cache", field="model")
-    if kv.state is not None:
-        return _state_pool(kv, block_size=block_size, group_ratio=group_ratio, state_pages=state_pages)
     page = block_size * max(g.bytes_per_token_per_layer for g in kv.groups)
     # Layers of one kind and window (a drafter's among the target's) fill one group.
     by_kind: dict[tuple[AttentionKind, int | None], int] = {}
     for g in kv.groups:
         by_kind[g.attention, g.window_tokens] = by_kind.get((g.attention, g.window_tokens), 0) + g.num_layers
+    if kv.state is not None:
+        # State layers join the pool with their page padded to the attention page.
+        by_kind[AttentionKind.STATE, None] = kv.state.num_layers
+        return _grouped(by_kind, page_bytes=page, group_ratio=group_ratio, state_pages=state_pages)
     if not hybrid or len(by_kind) == 1:
         # One group holding every layer; windowed layers are treated as full when hybrid is off. A block holds
         # one page of every layer, each at its own size (UniformTypeKVCacheSpecs when a drafter's heads differ).
         block_bytes = block_size * kv.kv_bytes_per_token_per_gpu
         only = next(iter(by_kind)) if len(by_kind) == 1 else (AttentionKind.FULL, None)
         return _Pool(group_size=1, groups=(only,), page_bytes=block_bytes)
-    # vllm/v1/core/kv_cache_utils.py: group size is the smallest per-type layer count (the "1" of
-    # the n:1 patterns), or the largest when all types are within `group_ratio` of each other.
-    counts = list(by_kind.values())
-    group_size = min(counts)
-    if max(counts) < min(counts) * group_ratio:
-        group_size = max(counts)
-    groups: list[tuple[AttentionKind, int | None]] = []
-    for (kind, window), n in by_kind.items():
-        groups.extend([(kind, window)] * cdiv(n, group_size))
-    return _Pool(group_size=group_size, groups=tuple(groups), page_bytes=page)
+    return _grouped(by_kind, page_bytes=page, group_ratio=group_ratio)
 
 
 def _blocks_per_request(
