@@ -451,7 +451,8 @@ def _knobs(
         tier = vllm_batch_defaults(s.version, gpu_memory_bytes=gpu_memory_bytes, accelerator_name=accelerator_name)
         default_seqs, default_batched = tier.max_num_seqs, tier.max_num_batched_tokens
     else:
-        default_seqs, default_batched = profile.max_num_seqs_large_gpu, profile.max_num_batched_tokens_large_gpu
+        assert profile.max_num_seqs is not None and profile.max_num_batched_tokens is not None
+        default_seqs, default_batched = profile.max_num_seqs, profile.max_num_batched_tokens
     max_seqs = s.max_num_seqs or default_seqs
     if s.max_num_batched_tokens is not None:
         batched = s.max_num_batched_tokens

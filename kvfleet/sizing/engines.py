@@ -77,13 +77,11 @@ class EngineProfile:
     # Prefix caching on by default for hybrid attention/Mamba models, which puts their state layers in
     # mamba_cache_mode "align": two state pages per request instead of one (MambaSpec.max_memory_usage_bytes).
     mamba_align_by_default: bool
-    # Scheduler defaults for the OpenAI server, keyed by whether the GPU has >= 70 GiB. vLLM's own rule (tiers by
-    # memory, A100s excluded by name) is VLLM_BATCH_DEFAULTS; capacity reads these fields for TensorRT-LLM only.
-    max_num_batched_tokens_small_gpu: int
-    max_num_batched_tokens_large_gpu: int
-    max_num_seqs_small_gpu: int
-    max_num_seqs_large_gpu: int
     note: str
+    # The server's scheduler defaults where they do not depend on the device (TensorRT-LLM's max_num_tokens and
+    # max_batch_size). vLLM's depend on it: VLLM_BATCH_DEFAULTS (tiers by memory, A100s excluded by name).
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
 
 
 def _vllm(since: Version, note: str, **kw: object) -> EngineProfile:
@@ -97,10 +95,6 @@ def _vllm(since: Version, note: str, **kw: object) -> EngineProfile:
         "sort_sampler": False,
         "sliding_in_flight_batches": 1,
         "mamba_align_by_default": False,
-        "max_num_batched_tokens_small_gpu": 2048,
-        "max_num_batched_tokens_large_gpu": 8192,
-        "max_num_seqs_small_gpu": 256,
-        "max_num_seqs_large_gpu": 1024,
     }
     base.update(kw)
     return EngineProfile(engine=EngineName.VLLM, since=since, note=note, **base)  # type: ignore[arg-type]
@@ -117,8 +111,6 @@ VLLM_PROFILES: tuple[EngineProfile, ...] = (
         "V0 engine: every layer holds max_model_len; CUDA graphs use the 1 - utilization headroom",
         hybrid_kv_cache=False,
         sort_sampler=True,
-        max_num_batched_tokens_large_gpu=2048,
-        max_num_seqs_large_gpu=256,
     ),
     _vllm(
         (0, 8, 0),
@@ -202,10 +194,8 @@ TRTLLM_PROFILES: tuple[EngineProfile, ...] = (
         sort_sampler=False,
         sliding_in_flight_batches=1,
         mamba_align_by_default=False,
-        max_num_batched_tokens_small_gpu=8192,
-        max_num_batched_tokens_large_gpu=8192,
-        max_num_seqs_small_gpu=2048,
-        max_num_seqs_large_gpu=2048,
+        max_num_batched_tokens=8192,
+        max_num_seqs=2048,
         note="free_gpu_memory_fraction of the memory free after profiling; max_batch_size 2048, "
         "max_num_tokens 8192, tokens_per_block 32",
     ),

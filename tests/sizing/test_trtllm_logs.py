@@ -78,6 +78,5 @@ def test_serve_defaults() -> None:
     # tensorrt_llm/commands/serve.py (1.0): --max_batch_size BuildConfig.max_batch_size (2048), --max_num_tokens
     # BuildConfig.max_num_tokens (8192), --kv_cache_free_gpu_memory_fraction 0.9; KvCacheConfig tokens_per_block 32.
     p = TRTLLM_PROFILES[-1]
-    assert (p.max_num_seqs_large_gpu, p.max_num_batched_tokens_large_gpu) == (2048, 8192)
-    assert (p.max_num_seqs_small_gpu, p.max_num_batched_tokens_small_gpu) == (2048, 8192)
+    assert (p.max_num_seqs, p.max_num_batched_tokens) == (2048, 8192)
     assert (p.gpu_memory_utilization, p.block_size) == (0.9, 32)
