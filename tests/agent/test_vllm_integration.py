@@ -29,7 +29,15 @@ import pytest
 
 from kvfleet import contract
 from kvfleet.engines import EngineArgs
-from tests.agent.harness import VLLM_PYTHON, VLLM_VERSION, free_ports, make_tiny_model, require_vllm, stream_completion
+from tests.agent.harness import (
+    VLLM_PYTHON,
+    VLLM_VERSION,
+    free_ports,
+    make_tiny_model,
+    require_vllm,
+    stream_completion,
+    yield_forward_pass,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 AGENT = Path(sys.executable).parent / contract.AGENT_COMMAND
@@ -162,6 +170,7 @@ def started_agent(tiny_model: Path, logs: Path) -> Iterator[AgentProcess]:
     )
     try:
         wait_ready(a.url, 240)
+        yield_forward_pass()
         yield a
     finally:
         if proc.poll() is None:
@@ -416,6 +425,10 @@ def test_engine_dies_agent_reports_unhealthy_and_restarts_it(agent: AgentProcess
 
 
 def test_sigterm_drains_ten_streams_then_exits_zero(agent: AgentProcess) -> None:
+    # The engine may have been restarted by an earlier test: its new forward pass yields too, or the agent's drain
+    # could wait behind it until every stream had ended.
+    yield_forward_pass()
+
     async def go() -> dict[str, Any]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
             started = [asyncio.Event() for _ in range(10)]

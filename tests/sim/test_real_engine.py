@@ -44,7 +44,7 @@ from kvfleet.engines import EngineArgs
 from kvfleet.sim.fleet import FleetSpec, Scaling, simulate
 from kvfleet.sim.replica import EngineLimits, LinearStepModel
 from kvfleet.workload.traces import Trace, read_trace
-from tests.agent.harness import VLLM_PYTHON, make_tiny_model, require_vllm, running, settings
+from tests.agent.harness import VLLM_PYTHON, make_tiny_model, require_vllm, running, settings, yield_forward_pass
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -270,19 +270,6 @@ async def engine_cache(http: aiohttp.ClientSession, engine_url: str) -> tuple[in
     line = next(x for x in text.splitlines() if x.startswith("vllm:cache_config_info{"))
     labels = dict(kv.split("=", 1) for kv in line[line.index("{") + 1 : line.index("}")].split(","))
     return int(labels["num_gpu_blocks"].strip('"')), int(labels["block_size"].strip('"'))
-
-
-def yield_forward_pass() -> None:
-    """The forward pass at the lowest priority. On a GPU host it runs on the GPU and takes no host CPU from the API
-    server, the agent or the clients; vLLM's CPU build runs it on OpenMP threads that spin at their barriers, and
-    at equal priority the kernel let a client or the engine's scheduler loop wait behind them for hundreds of
-    milliseconds now and then (TTFTs of a second on a trace the simulator serves in 15 ms)."""
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and (proc / "comm").read_text().startswith("VLLM::Worker"):
-                os.setpriority(os.PRIO_PROCESS, int(proc.name), 19)
-        except OSError:  # gone meanwhile, or not ours
-            continue
 
 
 def pct(xs: list[float], q: float) -> float:
