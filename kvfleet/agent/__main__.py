@@ -176,11 +176,14 @@ def main(argv: list[str] | None = None) -> int:
         settings.host,
         settings.port,
     )
+    from kvfleet.agent import engine
+
+    # Here, not in serve: before any thread or the engine starts (threads inherit the policy, the engine gets the
+    # agent's own back), and only in the agent's process.
+    engine.defer_to_engine()
     try:
         return _run(serve(settings))
     finally:
-        from kvfleet.agent import engine
-
         engine.kill_all()  # the last resort, where the event loop ended before the engine's stop could run
 
 

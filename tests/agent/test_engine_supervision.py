@@ -416,6 +416,34 @@ def test_an_agent_killed_with_sigkill_takes_its_engine_with_it(
     assert survivors(procs) == []
 
 
+def _policies(pid: int) -> set[int]:
+    """The scheduling policy of every thread of a process, but the io_uring submission threads the kernel runs for
+    libuv (``iou-sqp-*``), which are the kernel's."""
+    tasks = Path(f"/proc/{pid}/task")
+    return {
+        os.sched_getscheduler(int(t.name)) for t in tasks.iterdir() if not (t / "comm").read_text().startswith("iou-")
+    }
+
+
+def test_the_agent_defers_to_its_engine_and_the_engine_keeps_the_default_policy(
+    agent_process: Callable[..., tuple[subprocess.Popen[bytes], Path]],
+) -> None:
+    # The agent's threads never preempt the engine's API server when a token wakes them; the engine (first start
+    # and restart alike) runs with the policy the agent itself was started with.
+    proc, log = agent_process()
+    _wait_log(log, "engine ready (pid")
+    assert _policies(proc.pid) == {os.SCHED_BATCH}
+    first = _child(proc)
+    started_with = os.sched_getscheduler(0)  # the agent's, before it deferred
+    assert started_with != os.SCHED_BATCH and _policies(first) == {started_with}
+    os.kill(first, signal.SIGKILL)
+    _wait_log(log, "engine ready (pid", count=2)
+    second = _child(proc)
+    assert second != first and _policies(second) == {started_with}
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+
+
 def test_the_gpu_release_wait_is_read_from_its_contract_variable() -> None:
     from kvfleet.agent.settings import SettingsError, from_env
 
