@@ -81,12 +81,16 @@ def model_of(rec: dict[str, Any]) -> ModelSpec:
 
 def settings_of(rec: dict[str, Any]) -> EngineSettings:
     """The record's settings; TensorRT-LLM records use the LLM API's names (free_gpu_memory_fraction, max_seq_len,
-    max_batch_size, max_num_tokens), mapped onto the shared fields."""
+    max_batch_size, max_num_tokens), mapped onto the shared fields. A custom pipeline split (vLLM's
+    VLLM_PP_LAYER_PARTITION) is not modelled: such a record is refused rather than predicted with the even split."""
     s = rec["settings"]
+    if "VLLM_PP_LAYER_PARTITION" in s:
+        raise ValueError(f"{rec['id']}: a custom pipeline split (VLLM_PP_LAYER_PARTITION) is not modelled")
     return EngineSettings(
         engine=EngineName(rec["engine"]),
         version=rec["release"],
         tensor_parallel_size=s.get("tensor_parallel_size", 1),
+        pipeline_parallel_size=s.get("pipeline_parallel_size", 1),
         enable_expert_parallel=s.get("enable_expert_parallel", False),
         gpu_memory_utilization=s.get("gpu_memory_utilization", s.get("free_gpu_memory_fraction")),
         max_model_len=s.get("max_model_len", s.get("max_seq_len")),
@@ -114,7 +118,8 @@ def constants(c: ActivationModel) -> Iterator[None]:
 
 @dataclass(frozen=True, kw_only=True)
 class Prediction:
-    cap: Capacity
+    cap: Capacity  # the replica: with pipeline parallelism its tokens are the fewest of any stage's
+    printed: Capacity  # the GPU whose weights and cache the log prints: with pipeline parallelism the first stage
     available_kv_cache_gib: float  # before any clamping at zero: what the engine would print
 
 
@@ -128,13 +133,16 @@ def predict(rec: dict[str, Any], c: ActivationModel) -> Prediction | None:
             settings=settings_of(rec),
             accelerator_name=rec["gpu"] or "",
         )
+    # With pipeline parallelism vLLM prints the weights and "Available KV cache memory" of the first rank only
+    # (Capacity.stages); "GPU KV cache size" is the replica's, the fewest blocks of any stage.
+    printed = cap.stages[0] if cap.stages else cap
     non_kv = (
-        cap.weights_bytes_per_gpu
-        + cap.activation_peak_bytes
-        + cap.non_torch_bytes
-        + (cap.cuda_graph_bytes if cap.cuda_graph_counted else 0)
+        printed.weights_bytes_per_gpu
+        + printed.activation_peak_bytes
+        + printed.non_torch_bytes
+        + (printed.cuda_graph_bytes if printed.cuda_graph_counted else 0)
     )
-    return Prediction(cap=cap, available_kv_cache_gib=(cap.requested_bytes - non_kv) / GiB)
+    return Prediction(cap=cap, printed=printed, available_kv_cache_gib=(printed.requested_bytes - non_kv) / GiB)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -190,9 +198,10 @@ def predicted_terms(rec: dict[str, Any], c: ActivationModel) -> dict[str, float]
     """What the model says for each term the record logs (terms it cannot predict are left out)."""
     logged = rec["logged"]
     tp = rec["settings"].get("tensor_parallel_size", 1)
+    pp = rec["settings"].get("pipeline_parallel_size", 1)
     m = model_of(rec)
     out: dict[str, float] = {}
-    if "weights_gib" in logged:
+    if "weights_gib" in logged and pp == 1:
         ep = rec["settings"].get("enable_expert_parallel", False)
         out["weights_gib"] = weight_bytes(m, tp=tp, scheme=m.native_scheme, ep=ep).weights_bytes_per_gpu / GiB
     if "non_torch_gib" in logged:
@@ -201,7 +210,8 @@ def predicted_terms(rec: dict[str, Any], c: ActivationModel) -> dict[str, float]
         out["cuda_graph_estimate_gib"] = cuda_graph_bytes(m, constants=c) / GiB
     if "activation_peak_gib" in logged and (act := activation_gib(rec, c)) is not None:
         out["activation_peak_gib"] = act
-    if "available_kv_cache_gib" in logged and "kv_cache_tokens" in logged:
+    # The printed cache gives the printed tokens only where one GPU's cache is the replica's (no pipeline stages).
+    if "available_kv_cache_gib" in logged and "kv_cache_tokens" in logged and pp == 1:
         kv = kv_layout(m, tp=tp, kv_dtype=KvDtype.AUTO)
         per_block = kv.kv_bytes_per_token_per_gpu * 16
         out["tokens_from_logged_cache"] = int(logged["available_kv_cache_gib"] * GiB) // per_block * 16
@@ -214,6 +224,8 @@ def predicted_terms(rec: dict[str, Any], c: ActivationModel) -> dict[str, float]
         if "allocated_kv_cache_gib" in logged:
             out["allocated_kv_cache_gib"] = cap.kv_cache_tokens * cap.kv.kv_bytes_per_token_per_gpu / GiB
     elif p is not None:
+        if "weights_gib" in logged and pp > 1:
+            out["weights_gib"] = p.printed.weights_bytes_per_gpu / GiB
         if "available_kv_cache_gib" in logged:
             out["available_kv_cache_gib"] = p.available_kv_cache_gib
         if "kv_cache_tokens" in logged:

@@ -110,6 +110,11 @@ class Capacity:
     pipeline_parallel_size: int = 1
     expert_parallel: bool = False
     stage_num_blocks: tuple[int, ...] = field(default=())  # each stage's own count before the minimum
+    # Each stage's own start-up (weights, activation peak, cache) before the minimum, first stage first. A log
+    # shows the first stage's: vLLM prints "Model loading took" and "Available KV cache memory" once per node, from
+    # its first rank (logger.info_once, scope "local": vllm/logger.py, v1/worker/gpu_model_runner.py load_model,
+    # v1/worker/gpu_worker.py determine_available_memory, vLLM 0.32.0), and only "GPU KV cache size" is the minimum.
+    stages: tuple[Capacity, ...] = field(default=())
     # Whether the engine caches prefixes at these settings (the setting, else the release's default): the engine
     # must start with the same, since for hybrid Mamba models it sets the state pages each request holds.
     prefix_caching: bool = True
@@ -687,6 +692,7 @@ def capacity(
         pipeline_parallel_size=pp,
         expert_parallel=layout.ep,
         stage_num_blocks=counts,
+        stages=tuple(stages),
         problems=problems,
         notes=binding.notes + layout_notes + (note,),
     )

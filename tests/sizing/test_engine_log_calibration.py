@@ -118,3 +118,32 @@ def test_the_stored_fit_report_is_current() -> None:
     stored = TOOL.json.loads(TOOL.DATA.read_text())["fit"]
     assert stored["result"] == TOOL.fit(RECORDS)
     assert stored["errors"] == TOOL.table(RECORDS, TOOL.BEFORE, ACTIVATIONS)
+
+
+def test_a_pipeline_record_is_predicted_on_the_stage_whose_figures_the_log_prints() -> None:
+    # No record in the data file has pipeline stages yet; the harness must still read one as vLLM prints it: the
+    # weights and "Available KV cache memory" of the first stage's rank, the tokens of the replica (the fewest
+    # blocks of any stage). A made-up record built from a logged one, never written to the data file.
+    base = next(r for r in RECORDS if r["id"] == "vllm-33155-gpt-oss-120b-h100")
+    rec = copy.deepcopy(base)
+    rec["id"] = "pipeline-harness-case"
+    rec["settings"]["pipeline_parallel_size"] = 2
+    rec["logged"] = {"weights_gib": 1.0, "available_kv_cache_gib": 1.0, "kv_cache_tokens": 1}
+    p = TOOL.predict(rec, ACTIVATIONS)
+    assert p is not None
+    assert p.cap.pipeline_parallel_size == 2 and len(p.cap.stages) == 2
+    assert p.printed is p.cap.stages[0]
+    assert p.cap.num_blocks == min(s.num_blocks for s in p.cap.stages)
+    terms = TOOL.predicted_terms(rec, ACTIVATIONS)
+    one_gpu = copy.deepcopy(rec)
+    one_gpu["settings"]["pipeline_parallel_size"] = 1
+    whole = TOOL.predicted_terms(one_gpu, ACTIVATIONS)
+    # Half the layers (and the embedding, not the lm_head) on the printed GPU, so less than the whole model.
+    assert terms["weights_gib"] == p.cap.stages[0].weights_bytes_per_gpu / TOOL.GiB < whole["weights_gib"]
+    assert terms["available_kv_cache_gib"] > whole["available_kv_cache_gib"]
+    assert terms["kv_cache_tokens"] == p.cap.kv_cache_tokens
+    # One stage's printed cache does not give the replica's tokens: that check is left out.
+    assert "tokens_from_logged_cache" not in terms
+    rec["settings"]["VLLM_PP_LAYER_PARTITION"] = "16,20"
+    with pytest.raises(ValueError, match="VLLM_PP_LAYER_PARTITION"):
+        TOOL.predict(rec, ACTIVATIONS)
