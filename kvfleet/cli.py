@@ -158,21 +158,30 @@ def _speculative_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--draft-model", help="the EAGLE head or draft model: catalog id/alias, or a path to config.json")
     p.add_argument("--num-speculative-tokens", type=_positive_int, help="tokens drafted per step (mtp: its layers)")
+    p.add_argument(
+        "--acceptance-length",
+        type=float,
+        metavar="TAU",
+        help="mean tokens accepted per step, bonus token included (1 to K+1): what the speed model credits "
+        "(default: a published measurement for eagle/eagle3 K 2-7 and mtp with one layer; others need it)",
+    )
 
 
 def _speculative(a: argparse.Namespace) -> Speculative | None:
     from kvfleet.sizing.speculative import Speculative, parse_method
 
     if a.speculative is None:
-        if a.draft_model is not None or a.num_speculative_tokens is not None:
+        if a.draft_model is not None or a.num_speculative_tokens is not None or a.acceptance_length is not None:
             raise KvfleetError(
-                "--draft-model and --num-speculative-tokens need --speculative METHOD", field="speculative"
+                "--draft-model, --num-speculative-tokens and --acceptance-length need --speculative METHOD",
+                field="speculative",
             )
         return None
     return Speculative(
         method=parse_method(a.speculative, field="speculative"),
         draft_model=a.draft_model,
         num_speculative_tokens=a.num_speculative_tokens,
+        acceptance_length=a.acceptance_length,
     )
 
 

@@ -136,7 +136,10 @@ PLANNER_FIELDS: dict[str, str] = {
     "rope_scaling": "model.rope_scaling",
     **{k: f"engine.{k}" for k in ENGINE_SETTINGS},
     **{f"workload.{k}": f"workload.{k}" for k in _WORKLOAD_KEYS},
-    **{f"speculative.{k}": f"speculative.{k}" for k in ("method", "draft_model", "num_speculative_tokens")},
+    **{
+        f"speculative.{k}": f"speculative.{k}"
+        for k in ("method", "draft_model", "num_speculative_tokens", "acceptance_length")
+    },
 }
 
 
@@ -247,7 +250,10 @@ def _speculative(d: Deployment, model: ModelSpec) -> Speculative | None:
     if s is None:
         return None
     spec = Speculative(
-        method=SpecMethod(s.method), draft_model=s.draft_model, num_speculative_tokens=s.num_speculative_tokens
+        method=SpecMethod(s.method),
+        draft_model=s.draft_model,
+        num_speculative_tokens=s.num_speculative_tokens,
+        acceptance_length=s.acceptance_length,
     )
     resolve_drafter(  # a drafter that fits no tensor parallelism fails here, naming the field, not per candidate
         model,

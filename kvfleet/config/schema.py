@@ -623,6 +623,15 @@ class SpeculativeConfig(Frozen):
     num_speculative_tokens: Int | None = Field(
         default=None, ge=1, description="Tokens drafted per step. Default for mtp: the model's MTP layer count."
     )
+    acceptance_length: Float | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "Mean tokens accepted per verification step, the bonus token included (1 to num_speculative_tokens + 1): "
+            "what the speed model credits. Default: a published measurement for eagle, eagle3 (K 2 to 7) and mtp "
+            "(one MTP layer), listed in kvfleet/sizing/data/speculative_acceptance.json; draft_model and ngram need it."
+        ),
+    )
 
     @model_validator(mode="after")
     def _complete(self) -> SpeculativeConfig:
@@ -633,6 +642,17 @@ class SpeculativeConfig(Frozen):
             raise ValueError(f"draft_model: {self.method} drafts without one; remove it")
         if self.method != "mtp" and self.num_speculative_tokens is None:
             raise ValueError(f"num_speculative_tokens: {self.method} needs it (3 to 5 is usual)")
+        k = self.num_speculative_tokens
+        if self.acceptance_length is not None and k is not None and self.acceptance_length > k + 1:
+            raise ValueError(
+                f"acceptance_length: {self.acceptance_length:g} exceeds num_speculative_tokens + 1 ({k + 1}); a step "
+                "keeps at most the drafts and one bonus token"
+            )
+        if self.method in ("draft_model", "ngram") and self.acceptance_length is None:
+            raise ValueError(
+                f"acceptance_length: {self.method} has no published default (it depends on the draft and the "
+                "workload); give the mean tokens accepted per step that vLLM's spec-decode metrics report"
+            )
         return self
 
 

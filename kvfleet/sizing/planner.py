@@ -26,8 +26,8 @@ from kvfleet.sizing.parallel import Layout
 from kvfleet.sizing.perf import PerfEstimate, estimate, missing_perf_data
 from kvfleet.sizing.precision import KvDtype, Part, WeightScheme, weight_scheme
 from kvfleet.sizing.quantization import checkpoint_note, checkpoint_refusal, scheme_refusal
-from kvfleet.sizing.speculative import Speculative
-from kvfleet.sizing.step import Limits, Replica, SteadyState, replica, steady_state
+from kvfleet.sizing.speculative import Speculative, acceptance, speculative_tokens
+from kvfleet.sizing.step import Limits, Replica, SteadyState, replica, speculative_replica, steady_state
 from kvfleet.sizing.step import Workload as StepWorkload
 from kvfleet.sizing.units import GiB
 
@@ -539,7 +539,8 @@ class _Option:
             measured_kv_cache_tokens=self.measured.kv_cache_tokens if self.measured else None,
         )
 
-    def step_replica(self) -> Replica:
+    def step_replica(self, cap: Capacity) -> Replica:
+        """The replica the step model prices: with the drafter the capacity sized, crediting its acceptance length."""
         rep = replica(
             model=self.req.model,
             accelerator=self.it.accelerator,
@@ -548,14 +549,30 @@ class _Option:
             scheme=self.scheme,
             kv_dtype=self.kv,
         )
-        return replace(rep, time_scale=self.measured.step_time_scale) if self.measured else rep
+        if self.measured:
+            rep = replace(rep, time_scale=self.measured.step_time_scale)
+        spec, drafter = self.req.speculative, cap.drafter
+        if spec is None or drafter is None:
+            return rep
+        acc = acceptance(spec, drafter.num_speculative_tokens)
+        return speculative_replica(
+            rep,
+            target=self.req.model,
+            target_scheme=self.scheme,
+            drafter=drafter,
+            accelerator=self.it.accelerator,
+            nvlink=self.it.nvlink,
+            kv_dtype=self.kv,
+            acceptance_length=acc.tokens_per_step,
+            acceptance_source=acc.source,
+        )
 
     def under_load(self, cap: Capacity, batch: int, rep: Replica | None = None) -> SteadyState:
         """The batch step model in steady state with ``batch`` sequences kept running: every step carries the
         decodes and its share of prefill chunks, within the engine's token budget."""
         wl = self.req.workload
         return steady_state(
-            rep or self.step_replica(),
+            rep or self.step_replica(cap),
             StepWorkload(input_tokens=wl.input_tokens, output_tokens=wl.output_tokens, concurrency=batch),
             limits=Limits(max_num_batched_tokens=cap.max_num_batched_tokens, max_running=batch),
         )
@@ -566,7 +583,7 @@ class _Option:
         wl = self.req.workload
         pooled = replicas if self.req.hosting.routing is Routing.LEAST_OUTSTANDING else 1
         return steady_state(
-            self.step_replica(),
+            self.step_replica(cap),
             StepWorkload(
                 input_tokens=wl.input_tokens,
                 output_tokens=wl.output_tokens,
@@ -649,7 +666,7 @@ def _meet_latency(
     Both targets are held to the batch step model at the planned concurrency (decodes sharing every step with
     the prefill chunks of the requests that replace finished ones), not to a request alone."""
     wl = o.req.workload
-    rep = o.step_replica()
+    rep = o.step_replica(cap)
     load = o.under_load(cap, batch, rep)
     if wl.itl_target_s is not None and load.itl_s > wl.itl_target_s:
         one = o.under_load(cap, 1, rep)
@@ -804,7 +821,8 @@ def _evaluate(
         + _precision_notes(it, kv, req)
         + _release_notes(scheme, req)
         + _measured_notes(measured)
-        + _layout_notes(layout),
+        + _layout_notes(layout)
+        + _speculative_notes(o, cap, batch, load),
         measured=measured,
         pipeline_parallel_size=layout.pp,
         expert_parallel=layout.ep,
@@ -827,6 +845,28 @@ def _layout_notes(layout: Layout) -> tuple[str, ...]:
     if layout.ep:
         out.append("expert parallel: speed is priced as tensor parallelism over the same GPUs (no all-to-all term)")
     return tuple(out)
+
+
+def _speculative_notes(o: _Option, cap: Capacity, batch: int, load: SteadyState) -> tuple[str, ...]:
+    """What tau the speed was priced with and where it comes from, and the same candidate without the drafter's
+    credit (its memory stays counted): the speed-up speculation buys at this batch, or what it costs."""
+    rep = o.step_replica(cap)
+    spec = rep.spec
+    if spec is None:
+        return ()
+    plain = o.under_load(cap, batch, replace(rep, spec=None))
+    alone = o.under_load(cap, 1, rep)
+    plain_alone = o.under_load(cap, 1, replace(rep, spec=None))
+    where = "given" if spec.acceptance_source == "given" else f"published: {spec.acceptance_source}"
+    return (
+        f"speculative {spec.method}, {spec.num_speculative_tokens} drafts a step: speed assumes "
+        f"{spec.acceptance_length:g} tokens accepted per step ({where}); set speculative.acceptance_length to what "
+        "your workload measures",
+        f"speculation at {batch} sequences: ITL {load.itl_s * 1e3:.1f} ms vs {plain.itl_s * 1e3:.1f} ms without, "
+        f"{load.output_tokens_per_s:,.0f} vs {plain.output_tokens_per_s:,.0f} output tokens/s per replica "
+        f"(x{load.output_tokens_per_s / plain.output_tokens_per_s:.2f}); one request alone: ITL "
+        f"{alone.itl_s * 1e3:.1f} ms vs {plain_alone.itl_s * 1e3:.1f} ms (x{plain_alone.itl_s / alone.itl_s:.2f})",
+    )
 
 
 def _measured_notes(m: Measured | None) -> tuple[str, ...]:
@@ -887,6 +927,8 @@ def plan(req: PlanRequest) -> Plan:
     """Rank the candidates; raise NothingFitsError with the nearest miss and what would fit."""
     engine_profile(req.engine, req.engine_version)  # an unknown release is the user's error, not a misfit
     _check_release(req)
+    if req.speculative is not None:  # a missing acceptance length is the user's to give, not a candidate's misfit
+        acceptance(req.speculative, speculative_tokens(req.model, req.speculative))
     result = enumerate_candidates(req)
     if result.candidates:
         return result

@@ -40,8 +40,13 @@ as well; it is sized here by the same rules, which were not checked against its 
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from functools import cache
+from importlib import resources
+from typing import Any
 
 from kvfleet.errors import KvfleetError, SizingError
 from kvfleet.sizing.catalog import resolve_model
@@ -77,6 +82,9 @@ class Speculative:
     method: SpecMethod
     num_speculative_tokens: int | None = None  # None: an MTP model's layer count; required otherwise
     draft_model: str | None = None  # catalog id or config.json path: the EAGLE head or the draft model
+    # Mean tokens kept per verification step (tau, the bonus token included, 1 <= tau <= K + 1), measured on the
+    # workload; None: the published measurement in data/speculative_acceptance.json for this method and K, if any.
+    acceptance_length: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,6 +129,11 @@ def parse_method(text: str, *, field: str = _FIELD + ".method") -> SpecMethod:
             "suffix, dflash and dspark drafters are not modelled)",
             field=field,
         ) from None
+
+
+def speculative_tokens(target: ModelSpec, spec: Speculative) -> int:
+    """K as the engine resolves it (mtp: the model's MTP layer count when not given). SizingError names the field."""
+    return _tokens(target, spec)
 
 
 def _tokens(target: ModelSpec, spec: Speculative) -> int:
@@ -331,3 +344,40 @@ def resolve_drafter(
         cuda_graph_bytes=int(draft.num_layers * c.cuda_graph_per_layer_bytes * moe),
         notes=tuple(notes),
     )
+
+
+@cache
+def acceptance_data() -> dict[str, Any]:
+    """data/speculative_acceptance.json: published acceptance lengths by method and K, and the end-to-end checks."""
+    text = resources.files("kvfleet.sizing").joinpath("data", "speculative_acceptance.json").read_text(encoding="utf-8")
+    data: dict[str, Any] = json.loads(text)
+    return data
+
+
+@dataclass(frozen=True, kw_only=True)
+class Acceptance:
+    tokens_per_step: float  # tau
+    source: str  # "given" or the publication it was read from, with what it was measured on
+
+
+def acceptance(spec: Speculative, num_speculative_tokens: int) -> Acceptance:
+    """The acceptance length the speed model credits: the user's, else the published one for this method and K.
+    SizingError (field speculative.acceptance_length) where neither exists or the value is out of range."""
+    k = num_speculative_tokens
+    field = _FIELD + ".acceptance_length"
+    tau = spec.acceptance_length
+    if tau is not None:
+        if isinstance(tau, bool) or not (math.isfinite(tau) and 1.0 <= tau <= k + 1):
+            raise SizingError(f"must lie between 1 and num_speculative_tokens + 1 = {k + 1}, got {tau}", field=field)
+        return Acceptance(tokens_per_step=float(tau), source="given")
+    entry = acceptance_data()["defaults"].get(spec.method.value)
+    table = entry["by_num_speculative_tokens"] if entry else {}
+    if str(k) not in table:
+        known = f" (published for K = {', '.join(table)})" if table else ""
+        raise SizingError(
+            f"no published acceptance length for {spec.method.value} with {k} speculative tokens{known}; give the "
+            "mean tokens accepted per step on your workload (vLLM's spec-decode metrics report it as the mean "
+            "acceptance length)",
+            field=field,
+        )
+    return Acceptance(tokens_per_step=float(table[str(k)]), source=f"{entry['measured_on']}; {entry['source']}")

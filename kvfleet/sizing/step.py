@@ -58,6 +58,7 @@ from kvfleet.sizing.hardware import Accelerator, accelerator
 from kvfleet.sizing.memory import kv_layout, weight_bytes
 from kvfleet.sizing.models import ModelSpec
 from kvfleet.sizing.precision import KvDtype, Part, WeightScheme, kv_dtype, weight_scheme
+from kvfleet.sizing.speculative import Drafter, SpecMethod
 from kvfleet.sizing.units import cdiv
 
 # ---------------------------------------------------------------------------------------------
@@ -190,10 +191,33 @@ class Replica:
     cuda_graphs: bool = True
     # Measured over modelled step time on this hardware and engine release (a calibration; 1: the model alone).
     time_scale: float = 1.0
+    # Speculative decoding: every decoding sequence verifies K + 1 tokens a step and keeps tau of them (None: off).
+    spec: SpecDecode | None = None
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpecDecode:
+    """Speculative decoding as one engine step sees it (``spec_decode``): the drafter proposes K tokens per decoding
+    sequence, the target verifies K + 1 in one pass, and ``acceptance_length`` (tau, bonus token included) of them
+    are kept on average, so a step moves a sequence tau tokens on."""
+
+    method: str
+    num_speculative_tokens: int  # K
+    acceptance_length: float  # tau, 1 <= tau <= K + 1
+    acceptance_source: str  # where tau comes from: a published measurement, or the user
+    drafter: Replica | None  # the draft head, MTP layers or draft model on the same ranks; None: n-gram (no GPU work)
+
+    def __post_init__(self) -> None:
+        k, tau = self.num_speculative_tokens, self.acceptance_length
+        if k < 1 or not (1.0 <= tau <= k + 1):
+            raise SizingError(
+                f"acceptance length {tau:g} must lie between 1 and num_speculative_tokens + 1 ({k + 1})",
+                field="speculative.acceptance_length",
+            )
 
 
 def replica(
@@ -256,6 +280,62 @@ def replica(
     )
 
 
+def speculative_replica(
+    rep: Replica,
+    *,
+    target: ModelSpec,
+    target_scheme: WeightScheme,
+    drafter: Drafter,
+    accelerator: Accelerator,
+    nvlink: bool,
+    kv_dtype: KvDtype,
+    acceptance_length: float,
+    acceptance_source: str,
+    constants: StepConstants | None = None,
+) -> Replica:
+    """``rep`` with speculative decoding by ``drafter`` (sized by ``resolve_drafter``) at acceptance length tau.
+
+    The drafter's pass reads what the sizing counted as its own weights (an EAGLE head's layer, fc and lm_head over
+    its draft vocabulary; MTP layers with eh_proj; a draft model whole) plus the target's lm_head where it borrows it;
+    its FLOPs and KV reads are its layers', at the target's tensor parallelism."""
+    if drafter.model is None:
+        d = None
+    else:
+        scheme = target_scheme if drafter.method is SpecMethod.MTP else drafter.model.native_scheme
+        d = replica(
+            model=drafter.model,
+            accelerator=accelerator,
+            tp=rep.tp,
+            nvlink=nvlink,
+            scheme=scheme,
+            kv_dtype=kv_dtype,
+            cuda_graphs=rep.cuda_graphs,
+            constants=constants,
+        )
+        if drafter.method is not SpecMethod.DRAFT_MODEL:
+            own = float(drafter.weights_bytes_per_gpu) - d.expert_weight_bytes
+            rows = drafter.model.vocab_size
+            if "lm_head" in drafter.shares:
+                target_w = dict(weight_bytes(target, tp=rep.tp, scheme=target_scheme).bytes_by_part)
+                own += float(target_w.get(Part.LM_HEAD, 0))
+            elif drafter.method is SpecMethod.EAGLE3:
+                rows = drafter.model.draft_vocab_size or rows
+            d = replace(
+                d,
+                dense_weight_bytes=own,
+                lm_head_flops_per_seq=2 * cdiv(rows, rep.tp) * drafter.model.hidden_size,
+            )
+        d = replace(d, time_scale=rep.time_scale)
+    spec = SpecDecode(
+        method=drafter.method.value,
+        num_speculative_tokens=drafter.num_speculative_tokens,
+        acceptance_length=acceptance_length,
+        acceptance_source=acceptance_source,
+        drafter=d,
+    )
+    return replace(rep, spec=spec)
+
+
 # ---------------------------------------------------------------------------------------------
 # One step
 # ---------------------------------------------------------------------------------------------
@@ -272,6 +352,9 @@ class StepBatch:
     prefill: tuple[PrefillChunk, ...] = ()
     decode_seqs: int = 0
     decode_kv_tokens: int = 0  # KV tokens the decoding sequences read, summed over sequences
+    # Tokens each decoding sequence computes: 1, or K + 1 when the target verifies K drafted tokens (each query
+    # position reads the same KV, so KV bytes stay per sequence while attention FLOPs and GEMM rows grow).
+    decode_tokens_per_seq: int = 1
 
     @property
     def prefill_tokens(self) -> int:
@@ -279,11 +362,16 @@ class StepBatch:
 
     @property
     def tokens(self) -> int:
-        return self.prefill_tokens + self.decode_seqs
+        return self.prefill_tokens + self.decode_seqs * self.decode_tokens_per_seq
 
     @property
     def sequences(self) -> int:
         return len(self.prefill) + self.decode_seqs
+
+    @property
+    def sampled_rows(self) -> int:
+        """Rows the lm_head computes: one per prompt chunk, every verified position of a decoding sequence."""
+        return len(self.prefill) + self.decode_seqs * self.decode_tokens_per_seq
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -313,7 +401,7 @@ def step_time(rep: Replica, batch: StepBatch, constants: StepConstants | None = 
         return StepTime(linear_s=0.0, attention_s=0.0, allreduce_s=0.0, overhead_s=0.0, linear_bound="memory")
     gemm = c.gemm_eff[rep.compute.value]
     # Dense linear layers: every token multiplies every weight; the weights stream from HBM once.
-    dense_flops = rep.dense_flops_per_token * t + rep.lm_head_flops_per_seq * batch.sequences
+    dense_flops = rep.dense_flops_per_token * t + rep.lm_head_flops_per_seq * batch.sampled_rows
     dense_c = dense_flops / (rep.peak_flops * gemm)
     dense_m = rep.dense_weight_bytes / (rep.hbm_bytes_per_s * c.weights_bw_eff)
     linear = max(dense_c, dense_m)
@@ -331,7 +419,7 @@ def step_time(rep: Replica, batch: StepBatch, constants: StepConstants | None = 
         pb = sum((ch.start + ch.tokens) * rep.kv_bytes_per_token for ch in batch.prefill)
         attn += max(pf / (rep.peak_flops_16 * c.attn_eff), pb / (rep.hbm_bytes_per_s * c.kv_bw_eff))
     if batch.decode_seqs:
-        df = per_pos * batch.decode_kv_tokens
+        df = per_pos * batch.decode_kv_tokens * batch.decode_tokens_per_seq
         db = batch.decode_kv_tokens * rep.kv_bytes_per_token
         attn += max(df / (rep.peak_flops_16 * c.attn_eff), db / (rep.hbm_bytes_per_s * c.kv_bw_eff))
     comm = 0.0
@@ -352,6 +440,36 @@ def step_time(rep: Replica, batch: StepBatch, constants: StepConstants | None = 
     return StepTime(
         linear_s=f * linear, attention_s=f * attn, allreduce_s=f * comm, overhead_s=f * over, linear_bound=bound
     )
+
+
+def _forward_s(st: StepTime) -> float:
+    return st.linear_s + st.attention_s + st.allreduce_s
+
+
+def draft_time_s(rep: Replica, batch: StepBatch, constants: StepConstants | None = None) -> float:
+    """The drafter's K sequential passes in one step (vLLM's proposer, v1/spec_decode): the first over every position
+    the step computes (verified tokens and prompt chunks: it needs their hidden states and its own KV), the other
+    K - 1 over one token per decoding sequence. Each is priced by ``step_time`` on the drafter's own weights, FLOPs
+    and KV; the engine's per-step overhead is charged once, by the target's step. An n-gram drafter runs on the CPU
+    between steps: free here."""
+    spec = rep.spec
+    if spec is None or spec.drafter is None or batch.decode_seqs == 0:
+        return 0.0
+    k = spec.num_speculative_tokens
+    first = step_time(spec.drafter, replace(batch, decode_tokens_per_seq=k + 1), constants)
+    rest = step_time(spec.drafter, StepBatch(decode_seqs=batch.decode_seqs, decode_kv_tokens=batch.decode_kv_tokens))
+    return _forward_s(first) + (k - 1) * _forward_s(rest)
+
+
+def engine_step_s(rep: Replica, batch: StepBatch, constants: StepConstants | None = None) -> float:
+    """One engine step: ``step_time`` alone, or with speculation the target verifying K + 1 tokens per decoding
+    sequence in one pass plus the drafter's K passes (``draft_time_s``). A step then moves each decoding sequence
+    ``rep.spec.acceptance_length`` tokens on, so ITL = step / tau (``steady_state``)."""
+    spec = rep.spec
+    if spec is None or batch.decode_seqs == 0:
+        return step_time(rep, batch, constants).step_s
+    verify = step_time(rep, replace(batch, decode_tokens_per_seq=spec.num_speculative_tokens + 1), constants)
+    return verify.step_s + draft_time_s(rep, batch, constants)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -651,7 +769,7 @@ class SteadyState:
     decodes_per_step: float
     prefill_tokens_per_step: float
     prefill_steps: float  # steps one prompt's prefill spans
-    itl_s: float  # mean step time = mean gap between a sequence's tokens
+    itl_s: float  # mean gap between a sequence's tokens: mean step time / tokens_per_step
     decode_step_s: float  # a step with no prefill
     prefill_step_s: float  # a step that carries a prompt chunk
     ttft_service_s: float  # with a free slot: wait for the step in flight, budget queue, own chunks
@@ -670,6 +788,8 @@ class SteadyState:
     budget_wait_s: float = 0.0
     slot_wait_probability: float = 0.0
     slot_wait_fixed: bool = False
+    # Tokens a decoding sequence gains per step: 1, or the acceptance length tau with speculative decoding.
+    tokens_per_step: float = 1.0
 
     @property
     def ttft_s(self) -> float:
@@ -711,12 +831,13 @@ def latency_percentiles(s: SteadyState) -> LatencyQuantiles:
     steps = sorted([(s.decode_step_s, 1 - f), *((t, f * share) for t, share in chunks)])
 
     def itl_q(q: float) -> float:
+        # With speculation a step yields tau tokens on average: the mean gap, as the step's tokens stream out.
         seen = 0.0
         for t, share in steps:
             seen += share
             if seen >= q - 1e-12:
-                return t
-        return steps[-1][0]
+                return t / s.tokens_per_step
+        return steps[-1][0] / s.tokens_per_step
 
     itl = Quantiles(p50_s=itl_q(0.5), p95_s=itl_q(0.95), p99_s=itl_q(0.99))
     if math.isinf(s.queue_wait_s):
@@ -762,23 +883,28 @@ def _erlang_c(servers: int, offered: float) -> float:
 def _service(rep: Replica, wl: Workload, lim: Limits, b: float, c: StepConstants) -> SteadyState:
     isl, osl = wl.input_tokens, max(1, wl.output_tokens)
     n = lim.max_num_batched_tokens
-    dec_steps = osl - 1
+    # With speculation a decoding sequence takes K + 1 tokens of the budget a step and moves tau tokens on, so its
+    # answer spans (OSL - 1) / tau steps.
+    spec = rep.spec
+    tau = spec.acceptance_length if spec else 1.0
+    per_dec = spec.num_speculative_tokens + 1 if spec else 1
+    dec_steps = (osl - 1) / tau
     # Requests finishing per step, X: b / (k + OSL - 1) while the token budget keeps up; at most
     # n / (ISL + OSL - 1) when it does not (the budget then bounds the batch, the rest wait).
     k = 1.0
     x = d = p = 0.0
     for _ in range(30):  # fixed point on k (prefill steps per prompt); converges in a few rounds
-        x = min(b / (k + dec_steps), n / (isl + dec_steps))
+        x = min(b / (k + dec_steps), n / (isl + dec_steps * per_dec))
         d = x * dec_steps
         p = x * isl
-        k_new = max(1.0, isl / max(1.0, n - d))
+        k_new = max(1.0, isl / max(1.0, n - d * per_dec))
         if abs(k_new - k) < 1e-6:
             break
         k = k_new
-    room = max(1.0, n - d)
-    ctx = isl + dec_steps / 2  # mean KV a decoding sequence reads
+    room = max(1.0, n - d * per_dec)
+    ctx = isl + (osl - 1) / 2  # mean KV a decoding sequence reads
     dec_kv = int(d * ctx)
-    pure = step_time(rep, StepBatch(decode_seqs=round(d), decode_kv_tokens=dec_kv), c).step_s
+    pure = engine_step_s(rep, StepBatch(decode_seqs=round(d), decode_kv_tokens=dec_kv), c)
     # A prompt goes in chunks of what the budget leaves (``room``): whole ones and a remainder, each priced as the
     # step it rides (3,000 tokens with 2,048 of room are a 2,048-token step and a 952-token one, not two of 2,048).
     whole = int(isl // room)
@@ -792,7 +918,7 @@ def _service(rep: Replica, wl: Workload, lim: Limits, b: float, c: StepConstants
             decode_seqs=round(d),
             decode_kv_tokens=dec_kv,
         )
-        return step_time(rep, batch, c).step_s
+        return engine_step_s(rep, batch, c)
 
     chunk_steps: list[tuple[float, float]] = []  # (step time, chunks of a prompt that take it)
     if whole:
@@ -804,16 +930,16 @@ def _service(rep: Replica, wl: Workload, lim: Limits, b: float, c: StepConstants
     mixed = own / per_prompt
     # A step carries a chunk with probability f (x prompts start per step, each over per_prompt steps).
     f = min(1.0, x * per_prompt)
-    itl = (1 - f) * pure + f * mixed
-    req_per_s = x / itl if itl > 0 else 0.0
+    step = (1 - f) * pure + f * mixed  # mean step time
+    req_per_s = x / step if step > 0 else 0.0
     # TTFT with a slot free: the rest of the step in flight, the prefill-token queue (M/D/1 on the budget),
     # then the steps that carry this prompt's chunks.
     u = min(0.95, p / room)  # past this the budget bounds the batch and the wait is a slot queue
-    budget_wait = u / (2 * (1 - u)) * (isl / room) * itl
+    budget_wait = u / (2 * (1 - u)) * (isl / room) * step
     # What is left of the step in flight: an arrival lands in a long (mixed) step more often than its share of the
     # steps (the inspection paradox), so the mean residual is E[step^2] / (2 E[step]), not half the mean step.
     second = (1 - f) * pure * pure + f * sum(t * t * n for t, n in chunk_steps) / per_prompt
-    residual = second / (2 * itl) if itl > 0 else 0.0
+    residual = second / (2 * step) if step > 0 else 0.0
     ttft_service = residual + budget_wait + own
     return SteadyState(
         prefill_chunk_steps=tuple((t, n / per_prompt) for t, n in chunk_steps),
@@ -825,13 +951,14 @@ def _service(rep: Replica, wl: Workload, lim: Limits, b: float, c: StepConstants
         decodes_per_step=d,
         prefill_tokens_per_step=p,
         prefill_steps=k,
-        itl_s=itl,
+        itl_s=step / tau,
         decode_step_s=pure,
         prefill_step_s=mixed,
         ttft_service_s=ttft_service,
         queue_wait_s=0.0,
         output_tokens_per_s=req_per_s * osl,
         requests_per_s=req_per_s,
+        tokens_per_step=tau,
     )
 
 

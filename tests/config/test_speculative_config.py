@@ -13,7 +13,9 @@ from kvfleet.engines import adapter
 from kvfleet.errors import KvfleetError
 from tests.envs import SAGEMAKER_ENV, environment
 
-NGRAM = SAGEMAKER_ENV + "    speculative:\n      method: ngram\n      num_speculative_tokens: 3\n"
+NGRAM = SAGEMAKER_ENV + (
+    "    speculative:\n      method: ngram\n      num_speculative_tokens: 3\n      acceptance_length: 1.4\n"
+)
 
 
 def test_ngram_reaches_the_engine_flags() -> None:
@@ -32,7 +34,7 @@ def test_a_draft_model_costs_cache() -> None:
     [plain] = resolve_environment(environment())
     text = SAGEMAKER_ENV + (
         "    speculative:\n      method: draft_model\n      draft_model: meta-llama/Llama-3.2-1B-Instruct\n"
-        "      num_speculative_tokens: 4\n"
+        "      num_speculative_tokens: 4\n      acceptance_length: 2.2\n"
     )
     [r] = resolve_environment(environment(text))
     assert r.candidate.capacity.kv_cache_tokens < plain.candidate.capacity.kv_cache_tokens
@@ -70,3 +72,52 @@ def test_a_drafter_named_by_a_local_config_cannot_be_deployed() -> None:
     with pytest.raises(KvfleetError, match="names no Hugging Face id") as err:
         resolve_environment(environment(text))
     assert "speculative.draft_model" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("section", "message", "key"),
+    [
+        # No published acceptance length for these: the user gives theirs (the error points at the section).
+        ("      method: ngram\n      num_speculative_tokens: 3\n", "ngram has no published", "speculative:"),
+        (
+            "      method: draft_model\n      draft_model: meta-llama/Llama-3.2-1B-Instruct\n"
+            "      num_speculative_tokens: 4\n",
+            "draft_model has no published",
+            "speculative:",
+        ),
+        # A step keeps at most K drafts and the bonus token, and at least the bonus token.
+        ("      method: ngram\n      num_speculative_tokens: 3\n      acceptance_length: 4.5\n", "exceeds", "accept"),
+        (
+            "      method: ngram\n      num_speculative_tokens: 3\n      acceptance_length: 0.5\n",
+            "at least 1",
+            "accept",
+        ),
+    ],
+)
+def test_acceptance_length_is_checked_at_the_file(section: str, message: str, key: str) -> None:
+    text = SAGEMAKER_ENV + "    speculative:\n" + section
+    line = next(i for i, t in enumerate(text.splitlines(), start=1) if t.strip().startswith(key))
+    with pytest.raises(KvfleetError, match=message) as err:
+        environment(text)
+    assert str(err.value).startswith(f"test.yaml:{line}: deployments[0].speculative.acceptance_length: ")
+
+
+def test_eagle3_without_acceptance_length_is_credited_with_the_published_one() -> None:
+    head = Path(__file__).resolve().parents[1] / "fixtures" / "hf_configs" / "eagle3-llama3.1-8b"
+    base = SAGEMAKER_ENV.replace("meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-8B-Instruct")
+    text = base + f"    speculative:\n      method: eagle3\n      draft_model: {head}\n"
+    text += "      num_speculative_tokens: 3\n"
+    [r] = resolve_environment(environment(text))
+    notes = " ".join(r.candidate.notes)
+    assert "speed assumes 2.79 tokens accepted per step (published" in notes
+    assert "vllm-project/vllm/issues/20780" in notes
+
+
+def test_eagle3_with_a_k_nobody_published_asks_for_the_acceptance_length() -> None:
+    head = Path(__file__).resolve().parents[1] / "fixtures" / "hf_configs" / "eagle3-llama3.1-8b"
+    base = SAGEMAKER_ENV.replace("meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-8B-Instruct")
+    text = base + f"    speculative:\n      method: eagle3\n      draft_model: {head}\n"
+    text += "      num_speculative_tokens: 9\n"
+    with pytest.raises(KvfleetError, match="no published acceptance length for eagle3 with 9") as err:
+        resolve_environment(environment(text))
+    assert "speculative.acceptance_length" in str(err.value)
