@@ -163,7 +163,7 @@ def _speculative_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         metavar="TAU",
         help="mean tokens accepted per step, bonus token included (1 to K+1): what the speed model credits "
-        "(default: a published measurement for eagle/eagle3 K 2-7 and mtp with one layer; others need it)",
+        "(default: a published measurement for eagle/eagle3 K 2-7 and mtp with one layer; else 1, no gain)",
     )
 
 

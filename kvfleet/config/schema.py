@@ -629,7 +629,8 @@ class SpeculativeConfig(Frozen):
         description=(
             "Mean tokens accepted per verification step, the bonus token included (1 to num_speculative_tokens + 1): "
             "what the speed model credits. Default: a published measurement for eagle, eagle3 (K 2 to 7) and mtp "
-            "(one MTP layer), listed in kvfleet/sizing/data/speculative_acceptance.json; draft_model and ngram need it."
+            "(one MTP layer), listed in kvfleet/sizing/data/speculative_acceptance.json; elsewhere (draft_model, "
+            "ngram, other K) none is credited (1) until it is given."
         ),
     )
 
@@ -647,11 +648,6 @@ class SpeculativeConfig(Frozen):
             raise ValueError(
                 f"acceptance_length: {self.acceptance_length:g} exceeds num_speculative_tokens + 1 ({k + 1}); a step "
                 "keeps at most the drafts and one bonus token"
-            )
-        if self.method in ("draft_model", "ngram") and self.acceptance_length is None:
-            raise ValueError(
-                f"acceptance_length: {self.method} has no published default (it depends on the draft and the "
-                "workload); give the mean tokens accepted per step that vLLM's spec-decode metrics report"
             )
         return self
 

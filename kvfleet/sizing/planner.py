@@ -857,11 +857,10 @@ def _speculative_notes(o: _Option, cap: Capacity, batch: int, load: SteadyState)
     plain = o.under_load(cap, batch, replace(rep, spec=None))
     alone = o.under_load(cap, 1, rep)
     plain_alone = o.under_load(cap, 1, replace(rep, spec=None))
-    where = "given" if spec.acceptance_source == "given" else f"published: {spec.acceptance_source}"
     return (
         f"speculative {spec.method}, {spec.num_speculative_tokens} drafts a step: speed assumes "
-        f"{spec.acceptance_length:g} tokens accepted per step ({where}); set speculative.acceptance_length to what "
-        "your workload measures",
+        f"{spec.acceptance_length:g} tokens accepted per step ({spec.acceptance_source}); set "
+        "speculative.acceptance_length to what your workload measures",
         f"speculation at {batch} sequences: ITL {load.itl_s * 1e3:.1f} ms vs {plain.itl_s * 1e3:.1f} ms without, "
         f"{load.output_tokens_per_s:,.0f} vs {plain.output_tokens_per_s:,.0f} output tokens/s per replica "
         f"(x{load.output_tokens_per_s / plain.output_tokens_per_s:.2f}); one request alone: ITL "

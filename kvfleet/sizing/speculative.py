@@ -357,12 +357,12 @@ def acceptance_data() -> dict[str, Any]:
 @dataclass(frozen=True, kw_only=True)
 class Acceptance:
     tokens_per_step: float  # tau
-    source: str  # "given" or the publication it was read from, with what it was measured on
+    source: str  # "given", "published: " and what it was measured on, or why none is credited
 
 
 def acceptance(spec: Speculative, num_speculative_tokens: int) -> Acceptance:
-    """The acceptance length the speed model credits: the user's, else the published one for this method and K.
-    SizingError (field speculative.acceptance_length) where neither exists or the value is out of range."""
+    """The acceptance length the speed model credits: the user's, else the published one for this method and K, else 1
+    (no gain) with a note that says so. SizingError (field speculative.acceptance_length) for a value out of range."""
     k = num_speculative_tokens
     field = _FIELD + ".acceptance_length"
     tau = spec.acceptance_length
@@ -373,11 +373,13 @@ def acceptance(spec: Speculative, num_speculative_tokens: int) -> Acceptance:
     entry = acceptance_data()["defaults"].get(spec.method.value)
     table = entry["by_num_speculative_tokens"] if entry else {}
     if str(k) not in table:
+        # Conservative, not an error: the memory plan stands, and the speed counts the drafter's cost and no gain.
         known = f" (published for K = {', '.join(table)})" if table else ""
-        raise SizingError(
-            f"no published acceptance length for {spec.method.value} with {k} speculative tokens{known}; give the "
-            "mean tokens accepted per step on your workload (vLLM's spec-decode metrics report it as the mean "
-            "acceptance length)",
-            field=field,
+        return Acceptance(
+            tokens_per_step=1.0,
+            source=f"no published acceptance length for {spec.method.value} with {k} speculative tokens{known}, so "
+            f"none is credited; give {field} (the mean acceptance length vLLM's spec-decode metrics report)",
         )
-    return Acceptance(tokens_per_step=float(table[str(k)]), source=f"{entry['measured_on']}; {entry['source']}")
+    return Acceptance(
+        tokens_per_step=float(table[str(k)]), source=f"published: {entry['measured_on']}; {entry['source']}"
+    )
