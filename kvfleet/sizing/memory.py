@@ -28,8 +28,9 @@ from kvfleet.sizing.models import AttentionKind, ModelSpec, StateKind
 from kvfleet.sizing.precision import KvDtype, Part, WeightScheme
 from kvfleet.sizing.units import cdiv
 
-# vLLM pads the vocabulary so every TP rank holds the same multiple of 64 rows
-# (vllm/model_executor/layers/vocab_parallel_embedding.py, DEFAULT_VOCAB_PADDING_SIZE = 64).
+# vLLM pads the whole vocabulary to a multiple of 64 rows and gives each TP rank an equal share of that
+# (vllm/model_executor/layers/vocab_parallel_embedding.py at 0.32.0: pad_vocab_size, DEFAULT_VOCAB_PADDING_SIZE = 64,
+# then divide(num_embeddings_padded, tp_size)).
 VOCAB_PADDING = 64
 
 
@@ -240,7 +241,7 @@ def weight_bytes(
             continue
         per_param = scheme.bytes_per_param(g.part, unquantized_bytes=unq)
         if g.part in (Part.EMBEDDING, Part.LM_HEAD):
-            rows = cdiv(cdiv(model.vocab_size, tp), VOCAB_PADDING) * VOCAB_PADDING
+            rows = cdiv(cdiv(model.vocab_size, VOCAB_PADDING) * VOCAB_PADDING, tp)
             count = rows * model.hidden_size
         elif g.part is Part.ATTENTION and model.mla is None:
             # K/V projections are replicated when there are fewer KV heads than ranks.

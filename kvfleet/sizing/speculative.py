@@ -183,8 +183,8 @@ def _without(model: ModelSpec, *, tp: int, scheme: WeightScheme, parts: frozense
 
 
 def _lm_head_bytes(rows: int, hidden: int, tp: int) -> int:
-    # ParallelLMHead pads each rank's rows to a multiple of 64 (vocab_parallel_embedding.py).
-    return cdiv(cdiv(rows, tp), VOCAB_PADDING) * VOCAB_PADDING * hidden * _UNQUANTIZED_BYTES
+    # ParallelLMHead pads the rows to a multiple of 64 and gives each rank an equal share (vocab_parallel_embedding.py).
+    return cdiv(cdiv(rows, VOCAB_PADDING) * VOCAB_PADDING, tp) * hidden * _UNQUANTIZED_BYTES
 
 
 def _eagle(target: ModelSpec, head: ModelSpec, method: SpecMethod, tp: int) -> tuple[int, tuple[str, ...], list[str]]:

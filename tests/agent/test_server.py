@@ -428,6 +428,31 @@ def test_streams_and_plain_answers_under_uvloop_the_loop_the_image_runs() -> Non
     uvloop.run(asyncio.wait_for(go(), 60))
 
 
+def test_request_log_lines_leave_together_and_within_the_flush_interval() -> None:
+    from kvfleet.agent.server import REQUEST_LOG_FLUSH_S
+
+    async def go() -> tuple[int, int, int]:
+        async with running(settings(engine_command=fake_engine_command(token_delay=0.0, capacity=32))) as r:
+            writes: list[str] = []
+            real = r.stdout.write
+
+            def counted(text: str) -> int:
+                writes.append(text)
+                return real(text)
+
+            r.stdout.write = counted  # type: ignore[method-assign]
+            body = {"prompt": "a b", "max_tokens": 2}
+            answers = await asyncio.gather(*(r.http.post(r.url + "/v1/completions", json=body) for _ in range(20)))
+            assert all(a.status == 200 for a in answers)
+            await asyncio.sleep(REQUEST_LOG_FLUSH_S + 0.25)  # no flush asked for: the timer writes them
+            logged = sum(t.count('"status"') for t in writes)
+            return logged, len([t for t in writes if '"status"' in t]), len(r.request_log())
+
+    logged, writes, lines = run(go)
+    assert logged == lines == 20
+    assert writes < 20  # one write for many requests, not a write each
+
+
 def test_request_log_has_one_line_per_generation_that_kvfleet_workload_reads(tmp_path: Path) -> None:
     from kvfleet.workload.profile import profile
     from kvfleet.workload.traces import read_trace
