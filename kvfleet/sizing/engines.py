@@ -515,8 +515,8 @@ def encoder_profile(
     per_prompt = max(1, min(limits.get(modality, MM_DEFAULT_LIMIT), max_model_len // t))
     items = max(1, min(budget // t, max_num_seqs * per_prompt))
     # --mm-encoder-tp-mode data replicates the tower on every rank, for the towers that declare it
-    # (supports_encoder_tp_data in qwen2_vl.py, qwen2_5_vl.py, qwen3_vl.py, mllama4.py); vllm/config/model.py falls
-    # back to weights for the others.
+    # (supports_encoder_tp_data in qwen2_vl.py, qwen2_5_vl.py, qwen3_vl.py, mllama4.py; qwen3_vl_moe.py inherits it
+    # with Qwen3-VL's tower, kind qwen3_vl); vllm/config/model.py falls back to weights for the others.
     data_parallel = encoder_tp_mode == "data" and v.kind in MM_ENCODER_TP_DATA_KINDS and tp > 1
     shards = 1 if data_parallel else tp
     rank_items = -(-items // tp) if data_parallel else items

@@ -311,8 +311,14 @@ SUPPORTED_MODEL_TYPES = frozenset(
         "llava",
         "llava_next",
         "qwen3_vl",
+        "qwen3_vl_moe",
     }
 )
+
+# Qwen3-VL-MoE (vLLM qwen3_vl_moe.py) is Qwen3-VL's vision tower in front of a Qwen3-MoE language model: its text
+# layers are Qwen3MoeDecoderLayer (gate, routed experts of moe_intermediate_size, no shared expert, q/k norms).
+QWEN3_MOE_TYPES = frozenset({"qwen3_moe", "qwen3_vl_moe"})
+QWEN3_VL_TYPES = frozenset({"qwen3_vl", "qwen3_vl_moe"})
 
 # Gated-delta-net hybrids: Qwen3-Next and the Qwen3.5 family built on its layers (vLLM qwen3_next.py,
 # qwen3_5.py: the same GatedDeltaNetAttention, gated attention output, q/k norms, shared-expert MoE).
@@ -462,7 +468,9 @@ def _layer_kinds(model_type: str, t: Mapping[str, Any], n_layers: int, where: st
             LayerSpec(attention=AttentionKind.CHUNKED, window_tokens=chunk) if nope[i] else full[i]
             for i in range(n_layers)
         ]
-    if model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
+    if model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen2_vl", "qwen2_5_vl") or model_type in (
+        QWEN3_MOE_TYPES | QWEN3_VL_TYPES
+    ):
         if t.get("use_sliding_window") and window:
             first_full = int(t.get("max_window_layers") or n_layers)
             return [
@@ -663,7 +671,7 @@ def _moe_layers(model_type: str, t: Mapping[str, Any], n_layers: int) -> list[bo
         first_dense = int(t.get("first_k_dense_replace") or 0)
         freq = int(t.get("moe_layer_freq") or 1)
         return [i >= first_dense and i % freq == 0 for i in range(n_layers)]
-    if model_type in ("qwen2_moe", "qwen3_moe") or model_type in GDN_MODEL_TYPES:
+    if model_type == "qwen2_moe" or model_type in QWEN3_MOE_TYPES or model_type in GDN_MODEL_TYPES:
         step = int(t.get("decoder_sparse_step") or 1)
         dense = set(t.get("mlp_only_layers") or [])
         return [i not in dense and (i + 1) % step == 0 for i in range(n_layers)]
@@ -827,7 +835,7 @@ def _vision(cfg: Mapping[str, Any], *, text_hidden: int) -> VisionSpec | None:
             gated=True,
             norm_bias=False,
         )
-    if outer == "qwen3_vl":
+    if outer in QWEN3_VL_TYPES:
         return _qwen3_vl_vision(v, text_hidden)
     if outer == "qwen2_vl":
         # LayerNorm blocks (weight and bias), fc1/fc2 MLP of embed_dim x mlp_ratio; the merger maps to hidden_size.
@@ -958,6 +966,15 @@ def _rough_vision(v: Mapping[str, Any], text_hidden: int) -> VisionSpec | None:
     )
 
 
+# transformers >= 4.52 writes Qwen-VL's language model as a text_config of its own type; it is parsed as its outer type.
+_VL_TEXT_TYPES = {
+    "qwen2_5_vl_text": "qwen2_5_vl",
+    "qwen2_vl_text": "qwen2_vl",
+    "qwen3_vl_text": "qwen3_vl",
+    "qwen3_vl_moe_text": "qwen3_vl_moe",
+}
+
+
 def parse_hf_config(
     cfg: Mapping[str, Any],
     *,
@@ -971,10 +988,7 @@ def parse_hf_config(
         raise ModelConfigError("config.json must hold a JSON object")
     t, where = _text_config(cfg)
     model_type = str(t.get("model_type") or cfg.get("model_type") or "")
-    # transformers >= 4.52 writes Qwen-VL's language model as a text_config of its own type.
-    model_type = {"qwen2_5_vl_text": "qwen2_5_vl", "qwen2_vl_text": "qwen2_vl", "qwen3_vl_text": "qwen3_vl"}.get(
-        model_type, model_type
-    )
+    model_type = _VL_TEXT_TYPES.get(model_type, model_type)
     if not model_type:
         raise ModelConfigError("missing required field 'model_type'", field="model_type")
     outer_type = str(cfg.get("model_type") or "")
@@ -1255,8 +1269,8 @@ def _attention_params(m: ModelSpec) -> int:
     total = q + kv + o
     if m.attention_bias:
         total += (m.num_attention_heads + 2 * m.num_kv_heads) * m.head_dim
-    qk_norm = ("qwen3", "qwen3_moe", "qwen3_vl", "gemma3", "gemma3_text", "olmo2")
-    if m.model_type in qk_norm or m.model_type in GDN_MODEL_TYPES:
+    qk_norm = ("qwen3", "gemma3", "gemma3_text", "olmo2")
+    if m.model_type in qk_norm or m.model_type in QWEN3_MOE_TYPES | QWEN3_VL_TYPES | GDN_MODEL_TYPES:
         total += 2 * m.head_dim  # q_norm / k_norm
     if m.model_type == "gpt_oss":
         total += m.num_attention_heads + h  # attention sinks, o_proj bias
