@@ -19,6 +19,9 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
+# This checkout's kvfleet (and its data file), not another one installed in the environment.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 from kvfleet.sizing import step
 
 DATA = Path(step.__file__).parent / "data" / "step_calibration.json"

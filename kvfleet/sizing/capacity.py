@@ -554,8 +554,7 @@ def _kv_budget(
             kv_bytes = cdiv(tokens, k.block) * k.block * kv_bytes_per_token
         runs = trtllm_profiling_requests(max_num_tokens=k.batched, max_seq_len=k.max_len)
         notes.append(
-            f"profiled with {runs} dummy context request(s) filling max_num_tokens {k.batched}; the activation term "
-            f"keeps {k.max_seqs} sampler rows (max_batch_size) as an allowance for what warm-up holds per batch slot"
+            f"profiled with {runs} dummy context request(s) filling max_num_tokens {k.batched}, one sampled row each"
         )
     return _Budget(requested=requested, kv_bytes=kv_bytes, problems=tuple(problems), notes=tuple(notes))
 
@@ -698,6 +697,16 @@ def capacity(
     )
 
 
+def _sampler_rows(profile: EngineProfile, k: _Knobs) -> int:
+    """Rows of logits the profiling run samples. vLLM's dummy sampler run takes max_num_seqs rows. TensorRT-LLM 1.0
+    samples its dummy context requests (_util.py KvCacheCreator._create_dummy_context_requests, max_tokens=1), and
+    the model returns one logit row per context request, its last token's (model_engine.py _prepare_tp_inputs:
+    gather_ids), so its sampler sees one row per request, not max_batch_size."""
+    if profile.engine is EngineName.TRTLLM:
+        return trtllm_profiling_requests(max_num_tokens=k.batched, max_seq_len=k.max_len)
+    return k.max_seqs
+
+
 def _stage_capacity(
     model: ModelSpec,
     full: ModelSpec,
@@ -742,7 +751,7 @@ def _stage_capacity(
         model,
         tp=tp,
         max_num_batched_tokens=k.batched,
-        max_num_seqs=k.max_seqs,
+        max_num_seqs=_sampler_rows(profile, k),
         sort_sampler=profile.sort_sampler,
         constants=constants,
     )

@@ -13,8 +13,9 @@ TensorRT-LLM (PyTorch backend, KvCacheConfig)::
                       capped by max_tokens when it is set, then rounded up to whole tokens_per_block blocks
 
 Peak activations come from a forward pass over ``max_num_batched_tokens`` tokens followed by a
-sampler pass over ``max_num_seqs`` rows of logits. The estimate, per GPU, in activation-dtype bytes
-``a`` (2 for bf16/fp16)::
+sampler pass over rows of logits: ``max_num_seqs`` rows in vLLM's dummy sampler run, one row per dummy
+context request in TensorRT-LLM's profiling run (``trtllm_profiling_requests``). The estimate, per GPU,
+in activation-dtype bytes ``a`` (2 for bf16/fp16)::
 
     forward  = N x [ R x h  +  max( 3 x I/tp  (gate_up + act, MLP or shared expert),
                                     k x (max(2 I_e/tp, h) + I_e/tp)  (fused-MoE caches),
@@ -22,7 +23,7 @@ sampler pass over ``max_num_seqs`` rows of logits. The estimate, per GPU, in act
     sampler  = S x V x b               logits and the dummy sampler's top-k/top-p buffers
     peak     = max(forward, sampler) + workspace
 
-with N = max_num_batched_tokens, S = min(max_num_seqs, N), h hidden, I intermediate, I_e expert
+with N = max_num_batched_tokens, S = min(sampled rows, N), h hidden, I intermediate, I_e expert
 intermediate, k experts per token, V vocab (logits are gathered to the full vocabulary on every
 rank), R the residual-stream copies alive at once, b the bytes the dummy sampler run holds per logit.
 b depends on the release (``EngineProfile.sort_sampler``): up to about 0.15 the top-k/top-p mask sorts
@@ -170,13 +171,12 @@ VLLM_PROFILES: tuple[EngineProfile, ...] = (
 #     tokens in paged KV cache (N)" prints N = blocks x tokens_per_block.
 #   The profiling run: _create_dummy_context_requests(net_max_seq_len - 1) fills max_num_tokens with context requests
 #     of min(max_num_tokens, max_seq_len - 1) tokens each, max_tokens=1: one forward over max_num_tokens tokens and
-#     one sampled row per request (trtllm_profiling_requests). The activation term still charges max_batch_size
-#     sampler rows (6.6 GiB for Llama-3.1-8B at 2,048 rows): warm-up before the run captures CUDA graphs and sampler
-#     buffers sized by the batch, which count as used too, and no public log yet splits them. The one log that bounds
-#     them says the allowance is too large: NVIDIA/TensorRT-LLM#6294 used at most 13.58 GiB at max_batch_size 4,096
-#     where this term alone charges 13.3 GiB (a strict xfail in tests/sizing/test_trtllm_logs.py). Charging the run's
-#     own rows gives ~10% more cache at the serve defaults and moves the step model's TensorRT-LLM FIT cases
-#     (tests/sizing/test_step.py, fitted on today's cache) past their bound, so it waits on that recalibration.
+#     one sampled row per request (trtllm_profiling_requests), since the model returns the logits of each context
+#     request's last token only (model_engine.py _prepare_tp_inputs: gather_ids). configure_kv_cache_capacity resets
+#     the peak statistics after warm-up, so the torch peak is the run's; what warm-up keeps (CUDA graphs, NCCL) is
+#     the "used outside torch" part, cuda_graph_bytes + non_torch_bytes + trtllm_context_bytes here. The activation
+#     term charges those rows, not max_batch_size: NVIDIA/TensorRT-LLM#6294 (max_batch_size 4,096, 151 dummy
+#     requests) used at most 13.58 GiB and is predicted at 12.07 GiB; 4,096 rows alone would have charged 13.3 GiB.
 #   Defaults: free_gpu_memory_fraction None -> 0.9 (_get_free_gpu_memory_fraction; llm_args "Default is 90%"; the
 #     serve command's --kv_cache_free_gpu_memory_fraction defaults to 0.9); --max_batch_size / --max_num_tokens default
 #     to BuildConfig.max_batch_size 2048 / max_num_tokens 8192 (commands/serve.py, builder.py BuildConfig);

@@ -1027,7 +1027,10 @@ class Case:
     output_tokens: int
     concurrency: float | None  # None: offline, every request queued at once (max throughput)
     max_num_tokens: int
-    max_running: int | None  # None: from the KV cache (capacity()) and max_batch_size
+    max_running: int | None  # None: from the KV cache and max_batch_size
+    # The cache the case's engine had, where its source states it (a published table's saturated batch); None: what
+    # capacity() predicts for these settings. A stated cache keeps the case independent of the memory model.
+    kv_cache_tokens: int | None
     max_batch_size: int
     gpu_memory_fraction: float
     measured: Mapping[str, float]  # ttft_ms, itl_ms, output_tokens_per_s (any subset)
@@ -1053,6 +1056,7 @@ def cases() -> tuple[Case, ...]:
                 concurrency=raw.get("concurrency"),
                 max_num_tokens=int(raw["max_num_tokens"]),
                 max_running=raw.get("max_running"),
+                kv_cache_tokens=raw.get("kv_cache_tokens"),
                 max_batch_size=int(raw.get("max_batch_size", 2048)),
                 gpu_memory_fraction=float(raw.get("gpu_memory_fraction", 0.9)),
                 measured={k: float(v) for k, v in raw["measured"].items()},
@@ -1065,14 +1069,23 @@ _RUNNING_LIMITS: dict[str, int] = {}
 
 
 def case_running_limit(case: Case) -> int:
-    """Sequences the case's engine runs at once: its stated limit, else the KV cache's.
+    """Sequences the case's engine runs at once: its stated limit, else what its KV cache holds.
 
     TRT-LLM's default GUARANTEED_NO_EVICT reserves prompt + output per request, so the cache holds
-    ``kv_cache_tokens // (ISL + OSL)`` requests, capped by max_batch_size."""
+    ``kv_cache_tokens // (ISL + OSL)`` requests, capped by max_batch_size. The cache is the case's stated one
+    (``Case.kv_cache_tokens``), else the one capacity() predicts."""
     if case.max_running is not None:
         return int(case.max_running)
     if case.cid in _RUNNING_LIMITS:
         return _RUNNING_LIMITS[case.cid]
+    per_request = case.input_tokens + case.output_tokens
+    tokens = case.kv_cache_tokens if case.kv_cache_tokens is not None else _predicted_kv_cache_tokens(case)
+    limit = max(1, min(case.max_batch_size, tokens // per_request))
+    _RUNNING_LIMITS[case.cid] = limit
+    return limit
+
+
+def _predicted_kv_cache_tokens(case: Case) -> int:
     model = catalog_model(case.model)
     acc = accelerator(case.accelerator)
     quant = None if case.weights == model.native_scheme.name else case.weights
@@ -1086,11 +1099,7 @@ def case_running_limit(case: Case) -> int:
     )
     if acc.usable_memory_bytes is None:
         raise SizingError(f"the catalog has no memory size for {acc.model}", field="gpu")
-    cap = capacity(model, gpu_memory_bytes=acc.usable_memory_bytes, settings=settings)
-    per_request = case.input_tokens + case.output_tokens
-    limit = max(1, min(case.max_batch_size, cap.kv_cache_tokens // per_request))
-    _RUNNING_LIMITS[case.cid] = limit
-    return limit
+    return capacity(model, gpu_memory_bytes=acc.usable_memory_bytes, settings=settings).kv_cache_tokens
 
 
 def predict_case(case: Case, constants: StepConstants | None = None) -> SteadyState:

@@ -2,10 +2,10 @@
 and relaunch after it.
 
 The workload is synthetic on purpose (the Azure traces never lull for 15 minutes): four 15-minute bursts of
-Poisson arrivals at 4 requests/s (planned for a peak of 6), each followed by a 1,000 s lull at 0.2 requests/s,
+Poisson arrivals at 3.5 requests/s (planned for a peak of 6), each followed by a 1,000 s lull at 0.2 requests/s,
 on Llama-3.1-8B on g6e (6.5 min from launch to serving), one replica pinned, TTFT 2 s for 80% of requests.
 At the 15-minute floor the fleet scales in 100 s before each burst and relaunches into it (cold start paid,
-queue built: $10.23 over the replay); a 22-minute wait holds the replicas through the lull ($8.78).
+queue built: $10.23 over the replay); a 22-minute wait holds the replicas through the lull ($8.83).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ PINNED = {"min_replicas": 1.0}
 
 @pytest.fixture(scope="module")
 def lulls() -> Trace:
-    phases = ((900.0, 4.0), (1000.0, 0.2)) * 4
+    phases = ((900.0, 3.5), (1000.0, 0.2)) * 4
     return poisson_trace(phases, input_tokens=600, output_tokens=200, source="bursts and lulls", seed=2)
 
 

@@ -86,6 +86,17 @@ def test_check_errors() -> None:
     assert worst < 1.0
 
 
+def test_nim_cases_carry_the_cache_their_table_implies() -> None:
+    # The NIM tables' engine backend is not kvfleet's PyTorch-backend memory model: each case states its cache, and
+    # at saturation the running batch it gives is what the table shows (output tokens/s x ITL).
+    nim = [c for c in step.cases() if c.cid.startswith("nim-")]
+    assert nim and all(c.kv_cache_tokens is not None for c in nim)
+    saturated = [c for c in nim if c.input_tokens == 5000 and (c.concurrency or 0) >= 150]
+    for c in saturated:
+        running = c.measured["output_tokens_per_s"] * c.measured["itl_ms"] / 1e3
+        assert abs(step.case_running_limit(c) - running) < 1, c.cid
+
+
 def test_queueing_ttft_is_not_optimistic_at_saturation() -> None:
     # NIM 70B at concurrency 150 measured 34.8 s TTFT: requests wait for a slot, not for prefill.
     case = next(c for c in step.cases() if c.cid.endswith("5000-500-c150") and "1.8.0" in c.cid)

@@ -11,7 +11,13 @@ from typing import Any
 import pytest
 
 from kvfleet.sizing.capacity import capacity
-from kvfleet.sizing.engines import ACTIVATIONS, TRTLLM_PROFILES, EngineName, trtllm_profiling_requests
+from kvfleet.sizing.engines import (
+    ACTIVATIONS,
+    TRTLLM_PROFILES,
+    EngineName,
+    activation_peak_bytes,
+    trtllm_profiling_requests,
+)
 from kvfleet.sizing.units import GiB
 from tests.sizing.test_engine_log_calibration import TOOL as tool  # the fit script, loaded once
 
@@ -39,16 +45,26 @@ def test_capped_cache_is_rounded_up_to_whole_blocks() -> None:
     assert abs(cap.kv_cache_bytes_per_gpu / GiB - rec["logged"]["allocated_kv_cache_gib"]) < 0.006
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the activation term charges max_batch_size (4,096) sampler rows, 13.3 GiB here; TensorRT-LLM's profiling "
-    "run samples one row per dummy request (151), and the engine's cap binding shows at most 13.58 GiB was used",
-)
 def test_cap_binds_on_the_logged_gpu() -> None:
     # NVIDIA/TensorRT-LLM#6294 on its own H100 (79.22 GiB) at fraction 0.8: the estimate reached the 860308-token cap,
-    # so (79.22 GiB - used) x 0.8 >= 52.51 GiB, i.e. weights + activations + runtime <= 13.58 GiB.
-    errs = tool.errors(_rec("trtllm-6294-llama31-8b-fp8-h100-bench"), ACTIVATIONS)
+    # so (79.22 GiB - used) x 0.8 >= 52.51 GiB, i.e. weights + activations + runtime <= 13.58 GiB. The profiling run
+    # samples one row per dummy request (151 here, not max_batch_size 4,096), so its peak is the forward pass's.
+    rec = _rec("trtllm-6294-llama31-8b-fp8-h100-bench")
+    errs = tool.errors(rec, ACTIVATIONS)
     assert errs["kv_cache_tokens"] == 0
+
+
+def test_profiling_run_samples_one_row_per_dummy_request() -> None:
+    rec = _rec("trtllm-6294-llama31-8b-fp8-h100-bench")
+    model = tool.model_of(rec)
+    cap = capacity(model, gpu_memory_bytes=141 * GiB, settings=tool.settings_of(rec))
+    rows = trtllm_profiling_requests(max_num_tokens=23552, max_seq_len=157)
+    assert cap.activation_peak_bytes == activation_peak_bytes(
+        model, tp=1, max_num_batched_tokens=23552, max_num_seqs=rows
+    )
+    assert cap.activation_peak_bytes < activation_peak_bytes(
+        model, tp=1, max_num_batched_tokens=23552, max_num_seqs=4096
+    )
 
 
 def test_weights_of_the_fit_record() -> None:
