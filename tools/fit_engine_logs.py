@@ -46,6 +46,7 @@ from kvfleet.sizing.engines import (
 from kvfleet.sizing.memory import kv_layout, weight_bytes
 from kvfleet.sizing.models import ModelSpec, parse_hf_config
 from kvfleet.sizing.precision import KvDtype
+from kvfleet.sizing.quantization import as_loaded
 from kvfleet.sizing.units import GiB
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "sizing" / "data" / "engine_logs.json"
@@ -203,7 +204,8 @@ def predicted_terms(rec: dict[str, Any], c: ActivationModel) -> dict[str, float]
     out: dict[str, float] = {}
     if "weights_gib" in logged and pp == 1:
         ep = rec["settings"].get("enable_expert_parallel", False)
-        out["weights_gib"] = weight_bytes(m, tp=tp, scheme=m.native_scheme, ep=ep).weights_bytes_per_gpu / GiB
+        scheme = as_loaded(m.native_scheme, engine=EngineName(rec["engine"]), version=rec["release"])
+        out["weights_gib"] = weight_bytes(m, tp=tp, scheme=scheme, ep=ep).weights_bytes_per_gpu / GiB
     if "non_torch_gib" in logged:
         out["non_torch_gib"] = non_torch_bytes(tp=tp, constants=c) / GiB
     if "cuda_graph_estimate_gib" in logged:

@@ -31,7 +31,7 @@ from kvfleet.sizing.memory import KvLayout, WeightBreakdown, kv_layout, weight_b
 from kvfleet.sizing.models import AttentionKind, ContextLimit, ModelSpec, config_overrides, context_limit
 from kvfleet.sizing.parallel import Layout, check_layout, pp_partition
 from kvfleet.sizing.precision import KvDtype, Part, WeightScheme, weight_scheme
-from kvfleet.sizing.quantization import checkpoint_note, checkpoint_refusal, scheme_refusal
+from kvfleet.sizing.quantization import as_loaded, checkpoint_note, checkpoint_refusal, scheme_refusal
 from kvfleet.sizing.speculative import Drafter, Speculative, resolve_drafter
 from kvfleet.sizing.units import GiB, cdiv
 
@@ -277,7 +277,8 @@ def resolve_scheme(
 ) -> WeightScheme:
     """The weights' scheme, refused where the engine release would not load it (``data/engine_quantization.json``):
     a checkpoint whose quant_method the release does not load (field ``model``), or a scheme it does not apply to
-    an unquantized checkpoint (field ``quantization``)."""
+    an unquantized checkpoint (field ``quantization``). The scheme returned is the one the release holds in memory
+    (``quantization.as_loaded``: vLLM's bitsandbytes absmax in fp32 from 0.9.2)."""
     native = model.native_scheme
     q = model.quantization
     if q is not None:
@@ -285,7 +286,7 @@ def resolve_scheme(
         if reason:
             raise SizingError(reason, field="model")
     if quantization is None:
-        return native
+        return as_loaded(native, engine=engine, version=version)
     scheme = weight_scheme(quantization)
     if q is not None and scheme.name != native.name:
         raise SizingError(
@@ -296,7 +297,7 @@ def resolve_scheme(
         reason = scheme_refusal(scheme, engine=engine, version=version)
         if reason:
             raise SizingError(reason, field="quantization")
-    return scheme
+    return as_loaded(scheme, engine=engine, version=version)
 
 
 def _memory_hint(model: ModelSpec, tp: int, scheme: WeightScheme, requested: int, runtime: int) -> str:

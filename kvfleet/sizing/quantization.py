@@ -15,7 +15,7 @@ A refusal is one line naming the release and the nearest scheme the release does
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -198,3 +198,26 @@ def _nearest_checkpoint(release: QuantizationRelease, scheme: WeightScheme, refu
         if method is not None and method != refused and release.loads(method):
             return f"{name} (quant_method {method})"
     return "bf16 (the unquantized checkpoint)"
+
+
+# vLLM's bitsandbytes loader turns every double-quantized absmax back into float32 at load, "at the cost of increased
+# memory usage": vllm/model_executor/model_loader/bitsandbytes_loader.py dequantize_dq, called from load_weights on
+# each parameter's quant states (vllm-project/vllm PR 19742, opened 2025-06-17 after 0.9.1 was cut; first release
+# taken as 0.9.2, approx.). In-flight quantization (_unquantized_generator: quantize_4bit(..., compress_statistics=
+# True, quant_type="nf4")) and double-quantized checkpoints then hold the same as a checkpoint without double
+# quantization: 4-bit codes packed two to a uint8 (BitsAndBytesLinearMethod.create_weights: one flat uint8 parameter
+# of in x out / 2, no padding, nothing else per layer) and one fp32 absmax per 64 weights. Earlier releases kept the
+# uint8 absmax and its nested fp32 scale per 256 blocks (vllm 0.7.2: unsloth/meta-llama-3.1-8b-instruct-bnb-4bit
+# printed 5.3541 GiB of weights; that storage gives 5.31, and the 0.03 GiB rope cache kvfleet leaves out, 5.34).
+VLLM_BNB_FP32_ABSMAX_SINCE: Version = (0, 9, 2)
+
+
+def as_loaded(scheme: WeightScheme, *, engine: EngineName, version: str | None) -> WeightScheme:
+    """``scheme`` as the engine release holds it in GPU memory, where that differs from the checkpoint's layout."""
+    if scheme.name != "bnb-4bit" or engine is not EngineName.VLLM:
+        return scheme
+    if parse_version(version or DEFAULT_VERSIONS[engine]) < VLLM_BNB_FP32_ABSMAX_SINCE or scheme.scale_bytes == 4:
+        return scheme
+    return replace(
+        scheme, scale_bytes=4.0, description="bitsandbytes 4-bit, double-quantized absmax held as fp32 per 64"
+    )

@@ -20,10 +20,11 @@ from kvfleet.sizing.capacity import EngineSettings, capacity, resolve_scheme
 from kvfleet.sizing.catalog import catalog_model
 from kvfleet.sizing.engines import DEFAULT_VERSIONS, EngineName
 from kvfleet.sizing.hosting import Hosting, PriceList, Routing
+from kvfleet.sizing.memory import weight_bytes
 from kvfleet.sizing.models import load_config_file, parse_hf_config
 from kvfleet.sizing.planner import PlanRequest, Workload, plan
 from kvfleet.sizing.precision import WEIGHT_SCHEMES
-from kvfleet.sizing.quantization import quantization_release, scheme_method
+from kvfleet.sizing.quantization import as_loaded, quantization_release, scheme_method
 from kvfleet.sizing.units import GiB
 from tests.sizing.conftest import llama_config
 
@@ -216,3 +217,23 @@ def test_planner_says_a_trtllm_fp8_plan_needs_the_fp8_checkpoint() -> None:
     assert any(n.startswith("TensorRT-LLM 1.0.0 quantizes no weights at load") for n in best.notes)
     # vLLM quantizes to fp8 at load: no such note.
     assert not any("quantizes no weights" in n for n in plan(_req("fp8")).best.notes)
+
+
+def test_vllm_holds_bitsandbytes_absmax_in_fp32_from_0_9_2() -> None:
+    # bitsandbytes_loader.py dequantize_dq (PR 19742): a double-quantized absmax (uint8 per 64 plus fp32 per 256
+    # blocks) is turned into one fp32 per 64 weights at load, for in-flight quantization and checkpoints alike.
+    model = catalog_model("meta-llama/Llama-3.1-8B")
+    old = resolve_scheme(model, "bnb-4bit", version="0.9.1")
+    new = resolve_scheme(model, "bnb-4bit", version="0.9.2")
+    assert old.scale_bytes == pytest.approx(1 + 4 / 256)
+    assert new.scale_bytes == 4
+    w_old = weight_bytes(model, tp=1, scheme=old).weights_bytes_per_gpu
+    w_new = weight_bytes(model, tp=1, scheme=new).weights_bytes_per_gpu
+    # 6.98e9 quantized weights x (4 - 1.016) / 64 bytes: about 0.30 GiB more for Llama-3.1-8B.
+    assert (w_new - w_old) / GiB == pytest.approx(0.30, abs=0.01)
+    # Other schemes and engines are held as the checkpoint lays them out.
+    assert as_loaded(old, engine=EngineName.TRTLLM, version="1.0.0") is old
+    assert (
+        as_loaded(resolve_scheme(model, "awq", version="0.10.0"), engine=EngineName.VLLM, version="0.10.0").name
+        == "awq"
+    )
