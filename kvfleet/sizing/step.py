@@ -90,6 +90,7 @@ class StepConstants:
     per_seq_overhead_s: float  # per sequence in the step: sampling, detokenize, bookkeeping
     prefill_step_overhead_s: float  # extra when a step carries prefill (no full CUDA graph for it)
     eager_step_overhead_s: float  # extra per step without CUDA graphs (enforce_eager)
+    draft_pass_overhead_s: float  # per drafter pass: its launches, sampling and the proposer's own bookkeeping
     fitted: tuple[str, ...] = ()  # names the fit set; the rest are priors with their source
     fit_date: str = ""
 
@@ -125,6 +126,7 @@ def constants_from(raw: Mapping[str, Any], *, fitted: Sequence[str] = (), fit_da
         per_seq_overhead_s=float(v("per_seq_overhead_s")),
         prefill_step_overhead_s=float(v("prefill_step_overhead_s")),
         eager_step_overhead_s=float(v("eager_step_overhead_s")),
+        draft_pass_overhead_s=float(v("draft_pass_overhead_s")),
         fitted=tuple(fitted),
         fit_date=fit_date,
     )
@@ -450,15 +452,17 @@ def draft_time_s(rep: Replica, batch: StepBatch, constants: StepConstants | None
     """The drafter's K sequential passes in one step (vLLM's proposer, v1/spec_decode): the first over every position
     the step computes (verified tokens and prompt chunks: it needs their hidden states and its own KV), the other
     K - 1 over one token per decoding sequence. Each is priced by ``step_time`` on the drafter's own weights, FLOPs
-    and KV; the engine's per-step overhead is charged once, by the target's step. An n-gram drafter runs on the CPU
-    between steps: free here."""
+    and KV, plus ``draft_pass_overhead_s``: a measured pass costs far more than its roofline (vllm #20780: about
+    1 ms per extra draft of an 8B model's EAGLE-3 head, whose weights read in 0.3 ms). The engine's per-step
+    overhead is charged once, by the target's step. An n-gram drafter runs on the CPU between steps: free here."""
     spec = rep.spec
     if spec is None or spec.drafter is None or batch.decode_seqs == 0:
         return 0.0
+    c = constants or default_constants()
     k = spec.num_speculative_tokens
-    first = step_time(spec.drafter, replace(batch, decode_tokens_per_seq=k + 1), constants)
-    rest = step_time(spec.drafter, StepBatch(decode_seqs=batch.decode_seqs, decode_kv_tokens=batch.decode_kv_tokens))
-    return _forward_s(first) + (k - 1) * _forward_s(rest)
+    first = step_time(spec.drafter, replace(batch, decode_tokens_per_seq=k + 1), c)
+    rest = step_time(spec.drafter, StepBatch(decode_seqs=batch.decode_seqs, decode_kv_tokens=batch.decode_kv_tokens), c)
+    return _forward_s(first) + (k - 1) * _forward_s(rest) + k * c.draft_pass_overhead_s * spec.drafter.time_scale
 
 
 def engine_step_s(rep: Replica, batch: StepBatch, constants: StepConstants | None = None) -> float:
@@ -912,24 +916,33 @@ def _service(rep: Replica, wl: Workload, lim: Limits, b: float, c: StepConstants
     if rest < 1:
         rest = 0.0
 
-    def mixed_at(tokens: float, start: float) -> float:
-        batch = StepBatch(
-            prefill=(PrefillChunk(tokens=max(1, round(tokens)), start=round(start)),),
-            decode_seqs=round(d),
-            decode_kv_tokens=dec_kv,
-        )
+    # Prompts shorter than the room share prefill steps: x prompts start per step, so when x > 1 a prefill step
+    # carries x whole prompts (the budget caps x at room / ISL), and each of them waits for all of them.
+    together = min(max(1.0, x), max(1.0, room / isl)) if whole == 0 else 1.0
+
+    def mixed_at(tokens: float, start: float, count: int = 1) -> float:
+        chunk = PrefillChunk(tokens=max(1, round(tokens)), start=round(start))
+        batch = StepBatch(prefill=(chunk,) * count, decode_seqs=round(d), decode_kv_tokens=dec_kv)
         return engine_step_s(rep, batch, c)
+
+    def shared_at(tokens: float) -> float:
+        # A fractional count of prompts per step: between the steps holding floor and ceil of them.
+        lo = int(together)
+        w = together - lo
+        t_lo = mixed_at(tokens, 0, lo)
+        return t_lo if w < 1e-9 else (1 - w) * t_lo + w * mixed_at(tokens, 0, lo + 1)
 
     chunk_steps: list[tuple[float, float]] = []  # (step time, chunks of a prompt that take it)
     if whole:
         chunk_steps.append((mixed_at(room, (whole - 1) * room / 2), float(whole)))  # at the whole chunks' mean start
     if rest:
-        chunk_steps.append((mixed_at(rest, whole * room), 1.0))
+        chunk_steps.append((mixed_at(rest, whole * room) if whole else shared_at(rest), 1.0))
     per_prompt = sum(n for _, n in chunk_steps)
     own = sum(t * n for t, n in chunk_steps)  # this prompt's own chunk steps
     mixed = own / per_prompt
-    # A step carries a chunk with probability f (x prompts start per step, each over per_prompt steps).
-    f = min(1.0, x * per_prompt)
+    # A step carries a chunk with probability f (x prompts start per step, each over per_prompt steps, `together`
+    # to a step).
+    f = min(1.0, x * per_prompt / together)
     step = (1 - f) * pure + f * mixed  # mean step time
     req_per_s = x / step if step > 0 else 0.0
     # TTFT with a slot free: the rest of the step in flight, the prefill-token queue (M/D/1 on the budget),
@@ -994,6 +1007,13 @@ def steady_state(rep: Replica, wl: Workload, *, limits: Limits, constants: StepC
         b = 0.5 * (b + b_new)  # damped: R grows with b
         s = _service(rep, wl, limits, b, c)
     r = s.ttft_service_s + max(0, wl.output_tokens - 1) * s.itl_s
+    offered = lam * r
+    if offered >= cap:
+        return replace(s, queue_wait_s=math.inf, notes=(f"overloaded: {lam:g} req/s offers {offered:.0f} > {cap}",))
+    # Arrivals wait only while every slot is busy, and then the slots turn over at the full batch's pace, which is
+    # slower than the mean batch's: the slot queue is priced on R(cap), not R(b).
+    full = _service(rep, wl, limits, float(cap), c) if b < cap else s
+    r = max(r, full.ttft_service_s + max(0, wl.output_tokens - 1) * full.itl_s)
     offered = lam * r
     if offered >= cap:
         return replace(s, queue_wait_s=math.inf, notes=(f"overloaded: {lam:g} req/s offers {offered:.0f} > {cap}",))

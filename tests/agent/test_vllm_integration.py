@@ -227,8 +227,10 @@ def test_bench_sweep_against_the_real_engine_through_the_agent(agent: AgentProce
         assert all(r.ok for r in lv.results), [r.error for r in lv.results]
         for r in lv.results:
             assert r.usage_prompt_tokens == 48 and r.output_tokens == 12
-            # vLLM streams one chunk per decode step: 12 tokens, 11 gaps (a chunk may carry two after a stall).
-            assert 6 <= len(r.itl_s) <= 11
+            # vLLM streams one chunk per decode step: 12 tokens, 11 gaps. Its RequestOutputCollector merges the deltas
+            # a slow reader has not taken yet (v1/engine/output_processor.py), so on a loaded host one chunk may carry
+            # several tokens: fewer gaps, never more, and still more than one.
+            assert 2 <= len(r.itl_s) <= 11
         row = summarize(lv)
         assert row["completed"] == 4 and row["ttft_s"] is not None and row["itl_s"] is not None
         # The lag is measured and reported. Not a speed target (those are benchmarks): on 2 cores shared with the

@@ -28,6 +28,7 @@ from kvfleet.sizing.step import (
     speculative_replica,
     steady_state,
 )
+from kvfleet.sizing.step import calibration as step_calibration
 
 HF = Path(__file__).resolve().parents[1] / "fixtures" / "hf_configs"
 EAGLE3_8B = str(HF / "eagle3-llama3.1-8b")
@@ -73,9 +74,11 @@ def _decode_speedup(spec: Replica, batch: int, ctx: int = 1024) -> float:
 def test_memory_bound_batch_one_gains_most_of_tau() -> None:
     # At batch 1 the target's weights stream once for 1 or 4 tokens alike: verification is nearly free, and the
     # EAGLE-3 head (one layer and a 32k-row lm_head) is a few percent of the 8B target per pass.
+    # Measured (vllm #20780, batch 1): 7.07 ms plain against 4.09 ms at tau 2.79, so 1.73x, 62% of tau: each
+    # draft pass costs about a millisecond of launches and sampling besides its small weight read.
     s = _spec(3, 2.79)
     up = _decode_speedup(s, 1)
-    assert 0.75 * 2.79 < up < 2.79
+    assert 0.6 * 2.79 < up < 0.75 * 2.79, up
 
 
 def test_speedup_shrinks_with_the_batch_and_turns_into_a_loss_when_compute_bound() -> None:
@@ -83,7 +86,7 @@ def test_speedup_shrinks_with_the_batch_and_turns_into_a_loss_when_compute_bound
     # sequence are compute-bound, 4x the FLOPs for 2.79 tokens kept; at 512 and more the gain is a loss.
     s = _spec(3, 2.79)
     ups = {b: _decode_speedup(s, b, ctx=256) for b in (1, 64, 128, 256, 512, 1024)}
-    assert ups[1] > 2.0
+    assert ups[1] > 1.6
     assert ups[1] > ups[128] > ups[256] > ups[512], ups
     assert ups[512] < 1.0 and ups[1024] < 1.0, ups
 
@@ -126,8 +129,9 @@ def test_more_drafts_at_the_same_tau_cost_more() -> None:
 
 
 def test_throughput_under_load_follows_the_step_model() -> None:
-    # A decode-heavy load (short prompts, long answers) on one replica: the gain at 4 sequences exceeds the gain at
-    # 512, where each verification pass is compute-bound.
+    # A decode-heavy load (short prompts, long answers) on one replica: the gain at 4 and at 64 sequences exceeds the
+    # gain at 512, where each verification pass is compute-bound. Between 4 and 64 the verification stays
+    # memory-bound and the drafter's fixed per-pass cost weighs less against a longer step, so the two are close.
     s = _spec(3, 2.79)
     rep = Replica(**{**s.__dict__, "spec": None})
 
@@ -138,7 +142,8 @@ def test_throughput_under_load_follows_the_step_model() -> None:
         return with_spec / steady_state(rep, wl, limits=lim).output_tokens_per_s
 
     assert gain(4) > 1.5
-    assert gain(512) < gain(64) < gain(4)
+    assert gain(512) < min(gain(4), gain(64))
+    assert abs(gain(64) / gain(4) - 1) < 0.15
 
 
 def test_published_acceptance_defaults_and_their_gaps() -> None:
@@ -158,12 +163,13 @@ def test_published_acceptance_defaults_and_their_gaps() -> None:
 
 def test_against_vllm_published_eagle3_tpot_at_batch_one() -> None:
     """vLLM issue 20780 (MT-bench, batch 1; data/speculative_acceptance.json "checks"): TPOT 7.07 ms without
-    speculation, 4.09 ms with EAGLE-3 K=3 at its measured tau 2.79, so 1.73x. Nothing here was fitted to it.
+    speculation, 4.09 ms with EAGLE-3 K=3 at its measured tau 2.79, so 1.73x. tools/fit_step.py holds the plain TPOT
+    in the step constants' objective and fits the drafter's per-pass overhead on the EAGLE-3 TPOTs at K = 2, 4, 6;
+    the odd K here were not fitted.
 
-    The model predicts 6.3 ms and 2.7 ms (2.33x): the plain step 11% fast, the speculative one 34% fast. The gap
-    is in the drafter: the measured step with K=3 costs 4.3 ms more than the plain one and each further draft about
-    1 ms, where the roofline prices a head pass at 0.33 ms (its ~0.8 GB read) and charges no per-pass launch or
-    sampling overhead. The bounds below hold today's error so that a change that widens it fails."""
+    The model predicts 7.2 ms and 4.0 ms (1.82x): the plain step 2% slow, K=3 3% fast, K=5 0.4% fast, K=7 7% slow.
+    Without the per-pass overhead the speculative step was 28% fast (a head pass priced at its 0.3 ms weight read).
+    The bounds hold today's error so that a change that widens it fails."""
     check = acceptance_data()["checks"]["vllm_20780_bs1"]["tpot_ms"]
     s = _spec(3, 2.79)
     rep = Replica(**{**s.__dict__, "spec": None})
@@ -173,8 +179,20 @@ def test_against_vllm_published_eagle3_tpot_at_batch_one() -> None:
     spec_ms = steady_state(s, wl, limits=lim).itl_s * 1e3
     plain_err = plain_ms / check["vanilla"] - 1
     spec_err = spec_ms / check["eagle3_k3"] - 1
-    assert -0.15 < plain_err < 0.0, plain_err
-    assert -0.40 < spec_err < 0.0, spec_err
-    # The direction and size of the gain: measured 1.73x, predicted within 40% of it.
+    assert -0.05 < plain_err < 0.05, plain_err
+    assert -0.06 < spec_err < 0.03, spec_err
+    # The direction and size of the gain: measured 1.73x, predicted within 10% of it.
     measured_up = check["vanilla"] / check["eagle3_k3"]
-    assert 1.0 < measured_up < plain_ms / spec_ms < 1.4 * measured_up
+    assert 1.0 < measured_up < plain_ms / spec_ms < 1.10 * measured_up
+    taus = acceptance_data()["defaults"]["eagle3"]["by_num_speculative_tokens"]
+    for k in (5, 7):
+        ms = steady_state(_spec(k, taus[str(k)]), wl, limits=lim).itl_s * 1e3
+        assert abs(ms / check[f"eagle3_k{k}"] - 1) < 0.10, (k, ms)
+
+
+def test_the_drafter_overhead_is_fitted_where_the_tool_says() -> None:
+    # The constant's fit cases are the even K only; the odd K above stay checks.
+    raw = step_calibration()
+    assert "K = 2, 4 and 6" in raw["constants"]["draft_pass_overhead_s"]["source"]
+    assert "draft_pass_overhead_s" in raw["fit"]["fitted"]
+    assert 0 < raw["constants"]["draft_pass_overhead_s"]["value"] < 0.005

@@ -68,22 +68,26 @@ def test_fit_errors() -> None:
     print("FIT:", _summary(errs))
     assert statistics.median(abs(x) for x in errs["itl_ms"]) <= 0.10
     assert statistics.median(abs(x) for x in errs["ttft_ms"]) <= 0.30
-    assert statistics.median(abs(x) for x in errs["output_tokens_per_s"]) <= 0.15
-    assert max(abs(x) for x in errs["itl_ms"]) <= 0.20
+    assert statistics.median(abs(x) for x in errs["output_tokens_per_s"]) <= 0.10
+    assert max(abs(x) for x in errs["itl_ms"]) <= 0.10
+    # Prefill-heavy loads (2,048 in, 128 out) were 44-54% fast while a prefill step was priced with one prompt.
+    assert max(abs(x) for x in errs["output_tokens_per_s"]) <= 0.20
 
 
 def test_check_errors() -> None:
     """Held-out cases. Bounds: median ITL error <= 15% (the old model's 12% held only at low concurrency;
     these run to saturation), TTFT no longer systematically optimistic (signed median within +-20%, the
-    old model was 3-8x low at concurrency 25-128), throughput median <= 20%, nothing off by 2x."""
+    old model was 3-8x low at concurrency 25-128), throughput median <= 10% and worst <= 35% (the prefill-heavy
+    H200 case was 61% fast while a prefill step carried one prompt), nothing off by more than 65%."""
     errs = _errors("check")
     print("CHECK:", _summary(errs))
     assert statistics.median(abs(x) for x in errs["itl_ms"]) <= 0.15
     assert abs(statistics.median(errs["ttft_ms"])) <= 0.20
     assert statistics.median(abs(x) for x in errs["ttft_ms"]) <= 0.40
-    assert statistics.median(abs(x) for x in errs["output_tokens_per_s"]) <= 0.20
+    assert statistics.median(abs(x) for x in errs["output_tokens_per_s"]) <= 0.10
+    assert max(abs(x) for x in errs["output_tokens_per_s"]) <= 0.35
     worst = max(abs(x) for xs in errs.values() for x in xs)
-    assert worst < 1.0
+    assert worst < 0.65
 
 
 def test_nim_cases_carry_the_cache_their_table_implies() -> None:
@@ -263,6 +267,26 @@ def test_itl_prices_the_prefill_that_shares_the_steps() -> None:
     assert long_prompts.prefill_tokens_per_step == pytest.approx(
         long_prompts.running * 8000 / (long_prompts.prefill_steps + 199), rel=1e-6
     )
+
+
+def test_a_prefill_step_carries_every_short_prompt_that_starts_in_it() -> None:
+    # 2,048-token prompts and 128-token answers at 256 clients: 256 / 128 = 2 prompts start per step, and the budget
+    # (16,384) holds both in one step. That step pays for both (trtllm-bench's 2048/128 rows were 44-61% faster in
+    # the model while it priced one), and the steps' prefill tokens are what the requests bring.
+    rep = _rep("meta-llama/Llama-3.1-8B-Instruct", "H100")
+    lim = Limits(max_num_batched_tokens=16384, max_running=256)
+    s = steady_state(rep, Workload(input_tokens=2048, output_tokens=128, concurrency=256), limits=lim)
+    one = step.engine_step_s(
+        rep,
+        StepBatch(
+            prefill=(PrefillChunk(tokens=2048, start=0),),
+            decode_seqs=round(s.decodes_per_step),
+            decode_kv_tokens=int(s.decodes_per_step * (2048 + 127 / 2)),
+        ),
+    )
+    assert s.prefill_tokens_per_step == pytest.approx(2 * 2048)
+    assert s.prefill_step_share == pytest.approx(1.0)
+    assert s.prefill_step_s > 1.5 * one
 
 
 def test_open_loop_queueing_grows_to_overload() -> None:
