@@ -51,6 +51,7 @@ from importlib import resources
 from typing import Any
 
 from kvfleet.errors import SizingError
+from kvfleet.sizing import trtllm_bench
 from kvfleet.sizing.capacity import EngineSettings, capacity
 from kvfleet.sizing.catalog import catalog_model
 from kvfleet.sizing.engines import EngineName
@@ -1074,7 +1075,7 @@ def cases() -> tuple[Case, ...]:
                 input_tokens=int(raw["isl"]),
                 output_tokens=int(raw["osl"]),
                 concurrency=raw.get("concurrency"),
-                max_num_tokens=int(raw["max_num_tokens"]),
+                max_num_tokens=int(raw.get("max_num_tokens", 0)),
                 max_running=raw.get("max_running"),
                 kv_cache_tokens=raw.get("kv_cache_tokens"),
                 max_batch_size=int(raw.get("max_batch_size", 2048)),
@@ -1082,7 +1083,31 @@ def cases() -> tuple[Case, ...]:
                 measured={k: float(v) for k, v in raw["measured"].items()},
             )
         )
+        if raw.get("settings") == "trtllm-bench":
+            out[-1] = _with_bench_settings(out[-1], device_memory_mib=int(raw["device_memory_mib"]))
     return tuple(out)
+
+
+def _with_bench_settings(case: Case, *, device_memory_mib: int) -> Case:
+    """The batch and token limits ``trtllm-bench throughput`` derived for the case's dataset (uniform lengths), where
+    its source ran trtllm-bench without setting them (``trtllm_bench.engine_settings``)."""
+    model = catalog_model(case.model)
+    scheme = weight_scheme(case.weights)
+    bench = trtllm_bench.engine_settings(
+        param_count=model.total_params,
+        weight_bytes=1.0 if scheme.name == "fp8" else 2.0,
+        kv_bytes_per_elem=1.0 if case.kv_cache_dtype == "fp8" else 2.0,
+        attention_layers=model.num_layers,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        device_memory_bytes=device_memory_mib * 1024 * 1024,
+        avg_isl=case.input_tokens,
+        avg_osl=case.output_tokens,
+        max_isl=case.input_tokens,
+        tp=case.tp,
+        kv_cache_fraction=case.gpu_memory_fraction,
+    )
+    return replace(case, max_num_tokens=bench.max_num_tokens, max_batch_size=bench.max_batch_size)
 
 
 _RUNNING_LIMITS: dict[str, int] = {}
@@ -1116,6 +1141,8 @@ def _predicted_kv_cache_tokens(case: Case) -> int:
         max_model_len=case.input_tokens + case.output_tokens,
         kv_cache_dtype=kv_dtype(case.kv_cache_dtype),
         quantization=quant,
+        max_num_seqs=case.max_batch_size,
+        max_num_batched_tokens=case.max_num_tokens,
     )
     if acc.usable_memory_bytes is None:
         raise SizingError(f"the catalog has no memory size for {acc.model}", field="gpu")
