@@ -148,7 +148,20 @@ def test_capacity_from_local_config(capsys: pytest.CaptureFixture[str], config_d
     ]
 
 
-def test_local_config_matches_catalog_llama(capsys: pytest.CaptureFixture[str], config_dir: Path) -> None:
+def test_local_config_matches_catalog_llama(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # Llama 3.1's length and rope scaling too: vLLM's RoPE cache (131,072 positions) is part of the model's memory.
+    llama31 = {
+        **BRIEF_CONFIG,
+        "max_position_embeddings": 131072,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    }
+    config_dir = write_config(tmp_path, "brief-3.1-8b", json.dumps(llama31))
     local = run_json(capsys, "capacity", "--model", str(config_dir), "--gpu", "H100", "--max-model-len", "8192")
     catalog = run_json(capsys, "capacity", "--model", LLAMA_8B, "--gpu", "H100", "--max-model-len", "8192")
     for key in ("kv_bytes_per_token_per_gpu", "weights_gib_per_gpu", "kv_cache_tokens", "num_blocks"):

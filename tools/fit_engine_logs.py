@@ -43,7 +43,7 @@ from kvfleet.sizing.engines import (
     engine_profile,
     non_torch_bytes,
 )
-from kvfleet.sizing.memory import kv_layout, weight_bytes
+from kvfleet.sizing.memory import kv_layout, rope_cache_bytes, weight_bytes
 from kvfleet.sizing.models import ModelSpec, parse_hf_config
 from kvfleet.sizing.precision import KvDtype
 from kvfleet.sizing.quantization import as_loaded
@@ -205,7 +205,8 @@ def predicted_terms(rec: dict[str, Any], c: ActivationModel) -> dict[str, float]
     if "weights_gib" in logged and pp == 1:
         ep = rec["settings"].get("enable_expert_parallel", False)
         scheme = as_loaded(m.native_scheme, engine=EngineName(rec["engine"]), version=rec["release"])
-        out["weights_gib"] = weight_bytes(m, tp=tp, scheme=scheme, ep=ep).weights_bytes_per_gpu / GiB
+        rope = rope_cache_bytes(m) if rec["engine"] == "vllm" else 0  # in vLLM's "Model loading took", as in capacity()
+        out["weights_gib"] = (weight_bytes(m, tp=tp, scheme=scheme, ep=ep).weights_bytes_per_gpu + rope) / GiB
     if "non_torch_gib" in logged:
         out["non_torch_gib"] = non_torch_bytes(tp=tp, constants=c) / GiB
     if "cuda_graph_estimate_gib" in logged:

@@ -27,7 +27,7 @@ from kvfleet.sizing.engines import (
     trtllm_profiling_requests,
     vllm_batch_defaults,
 )
-from kvfleet.sizing.memory import KvLayout, WeightBreakdown, kv_layout, weight_bytes
+from kvfleet.sizing.memory import KvLayout, WeightBreakdown, kv_layout, rope_cache_bytes, weight_bytes
 from kvfleet.sizing.models import AttentionKind, ContextLimit, ModelSpec, config_overrides, context_limit
 from kvfleet.sizing.parallel import Layout, check_layout, pp_partition
 from kvfleet.sizing.precision import KvDtype, Part, WeightScheme, weight_scheme
@@ -727,6 +727,8 @@ def _stage_capacity(
     scheme = resolve_scheme(full, s.quantization, engine=profile.engine, version=version)
     limits = mm_limits(s)
     weights = weight_bytes(model, tp=tp, scheme=scheme, ep=s.enable_expert_parallel, without=without)
+    if profile.engine is EngineName.VLLM:
+        weights = replace(weights, buffer_bytes=rope_cache_bytes(full))
     kv = kv_layout(
         model,
         tp=tp,

@@ -221,10 +221,55 @@ class WeightBreakdown:
     tp: int
     scheme: WeightScheme
     bytes_by_part: tuple[tuple[Part, int], ...]
+    # Buffers the model allocates beside its parameters while it loads (vLLM's RoPE cos/sin cache), in what the
+    # engine reports as the model's memory.
+    buffer_bytes: int = 0
 
     @property
     def weights_bytes_per_gpu(self) -> int:
-        return sum(b for _, b in self.bytes_by_part)
+        return sum(b for _, b in self.bytes_by_part) + self.buffer_bytes
+
+
+# Models whose attention has no rotary embedding (Nemotron-H's attention layers take no positions).
+_NO_ROPE = frozenset({"nemotron_h"})
+# Multimodal RoPE caches this many positions per max_position_embeddings: Qwen2-VL and Qwen2.5-VL pass get_rope's
+# default mrope_positions_factor 4 (video positions run past the token count); Qwen3-VL passes 1 unless video pruning
+# is on (vllm/model_executor/models/qwen3_vl.py mrope_positions_factor, 0.32.0).
+_MROPE_POSITIONS = {"qwen2_vl": 4, "qwen2_5_vl": 4}
+
+
+def rope_cache_bytes(model: ModelSpec, dtype_bytes: int = 2) -> int:
+    """vLLM's RoPE cos/sin cache on each GPU: one buffer of (positions x rotary_dim) in the model dtype, shared by
+    every layer with the same rope parameters (get_rope caches instances: vllm/model_executor/layers/rotary_embedding,
+    0.32.0). Positions by scaling type: YaRN original x factor (YaRNScalingRotaryEmbedding,
+    DeepseekScalingRotaryEmbedding), linear max_position x factor, LongRoPE its short and long caches (original +
+    max_position), the rest max_position; Gemma 3 builds two, its local layers' unscaled one and its global layers'."""
+    if model.model_type in _NO_ROPE or model.attention_layers == 0:
+        return 0
+    if model.mla is not None:
+        rotary_dim = model.mla.qk_rope_head_dim  # MLA rotates only its decoupled RoPE key
+    else:
+        rotary_dim = int(model.head_dim * model.partial_rotary_factor)
+    rope = model.rope_scaling
+    kind = rope.rope_type if rope is not None else "default"
+    factor = (rope.factor if rope is not None else None) or 1.0
+    max_pos = model.max_position_embeddings
+    original = (rope.original_max_position_embeddings if rope is not None else None) or (
+        model.original_max_position_embeddings or max_pos
+    )
+    if kind in ("yarn", "deepseek_yarn"):
+        positions = int(original * factor)
+    elif kind == "linear":
+        positions = int(max_pos * factor)
+    elif kind == "longrope":
+        positions = original + max_pos
+    else:
+        positions = max_pos
+    positions *= _MROPE_POSITIONS.get(model.model_type, 1)
+    caches = [positions]
+    if model.model_type in ("gemma3", "gemma3_text"):
+        caches.append(max_pos)  # the sliding layers' rope: its own base, no scaling
+    return sum(caches) * rotary_dim * dtype_bytes
 
 
 def weight_bytes(

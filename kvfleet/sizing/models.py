@@ -207,6 +207,7 @@ class ModelSpec:
     max_position_embeddings_key: str = "max_position_embeddings"  # the config key the length was read from
     rope_theta: float | None = None
     rope_override: bool = False  # rope_scaling was set by the user (an engine config override), not the checkpoint
+    partial_rotary_factor: float = 1.0  # the share of each head's dimensions RoPE rotates
 
     # ---- parameter counts -------------------------------------------------------------------
     @property
@@ -1092,7 +1093,19 @@ def parse_hf_config(
         ),
         max_position_embeddings_key=where + max_pos_key,
         rope_theta=_theta(t.get("rope_theta")),
+        partial_rotary_factor=_partial_rotary(t),
     )
+
+
+def _partial_rotary(t: Mapping[str, Any]) -> float:
+    """``partial_rotary_factor`` beside the other keys or inside ``rope_parameters`` (vLLM's get_rope reads it from
+    the rope parameters its config patch gathers); 1 when absent or not a number in (0, 1]."""
+    for where in (t, t.get("rope_parameters"), t.get("rope_scaling")):
+        if isinstance(where, Mapping):
+            value = where.get("partial_rotary_factor")
+            if isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= 1:
+                return float(value)
+    return 1.0
 
 
 # Norms per block: Gemma 2/3 wrap attention and MLP in two each; a Nemotron-H block has one.

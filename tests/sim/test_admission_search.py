@@ -4,8 +4,8 @@ the fleet cannot grow.
 The workload is synthetic on purpose, a sustained overload the fleet cannot outgrow: 20 minutes of Poisson arrivals
 at 2.0 requests/s of 3,500-token prompts and 200-token answers, on Llama-3.1-8B on one g6e replica (max_replicas
 1), TTFT 8 s for 80% of requests. The plan's queue, what can start within 8 s at the replica's planned throughput
-(1.81 requests/s), is 14. In the replay a queue of 14 waits 11.6 s at p95 and the goal is lost by minute 6 (497
-of 2,426 late or refused); 7 gets 89.3% of requests their first token in time, 2 gets 87.8% at the same cost, and
+(1.81 requests/s), is 14. In the replay a queue of 14 waits 11.7 s at p95 and the goal is lost by minute 6 (509
+of 2,426 late or refused); 7 gets 89.2% of requests their first token in time, 2 gets 87.7% at the same cost, and
 28 or 56 lose it within 6 minutes. So the search keeps 7, and a file that pins 14 is told that 7 meets the goal.
 """
 
@@ -52,10 +52,10 @@ def test_an_overload_keeps_a_shorter_queue_than_the_plan(overload: Trace) -> Non
     assert space is not None and space.planned_queue == 14
     d = derive(overload, fleet_spec(r), ttft_slo_s=8.0, goal=0.8, pinned=PINNED, admission=space)
     assert d.feasible and d.policy.admission_queue == 7
-    assert d.outcome.attainment == pytest.approx(0.893, abs=0.001)
+    assert d.outcome.attainment == pytest.approx(0.892, abs=0.001)
     [choice] = [c for c in d.choices if c.setting == "admission_queue"]
-    assert choice.reason.startswith("89.3% in time, $0.63; the plan's (14 queued can start within the TTFT target): ")
-    assert "at 2 queued TTFT within 8 s for 87.8% >= 80%" in choice.reason
+    assert choice.reason.startswith("89.2% in time, $0.63; the plan's (14 queued can start within the TTFT target): ")
+    assert "at 2 queued TTFT within 8 s for 87.7% >= 80%" in choice.reason
     assert "at 28 queued more than 20% of requests miss TTFT 8 s" in choice.reason
     assert choice.reason.endswith("(a 429 counts as a miss: the replay does not retry)")
 

@@ -30,26 +30,26 @@ def _poisson(rate: float, seconds: float, prompt: int = 600, output: int = 200) 
 
 
 @pytest.mark.parametrize(
-    ("name", "slo_s", "usd", "defaults_meet"),
-    [("conv", 1.0, (1.10, 1.59), True), ("code", 2.0, (3.27, 3.57), False)],
+    ("name", "slo_s", "usd", "defaults_attain"),
+    [("conv", 0.5, (2.02, 1.59), (0.0, 0.92)), ("code", 2.0, (3.27, 3.57), (0.0, 0.85))],
 )
 def test_derived_policy_beats_the_defaults_on_azure_traces(
-    chat: ResolvedDeployment, name: str, slo_s: float, usd: tuple[float, float], defaults_meet: bool
+    chat: ResolvedDeployment, name: str, slo_s: float, usd: tuple[float, float], defaults_attain: tuple[float, float]
 ) -> None:
     """25 minutes of each Azure 2023 trace (from minute 15, real rate) on the chat example's replica, goal 95% of
     requests with a first token within the target. When this was written:
 
-    - conversation (9,752 requests, TTFT <= 1 s): derived saturation 0.8, queue 1, min 1 replica: 95.1% in time
-      for $1.10; the defaults (0.75, 2, min 1) meet it too, 95.1%, for $1.59: one replica carries the trace's
-      short prompts, and the defaults keep a second one the burst made them launch. (Before a prefill step was
-      priced with every prompt it carries, the model's 34 ms per prefill step made one replica lose the burst:
-      derived min 2 for $2.20, defaults 74.8% for $3.36.)
+    - conversation (9,752 requests, TTFT <= 0.5 s): derived saturation 0.5, queue 1, min 1 replica: 98.4% in time
+      for $2.02; the defaults (0.75, 2, min 1): 89.0% for $1.59, cheaper and well below the goal. At 1 s one
+      replica nearly carries the trace's short prompts and the defaults sit on the goal's edge (94.9-95.1% as the
+      step constants are refitted), so that target tells nothing; it was the case here until a prefill step was
+      priced with every prompt it carries (the old model's 34 ms per prefill step made one replica lose the burst).
     - code (4,893 requests, TTFT <= 2 s): derived 0.5, 1, min 3: 99.98% for $3.27; defaults 70.7% for $3.57.
       The defaults are both dearer and far below the goal: they wait for the queue to pass 2 for three minutes,
       then pay for the replicas the burst made them launch long after it ended.
 
     The dollar figures may move with the step model; the test holds the ordering (the derived policy meets the
-    goal and costs no more) and whether the defaults meet it.
+    goal and costs no more) and where the defaults' attainment lies.
     """
     trace = read_trace(
         REPO / "traces" / "azure2023" / f"AzureLLMInferenceTrace_{name}.csv",
@@ -60,8 +60,10 @@ def test_derived_policy_beats_the_defaults_on_azure_traces(
     d = derive(trace, fleet_spec(chat), ttft_slo_s=slo_s, goal=0.95, compare=DEFAULTS)
     assert d.feasible and d.outcome.meets and d.outcome.attainment >= 0.95
     assert d.compared is not None and d.compared.stopped_s is None  # the comparison ran to the end
-    assert d.compared.meets == defaults_meet, d.compared
-    assert d.outcome.cost <= d.compared.cost  # the derived policy costs no more
+    low, high = defaults_attain
+    assert low <= d.compared.attainment <= high, d.compared
+    if d.compared.meets:
+        assert d.outcome.cost <= d.compared.cost  # where both meet it, the derived policy costs no more
     # Near the figures in the docstring (a moved model should be noticed, not silently accepted).
     derived_usd, default_usd = usd
     assert d.outcome.cost == pytest.approx(derived_usd, rel=0.25)

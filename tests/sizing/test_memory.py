@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kvfleet.errors import SizingError
 from kvfleet.sizing.catalog import catalog_model
-from kvfleet.sizing.memory import kv_layout, validate_tp, weight_bytes
-from kvfleet.sizing.models import ModelSpec
+from kvfleet.sizing.memory import kv_layout, rope_cache_bytes, validate_tp, weight_bytes
+from kvfleet.sizing.models import ModelSpec, RopeScaling
 from kvfleet.sizing.precision import KvDtype, Part, weight_scheme
 from kvfleet.sizing.units import GiB, KiB
 from tests.sizing.conftest import make_model
@@ -139,3 +141,38 @@ def test_moe_experts_are_all_resident() -> None:
     w = weight_bytes(m, tp=1, scheme=weight_scheme("bf16"))
     assert w.weights_bytes_per_gpu / 1e9 == pytest.approx(46.7 * 2, rel=0.01)  # 46.7B parameters
     assert m.active_params / 1e9 == pytest.approx(12.9, rel=0.02)  # ~12.9B active (Mistral AI)
+
+
+# --- vLLM's RoPE cos/sin cache (vllm/model_executor/layers/rotary_embedding, 0.32.0) --------------------------
+
+
+def test_rope_cache_is_positions_by_rotary_dim_in_the_model_dtype() -> None:
+    # Llama 3.1 8B: llama3 scaling keeps max_position 131,072; 128 rotary dims; bf16: 32 MiB. The public start-up log
+    # of this model on an RTX 3090 (vllm #10517, tests/sizing/data/engine_logs.json) was 0.031 GiB above the
+    # parameters alone, and is exact with it.
+    assert rope_cache_bytes(catalog_model("meta-llama/Llama-3.1-8B")) == 131072 * 128 * 2
+    assert rope_cache_bytes(catalog_model("meta-llama/Meta-Llama-3-8B")) == 8192 * 128 * 2
+
+
+def test_rope_cache_lengths_follow_the_scaling_type() -> None:
+    base = catalog_model("meta-llama/Meta-Llama-3-8B")
+    yarn = replace(base, rope_scaling=RopeScaling(rope_type="yarn", factor=4.0, original_max_position_embeddings=4096))
+    linear = replace(base, rope_scaling=RopeScaling(rope_type="linear", factor=2.0))
+    longrope = replace(base, rope_scaling=RopeScaling(rope_type="longrope", original_max_position_embeddings=4096))
+    assert rope_cache_bytes(yarn) == 4096 * 4 * 128 * 2  # YaRNScalingRotaryEmbedding: original x factor
+    assert rope_cache_bytes(linear) == 8192 * 2 * 128 * 2  # LinearScalingRotaryEmbedding: max_position x factor
+    assert rope_cache_bytes(longrope) == (4096 + 8192) * 128 * 2  # Phi-3's short and long caches
+    partial = replace(base, partial_rotary_factor=0.25)
+    assert rope_cache_bytes(partial) == 8192 * 32 * 2
+
+
+def test_rope_cache_per_family() -> None:
+    # Qwen3-Next rotates a quarter of its 256-dim heads; Nemotron-H's attention takes no positions; Gemma 3 builds its
+    # local layers' rope beside its scaled global one.
+    nxt = catalog_model("Qwen/Qwen3-Next-80B-A3B-Thinking")
+    assert nxt.partial_rotary_factor == 0.25
+    assert rope_cache_bytes(nxt) == nxt.max_position_embeddings * 64 * 2
+    assert rope_cache_bytes(catalog_model("nvidia/Nemotron-H-56B-Base-8K")) == 0
+    g = catalog_model("google/gemma-3-12b-it")
+    assert g.rope_scaling is not None and g.rope_scaling.factor == 8.0
+    assert rope_cache_bytes(g) == (g.max_position_embeddings * 8 + g.max_position_embeddings) * g.head_dim * 2
