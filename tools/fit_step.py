@@ -42,6 +42,7 @@ FITTED: dict[str, tuple[float, float]] = {
     "step_overhead_s": (1e-4, 0.02),
     "per_seq_overhead_s": (0.0, 2e-4),
     "prefill_step_overhead_s": (0.0, 0.05),
+    "roofline_sharpness": (1.5, 16.0),
 }
 FP8_OVER_BF16_PREFILL = 1.2
 EAGLE3_HEAD = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hf_configs" / "eagle3-llama3.1-8b"

@@ -5,7 +5,8 @@ rewired). Three layers, each usable alone:
 
 1. ``step_time(replica, batch)`` prices one engine step: the prefill chunks it carries (tokens and the
    context position each starts at), the decoding sequences and the KV tokens they read. Per component,
-   ``max(flops / (peak x efficiency), bytes / (bandwidth x efficiency))``::
+   ``max(flops / (peak x efficiency), bytes / (bandwidth x efficiency))``; for the GEMMs a fitted p-norm of the
+   two instead of the max, slower near the ridge point where a kernel reaches neither peak::
 
        linear     dense GEMMs on every token in the step (prefill + decode), weights read once per step;
                   MoE experts read only for the distinct experts the step's tokens touch:
@@ -92,6 +93,7 @@ class StepConstants:
     prefill_step_overhead_s: float  # extra when a step carries prefill (no full CUDA graph for it)
     eager_step_overhead_s: float  # extra per step without CUDA graphs (enforce_eager)
     draft_pass_overhead_s: float  # per drafter pass: its launches, sampling and the proposer's own bookkeeping
+    roofline_sharpness: float = math.inf  # p in (compute^p + memory^p)^(1/p); inf: the hard max
     fitted: tuple[str, ...] = ()  # names the fit set; the rest are priors with their source
     fit_date: str = ""
 
@@ -128,6 +130,7 @@ def constants_from(raw: Mapping[str, Any], *, fitted: Sequence[str] = (), fit_da
         prefill_step_overhead_s=float(v("prefill_step_overhead_s")),
         eager_step_overhead_s=float(v("eager_step_overhead_s")),
         draft_pass_overhead_s=float(v("draft_pass_overhead_s")),
+        roofline_sharpness=float(v("roofline_sharpness")) if "roofline_sharpness" in raw else math.inf,
         fitted=tuple(fitted),
         fit_date=fit_date,
     )
@@ -397,6 +400,17 @@ def expected_expert_fraction(tokens: int, *, experts: int, per_token: int) -> fl
     return 1.0 - (1.0 - per_token / experts) ** tokens
 
 
+def _roofline(compute_s: float, memory_s: float, p: float) -> float:
+    """A GEMM's time from its compute and memory bounds: the hard max where ``p`` is infinite, else the p-norm, which
+    is slower near the ridge point, where a kernel reaches neither peak."""
+    if math.isinf(p):
+        return max(compute_s, memory_s)
+    hi = max(compute_s, memory_s)
+    if hi <= 0:
+        return 0.0
+    return float(hi * ((compute_s / hi) ** p + (memory_s / hi) ** p) ** (1 / p))
+
+
 def step_time(rep: Replica, batch: StepBatch, constants: StepConstants | None = None) -> StepTime:
     c = constants or default_constants()
     t = batch.tokens
@@ -407,13 +421,13 @@ def step_time(rep: Replica, batch: StepBatch, constants: StepConstants | None = 
     dense_flops = rep.dense_flops_per_token * t + rep.lm_head_flops_per_seq * batch.sampled_rows
     dense_c = dense_flops / (rep.peak_flops * gemm)
     dense_m = rep.dense_weight_bytes / (rep.hbm_bytes_per_s * c.weights_bw_eff)
-    linear = max(dense_c, dense_m)
+    linear = _roofline(dense_c, dense_m, c.roofline_sharpness)
     bound = "compute" if dense_c > dense_m else "memory"
     if rep.is_moe:
         frac = expected_expert_fraction(t, experts=rep.num_experts, per_token=rep.experts_per_token)
         moe_c = rep.expert_flops_per_token * t / (rep.peak_flops * gemm * c.moe_compute_factor)
         moe_m = rep.expert_weight_bytes * frac / (rep.hbm_bytes_per_s * c.weights_bw_eff * c.moe_bw_factor)
-        linear += max(moe_c, moe_m)
+        linear += _roofline(moe_c, moe_m, c.roofline_sharpness)
     # Attention: 2 matmuls (QK^T, PV) of 2 FLOPs per element; causal halves the square of a chunk.
     per_pos = 4.0 * rep.attn_layers * rep.attn_dim_per_rank
     attn = 0.0

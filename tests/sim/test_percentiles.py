@@ -4,11 +4,11 @@ simulator replaying the same load: Poisson arrivals at the plan's rate, the plan
 The closed form was shaped on five cases of Llama-3.1-8B on ml.g6e.xlarge and ml.p5.4xlarge (0.56-0.75 of a
 replica's capacity, 1-3 replicas, least-outstanding routing), where it stands at TTFT p50 within 2%, p95 -14%
 to +5%; ITL p50 within 1%, p95 -7% to 0%. The cases below are held apart from those (other models,
-accelerators, lengths and loads), and give: TTFT p50 -2% to +3%, p95 -20% to 0%; ITL p50 within 2%, p95 -7% to
-+1%. Mistral-7B on one g5.2xlarge runs at 0.82 of its slots, where the slot queue dominates: TTFT p95 -15% (4.6 s
-against 5.4 s). It was -51% until the slot queue was priced at the full batch's service time (arrivals wait only
-while every slot is busy, and a full batch turns over slower than the mean one). Bounds: medians within 10% (25%
-in that busy case), p95 within 35%; the p95s lean optimistic, which the bound lets through.
+accelerators, lengths and loads), and give: TTFT p50 -1% to 0%, p95 -21% to 0%; ITL p50 within 1%, p95 -7% to
++1%. Mistral-7B on one g5.2xlarge runs near its slots' capacity, where the slot queue dominates: TTFT p50 +22%, p95
+-8% (5.5 s against 6.0 s). Its p95 was -51% until the slot queue was priced at the full batch's service time
+(arrivals wait only while every slot is busy, and a full batch turns over slower than the mean one). Bounds:
+medians within 10% (25% in that busy case), p95 within 35%; the p95s lean optimistic, which the bound lets through.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ The workload is synthetic on purpose (the Azure traces never lull for 15 minutes
 Poisson arrivals at 3.5 requests/s (planned for a peak of 6), each followed by a 1,000 s lull at 0.2 requests/s,
 on Llama-3.1-8B on g6e (6.5 min from launch to serving), one replica pinned, TTFT 2 s for 80% of requests.
 At the 15-minute floor the fleet scales in 100 s before each burst and relaunches into it (cold start paid,
-queue built: $10.63 over the replay); a 22-minute wait holds the replicas through the lull ($8.98).
+queue built: $10.23 over the replay); a 22-minute wait holds the replicas through the lull ($8.83).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def test_a_longer_wait_is_chosen_when_the_floor_relaunches_after_each_lull(lulls
     assert d.feasible and d.policy.scale_in_wait_s == 1320
     [wait] = [c for c in d.choices if c.setting == "scale_in_wait_s"]
     assert "at the floor 15 min the fleet scales in during lulls and relaunches after" in wait.reason
-    assert f"$10.63 against {d.outcome.cost_text()} over the replay" in wait.reason
+    assert f"$10.23 against {d.outcome.cost_text()} over the replay" in wait.reason
 
 
 def test_a_pinned_wait_is_held_and_what_it_costs_is_reported(lulls: Trace) -> None:

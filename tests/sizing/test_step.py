@@ -77,15 +77,16 @@ def test_fit_errors() -> None:
 def test_check_errors() -> None:
     """Held-out cases. Bounds: median ITL error <= 15% (the old model's 12% held only at low concurrency;
     these run to saturation), TTFT no longer systematically optimistic (signed median within +-20%, the
-    old model was 3-8x low at concurrency 25-128), throughput median <= 10% and worst <= 35% (the prefill-heavy
-    H200 case was 61% fast while a prefill step carried one prompt), nothing off by more than 65%."""
+    old model was 3-8x low at concurrency 25-128), throughput median <= 10% and worst <= 25% (the prefill-heavy
+    H200 case was 61% fast while a prefill step carried one prompt; the 70B decode-heavy rows were 27% fast with a
+    hard-max roofline at the GEMMs' ridge point), nothing off by more than 65%."""
     errs = _errors("check")
     print("CHECK:", _summary(errs))
     assert statistics.median(abs(x) for x in errs["itl_ms"]) <= 0.15
     assert abs(statistics.median(errs["ttft_ms"])) <= 0.20
     assert statistics.median(abs(x) for x in errs["ttft_ms"]) <= 0.40
     assert statistics.median(abs(x) for x in errs["output_tokens_per_s"]) <= 0.10
-    assert max(abs(x) for x in errs["output_tokens_per_s"]) <= 0.35
+    assert max(abs(x) for x in errs["output_tokens_per_s"]) <= 0.25
     worst = max(abs(x) for xs in errs.values() for x in xs)
     assert worst < 0.65
 
@@ -267,6 +268,17 @@ def test_itl_prices_the_prefill_that_shares_the_steps() -> None:
     assert long_prompts.prefill_tokens_per_step == pytest.approx(
         long_prompts.running * 8000 / (long_prompts.prefill_steps + 199), rel=1e-6
     )
+
+
+def test_gemms_near_the_ridge_point_are_slower_than_either_bound() -> None:
+    # The fitted p-norm joins the compute and memory bounds: equal bounds cost 2^(1/p) of either, a bound ten times
+    # the other costs it alone within a few per mille; p infinite is the hard max.
+    p = step.default_constants().roofline_sharpness
+    assert 1.5 < p < 16
+    assert step._roofline(1.0, 1.0, p) == pytest.approx(2 ** (1 / p))
+    assert step._roofline(10.0, 1.0, p) == pytest.approx(10.0, rel=0.01)
+    assert step._roofline(0.3, 2.0, float("inf")) == 2.0
+    assert step._roofline(0.0, 0.0, p) == 0.0
 
 
 def test_a_prefill_step_carries_every_short_prompt_that_starts_in_it() -> None:
