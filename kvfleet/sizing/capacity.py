@@ -232,6 +232,10 @@ def mm_limits(s: EngineSettings) -> dict[str, int]:
     return out
 
 
+# A RoPE cache this large is worth a line in the plan (Llama 4 Scout's 10M positions: 2.5 GiB per GPU).
+_ROPE_NOTE_BYTES = 256 * 1024 * 1024
+
+
 def _vision_weights(
     model: ModelSpec, weights: WeightBreakdown, *, loaded: bool, replicated: bool, scheme: WeightScheme
 ) -> WeightBreakdown:
@@ -819,6 +823,11 @@ def _stage_capacity(
         kv_bytes_per_token=kv.kv_bytes_per_token_per_gpu,
     )
     notes = [profile.note, *budget.notes, *mm_notes]
+    if weights.buffer_bytes >= _ROPE_NOTE_BYTES:
+        notes.append(
+            f"vLLM's RoPE cos/sin cache takes {weights.buffer_bytes / GiB:.2f} GiB per GPU (in the weights): it covers "
+            f"the model's {full.max_position_embeddings:,} positions whatever max_model_len is"
+        )
     if drafter is not None:
         notes.extend(_drafter_notes(drafter))
     if model.quantization is None and (as_checkpoint := checkpoint_note(scheme, engine=s.engine, version=version)):

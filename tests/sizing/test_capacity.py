@@ -202,3 +202,16 @@ def test_example_architecture_capacity_breakdown_is_consistent() -> None:
         assert key in d
     assert d["kv_bytes_per_token_per_gpu"] == 131072
     assert d["kv_cache_dtype"] == KvDtype.AUTO.value
+
+
+def test_a_large_rope_cache_is_named_in_the_notes() -> None:
+    # Llama 4 Scout's 10,485,760 positions x 128 rotary dims x bf16: 2.5 GiB per GPU, whatever max_model_len is
+    # (vLLM sizes the cache by the model's positions; vllm PR 44738 proposed clamping it and was closed).
+    scout = catalog_model("meta-llama/Llama-4-Scout-17B-16E-Instruct")
+    cap = capacity(
+        scout, gpu_memory_bytes=80 * GiB, settings=EngineSettings(tensor_parallel_size=8, max_model_len=8192)
+    )
+    assert cap.weights.buffer_bytes == 10485760 * 128 * 2
+    assert any("RoPE cos/sin cache takes 2.50 GiB per GPU" in n and "10,485,760 positions" in n for n in cap.notes)
+    small = capacity(catalog_model(LLAMA), gpu_memory_bytes=80 * GiB, settings=EngineSettings(max_model_len=8192))
+    assert not any("RoPE" in n for n in small.notes)  # 32 MiB: not worth a line
