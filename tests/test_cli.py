@@ -325,6 +325,17 @@ def test_max_model_len_above_max_position_embeddings(capsys: pytest.CaptureFixtu
     one_error_line(code, err, "max_model_len", "131,073", "max_position_embeddings 131,072", "at most 131,072")
 
 
+def test_an_absurd_position_count_is_named_as_the_rope_cache(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # vLLM builds its RoPE cos/sin cache for every position the config declares, on every rank: a config claiming
+    # 10^12 positions cannot start on any layout, and the hint says why instead of suggesting more parallelism.
+    cfg = write_config(tmp_path, "absurd", json.dumps({**BRIEF_CONFIG, "max_position_embeddings": 10**12}))
+    code, _, err = run(capsys, "capacity", "--model", str(cfg), "--gpu", "H100", "--max-model-len", "8192")
+    line = one_error_line(code, err, "RoPE cache alone takes", "1,000,000,000,000 positions", "max_position_embeddings")
+    assert "tensor_parallel_size" not in line
+
+
 def test_max_model_len_above_local_config_limit(capsys: pytest.CaptureFixture[str], config_dir: Path) -> None:
     code, _, err = run(capsys, "capacity", "--model", str(config_dir), "--gpu", "H100", "--max-model-len", "8193")
     one_error_line(code, err, "max_model_len", "8,192 (max_position_embeddings 8,192)")

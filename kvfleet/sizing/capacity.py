@@ -304,8 +304,17 @@ def resolve_scheme(
     return as_loaded(scheme, engine=engine, version=version)
 
 
-def _memory_hint(model: ModelSpec, tp: int, scheme: WeightScheme, requested: int, runtime: int) -> str:
-    """The nearest change that leaves room: more tensor parallelism, else a 4-bit checkpoint."""
+def _memory_hint(
+    model: ModelSpec, tp: int, scheme: WeightScheme, requested: int, runtime: int, *, buffer: int = 0
+) -> str:
+    """The nearest change that leaves room: more tensor parallelism, else a 4-bit checkpoint. ``buffer``: what every
+    rank holds whole whatever the parallelism (vLLM's RoPE cache)."""
+    if buffer + runtime >= requested * 0.8:
+        return (
+            f"vLLM's RoPE cache alone takes {buffer / GiB:.2f} GiB on every GPU whatever the parallelism: it covers "
+            f"the model's {model.max_position_embeddings:,} positions (max_position_embeddings); check that value"
+        )
+    runtime += buffer
     heads = model.num_attention_heads
     for larger in (d for d in range(tp + 1, 65) if heads % d == 0):
         try:
@@ -840,7 +849,7 @@ def _stage_capacity(
         problems.append(
             f"no memory left for the KV cache: weights + activations + runtime need {need:.2f} GiB per GPU, "
             f"{budget.requested / GiB:.2f} GiB available; "
-            f"{_memory_hint(full, tp, scheme, budget.requested, runtime)}"
+            f"{_memory_hint(full, tp, scheme, budget.requested, runtime, buffer=weights.buffer_bytes)}"
         )
         kv_bytes = 0
 
