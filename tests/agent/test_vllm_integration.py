@@ -354,8 +354,9 @@ def test_hostile_bodies_are_400_in_front_of_the_real_engine(agent: AgentProcess)
 
 def test_saturated_cache_and_queue_show_in_prometheus_and_emf(agent: AgentProcess) -> None:
     # Long enough that the cache stays full across several of the agent's one-second publications: at 200 tokens a
-    # fast CPU ran the burst in about three, and one sample saw 27 of the 31 blocks.
-    tokens = 400
+    # fast CPU ran the burst in about three seconds and one sample saw 27 of the 31 blocks; at 400, 3-5 s, and once in
+    # a full run no sample saw more than 12. At 800 the burst lasts 9-12 s here.
+    tokens = 800
 
     async def go() -> tuple[list[dict[str, Any]], float, float]:
         peak_cache = peak_waiting = 0.0
