@@ -215,7 +215,7 @@ def test_bench_sweep_against_the_real_engine_through_the_agent(agent: AgentProce
 
     model, levels, capacity = run(
         run_concurrency(
-            Endpoint(url=agent.url), concurrencies=[1, 4], requests_per_level=4, prompt_tokens=48, output_tokens=12
+            Endpoint(url=agent.url), concurrencies=[1, 4], requests_per_level=4, prompt_tokens=48, output_tokens=64
         )
     )
     assert model == "tiny"
@@ -226,11 +226,12 @@ def test_bench_sweep_against_the_real_engine_through_the_agent(agent: AgentProce
     for lv in levels:
         assert all(r.ok for r in lv.results), [r.error for r in lv.results]
         for r in lv.results:
-            assert r.usage_prompt_tokens == 48 and r.output_tokens == 12
-            # vLLM streams one chunk per decode step: 12 tokens, 11 gaps. Its RequestOutputCollector merges the deltas
-            # a slow reader has not taken yet (v1/engine/output_processor.py), so on a loaded host one chunk may carry
-            # several tokens: fewer gaps, never more, and still more than one.
-            assert 2 <= len(r.itl_s) <= 11
+            assert r.usage_prompt_tokens == 48 and r.output_tokens == 64
+            # vLLM streams one chunk per decode step: 64 tokens, 63 gaps. Its RequestOutputCollector merges the deltas
+            # a slow reader has not taken yet (v1/engine/output_processor.py): this tiny model makes a token in about a
+            # millisecond on a fast host, faster than its API server streams them, and 12 tokens once came in 2 chunks.
+            # So fewer gaps, never more, and at 64 tokens still several.
+            assert 3 <= len(r.itl_s) <= 63, len(r.itl_s)
         row = summarize(lv)
         assert row["completed"] == 4 and row["ttft_s"] is not None and row["itl_s"] is not None
         # The lag is measured and reported. Not a speed target (those are benchmarks): on 2 cores shared with the
