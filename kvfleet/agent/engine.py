@@ -430,6 +430,10 @@ class EngineSupervisor:
     def _is_running(p: Proc) -> bool:
         _reap(p.pid)  # an orphan parented here turns into a zombie until reaped
         now = read_proc(p.pid)
+        if now is not None and now.start == p.start and not now.alive:
+            # It exited between the reap and the read: reap it now, or nothing looks at it again and the zombie
+            # stays parented here (a full run once found one beside the restarted engine).
+            _reap(p.pid)
         return now is not None and now.start == p.start and now.alive
 
     @classmethod

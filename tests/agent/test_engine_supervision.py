@@ -452,3 +452,27 @@ def test_the_gpu_release_wait_is_read_from_its_contract_variable() -> None:
     assert from_env({**base, contract.ENV_GPU_RELEASE_TIMEOUT_S: "0"}).gpu_release_timeout_s == 0.0
     with pytest.raises(SettingsError, match=f"^{contract.ENV_GPU_RELEASE_TIMEOUT_S}: "):
         from_env({**base, contract.ENV_GPU_RELEASE_TIMEOUT_S: "soon"})
+
+
+def test_a_process_that_dies_between_the_reap_and_the_read_is_reaped_anyway(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The sweep asks "still running?" by reaping (WNOHANG), then reading /proc. A process that exits between the two
+    # reads as a zombie; unless it is reaped then, nothing looks at it again and it stays parented to the agent.
+    child = subprocess.Popen(["sleep", "0.3"])
+    seen = engine.read_proc(child.pid)
+    assert seen is not None and seen.alive
+    deadline = time.monotonic() + 10
+    while (now := engine.read_proc(child.pid)) is not None and now.alive:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    calls: list[int] = []
+    real = engine._reap
+
+    def late_reap(pid: int) -> None:  # the first reap comes before the exit
+        calls.append(pid)
+        if len(calls) > 1:
+            real(pid)
+
+    monkeypatch.setattr(engine, "_reap", late_reap)
+    assert not EngineSupervisor._is_running(seen)
+    assert engine.read_proc(child.pid) is None  # reaped: no zombie left
+    child.returncode = 0  # already collected above; keep Popen from waiting on it
