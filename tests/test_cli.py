@@ -334,6 +334,11 @@ def test_an_absurd_position_count_is_named_as_the_rope_cache(
     code, _, err = run(capsys, "capacity", "--model", str(cfg), "--gpu", "H100", "--max-model-len", "8192")
     line = one_error_line(code, err, "RoPE cache alone takes", "1,000,000,000,000 positions", "max_position_embeddings")
     assert "tensor_parallel_size" not in line
+    # A linear scaling factor lengthens the cache the same way (LinearScalingRotaryEmbedding: positions x factor).
+    scaled = {**BRIEF_CONFIG, "rope_scaling": {"rope_type": "linear", "factor": 1e6}}
+    cfg = write_config(tmp_path, "scaled", json.dumps(scaled))
+    code, _, err = run(capsys, "capacity", "--model", str(cfg), "--gpu", "H100", "--max-model-len", "8192")
+    one_error_line(code, err, "RoPE cache alone takes", "8,192,000,000 positions", "max_position_embeddings 8,192")
 
 
 def test_max_model_len_above_local_config_limit(capsys: pytest.CaptureFixture[str], config_dir: Path) -> None:

@@ -27,7 +27,14 @@ from kvfleet.sizing.engines import (
     trtllm_profiling_requests,
     vllm_batch_defaults,
 )
-from kvfleet.sizing.memory import KvLayout, WeightBreakdown, kv_layout, rope_cache_bytes, weight_bytes
+from kvfleet.sizing.memory import (
+    KvLayout,
+    WeightBreakdown,
+    kv_layout,
+    rope_cache_bytes,
+    rope_cache_positions,
+    weight_bytes,
+)
 from kvfleet.sizing.models import AttentionKind, ContextLimit, ModelSpec, config_overrides, context_limit
 from kvfleet.sizing.parallel import Layout, check_layout, pp_partition
 from kvfleet.sizing.precision import KvDtype, Part, WeightScheme, weight_scheme
@@ -312,7 +319,8 @@ def _memory_hint(
     if buffer + runtime >= requested * 0.8:
         return (
             f"vLLM's RoPE cache alone takes {buffer / GiB:.2f} GiB on every GPU whatever the parallelism: it covers "
-            f"the model's {model.max_position_embeddings:,} positions (max_position_embeddings); check that value"
+            f"{rope_cache_positions(model):,} positions (max_position_embeddings {model.max_position_embeddings:,} "
+            "and the rope scaling); check those values"
         )
     runtime += buffer
     heads = model.num_attention_heads
@@ -835,7 +843,7 @@ def _stage_capacity(
     if weights.buffer_bytes >= _ROPE_NOTE_BYTES:
         notes.append(
             f"vLLM's RoPE cos/sin cache takes {weights.buffer_bytes / GiB:.2f} GiB per GPU (in the weights): it covers "
-            f"the model's {full.max_position_embeddings:,} positions whatever max_model_len is"
+            f"the model's {rope_cache_positions(full):,} positions whatever max_model_len is"
         )
     if drafter is not None:
         notes.extend(_drafter_notes(drafter))

@@ -252,6 +252,13 @@ def rope_cache_bytes(model: ModelSpec, dtype_bytes: int = 2) -> int:
         rotary_dim = model.mla.qk_rope_head_dim  # MLA rotates only its decoupled RoPE key
     else:
         rotary_dim = int(model.head_dim * model.partial_rotary_factor)
+    return rope_cache_positions(model) * rotary_dim * dtype_bytes
+
+
+def rope_cache_positions(model: ModelSpec) -> int:
+    """The positions vLLM's RoPE caches hold together (``rope_cache_bytes``); 0 where the model has no rope."""
+    if model.model_type in _NO_ROPE or model.attention_layers == 0:
+        return 0
     rope = model.rope_scaling
     kind = rope.rope_type if rope is not None else "default"
     factor = (rope.factor if rope is not None else None) or 1.0
@@ -271,7 +278,7 @@ def rope_cache_bytes(model: ModelSpec, dtype_bytes: int = 2) -> int:
     caches = [positions]
     if model.model_type in ("gemma3", "gemma3_text"):
         caches.append(max_pos)  # the sliding layers' rope: its own base, no scaling
-    return sum(caches) * rotary_dim * dtype_bytes
+    return sum(caches)
 
 
 def weight_bytes(
