@@ -124,19 +124,19 @@ def eagle3_replica(k: int, tau: float, acc: str = "H100") -> step.Replica:
     )
 
 
+def _bs1_tpot_ms(rep: step.Replica, raw: dict[str, Any]) -> float:
+    """The model's TPOT of one request alone on MT-bench-like lengths (about 100 in, 256 out), as vllm#20780 ran."""
+    wl = step.Workload(input_tokens=100, output_tokens=256, concurrency=1)
+    lim = step.Limits(max_num_batched_tokens=8192, max_running=1)
+    return step.steady_state(rep, wl, limits=lim, constants=step.constants_from(raw)).itl_s * 1e3
+
+
 def eagle3_tpot_errors(raw: dict[str, Any], ks: tuple[int, ...]) -> dict[int, float]:
-    """Predicted / measured - 1 of vllm#20780's batch-1 TPOT with EAGLE-3 at each K (MT-bench: 100 in, 256 out)."""
+    """Predicted / measured - 1 of vllm#20780's batch-1 TPOT with EAGLE-3 at each K."""
     data = acceptance_data()
     measured = data["checks"]["vllm_20780_bs1"]["tpot_ms"]
     taus = data["defaults"]["eagle3"]["by_num_speculative_tokens"]
-    consts = step.constants_from(raw)
-    wl = step.Workload(input_tokens=100, output_tokens=256, concurrency=1)
-    lim = step.Limits(max_num_batched_tokens=8192, max_running=1)
-    out = {}
-    for k in ks:
-        rep = eagle3_replica(k, float(taus[str(k)]))
-        out[k] = step.steady_state(rep, wl, limits=lim, constants=consts).itl_s * 1e3 / measured[f"eagle3_k{k}"] - 1
-    return out
+    return {k: _bs1_tpot_ms(eagle3_replica(k, float(taus[str(k)])), raw) / measured[f"eagle3_k{k}"] - 1 for k in ks}
 
 
 def vanilla_tpot_error(raw: dict[str, Any]) -> float:
@@ -145,10 +145,7 @@ def vanilla_tpot_error(raw: dict[str, Any]) -> float:
     measured = acceptance_data()["checks"]["vllm_20780_bs1"]["tpot_ms"]["vanilla"]
     m = catalog_model("meta-llama/Llama-3.1-8B-Instruct")
     rep = step.replica(model=m, accelerator=accelerator("H100"), tp=1, nvlink=True, scheme=m.native_scheme)
-    wl = step.Workload(input_tokens=100, output_tokens=256, concurrency=1)
-    lim = step.Limits(max_num_batched_tokens=8192, max_running=1)
-    itl = step.steady_state(rep, wl, limits=lim, constants=step.constants_from(raw)).itl_s
-    return float(itl * 1e3 / measured - 1)
+    return float(_bs1_tpot_ms(rep, raw) / measured - 1)
 
 
 def fit_draft_pass(raw: dict[str, Any]) -> dict[str, Any]:

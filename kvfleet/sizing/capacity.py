@@ -40,7 +40,7 @@ from kvfleet.sizing.parallel import Layout, check_layout, pp_partition
 from kvfleet.sizing.precision import KvDtype, Part, WeightScheme, weight_scheme
 from kvfleet.sizing.quantization import as_loaded, checkpoint_note, checkpoint_refusal, scheme_refusal
 from kvfleet.sizing.speculative import Drafter, Speculative, resolve_drafter
-from kvfleet.sizing.units import GiB, cdiv
+from kvfleet.sizing.units import GiB, MiB, cdiv
 
 # vllm/config/cache.py: BlockSize = Literal[1, 8, 16, 32, 64, 128] on CUDA (hybrid models may pick larger).
 VLLM_BLOCK_SIZES = frozenset({1, 8, 16, 32, 64, 128, 256})
@@ -240,7 +240,7 @@ def mm_limits(s: EngineSettings) -> dict[str, int]:
 
 
 # A RoPE cache this large is worth a line in the plan (Llama 4 Scout's 10M positions: 2.5 GiB per GPU).
-_ROPE_NOTE_BYTES = 256 * 1024 * 1024
+_ROPE_NOTE_BYTES = 256 * MiB
 
 
 def _vision_weights(

@@ -246,8 +246,6 @@ def rope_cache_bytes(model: ModelSpec, dtype_bytes: int = 2) -> int:
     max_position), the rest max_position; Gemma 3 builds two, its local layers' unscaled one and its global layers'.
     The length is the model's, not ``max_model_len``: vllm-project/vllm PR 44738 (closed unmerged) proposed clamping it
     and measured what that would save (224 MB for Qwen3-VL at 32k). Llama 4 Scout's 10M positions make 2.5 GiB."""
-    if model.model_type in _NO_ROPE or model.attention_layers == 0:
-        return 0
     if model.mla is not None:
         rotary_dim = model.mla.qk_rope_head_dim  # MLA rotates only its decoupled RoPE key
     else:

@@ -130,7 +130,7 @@ def constants_from(raw: Mapping[str, Any], *, fitted: Sequence[str] = (), fit_da
         prefill_step_overhead_s=float(v("prefill_step_overhead_s")),
         eager_step_overhead_s=float(v("eager_step_overhead_s")),
         draft_pass_overhead_s=float(v("draft_pass_overhead_s")),
-        roofline_sharpness=float(v("roofline_sharpness")) if "roofline_sharpness" in raw else math.inf,
+        roofline_sharpness=float(v("roofline_sharpness")),
         fitted=tuple(fitted),
         fit_date=fit_date,
     )
@@ -1089,7 +1089,8 @@ def cases() -> tuple[Case, ...]:
                 input_tokens=int(raw["isl"]),
                 output_tokens=int(raw["osl"]),
                 concurrency=raw.get("concurrency"),
-                max_num_tokens=int(raw.get("max_num_tokens", 0)),
+                # trtllm-bench cases get theirs from the tool's rule below; every other case states it.
+                max_num_tokens=0 if raw.get("settings") == "trtllm-bench" else int(raw["max_num_tokens"]),
                 max_running=raw.get("max_running"),
                 kv_cache_tokens=raw.get("kv_cache_tokens"),
                 max_batch_size=int(raw.get("max_batch_size", 2048)),
@@ -1106,12 +1107,11 @@ def _with_bench_settings(case: Case, *, device_memory_mib: int) -> Case:
     """The batch and token limits ``trtllm-bench throughput`` derived for the case's dataset (uniform lengths), where
     its source ran trtllm-bench without setting them (``trtllm_bench.engine_settings``)."""
     model = catalog_model(case.model)
-    scheme = weight_scheme(case.weights)
     bench = trtllm_bench.engine_settings(
         param_count=model.total_params,
-        weight_bytes=1.0 if scheme.name == "fp8" else 2.0,
-        kv_bytes_per_elem=1.0 if case.kv_cache_dtype == "fp8" else 2.0,
-        attention_layers=model.num_layers,
+        weight_bytes=trtllm_bench.bytes_per_elem(case.weights),
+        kv_bytes_per_elem=trtllm_bench.bytes_per_elem(case.kv_cache_dtype),
+        attention_layers=model.num_layers,  # num_attention_layers defaults to num_hidden_layers
         num_kv_heads=model.num_kv_heads,
         head_dim=model.head_dim,
         device_memory_bytes=device_memory_mib * 1024 * 1024,

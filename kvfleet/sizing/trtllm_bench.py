@@ -23,9 +23,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-GIB = 1024**3
+from kvfleet.sizing.units import GiB
+
 MAX_REQUESTS = 4096  # "Cap total batch size to avoid decoder buffer size becoming too large."
 MAX_TOKENS = 32768  # "Cap num tokens to avoid TRT activation buffer becoming too large."
+# tuning.py BYTES_PER_ELEM by quantization algorithm, for the weights and the KV cache alike; any other is 2 bytes.
+BYTES_PER_ELEM = {"fp8": 1.0, "fp8_block_scales": 1.0, "nvfp4": 0.5}
+# finetune_setting's bands: below each bound, round up to that step; past the last, the last step.
+BATCH_BANDS = ((256, 32), (1024, 128), (math.inf, 256))
+TOKEN_BANDS = ((4096, 256), (8192, 512), (math.inf, 1024))
+BATCH_FLOOR = 64  # "Set min BS to be 64."
+TOKEN_FLOOR = 2048  # "Set min to 2048 to ensure Ctx/Gen overlap efficiency"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,23 +43,22 @@ class BenchSettings:
     kv_cache_max_requests: float  # what trtllm-bench's own estimate says the cache holds
 
 
+def bytes_per_elem(quant_algo: str | None) -> float:
+    """What trtllm-bench assumes one weight or KV element takes under ``quant_algo`` (None: unquantized)."""
+    return BYTES_PER_ELEM.get((quant_algo or "").lower(), 2.0)
+
+
+def _banded(value: float, bands: tuple[tuple[float, int], ...], floor: int) -> int:
+    step = next(step for bound, step in bands if value < bound)
+    return max(floor, step * math.ceil(value / step))
+
+
 def finetune(kv_cache_max_requests: float, input_len: float, output_len: float, pp: int = 1) -> tuple[int, int]:
-    """``finetune_setting`` with optimistic tuning (every model that is not a Mamba hybrid): (batch, tokens)."""
+    """``finetune_setting`` with optimistic tuning (every model that is not a Mamba hybrid): (batch, tokens). Only
+    the smallest band has a floor in the source; the larger bands start above it, so one floor per rule is the same."""
     raw_bs = min(kv_cache_max_requests, MAX_REQUESTS) / pp
     raw_token = min(raw_bs * (1 + input_len / output_len), MAX_TOKENS)
-    if raw_bs < 256:
-        max_bs = max(64, 32 * math.ceil(raw_bs / 32))
-    elif raw_bs < 1024:
-        max_bs = 128 * math.ceil(raw_bs / 128)
-    else:
-        max_bs = 256 * math.ceil(raw_bs / 256)
-    if raw_token < 4096:
-        max_token = max(2048, 256 * math.ceil(raw_token / 256))
-    elif raw_token < 8192:
-        max_token = 512 * math.ceil(raw_token / 512)
-    else:
-        max_token = 1024 * math.ceil(raw_token / 1024)
-    return max_bs, max_token
+    return _banded(raw_bs, BATCH_BANDS, BATCH_FLOOR), _banded(raw_token, TOKEN_BANDS, TOKEN_FLOOR)
 
 
 def engine_settings(
@@ -73,9 +80,9 @@ def engine_settings(
 ) -> BenchSettings:
     """``get_settings`` for a dense model (``device_memory_bytes``: NVML's total of one GPU)."""
     kv_heads = max(tp, num_kv_heads)  # "Each GPU in TP group has at least 1 kv head"
-    gib_per_token = 2 * attention_layers * kv_heads * head_dim * kv_bytes_per_elem / GIB
-    engine_gib = param_count * weight_bytes / GIB
-    available_gib = device_memory_bytes / GIB * tp * pp - engine_gib
+    gib_per_token = 2 * attention_layers * kv_heads * head_dim * kv_bytes_per_elem / GiB
+    engine_gib = param_count * weight_bytes / GiB
+    available_gib = device_memory_bytes / GiB * tp * pp - engine_gib
     requests = available_gib * kv_cache_fraction / (gib_per_token * (avg_isl + avg_osl))
     max_bs, max_tokens = finetune(requests, avg_isl, avg_osl, pp)
     if not chunked_prefill:

@@ -8,9 +8,15 @@ import pytest
 
 from kvfleet.sizing import step
 from kvfleet.sizing.catalog import catalog_model
-from kvfleet.sizing.trtllm_bench import engine_settings, finetune
+from kvfleet.sizing.trtllm_bench import bytes_per_elem, engine_settings, finetune
 
 H100_NVML_BYTES = 81559 * 1024 * 1024  # nvidia-smi's total for an H100 80GB HBM3
+
+
+def test_bytes_per_element_follow_the_quantization_algorithm() -> None:
+    assert bytes_per_elem("fp8") == bytes_per_elem("FP8_BLOCK_SCALES") == 1.0
+    assert bytes_per_elem("nvfp4") == 0.5
+    assert bytes_per_elem(None) == bytes_per_elem("bf16") == bytes_per_elem("w4a16") == 2.0  # not in its table
 
 
 def test_batch_rounding_by_band() -> None:
