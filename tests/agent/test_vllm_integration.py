@@ -432,6 +432,9 @@ def test_sigterm_drains_ten_streams_then_exits_zero(agent: AgentProcess) -> None
     # The engine may have been restarted by an earlier test: its new forward pass yields too, or the agent's drain
     # could wait behind it until every stream had ended.
     yield_forward_pass()
+    # Read before the streams start, so nothing synchronous runs between the first tokens and the SIGTERM.
+    [engine] = agent.engine_pids()
+    tree = process_tree(engine)
 
     async def go() -> dict[str, Any]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
@@ -453,35 +456,38 @@ def test_sigterm_drains_ten_streams_then_exits_zero(agent: AgentProcess) -> None
             # Signal as soon as every stream has its first token, however fast this machine decodes: a fixed
             # sleep lets a fast machine finish the generations before the drain begins.
             await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 120)
-            assert not any(t.done() for t in tasks), "generations finished before the drain began"
-            [engine] = agent.engine_pids()
-            tree = process_tree(engine)
-            t0 = time.monotonic()
-            agent.proc.send_signal(signal.SIGTERM)
-            # How many generations were still running when readiness first read 503: the drain must take the pod out
-            # of rotation as it starts, not once the streams have ended. (Counted, not timed: the clients, the agent
-            # and vLLM share the cores, so wall-clock bounds flake under load.)
-            ping_503_running = None
-            while ping_503_running is None and time.monotonic() - t0 < 60:
-                async with http.get(agent.url + "/ping") as p:
-                    if p.status == 503:
-                        ping_503_running = sum(not t.done() for t in tasks)
-                await asyncio.sleep(0.05)
-            new = await stream_completion(http, agent.url, model="tiny", max_tokens=5)
+            # Hold the engine (SIGSTOP to its process group) from the first tokens until readiness reads 503: the
+            # ten generations then still run when it does, however fast this CPU decodes and however long the
+            # shared cores keep the agent or this client waiting (CI once saw all ten end, 1.2 s of decoding here,
+            # before its first probe). The agent keeps running; the streams resume where they stopped.
+            os.killpg(engine, signal.SIGSTOP)
+            try:
+                assert not any(t.done() for t in tasks), "generations finished before the drain began"
+                t0 = time.monotonic()
+                agent.proc.send_signal(signal.SIGTERM)
+                # (seconds after the SIGTERM, status, generations still running) per readiness probe, until a 503:
+                # the drain must take the pod out of rotation as it starts, not once the streams have ended.
+                pings: list[tuple[float, int, int]] = []
+                while (not pings or pings[-1][1] != 503) and time.monotonic() - t0 < 60:
+                    async with http.get(agent.url + "/ping") as p:
+                        pings.append((round(time.monotonic() - t0, 3), p.status, sum(not t.done() for t in tasks)))
+                    await asyncio.sleep(0.05)
+                new = await stream_completion(http, agent.url, model="tiny", max_tokens=5)
+            finally:
+                os.killpg(engine, signal.SIGCONT)
             results = await asyncio.gather(*tasks)
             code = await asyncio.to_thread(agent.proc.wait, DRAIN_BUDGET_S + 60)
             return {
-                "ping": ping_503_running,
+                "pings": pings,
                 "new": new,
                 "results": results,
                 "code": code,
                 "t": time.monotonic() - t0,
-                "tree": tree,
                 "left": running(tree),
             }
 
     out = run(go())
-    assert out["ping"] == 10, out["ping"]
+    assert out["pings"] and out["pings"][-1][1:] == (503, 10), out["pings"]
     assert out["new"]["status"] == 503 and out["new"]["headers"].get("Retry-After")
     for r in out["results"]:
         assert r["status"] == 200 and r["done"] and r["finish"] == ["length"] and not r["errors"]
@@ -492,7 +498,10 @@ def test_sigterm_drains_ten_streams_then_exits_zero(agent: AgentProcess) -> None
     assert out["code"] == 0
     assert out["t"] < DRAIN_BUDGET_S
     # The agent has exited, and nothing of its engine runs: not the API server, EngineCore or its worker.
-    assert len(out["tree"]) >= 3 and out["left"] == [], out["tree"]
+    assert len(tree) >= 3 and out["left"] == [], tree
+    # The agent's own count at the drain's start: all ten were in flight, and all ten completed.
+    log = agent.stderr.read_text(errors="replace")
+    assert "draining: 10 request(s) in flight" in log and "drained: every in-flight request completed" in log
 
 
 def test_an_agent_killed_with_sigkill_takes_its_engine_with_it(
