@@ -190,9 +190,23 @@ def report(raw: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--write", action="store_true", help="store the fitted constants in the data file")
+    ap.add_argument(
+        "--evaluate",
+        metavar="WHY",
+        help="no fit: report the stored constants' errors under the model as it is now, and with --write store them "
+        "beside the fit they came from, with WHY (a change to the model that was not refitted, and the reason)",
+    )
     args = ap.parse_args()
     data = json.loads(DATA.read_text(encoding="utf-8"))
     raw = data["constants"]
+    if args.evaluate:
+        summary = report(raw)
+        print(json.dumps(summary, indent=1))
+        if args.write:
+            data["fit"]["evaluated"] = {"date": date.today().isoformat(), "why": args.evaluate, "errors": summary}
+            DATA.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+            print(f"wrote {DATA}", file=sys.stderr)
+        return 0
     # Restart the descent from its own result until it stops moving: the loss has a flat valley (per-step and
     # prefill-step overheads trade against each other), and one descent from the stored values can end short of it.
     for _ in range(20):

@@ -208,3 +208,15 @@ def test_the_stored_drafter_overhead_is_what_the_tool_fits_on_the_even_k() -> No
     )
     check = {f"k{k}": round(e, 3) for k, e in tool.eagle3_tpot_errors(stored["constants"], tool.DRAFT_CHECK_K).items()}
     assert check == stored["fit"]["errors"]["check"]["eagle3_tpot_ms"]
+
+
+def test_the_stored_error_report_is_what_the_model_gives_now() -> None:
+    """The newest error report in step_calibration.json (the fit's, or a later re-evaluation's after a change to the
+    model that was not refitted) is what tools/fit_step.py reports for the stored constants under the model as it is."""
+    spec = importlib.util.spec_from_file_location("fit_step", ROOT / "tools" / "fit_step.py")
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    stored = step_calibration()
+    newest = stored["fit"].get("evaluated", stored["fit"])
+    assert newest["errors"] == tool.report(copy.deepcopy(stored["constants"]))

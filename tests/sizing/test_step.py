@@ -288,17 +288,21 @@ def test_a_prefill_step_carries_every_short_prompt_that_starts_in_it() -> None:
     rep = _rep("meta-llama/Llama-3.1-8B-Instruct", "H100")
     lim = Limits(max_num_batched_tokens=16384, max_running=256)
     s = steady_state(rep, Workload(input_tokens=2048, output_tokens=128, concurrency=256), limits=lim)
-    one = step.engine_step_s(
-        rep,
-        StepBatch(
-            prefill=(PrefillChunk(tokens=2048, start=0),),
+
+    def carrying(prompts: int) -> float:
+        chunks = (PrefillChunk(tokens=2048, start=0),) * prompts
+        decodes = StepBatch(
+            prefill=chunks,
             decode_seqs=round(s.decodes_per_step),
             decode_kv_tokens=int(s.decodes_per_step * (2048 + 127 / 2)),
-        ),
-    )
+        )
+        return step.engine_step_s(rep, decodes)
+
     assert s.prefill_tokens_per_step == pytest.approx(2 * 2048)
     assert s.prefill_step_share == pytest.approx(1.0)
-    assert s.prefill_step_s > 1.5 * one
+    # The step priced is the one with both prompts, which costs clearly more than one prompt's.
+    assert s.prefill_step_s == pytest.approx(carrying(2), rel=1e-9)
+    assert carrying(2) > 1.3 * carrying(1)
 
 
 def test_open_loop_queueing_grows_to_overload() -> None:
