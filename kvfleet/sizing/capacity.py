@@ -311,16 +311,21 @@ def resolve_scheme(
     return as_loaded(scheme, engine=engine, version=version)
 
 
+# A change the hint proposes must leave a fifth of the memory free for the KV cache and the activations.
+_HINT_FILL = 0.8
+
+
 def _memory_hint(
     model: ModelSpec, tp: int, scheme: WeightScheme, requested: int, runtime: int, *, buffer: int = 0
 ) -> str:
     """The nearest change that leaves room: more tensor parallelism, else a 4-bit checkpoint. ``buffer``: what every
     rank holds whole whatever the parallelism (vLLM's RoPE cache)."""
-    if buffer + runtime >= requested * 0.8:
+    if buffer + runtime >= requested * _HINT_FILL:
         return (
             f"vLLM's RoPE cache alone takes {buffer / GiB:.2f} GiB on every GPU whatever the parallelism: it covers "
             f"{rope_cache_positions(model):,} positions (max_position_embeddings {model.max_position_embeddings:,} "
-            "and the rope scaling); check those values"
+            "and the rope scaling); correct those values in the model's config or --rope-scaling, or, if they are "
+            f"right, use a GPU with more than {(buffer + runtime) / _HINT_FILL / GiB:.0f} GiB"
         )
     runtime += buffer
     heads = model.num_attention_heads
@@ -329,11 +334,11 @@ def _memory_hint(
             w = weight_bytes(model, tp=larger, scheme=scheme).weights_bytes_per_gpu
         except SizingError:
             continue
-        if w + runtime < requested * 0.8:
+        if w + runtime < requested * _HINT_FILL:
             return f"at tensor_parallel_size {larger} the weights take {w / GiB:.2f} GiB per GPU"
     if scheme.weight_bits > 4:
         w4 = weight_bytes(model, tp=tp, scheme=weight_scheme("awq")).weights_bytes_per_gpu
-        if w4 + runtime < requested * 0.8:
+        if w4 + runtime < requested * _HINT_FILL:
             return f"a 4-bit checkpoint (awq/gptq) takes {w4 / GiB:.2f} GiB per GPU"
     return "use a GPU with more memory or more GPUs"
 

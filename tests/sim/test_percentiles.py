@@ -65,6 +65,23 @@ def _simulated(c: Candidate, req: PlanRequest, rate: float) -> tuple[float, floa
     return report.ttft_s.p50, report.ttft_s.p95, report.itl_s.p50, report.itl_s.p95
 
 
+def _planned(case: tuple[str, str, int, int, int, float]) -> tuple[PlanRequest, Candidate]:
+    """The plan for (model, instance, prompt, output, concurrency per replica, requests/s for the fleet)."""
+    model, instance, prompt, output, concurrency, rate = case
+    req = PlanRequest(
+        model=catalog_model(model),
+        workload=Workload(
+            max_input_tokens=prompt,
+            max_output_tokens=output,
+            concurrency_per_replica=concurrency,
+            peak_requests_per_s=rate,
+        ),
+        hosting=TARGETS["ec2"].hosting,  # least-outstanding routing, which the simulated router does
+        instance_types=(instance,),
+    )
+    return req, plan(req).best
+
+
 # model, instance, prompt, output, concurrency per replica, requests/s for the fleet, median bound
 CHECK = [
     ("Qwen/Qwen2.5-7B", "g6.xlarge", 1000, 200, 16, 1.2, 0.10),
@@ -77,19 +94,8 @@ CHECK = [
 
 @pytest.mark.parametrize("case", CHECK, ids=[f"{c[0].split('/')[1]}-{c[1]}" for c in CHECK])
 def test_planned_percentiles_agree_with_the_simulated_fleet(case: tuple[str, str, int, int, int, float, float]) -> None:
-    model, instance, prompt, output, concurrency, rate, median = case
-    req = PlanRequest(
-        model=catalog_model(model),
-        workload=Workload(
-            max_input_tokens=prompt,
-            max_output_tokens=output,
-            concurrency_per_replica=concurrency,
-            peak_requests_per_s=rate,
-        ),
-        hosting=TARGETS["ec2"].hosting,  # least-outstanding routing, which the simulated router does
-        instance_types=(instance,),
-    )
-    c = plan(req).best
+    model, instance, *_, rate, median = case
+    req, c = _planned(case[:6])
     assert c.planned_requests_per_s == pytest.approx(rate / c.replicas)
     q = latency_percentiles(c.planned_load)
     ttft50, ttft95, itl50, itl95 = _simulated(c, req, rate)
@@ -111,19 +117,8 @@ LONG = [
 
 @pytest.mark.parametrize("case", LONG, ids=[f"{c[0].split('/')[1]}-{c[2]}" for c in LONG])
 def test_long_prompts_queue_for_the_budget_as_the_simulator_does(case: tuple[str, str, int, int, int, float]) -> None:
-    model, instance, prompt, output, concurrency, rate = case
-    req = PlanRequest(
-        model=catalog_model(model),
-        workload=Workload(
-            max_input_tokens=prompt,
-            max_output_tokens=output,
-            concurrency_per_replica=concurrency,
-            peak_requests_per_s=rate,
-        ),
-        hosting=TARGETS["ec2"].hosting,
-        instance_types=(instance,),
-    )
-    c = plan(req).best
+    prompt, rate = case[2], case[5]
+    req, c = _planned(case)
     assert c.replicas == 1 and c.capacity.max_num_batched_tokens < 2 * prompt  # one prompt to a step
     q = latency_percentiles(c.planned_load)
     ttft50, ttft95, _, _ = _simulated(c, req, rate)

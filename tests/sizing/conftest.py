@@ -1,10 +1,26 @@
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 
 from kvfleet.sizing.models import ModelSpec, parse_hf_config
+
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+
+
+def load_tool(name: str) -> ModuleType:
+    """A script of tools/ as a module: they run as files, not as part of the package."""
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses in the tool look their module up by name
+    spec.loader.exec_module(module)
+    return module
 
 
 def llama_config(**overrides: Any) -> dict[str, Any]:

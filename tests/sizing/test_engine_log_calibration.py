@@ -8,29 +8,14 @@ them, rounded up: a change that makes a CHECK record worse fails here.
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
 from kvfleet.sizing.engines import ACTIVATIONS, EngineName, parse_version
+from tests.sizing.conftest import load_tool
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fit_engine_logs", ROOT / "tools" / "fit_engine_logs.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-TOOL = _tool()
+TOOL = load_tool("fit_engine_logs")
 RECORDS: list[dict[str, Any]] = TOOL.load()
 CHECK = [r for r in RECORDS if r["split"] == "check"]
 

@@ -9,7 +9,6 @@ kvfleet was fitted to.
 from __future__ import annotations
 
 import copy
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -31,6 +30,7 @@ from kvfleet.sizing.step import (
     steady_state,
 )
 from kvfleet.sizing.step import calibration as step_calibration
+from tests.sizing.conftest import load_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 HF = ROOT / "tests" / "fixtures" / "hf_configs"
@@ -196,10 +196,7 @@ def test_against_vllm_published_eagle3_tpot_at_batch_one() -> None:
 def test_the_stored_drafter_overhead_is_what_the_tool_fits_on_the_even_k() -> None:
     """tools/fit_step.py, rerun on the stored constants, gives the stored draft_pass_overhead_s and the stored error
     report: the fit read the even K only, and the odd K's errors in the file are what the model gives."""
-    spec = importlib.util.spec_from_file_location("fit_step", ROOT / "tools" / "fit_step.py")
-    assert spec is not None and spec.loader is not None
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("fit_step")
     stored = step_calibration()
     raw = copy.deepcopy(stored["constants"])
     assert tool.DRAFT_FIT_K == (2, 4, 6) and tool.DRAFT_CHECK_K == (3, 5, 7)
@@ -213,10 +210,7 @@ def test_the_stored_drafter_overhead_is_what_the_tool_fits_on_the_even_k() -> No
 def test_the_stored_error_report_is_what_the_model_gives_now() -> None:
     """The newest error report in step_calibration.json (the fit's, or a later re-evaluation's after a change to the
     model that was not refitted) is what tools/fit_step.py reports for the stored constants under the model as it is."""
-    spec = importlib.util.spec_from_file_location("fit_step", ROOT / "tools" / "fit_step.py")
-    assert spec is not None and spec.loader is not None
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("fit_step")
     stored = step_calibration()
     newest = stored["fit"].get("evaluated", stored["fit"])
     assert newest["errors"] == tool.report(copy.deepcopy(stored["constants"]))
