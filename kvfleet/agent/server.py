@@ -314,6 +314,9 @@ class Agent:
         own = (
             "# HELP kvfleet_agent_draining 1 while the replica drains.\n# TYPE kvfleet_agent_draining gauge\n"
             f'kvfleet_agent_draining{{deployment="{self.settings.deployment}"}} {int(self.draining)}\n'
+            "# HELP kvfleet_agent_requests_in_flight Requests the agent is serving: forwarded, or streaming back.\n"
+            "# TYPE kvfleet_agent_requests_in_flight gauge\n"
+            f'kvfleet_agent_requests_in_flight{{deployment="{self.settings.deployment}"}} {len(self.flights)}\n'
             "# HELP kvfleet_engine_ready 1 when the engine answers its health check.\n"
             "# TYPE kvfleet_engine_ready gauge\n"
             f'kvfleet_engine_ready{{deployment="{self.settings.deployment}"}} {int(self.engine.ready)}\n'
