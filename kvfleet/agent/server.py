@@ -53,18 +53,28 @@ class Flight:
 
 REQUEST_ID_HEADER = "X-Request-Id"
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-# Marks on a response (StreamResponse is a mapping for such data) for the middleware that counts 5xx.
-_DELIBERATE = web.ResponseKey("kvfleet.deliberate", bool)  # a 503 the agent chose (draining, engine starting)
-_FAILED = web.ResponseKey("kvfleet.failed", bool)  # a stream that began 200 and ended with the engine's failure
+# Marks a 503 the agent chose (draining, engine starting) for the middleware that counts 5xx; read only on a 5xx.
+_DELIBERATE = web.ResponseKey("kvfleet.deliberate", bool)
 _QUERY_SAFE = "!$&'()*+,/:;=?@[]~%"  # RFC 3986 query characters, and escapes already made
 _Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
-# What the request log reads back from a request's handling (stored on the aiohttp request).
-_REQUEST_ID_KEY = web.RequestKey("kvfleet.request_id", str)
-_FIRST_BYTE_S = web.RequestKey("kvfleet.first_byte_s", float)
-_USAGE = web.RequestKey("kvfleet.usage", dict)
-_EVENTS = web.RequestKey("kvfleet.events", int)
-_PROMPT_ESTIMATE = web.RequestKey("kvfleet.prompt_estimate", int)
-_TENANT_HASH = web.RequestKey("kvfleet.tenant_hash", str)
+
+
+@dataclass(slots=True, kw_only=True)
+class _Exchange:
+    """What one request's handling learns, for the middleware and the request log. One object stored once: the
+    aiohttp request's own mapping raises and catches KeyError for every absent key it is asked for, which was a
+    tenth of the agent's CPU per request."""
+
+    request_id: str
+    failed: bool = False  # a stream that began 200 and ended with the engine's failure
+    first_byte_s: float | None = None
+    usage: dict[str, Any] | None = None
+    events: int | None = None
+    prompt_estimate: int = 0
+    tenant_hash: str = ""
+
+
+_EXCHANGE = web.RequestKey("kvfleet.exchange", _Exchange)
 _LAST_KEPT = 4096  # bytes of a stream's end kept for its usage event
 
 
@@ -191,7 +201,7 @@ class Agent:
         and ServerErrors counted once for each 5xx the agent sent (its own and the engine's)."""
         given = request.headers.get(REQUEST_ID_HEADER, "")
         rid = given if given and _REQUEST_ID.fullmatch(given) else os.urandom(16).hex()  # as random as uuid4, cheaper
-        request[_REQUEST_ID_KEY] = rid
+        ex = request[_EXCHANGE] = _Exchange(request_id=rid)
         try:
             resp = await handler(request)
         except web.HTTPException as exc:  # 413 (body too large), 405, ...
@@ -199,7 +209,7 @@ class Agent:
         except Exception:
             log.exception("%s %s failed: answered 500 (request id %s)", request.method, request.path, rid)
             resp = _json_error(500, f"the agent failed on this request (request id {rid})", "server_error")
-        if resp.get(_FAILED) or (resp.status >= 500 and not resp.get(_DELIBERATE)):
+        if ex.failed or (resp.status >= 500 and not resp.get(_DELIBERATE)):
             self._server_error()
         if not resp.prepared:
             resp.headers[REQUEST_ID_HEADER] = rid
@@ -370,22 +380,21 @@ class Agent:
         """One line per generation request for `kvfleet workload` (kvfleet.contract.REQUEST_LOG_FIELDS): no text,
         and the tenant only as a hash of its cache salt."""
         f = contract.REQUEST_LOG_FIELDS
-        usage = request.get(_USAGE)
-        usage = usage if isinstance(usage, dict) else {}
+        ex = request[_EXCHANGE]
+        usage = ex.usage or {}
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        first = request.get(_FIRST_BYTE_S)
         now = time.monotonic()
-        prompt = usage.get("prompt_tokens", request.get(_PROMPT_ESTIMATE, 0))
-        output = usage.get("completion_tokens", request.get(_EVENTS, 0))
+        prompt = usage.get("prompt_tokens", ex.prompt_estimate)
+        output = usage.get("completion_tokens", ex.events or 0)
         record = {
             contract.REQUEST_LOG_KIND_KEY: contract.REQUEST_LOG_KIND,
             f.time: round(arrived, 3),
-            f.tenant: request.get(_TENANT_HASH, ""),
+            f.tenant: ex.tenant_hash,
             f.prompt_tokens: prompt if isinstance(prompt, int) else 0,
             f.cached_tokens: cached if isinstance(cached, int) else 0,
             f.output_tokens: output if isinstance(output, int) else 0,
-            f.ttft_s: round((first if isinstance(first, float) else now) - started, 4),
+            f.ttft_s: round((ex.first_byte_s or now) - started, 4),
             f.e2e_s: round(now - started, 4),
             f.status: resp.status,
         }
@@ -431,11 +440,11 @@ class Agent:
             changed = True
             if s.request_log:
                 salt = str(body.get("cache_salt", ""))
-                request[_TENANT_HASH] = hashlib.sha256(salt.encode()).hexdigest()[:16]
+                request[_EXCHANGE].tenant_hash = hashlib.sha256(salt.encode()).hexdigest()[:16]
         prompt = prompt_tokens(body)
         tokens = request_tokens(body, max_model_len=s.max_model_len, prompt=prompt)
         if s.request_log:
-            request[_PROMPT_ESTIMATE] = prompt
+            request[_EXCHANGE].prompt_estimate = prompt
         if not self.admission.try_reserve(tokens):
             self.collector.record(contract.REQUESTS_SHED.name, 1)
             return _json_error(
@@ -483,6 +492,7 @@ class Agent:
 
     async def _forward(self, request: web.BaseRequest, path: str, data: bytes, *, method: str) -> web.StreamResponse:
         assert self._pool is not None
+        ex = request[_EXCHANGE]
         flight = self._enter()
         # Only what the engine needs, and only as printable ASCII: the request goes out as one ASCII write.
         headers = {"Content-Type": _header_value(request.headers.get("Content-Type")) or "application/json"}
@@ -499,13 +509,13 @@ class Agent:
             status, ctype = conn.head.status, conn.head.headers.get("content-type", "application/json")
             if "text/event-stream" not in ctype or method == "HEAD" or status in (204, 304):
                 body = await conn.read()
-                request[_FIRST_BYTE_S] = time.monotonic()
+                ex.first_byte_s = time.monotonic()
                 logged = self.settings.request_log and status == 200 and b'"usage"' in body
                 if logged and (usage := _usage_of(body)) is not None:
-                    request[_USAGE] = usage
+                    ex.usage = usage
                 return web.Response(status=status, body=body, headers={"Content-Type": ctype})
             resp = web.StreamResponse(status=status, headers={"Content-Type": ctype, "Cache-Control": "no-cache"})
-            resp.headers[REQUEST_ID_HEADER] = request.get(_REQUEST_ID_KEY, "")
+            resp.headers[REQUEST_ID_HEADER] = ex.request_id
             framed = request.version >= aiohttp.HttpVersion11
             if framed:
                 resp.enable_chunked_encoding()
@@ -513,7 +523,7 @@ class Agent:
             # The first bytes go out with the response head through aiohttp; the rest straight to the client's
             # transport as they arrive, without a task wake-up per chunk (the proxy's main cost).
             await conn.wait_body()
-            request[_FIRST_BYTE_S] = time.monotonic()
+            ex.first_byte_s = time.monotonic()
             first = conn.take()
             if first:
                 await _to_client(resp.write(first))
@@ -524,9 +534,9 @@ class Agent:
             if self.settings.request_log:
                 # Events with a token (the [DONE] line and a usage event are not); the engine's usage wins when
                 # the client asked for it (stream_options.include_usage): under load one event can hold several.
-                request[_EVENTS] = max(0, pipe.events - 1)
+                ex.events = max(0, pipe.events - 1)
                 if b'"usage"' in pipe.last and (usage := _usage_of(pipe.last)) is not None:
-                    request[_USAGE] = usage
+                    ex.usage = usage
             return resp
         except _ClientGone:
             # The client went away mid-response; the engine's connection is closed, which ends its request too.
@@ -553,7 +563,7 @@ class Agent:
             msg = f"the engine failed during this request ({err}); retry it"
             if resp is None:
                 return _json_error(503, msg, "engine_error", retry_after=self.settings.retry_after_s)
-            resp[_FAILED] = True
+            ex.failed = True
             await _end_stream(resp, pipe, msg, "engine_error", 502)
             return resp
         finally:
