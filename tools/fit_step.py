@@ -45,7 +45,8 @@ FITTED: dict[str, tuple[float, float]] = {
     "roofline_sharpness": (1.5, 16.0),
 }
 FP8_OVER_BF16_PREFILL = 1.2
-EAGLE3_HEAD = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hf_configs" / "eagle3-llama3.1-8b"
+# The head vLLM's published EAGLE-3 runs used (vllm-project/vllm PR 16937), from the catalog.
+EAGLE3_HEAD = "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
 DRAFT_FIT_K = (2, 4, 6)
 DRAFT_CHECK_K = (3, 5, 7)
 MULTIPLIERS = (0.5, 0.7, 0.85, 0.95, 1.05, 1.18, 1.4, 2.0)
@@ -105,7 +106,7 @@ def eagle3_replica(k: int, tau: float, acc: str = "H100") -> step.Replica:
     target = step.replica(model=m, accelerator=accelerator(acc), tp=1, nvlink=True, scheme=m.native_scheme)
     d = resolve_drafter(
         m,  # type: ignore[arg-type]
-        Speculative(method=SpecMethod.EAGLE3, draft_model=str(EAGLE3_HEAD), num_speculative_tokens=k),
+        Speculative(method=SpecMethod.EAGLE3, draft_model=EAGLE3_HEAD, num_speculative_tokens=k),
         tp=1,
         kv_dtype=KvDtype.AUTO,
         target_scheme=m.native_scheme,  # type: ignore[attr-defined]

@@ -9,7 +9,6 @@ kvfleet was fitted to.
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 
@@ -32,9 +31,7 @@ from kvfleet.sizing.step import (
 from kvfleet.sizing.step import calibration as step_calibration
 from tests.sizing.conftest import load_tool
 
-ROOT = Path(__file__).resolve().parents[2]
-HF = ROOT / "tests" / "fixtures" / "hf_configs"
-EAGLE3_8B = str(HF / "eagle3-llama3.1-8b")
+EAGLE3_8B = "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"  # the catalog's head
 LLAMA_8B = "meta-llama/Llama-3.1-8B-Instruct"
 
 

@@ -265,3 +265,33 @@ def test_a_drafter_adds_to_the_profile_run_and_takes_nothing_from_it(model: str,
     # N-gram has no drafter forward: what it adds is the rejection sampler's rows of logits, never less than before.
     assert drafted.activation_peak_bytes >= plain.activation_peak_bytes
     assert drafted.activation_peak_bytes - plain.activation_peak_bytes < 1 * GiB
+
+
+# ---- the catalog's EAGLE heads (the authors' training configs) ---------------------------------------------
+
+
+def test_catalog_eagle3_head_for_llama31_8b() -> None:
+    """The catalog id resolves as a drafter: the head's modules as llama_eagle3.py builds them, at TP 1 and 2."""
+    for tp in (1, 2):
+        spec = Speculative(
+            method=SpecMethod.EAGLE3, draft_model="yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", num_speculative_tokens=3
+        )
+        d = _drafter("meta-llama/Llama-3.1-8B-Instruct", spec, tp=tp)
+        want = _eagle3_head_bytes(h=4096, heads=32, kv_heads=8, d=128, inter=14336, draft_vocab=32000, tp=tp)
+        assert d.weights_bytes_per_gpu == pytest.approx(want, rel=0.002), tp
+        assert d.shares == ("embedding",)
+
+
+def test_catalog_eagle1_head_reads_the_targets_embedding_and_lm_head() -> None:
+    """llama_eagle.py: one decoder layer (the first without its input norm) and fc over [embeds, hidden] (2 h -> h,
+    no bias, whole on every rank); no norm or lm_head of its own."""
+    spec = Speculative(
+        method=SpecMethod.EAGLE, draft_model="yuhuili/EAGLE-LLaMA3-Instruct-8B", num_speculative_tokens=3
+    )
+    h, heads, kv, d, inter = 4096, 32, 8, 128, 14336
+    for tp in (1, 4):
+        got = _drafter("meta-llama/Meta-Llama-3-8B", spec, tp=tp)
+        layer = (h * (heads + 2 * kv) * d + heads * d * h + 3 * h * inter) // tp + h  # + post_attention_layernorm
+        want = 2 * (layer + 2 * h * h)
+        assert got.weights_bytes_per_gpu == pytest.approx(want, rel=0.002), tp
+        assert set(got.shares) == {"embedding", "lm_head"}
