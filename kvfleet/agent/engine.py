@@ -538,9 +538,6 @@ class EngineSupervisor:
                 try:
                     async with session.get(self.settings.engine_url + self.settings.health_path) as r:
                         if r.status == 200:
-                            self.state = EngineState.READY
-                            self._ready.set()
-                            log.info("engine ready (pid %d)", proc.pid)
                             break
                 except (aiohttp.ClientError, TimeoutError):
                     pass
@@ -550,7 +547,15 @@ class EngineSupervisor:
                     log.error("engine not healthy after %.0f s; killing it", self.settings.engine_ready_timeout_s)
                     self._signal(signal.SIGKILL)
                 return
-            await self._note_engine(proc.pid)  # the engine has allocated what it holds by now
+            # The engine has allocated what it holds by now. Recorded before it is called ready: a crash
+            # in the instant after must still find a descendant that left the group (a fast start has
+            # had no loading tick to record it).
+            await self._note_engine(proc.pid)
+            if proc.returncode is not None:
+                return
+            self.state = EngineState.READY
+            self._ready.set()
+            log.info("engine ready (pid %d)", proc.pid)
             # Keep checking: an engine that hangs without exiting is as dead as one that exited.
             failures = 0
             while proc.returncode is None:

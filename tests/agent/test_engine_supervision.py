@@ -131,7 +131,19 @@ def test_a_crash_kills_what_the_engine_left_in_its_group_before_the_restart(capl
     run(go)
 
 
-def test_a_descendant_that_left_the_group_is_killed_too() -> None:
+@pytest.mark.parametrize("slow_scan", [False, True], ids=["scan", "slow-scan"])
+def test_a_descendant_that_left_the_group_is_killed_too(slow_scan: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if slow_scan:
+        # On a loaded host the supervisor's read of the process table (off the event loop) can finish after
+        # the engine is gone: the engine must not be called ready before its tree is recorded.
+        scan = EngineSupervisor._scan
+
+        async def slow() -> dict[int, Proc]:
+            await asyncio.sleep(0.5)
+            return await scan()
+
+        monkeypatch.setattr(EngineSupervisor, "_scan", staticmethod(slow))
+
     async def go() -> None:
         sup = supervisor("--grandchild", "--grandchild-setsid")
         sup.start()
