@@ -851,7 +851,8 @@ def test_plan_without_an_acceptance_length_for_ngram_credits_none_and_names_the_
 def test_precision_the_release_does_not_load_names_the_files_line(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    # vLLM 0.32.0 registers no bitsandbytes method (data/engine_quantization.json): the plan names the key to change.
+    # vLLM registers no bitsandbytes method from 0.28.0 (data/engine_quantization.json): the plan names the key to
+    # change.
     f, text = _dev_with(tmp_path, "      kv_cache_dtypes: [auto, fp8]", "      weight_precisions: [bnb-4bit]")
     text = text.replace('version: "0.30.0"', 'version: "0.32.0"', 1)
     f.write_text(text, encoding="utf-8")
@@ -859,8 +860,8 @@ def test_precision_the_release_does_not_load_names_the_files_line(
     line = one_error_line(code, err, "vLLM 0.32.0", "bitsandbytes", "nearest it loads: awq")
     where = f"kvfleet: error: {f}:{_line_of(text, 'weight_precisions:')}: deployments[0].sizing.weight_precisions: "
     assert line.startswith(where), line
-    # The release the file pinned before still loads it.
-    f.write_text(text.replace('version: "0.32.0"', 'version: "0.30.0"', 1), encoding="utf-8")
+    # A release before the removal still loads it (the file's own 0.30.0 does not).
+    f.write_text(text.replace('version: "0.32.0"', 'version: "0.27.1"', 1), encoding="utf-8")
     code, _, err = run(capsys, "plan", str(f))
     assert code == 0, err
 
@@ -869,7 +870,7 @@ def test_capacity_refuses_a_bitsandbytes_checkpoint_at_0_32(capsys: pytest.Captu
     bnb = str(REPO / "tests" / "fixtures" / "hf_configs" / "Kocdigital-LLM-8b-v0.1-bnb-4bit")
     code, _, err = run(capsys, "capacity", "--model", bnb, "--gpu", "H100", "--engine-version", "0.32.0")
     one_error_line(code, err, "model: vLLM 0.32.0 does not load this checkpoint's quant_method 'bitsandbytes'")
-    code, _, err = run(capsys, "capacity", "--model", bnb, "--gpu", "H100", "--engine-version", "0.30.0", "--json")
+    code, _, err = run(capsys, "capacity", "--model", bnb, "--gpu", "H100", "--engine-version", "0.27.1", "--json")
     assert code == 0, err
 
 

@@ -15,6 +15,7 @@ from kvfleet.sizing.engines import (
     ACTIVATIONS,
     DEFAULT_VERSIONS,
     MM_ENCODER_TP_MODES,
+    VLLM_PROFILES,
     EncoderProfile,
     EngineName,
     EngineProfile,
@@ -39,7 +40,7 @@ from kvfleet.sizing.models import AttentionKind, ContextLimit, ModelSpec, config
 from kvfleet.sizing.parallel import Layout, check_layout, pp_partition
 from kvfleet.sizing.precision import KvDtype, Part, WeightScheme, weight_scheme
 from kvfleet.sizing.quantization import as_loaded, checkpoint_note, checkpoint_refusal, scheme_refusal
-from kvfleet.sizing.speculative import Drafter, Speculative, resolve_drafter
+from kvfleet.sizing.speculative import Acceptance, Drafter, Speculative, acceptance, resolve_drafter
 from kvfleet.sizing.units import GiB, MiB, cdiv
 
 # vllm/config/cache.py: BlockSize = Literal[1, 8, 16, 32, 64, 128] on CUDA (hybrid models may pick larger).
@@ -391,14 +392,25 @@ def _grouped(
     return _Pool(group_size=group_size, groups=tuple(groups), page_bytes=page_bytes, state_pages=state_pages)
 
 
-def _pool(kv: KvLayout, *, block_size: int, hybrid: bool, group_ratio: float, state_pages: int = 1) -> _Pool:
+def _pool(
+    kv: KvLayout,
+    *,
+    block_size: int,
+    hybrid: bool,
+    group_ratio: float,
+    state_pages: int = 1,
+    chunked_local: bool = True,
+) -> _Pool:
     if not kv.groups:
         raise SizingError("the model has no attention layers that hold a KV cache", field="model")
     page = block_size * max(g.bytes_per_token_per_layer for g in kv.groups)
     # Layers of one kind and window (a drafter's among the target's) fill one group.
     by_kind: dict[tuple[AttentionKind, int | None], int] = {}
     for g in kv.groups:
-        by_kind[g.attention, g.window_tokens] = by_kind.get((g.attention, g.window_tokens), 0) + g.num_layers
+        key = (g.attention, g.window_tokens)
+        if g.attention is AttentionKind.CHUNKED and not chunked_local:
+            key = (AttentionKind.FULL, None)  # FullAttentionSpec until ChunkedLocalAttentionSpec came
+        by_kind[key] = by_kind.get(key, 0) + g.num_layers
     if kv.state is not None:
         # State layers join the pool with their page padded to the attention page.
         by_kind[AttentionKind.STATE, None] = kv.state.num_layers
@@ -596,10 +608,13 @@ def _state_pages(model: ModelSpec, s: EngineSettings, profile: EngineProfile) ->
             "pool per max_batch_size) is not modelled here; size it with engine vllm",
             field="engine",
         )
-    if not profile.hybrid_kv_cache:
+    if not profile.mamba_state_cache:
+        # Earlier releases ran these models on V0 by default, whose state cache is a separate pool.
+        since = ".".join(map(str, next(p.since for p in VLLM_PROFILES if p.mamba_state_cache)))
         raise SizingError(
             f"{model.model_id} has {model.state.kind.value} layers, whose state shares the hybrid KV-cache "
-            "allocator; releases before it are not modelled; use engine_version 0.10.0 or later",
+            f"allocator from the release where V1 runs them by default; releases before it are not modelled; use "
+            f"engine_version {since} or later",
             field="engine_version",
         )
     # vllm/model_executor/models/config.py MambaModelConfig: prefix caching sets mamba_cache_mode "align";
@@ -608,8 +623,8 @@ def _state_pages(model: ModelSpec, s: EngineSettings, profile: EngineProfile) ->
 
 
 def prefix_caching(model: ModelSpec, s: EngineSettings) -> bool:
-    """Whether the engine caches prefixes: the setting, else the release's default. vLLM 0.32.0 turns it on for
-    every generative decoder, hybrid ones included (vllm/engine/arg_utils.py
+    """Whether the engine caches prefixes: the setting, else the release's default. vLLM turns it on for every
+    generative decoder, hybrid ones included, from 0.28.0 (vllm/engine/arg_utils.py
     _set_default_chunked_prefill_and_prefix_caching_args, vllm/config/model.py is_prefix_caching_supported);
     earlier releases left it off for hybrid Mamba models (``mamba_align_by_default``). TensorRT-LLM's
     KvCacheConfig.enable_block_reuse defaults to on."""
@@ -851,7 +866,8 @@ def _stage_capacity(
             f"the model's {rope_cache_positions(full):,} positions whatever max_model_len is"
         )
     if drafter is not None:
-        notes.extend(_drafter_notes(drafter))
+        assert s.speculative is not None
+        notes.extend(_drafter_notes(drafter, acceptance(s.speculative, drafter.num_speculative_tokens)))
     if model.quantization is None and (as_checkpoint := checkpoint_note(scheme, engine=s.engine, version=version)):
         notes.append(as_checkpoint)
     problems = list(budget.problems)
@@ -867,9 +883,18 @@ def _stage_capacity(
         kv_bytes = 0
 
     hybrid = profile.hybrid_kv_cache and profile.engine is EngineName.VLLM
-    pool = _pool(kv, block_size=k.block, hybrid=hybrid, group_ratio=profile.hybrid_group_ratio, state_pages=state_pages)
+    pool = _pool(
+        kv,
+        block_size=k.block,
+        hybrid=hybrid,
+        group_ratio=profile.hybrid_group_ratio,
+        state_pages=state_pages,
+        chunked_local=profile.hybrid_chunked_local,
+    )
     if model.is_hybrid and not hybrid:
         notes.append("this engine version gives sliding-window layers the full context (no hybrid allocator)")
+    elif hybrid and not profile.hybrid_chunked_local and any(g.attention is AttentionKind.CHUNKED for g in kv.groups):
+        notes.append("this engine version gives chunked local attention layers the full context (no chunk spec)")
     if kv.state is not None:
         notes.append(
             f"{kv.state.num_layers} {kv.state.kind.value} layers hold {kv.state.bytes_per_layer:,} bytes of state per "
@@ -979,7 +1004,7 @@ def _drafter(
     return d
 
 
-def _drafter_notes(d: Drafter) -> list[str]:
+def _drafter_notes(d: Drafter, tau: Acceptance) -> list[str]:
     shared = f", reading the target's {' and '.join(d.shares)}" if d.shares else ""
     out = [
         f"speculative {d.method.value}, {d.num_speculative_tokens} tokens: drafter weights "
@@ -991,7 +1016,13 @@ def _drafter_notes(d: Drafter) -> list[str]:
             f"a decoding request holds {d.extra_slots_per_request} slots past its next token (drafts and "
             "lookahead), capped at max_model_len"
         )
-    out.append("the speed model does not price drafting or credit accepted tokens: throughput is as without it")
+    # What the speed model (kvfleet.sizing.perf) does with it, so that a plan's speed is not read as speculation-free.
+    k = d.num_speculative_tokens
+    passes = f"the drafter's {k} passes and " if d.model is not None else "n-gram lookups (no GPU pass) and "
+    out.append(
+        f"speed: a step is {passes}one target pass verifying {k + 1} tokens per sequence, crediting "
+        f"{tau.tokens_per_step:g} tokens per step ({tau.source})"
+    )
     return [*out, *d.notes]
 
 

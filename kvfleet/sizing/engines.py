@@ -26,19 +26,23 @@ in activation-dtype bytes ``a`` (2 for bf16/fp16)::
 with N = max_num_batched_tokens, S = min(sampled rows, N), h hidden, I intermediate, I_e expert
 intermediate, k experts per token, V vocab (logits are gathered to the full vocabulary on every
 rank), R the residual-stream copies alive at once, b the bytes the dummy sampler run holds per logit.
-b depends on the release (``EngineProfile.sort_sampler``): up to about 0.15 the top-k/top-p mask sorts
-the whole vocabulary (vllm/v1/sample/ops/topk_topp_sampler.py apply_top_k_top_p_pytorch: sorted fp32
-values, int64 indices, softmax, cumsum and masks beside the bf16 and fp32 logits); later releases mask
-in place with a Triton kernel (topk_topp_triton.py, vLLM PR 33538) and keep only the logits, the
-probabilities and the exponential noise. The constants live in ``ActivationModel``; they are fitted on
-the FIT records of tests/sizing/data/engine_logs.json (tools/fit_engine_logs.py) and held to the CHECK
-records in tests/sizing/test_engine_log_calibration.py.
+b depends on the release (``EngineProfile.sort_sampler``): up to 0.16 the profiling run's top-k/top-p mask
+sorts the whole vocabulary (vllm/v1/sample/ops/topk_topp_sampler.py apply_top_k_top_p_pytorch: sorted fp32
+values, int64 indices, softmax, cumsum and masks beside the bf16 and fp32 logits; before 0.11.1 FlashInfer's
+sampler ran instead where flashinfer was installed, an optional extra of the wheel then). From 0.17 no release
+sorts: a Triton kernel masks in place (topk_topp_triton.py, vLLM PR 33538), FlashInfer's sampler is the CUDA
+default from 0.21, and Model Runner V2 (the default for listed dense models from 0.22, for every model it
+supports from 0.29) leaves top-k/top-p off in its profiling run until 0.33; all keep about the logits, the
+probabilities and the noise. data/vllm_release_markers.json records each of these releases. The constants live
+in ``ActivationModel``; they are fitted on the FIT records of tests/sizing/data/engine_logs.json
+(tools/fit_engine_logs.py) and held to the CHECK records in tests/sizing/test_engine_log_calibration.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
+from typing import Any
 
 from kvfleet import versions
 from kvfleet.errors import SizingError
@@ -69,7 +73,9 @@ class EngineProfile:
     block_size: int  # tokens per KV block
     counts_cuda_graphs: bool  # CUDA-graph memory is subtracted before sizing the cache
     hybrid_kv_cache: bool  # sliding-window layers only hold their window (hybrid allocator)
-    hybrid_group_ratio: float  # kv_cache_utils grouping: use the largest type count below this ratio
+    hybrid_chunked_local: bool  # chunked local attention layers hold one chunk (else the full context)
+    mamba_state_cache: bool  # V1 runs Mamba/hybrid state models by default, their state in the hybrid allocator
+    hybrid_group_ratio: float  # kv_cache_utils grouping: use the largest type count below this ratio (1: never)
     hybrid_tokens_from_concurrency: bool  # hybrid models log max_concurrency x max_model_len tokens
     sort_sampler: bool  # the profiling run's top-k/top-p mask sorts the vocabulary (see the module docstring)
     # Batches a sliding-window layer reserves beyond its window (VllmConfig.max_in_flight_tokens: 2 with
@@ -85,79 +91,97 @@ class EngineProfile:
     max_num_seqs: int | None = None
 
 
-def _vllm(since: Version, note: str, **kw: object) -> EngineProfile:
-    base: dict[str, object] = {
-        "gpu_memory_utilization": 0.90,
-        "block_size": 16,
-        "counts_cuda_graphs": False,
-        "hybrid_kv_cache": True,
-        "hybrid_group_ratio": 1.5,
-        "hybrid_tokens_from_concurrency": False,
-        "sort_sampler": False,
-        "sliding_in_flight_batches": 1,
-        "mamba_align_by_default": False,
-    }
-    base.update(kw)
-    return EngineProfile(engine=EngineName.VLLM, since=since, note=note, **base)  # type: ignore[arg-type]
+def _releases(first: EngineProfile, *changes: tuple[Version, str, dict[str, Any]]) -> tuple[EngineProfile, ...]:
+    """Rows from ``first`` on, each the previous one with what changed in its release."""
+    rows = [first]
+    for since, note, changed in changes:
+        rows.append(replace(rows[-1], since=since, note=note, **changed))
+    return tuple(rows)
 
 
 # Sources: vllm/v1/worker/gpu_worker.py determine_available_memory (three generations), vllm/v1/core/
-# kv_cache_utils.py (grouping, num_blocks, _report_kv_cache_config), vllm/engine/arg_utils.py
-# (scheduler defaults), vllm/config/cache.py (gpu_memory_utilization, block_size); PR 30515 and
-# the v0.21.0 log line "CUDA graph memory profiling is enabled (default since v0.21.0)".
-# Release boundaries marked (approx.) were not pinned to a release note.
-VLLM_PROFILES: tuple[EngineProfile, ...] = (
-    _vllm(
-        (0, 6, 0),
-        "V0 engine: every layer holds max_model_len; CUDA graphs use the 1 - utilization headroom",
+# kv_cache_utils.py (grouping, num_blocks, _report_kv_cache_config), vllm/engine/arg_utils.py (scheduler defaults),
+# vllm/config/cache.py (gpu_memory_utilization, block_size). Each row's release is the first whose own files show
+# the change, read from the release's sdist (wheel for 0.15.x) on PyPI by tools/vllm_release_markers.py; the
+# marker named in each note is in data/vllm_release_markers.json with the line read and the release before it,
+# and tests/sizing/test_release_markers.py holds the rows to it.
+VLLM_PROFILES: tuple[EngineProfile, ...] = _releases(
+    EngineProfile(
+        engine=EngineName.VLLM,
+        since=(0, 6, 0),
+        gpu_memory_utilization=0.90,
+        block_size=16,
+        counts_cuda_graphs=False,
         hybrid_kv_cache=False,
+        hybrid_chunked_local=False,
+        mamba_state_cache=False,
+        hybrid_group_ratio=1.0,
+        hybrid_tokens_from_concurrency=False,
         sort_sampler=True,
+        sliding_in_flight_batches=1,
+        mamba_align_by_default=False,
+        note="V0 engine: every layer holds max_model_len; CUDA graphs use the 1 - utilization headroom",
     ),
-    _vllm(
-        (0, 8, 0),
-        "V1 engine; larger scheduler defaults on GPUs with >= 70 GiB other than A100",
-        hybrid_kv_cache=False,
-        sort_sampler=True,
+    ((0, 8, 0), "V1 engine by default (vllm/envs.py VLLM_USE_V1; v1-engine-default)", {}),
+    (
+        (0, 9, 1),
+        "hybrid KV-cache manager: sliding-window layers hold only their window, groups sized by the smallest layer "
+        "count (vllm/v1/core/kv_cache_utils.py; hybrid-kv-cache-manager)",
+        {"hybrid_kv_cache": True},
     ),
-    _vllm(
+    (
         (0, 10, 0),
-        "hybrid KV-cache manager: sliding-window layers hold only their window (approx. release)",
-        hybrid_group_ratio=1.25,
-        sort_sampler=True,
+        "chunked local attention layers hold one chunk (vllm/v1/kv_cache_interface.py ChunkedLocalAttentionSpec; "
+        "chunked-local-attention-spec)",
+        {"hybrid_chunked_local": True},
     ),
-    _vllm(
-        (0, 11, 0),
-        "hybrid KV-cache grouping pads to the larger layer count below a 1.5 ratio (approx. release)",
-        sort_sampler=True,
+    (
+        (0, 10, 2),
+        "V1 runs hybrid Mamba models by default, their state in the hybrid allocator (vllm/engine/arg_utils.py no "
+        "longer falls back to V0; v1-mamba-by-default)",
+        {"mamba_state_cache": True},
     ),
-    _vllm(
-        (0, 16, 0),
-        "top-k/top-p masked in place by a Triton kernel, no vocabulary sort while profiling (PR 33538, "
-        "merged 2026-02; approx. release)",
+    (
+        (0, 12, 0),
+        "hybrid KV-cache grouping pads to the larger layer count below a 1.25 ratio (vllm/v1/core/"
+        "kv_cache_utils.py; hybrid-group-ratio)",
+        {"hybrid_group_ratio": 1.25},
     ),
-    _vllm(
-        (0, 21, 0),
-        "CUDA-graph memory is profiled and subtracted before the cache is sized (default since v0.21.0)",
-        counts_cuda_graphs=True,
-        hybrid_tokens_from_concurrency=True,
+    (
+        (0, 17, 0),
+        "top-k/top-p masked in place by a Triton kernel, no vocabulary sort while profiling (PR 33538; "
+        "vllm/v1/sample/ops/topk_topp_sampler.py; triton-top-k-top-p)",
+        {"sort_sampler": False},
     ),
-    _vllm(
-        (0, 30, 0),
-        "gpu_memory_utilization default 0.92 (vllm/config/cache.py; approx. release)",
-        counts_cuda_graphs=True,
-        hybrid_tokens_from_concurrency=True,
-        gpu_memory_utilization=0.92,
+    (
+        (0, 18, 0),
+        "hybrid KV-cache grouping pads to the larger layer count below a 1.5 ratio (hybrid-group-ratio-1.5)",
+        {"hybrid_group_ratio": 1.5},
     ),
-    _vllm(
-        (0, 32, 0),
-        "sliding-window layers reserve two in-flight batches (async scheduling); hybrid Mamba models cache "
-        "prefixes by default (mamba_cache_mode align). vllm/config/vllm.py max_in_flight_tokens, "
-        "vllm/config/model.py is_prefix_caching_supported, v0.32.0 (earlier releases not checked)",
-        counts_cuda_graphs=True,
-        hybrid_tokens_from_concurrency=True,
-        gpu_memory_utilization=0.92,
-        sliding_in_flight_batches=2,
-        mamba_align_by_default=True,
+    (
+        (0, 20, 0),
+        "CUDA-graph memory is profiled and subtracted before the cache is sized (PR 30515), and "
+        "gpu_memory_utilization defaults to 0.92 (vllm/envs.py, vllm/config/cache.py; the log line says 'default "
+        "since v0.21.0', but 0.20.0 ships it; cuda-graph-memory-profiled, gpu-memory-utilization-0.92)",
+        {"counts_cuda_graphs": True, "gpu_memory_utilization": 0.92},
+    ),
+    (
+        (0, 20, 1),
+        "hybrid models log max_concurrency x max_model_len tokens (vllm/v1/core/kv_cache_utils.py; "
+        "kv-tokens-from-concurrency)",
+        {"hybrid_tokens_from_concurrency": True},
+    ),
+    (
+        (0, 26, 0),
+        "sliding-window layers reserve two in-flight batches under async scheduling (vllm/config/vllm.py "
+        "max_in_flight_tokens; sliding-window-in-flight-tokens)",
+        {"sliding_in_flight_batches": 2},
+    ),
+    (
+        (0, 28, 0),
+        "hybrid Mamba models cache prefixes by default, in mamba_cache_mode align (vllm/engine/arg_utils.py, "
+        "vllm/config/model.py is_prefix_caching_supported; hybrid-prefix-caching-by-default)",
+        {"mamba_align_by_default": True},
     ),
 )
 
@@ -189,6 +213,8 @@ TRTLLM_PROFILES: tuple[EngineProfile, ...] = (
         block_size=32,
         counts_cuda_graphs=True,
         hybrid_kv_cache=False,
+        hybrid_chunked_local=False,
+        mamba_state_cache=False,
         hybrid_group_ratio=1.5,
         hybrid_tokens_from_concurrency=False,
         sort_sampler=False,
@@ -238,28 +264,28 @@ VLLM_ROPE_RULES: tuple[RopeRules, ...] = (
         ),
     ),
     RopeRules(
-        # PR 27431 (merged 2025-10-24): with no --max-model-len, LongRoPE models start at
-        # original_max_position_embeddings, where the short factors hold. First release after the merge (approx.).
+        # PR 27431: with no --max-model-len, LongRoPE models start at original_max_position_embeddings, where the
+        # short factors hold. First in 0.11.1 (vllm/config/model.py; marker longrope-default-original-length).
         since=(0, 11, 1),
         rules=RopeLengthRules(
             no_factor_types=frozenset({"su", "longrope", "llama3"}),
             yarn_from_original=True,
             gemma3_exempt=True,
             longrope_default_original=True,
-            source=f"{_VLLM_MODEL_PY}; PR 27431 (LongRoPE default length)",
+            source=f"{_VLLM_MODEL_PY} 0.11.1; PR 27431 (LongRoPE default length)",
         ),
     ),
     RopeRules(
-        # PR 56446 (merged 2026-09-11) aligned YaRN with transformers: max_position_embeddings is already the
-        # scaled length and `factor` no longer lengthens it (YaRN variants join the list). 0.32.0's source has it;
-        # the first release with it is not pinned.
-        since=(0, 32, 0),
+        # PR 56446 aligned YaRN with transformers: max_position_embeddings is already the scaled length and
+        # `factor` no longer lengthens it (YaRN variants join the list). First in 0.30.0 (vllm/config/model.py;
+        # marker yarn-not-rescaled).
+        since=(0, 30, 0),
         rules=RopeLengthRules(
             no_factor_types=frozenset({"su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling"}),
             yarn_from_original=False,
             gemma3_exempt=True,
             longrope_default_original=True,
-            source=f"{_VLLM_MODEL_PY} 0.32.0; PR 56446 (YaRN no longer rescales)",
+            source=f"{_VLLM_MODEL_PY} 0.30.0; PR 56446 (YaRN no longer rescales)",
         ),
     ),
 )
@@ -296,12 +322,20 @@ class BatchDefaults:
     excluded_names: tuple[str, ...]  # device-name substrings (lower case) that never get this tier
     max_num_batched_tokens: int
     max_num_seqs: int
+    required_names: tuple[str, ...] = ()  # device-name substrings of which one must be there (empty: any device)
+
+    def admits(self, gpu_memory_bytes: int, name: str) -> bool:
+        return (
+            gpu_memory_bytes >= self.min_memory_bytes
+            and not any(x in name for x in self.excluded_names)
+            and (not self.required_names or any(x in name for x in self.required_names))
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
 class BatchDefaultsRule:
     """vLLM's ``EngineArgs.get_batch_defaults`` (vllm/engine/arg_utils.py) from release ``since``: the first tier whose
-    memory threshold and name test the device passes; the last tier (threshold 0) is everyone else's."""
+    memory threshold and name tests the device passes; the last tier (threshold 0) is everyone else's."""
 
     since: Version
     tiers: tuple[BatchDefaults, ...]
@@ -312,19 +346,41 @@ _SMALL = BatchDefaults(min_memory_bytes=0, excluded_names=(), max_num_batched_to
 _LARGE = BatchDefaults(
     min_memory_bytes=LARGE_GPU_BYTES, excluded_names=("a100",), max_num_batched_tokens=8192, max_num_seqs=1024
 )
+_BY_NAME = BatchDefaults(
+    min_memory_bytes=0,
+    excluded_names=(),
+    required_names=("h100", "h200"),
+    max_num_batched_tokens=8192,
+    max_num_seqs=1024,
+)
+# Each rule's release is the first whose vllm/engine/arg_utils.py shows it (data/vllm_release_markers.json, marker in
+# the source); the V1 defaults start with V1 as the default engine, 0.8.0 (the H100/H200 test is older, V1 only).
 VLLM_BATCH_DEFAULTS: tuple[BatchDefaultsRule, ...] = (
     BatchDefaultsRule(since=(0, 6, 0), tiers=(_SMALL,), source="V0 scheduler: 256 sequences, no chunked prefill"),
     BatchDefaultsRule(
-        # PR 12369 (H100/H200 by name), PR 17073 (>= 70 GiB), PR 17885 (A100s excluded: larger budgets cut their
-        # throughput); modelled as one boundary (approx.).
         since=(0, 8, 0),
-        tiers=(_LARGE, _SMALL),
-        source="vllm/engine/arg_utils.py get_batch_defaults; PRs 12369, 17073, 17885",
+        tiers=(_BY_NAME, replace(_SMALL, max_num_seqs=1024)),
+        source="vllm/engine/arg_utils.py _set_default_args_v1, 0.8.0: H100/H200 by name (PR 12369); max_num_seqs "
+        "1,024 on every device (v1-engine-default, batch-large-tier)",
     ),
     BatchDefaultsRule(
-        # ">= 160GB memory (B200/B300): the largest defaults" -- in 0.32.0's source; the first release with it is
-        # not pinned.
-        since=(0, 32, 0),
+        since=(0, 8, 4),
+        tiers=(_BY_NAME, _SMALL),
+        source="vllm/engine/arg_utils.py, 0.8.4: max_num_seqs 256 off the large tier (batch-seqs-by-tier)",
+    ),
+    BatchDefaultsRule(
+        since=(0, 8, 5),
+        tiers=(replace(_LARGE, excluded_names=()), _SMALL),
+        source="vllm/engine/arg_utils.py, 0.8.5: the large tier by memory, >= 70 GiB (PR 17073; batch-70gib-tier)",
+    ),
+    BatchDefaultsRule(
+        since=(0, 9, 0),
+        tiers=(_LARGE, _SMALL),
+        source="vllm/engine/arg_utils.py, 0.9.0: A100s excluded, larger budgets cut their throughput (PR 17885; "
+        "batch-a100-excluded)",
+    ),
+    BatchDefaultsRule(
+        since=(0, 28, 0),
         tiers=(
             BatchDefaults(
                 min_memory_bytes=160 * GiB, excluded_names=(), max_num_batched_tokens=16384, max_num_seqs=1024
@@ -332,20 +388,18 @@ VLLM_BATCH_DEFAULTS: tuple[BatchDefaultsRule, ...] = (
             _LARGE,
             _SMALL,
         ),
-        source="vllm/engine/arg_utils.py get_batch_defaults, 0.32.0",
+        source="vllm/engine/arg_utils.py get_batch_defaults, 0.28.0: >= 160 GiB (B200/B300) the largest defaults "
+        "(batch-160gib-tier)",
     ),
 )
 
 
 def vllm_batch_defaults(version: str | None, *, gpu_memory_bytes: int, accelerator_name: str) -> BatchDefaults:
-    """The tier vLLM gives this device: by CUDA's total memory and, for A100s, by name."""
+    """The tier vLLM gives this device: by CUDA's total memory and its name (H100/H200 before 0.8.5, A100s after)."""
     v = parse_version(version or DEFAULT_VERSIONS[EngineName.VLLM])
     rows = [r for r in VLLM_BATCH_DEFAULTS if r.since <= v] or [VLLM_BATCH_DEFAULTS[0]]
     name = accelerator_name.lower()
-    for tier in rows[-1].tiers:
-        if gpu_memory_bytes >= tier.min_memory_bytes and not any(x in name for x in tier.excluded_names):
-            return tier
-    return _SMALL
+    return next((t for t in rows[-1].tiers if t.admits(gpu_memory_bytes, name)), _SMALL)
 
 
 def engine_profile(engine: EngineName, version: str | None = None) -> EngineProfile:

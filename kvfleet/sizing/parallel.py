@@ -67,23 +67,24 @@ RULES: tuple[Rule, ...] = (
         name="fp8-block-moe",
         engine="vllm",
         since=(0, 0, 0),
-        until=(0, 10, 2),
+        # The first release with refine_fp8_moe_block_shape (data/vllm_release_markers.json fp8-moe-block-refine);
+        # 0.28.0's Fp8MoEMethod.create_weights still raises.
+        until=(0, 29, 0),
         source=(
-            "vllm/model_executor/layers/quantization/utils/fp8_utils.py validate_fp8_block_shape_moe; vLLM 0.8.5 "
-            "refuses Qwen3-235B-A22B-FP8 at TP 8: 'The output_size of gate's and up's weight = 192 is not "
-            "divisible by weight quantization block_n = 128' (vllm-project/vllm issue 17569)"
+            "vllm/model_executor/layers/quantization/fp8.py Fp8MoEMethod.create_weights (the same check as "
+            "fp8_utils.py validate_fp8_block_shape_moe) up to vLLM 0.28.0; vLLM 0.8.5 refuses Qwen3-235B-A22B-FP8 at "
+            "TP 8: 'The output_size of gate's and up's weight = 192 is not divisible by weight quantization "
+            "block_n = 128' (vllm-project/vllm issue 17569)"
         ),
         what="block-quantized FP8 MoE: each rank's expert intermediate shard is whole blocks",
     ),
     Rule(
         name="fp8-block-moe-refined",
         engine="vllm",
-        # A vLLM 0.10.2 log starts Qwen3-235B-A22B-FP8 at TP 8 (tests/sizing/test_engine_logs.py); the mechanism
-        # below is read from 0.32.0's source, and releases from 0.10.2 on are assumed to behave alike.
-        since=(0, 10, 2),
+        since=(0, 29, 0),
         until=None,
         source=(
-            "vllm/model_executor/layers/fused_moe/oracle/fp8.py refine_fp8_moe_block_shape and "
+            "vllm/model_executor/layers/fused_moe/oracle/fp8.py refine_fp8_moe_block_shape (vLLM 0.29.0 on) and "
             "resolve_fp8_moe_weight_block_shape (vLLM 0.32.0)"
         ),
         what=(

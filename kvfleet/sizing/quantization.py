@@ -1,9 +1,9 @@
 """Which weight precisions each engine release loads (``data/engine_quantization.json``).
 
-A plan that sizes weights the engine then refuses to load is worse than no plan: vLLM 0.32.0 no longer registers
-``bitsandbytes`` (RFC vllm-project/vllm#39583), so ``--quantization bitsandbytes`` and a bitsandbytes checkpoint
-both fail at start-up there, and TensorRT-LLM's PyTorch backend quantizes nothing at load (it runs pre-quantized
-ModelOpt checkpoints). Two questions, both answered from the release's own method list:
+A plan that sizes weights the engine then refuses to load is worse than no plan: vLLM no longer registers
+``bitsandbytes`` from 0.28.0 (RFC vllm-project/vllm#39583), so ``--quantization bitsandbytes`` and a bitsandbytes
+checkpoint both fail at start-up there, and TensorRT-LLM's PyTorch backend quantizes nothing at load (it runs
+pre-quantized ModelOpt checkpoints). Two questions, both answered from the release's own method list:
 
 - a checkpoint that names its method in ``quantization_config``: does the release load that ``quant_method``?
 - a weight scheme asked of an unquantized checkpoint: does the release apply it at load (``online``), or, for a
@@ -15,7 +15,8 @@ A refusal is one line naming the release and the nearest scheme the release does
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -53,6 +54,9 @@ class QuantizationRelease:
     deprecated: frozenset[str]  # listed, but refused without an opt-in flag kvfleet does not set
     approx: bool
     source: str
+    # kvfleet scheme name -> the release's method for it: the engine's table with the row's own names over it
+    # (vLLM 0.8.x called ModelOpt NVFP4 "nvfp4", later releases "modelopt_fp4").
+    schemes: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     def loads(self, method: str) -> bool:
         return method in self.methods and method not in self.deprecated
@@ -86,6 +90,7 @@ def _tables() -> dict[EngineName, _EngineTable]:
                     deprecated=frozenset(r.get("deprecated", ())),
                     approx=bool(r.get("approx", False)),
                     source=r["source"],
+                    schemes={**raw["schemes"], **r.get("schemes", {})},
                 )
             )
         rows.sort(key=lambda row: row.since)
@@ -107,15 +112,17 @@ def quantization_release(engine: EngineName, version: str | None = None) -> Quan
     return rows[-1]
 
 
-def scheme_method(engine: EngineName, scheme: WeightScheme) -> str | None:
-    """The engine's method for a kvfleet weight scheme; None for an unquantized one (a dtype, not a method)."""
+def scheme_method(engine: EngineName, scheme: WeightScheme, release: QuantizationRelease | None = None) -> str | None:
+    """The engine's method for a kvfleet weight scheme (as ``release`` names it, where given); None for an
+    unquantized one (a dtype, not a method)."""
     if not scheme.is_quantized:
         return None
-    return _tables()[engine].schemes.get(scheme.name)
+    names = release.schemes if release is not None else _tables()[engine].schemes
+    return names.get(scheme.name)
 
 
 def _loads_scheme(release: QuantizationRelease, scheme: WeightScheme) -> bool:
-    method = scheme_method(release.engine, scheme)
+    method = scheme_method(release.engine, scheme, release)
     if method is None:
         return not scheme.is_quantized
     # A scheme asked of an unquantized checkpoint is applied at load where the release can, else sized as a
@@ -124,7 +131,7 @@ def _loads_scheme(release: QuantizationRelease, scheme: WeightScheme) -> bool:
 
 
 def _as_loaded(release: QuantizationRelease, scheme: WeightScheme) -> str:
-    method = scheme_method(release.engine, scheme)
+    method = scheme_method(release.engine, scheme, release)
     if not scheme.is_quantized or method is None:
         return f"{scheme.name} (the unquantized checkpoint)"
     if scheme.needs_quantized_checkpoint:
@@ -151,7 +158,7 @@ def scheme_refusal(scheme: WeightScheme, *, engine: EngineName, version: str | N
     release = quantization_release(engine, version)
     if _loads_scheme(release, scheme):
         return None
-    method = scheme_method(engine, scheme) or scheme.name
+    method = scheme_method(engine, scheme, release) or scheme.name
     label = _label(release, version)
     if method in release.deprecated:
         why = f"refuses the deprecated method {method} ({scheme.name}) without a flag kvfleet does not set"
@@ -166,7 +173,7 @@ def checkpoint_note(scheme: WeightScheme, *, engine: EngineName, version: str | 
     """Where the release loads ``scheme`` only as a checkpoint though kvfleet could ask for it at load: the
     plan is sized for that checkpoint, which the deployment must then name."""
     release = quantization_release(engine, version)
-    method = scheme_method(engine, scheme)
+    method = scheme_method(engine, scheme, release)
     if method is None or scheme.needs_quantized_checkpoint or release.applies(method) or not release.loads(method):
         return None
     return (
@@ -194,7 +201,7 @@ def _nearest_checkpoint(release: QuantizationRelease, scheme: WeightScheme, refu
         alt = WEIGHT_SCHEMES.get(name)
         if alt is None or not alt.is_quantized:
             continue
-        method = scheme_method(release.engine, alt)
+        method = scheme_method(release.engine, alt, release)
         if method is not None and method != refused and release.loads(method):
             return f"{name} (quant_method {method})"
     return "bf16 (the unquantized checkpoint)"
@@ -202,13 +209,14 @@ def _nearest_checkpoint(release: QuantizationRelease, scheme: WeightScheme, refu
 
 # vLLM's bitsandbytes loader turns every double-quantized absmax back into float32 at load, "at the cost of increased
 # memory usage": vllm/model_executor/model_loader/bitsandbytes_loader.py dequantize_dq, called from load_weights on
-# each parameter's quant states (vllm-project/vllm PR 19742, opened 2025-06-17 after 0.9.1 was cut; first release
-# taken as 0.9.2, approx.). In-flight quantization (_unquantized_generator: quantize_4bit(..., compress_statistics=
-# True, quant_type="nf4")) and double-quantized checkpoints then hold the same as a checkpoint without double
-# quantization: 4-bit codes packed two to a uint8 (BitsAndBytesLinearMethod.create_weights: one flat uint8 parameter
-# of in x out / 2, no padding, nothing else per layer) and one fp32 absmax per 64 weights. Earlier releases kept the
-# uint8 absmax and its nested fp32 scale per 256 blocks (vllm 0.7.2: unsloth/meta-llama-3.1-8b-instruct-bnb-4bit
-# printed 5.3541 GiB of weights; that storage gives 5.31, and the 0.03 GiB rope cache kvfleet leaves out, 5.34).
+# each parameter's quant states (vllm-project/vllm PR 19742). First in 0.9.2 (vllm 0.9.2 sdist, bitsandbytes_loader.py;
+# 0.9.1's loader has no dequantize_dq: data/vllm_release_markers.json bnb-fp32-absmax). In-flight quantization
+# (_unquantized_generator: quantize_4bit(..., compress_statistics=True, quant_type="nf4")) and double-quantized
+# checkpoints then hold the same as a checkpoint without double quantization: 4-bit codes packed two to a uint8
+# (BitsAndBytesLinearMethod.create_weights: one flat uint8 parameter of in x out / 2, no padding, nothing else per
+# layer) and one fp32 absmax per 64 weights. Earlier releases kept the uint8 absmax and its nested fp32 scale per 256
+# blocks (vllm 0.7.2: unsloth/meta-llama-3.1-8b-instruct-bnb-4bit printed 5.3541 GiB of weights; that storage gives
+# 5.31, and the 0.03 GiB rope cache kvfleet leaves out, 5.34).
 VLLM_BNB_FP32_ABSMAX_SINCE: Version = (0, 9, 2)
 
 

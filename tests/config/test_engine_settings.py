@@ -115,13 +115,14 @@ def hybrid(tmp_path: Path) -> str:
 @pytest.mark.parametrize(
     ("version", "setting", "pages", "engine_flag"),
     [
-        # vLLM 0.32.0 caches prefixes of hybrid models by default (mamba_cache_mode align: two state pages).
+        # vLLM caches prefixes of hybrid models by default from 0.28.0 (mamba_cache_mode align: two state pages).
         ("0.32.0", "", 2, "--enable-prefix-caching"),
         ("0.32.0", "      enable_prefix_caching: false\n", 1, "--no-enable-prefix-caching"),
+        ("0.28.0", "", 2, "--enable-prefix-caching"),
         # Earlier releases left it off for them: the plan sizes one page, and the engine is told so rather than
         # started with prefix caching the plan did not size.
-        ("0.30.0", "", 1, "--no-enable-prefix-caching"),
-        ("0.30.0", "      enable_prefix_caching: true\n", 2, "--enable-prefix-caching"),
+        ("0.27.1", "", 1, "--no-enable-prefix-caching"),
+        ("0.27.1", "      enable_prefix_caching: true\n", 2, "--enable-prefix-caching"),
     ],
 )
 def test_a_hybrid_models_prefix_caching_reaches_plan_and_flags(

@@ -25,25 +25,28 @@ def test_vllm_budget_is_total_times_utilization_minus_non_kv() -> None:
     )
     assert cap.requested_bytes == int(80 * GiB * 0.9)
     non_kv = cap.weights_bytes_per_gpu + cap.activation_peak_bytes + cap.non_torch_bytes
-    assert cap.kv_cache_bytes_per_gpu == cap.requested_bytes - non_kv  # graphs not counted before 0.21
+    assert cap.kv_cache_bytes_per_gpu == cap.requested_bytes - non_kv  # graphs not counted before 0.20
     assert cap.num_blocks == cap.kv_cache_bytes_per_gpu // (16 * 131072)
     assert cap.kv_cache_tokens == cap.num_blocks * 16
     assert cap.max_concurrency == pytest.approx(cap.num_blocks / (8192 // 16))
 
 
-def test_cuda_graphs_counted_from_0_21() -> None:
+def test_cuda_graphs_counted_from_0_20() -> None:
+    # 0.20.0's vllm/envs.py turns VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS on, though its log line says "default
+    # since v0.21.0".
     m = catalog_model(LLAMA)
     s = EngineSettings(gpu_memory_utilization=0.9, max_model_len=8192)
-    old = capacity(m, gpu_memory_bytes=80 * GiB, settings=replace(s, version="0.20.0"))
-    new = capacity(m, gpu_memory_bytes=80 * GiB, settings=replace(s, version="0.21.0"))
+    old = capacity(m, gpu_memory_bytes=80 * GiB, settings=replace(s, version="0.19.1"))
+    new = capacity(m, gpu_memory_bytes=80 * GiB, settings=replace(s, version="0.20.0"))
     assert not old.cuda_graph_counted and new.cuda_graph_counted
     assert old.kv_cache_bytes_per_gpu - new.kv_cache_bytes_per_gpu == new.cuda_graph_bytes
-    eager = capacity(m, gpu_memory_bytes=80 * GiB, settings=replace(s, version="0.21.0", enforce_eager=True))
+    eager = capacity(m, gpu_memory_bytes=80 * GiB, settings=replace(s, version="0.20.0", enforce_eager=True))
     assert eager.kv_cache_bytes_per_gpu == old.kv_cache_bytes_per_gpu
 
 
 def test_default_utilization_follows_the_version() -> None:
-    assert engine_profile(EngineName.VLLM, "0.11.0").gpu_memory_utilization == 0.90
+    assert engine_profile(EngineName.VLLM, "0.19.1").gpu_memory_utilization == 0.90
+    assert engine_profile(EngineName.VLLM, "0.20.0").gpu_memory_utilization == 0.92
     assert engine_profile(EngineName.VLLM, "0.32.0").gpu_memory_utilization == 0.92
     with pytest.raises(SizingError, match="older than the oldest modelled"):
         engine_profile(EngineName.VLLM, "0.4.0")

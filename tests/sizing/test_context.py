@@ -56,11 +56,13 @@ def test_linear_and_dynamic_multiply_max_position_embeddings(kind: str, factor: 
 
 def test_yarn_added_to_config_json_stopped_lengthening_the_context() -> None:
     # Qwen2.5-7B-Instruct's config.json (max_position_embeddings 32,768) edited as its card says. Before PR 56446
-    # vLLM derived original x factor = 131,072; from 0.32.0 on, max_position_embeddings is taken as already
-    # scaled, as transformers does, so 32,768 (the PR's TeleChat3 row: 131,072 -> 32,768 the same way).
+    # vLLM derived original x factor = 131,072; from 0.30.0 on (first in that release's vllm/config/model.py),
+    # max_position_embeddings is taken as already scaled, as transformers does, so 32,768 (the PR's TeleChat3 row:
+    # 131,072 -> 32,768 the same way).
     m = make_model(max_position_embeddings=32768, rope_scaling=QWEN_YARN)
     assert limit(m, "0.11.0") == (131072, 131072)
-    assert limit(m, "0.31.0") == (131072, 131072)
+    assert limit(m, "0.29.0") == (131072, 131072)
+    assert limit(m, "0.30.0") == (32768, 32768)
     assert limit(m, "0.32.0") == (32768, 32768)
     assert limit(m, "1.0.0", EngineName.TRTLLM) == (32768, 32768)  # yarn never lengthened it there
 
@@ -151,7 +153,8 @@ def test_bad_rope_scaling_names_the_field(raw: dict[str, Any], needle: str) -> N
 # vllm/engine/arg_utils.py get_batch_defaults (lines 2923-2952 at 0.32.0), UsageContext.OPENAI_API_SERVER:
 # >= 160 GiB -> 16,384 tokens / 1,024 sequences; >= 70 GiB and no "a100" in the device name -> 8,192 / 1,024;
 # else 2,048 / 256. Memory is CUDA's total (an 80 GB part reports 79.2 GiB; a B200 about 179 GiB; an H200 about
-# 139.8 GiB).
+# 139.8 GiB). Earlier (each release's own arg_utils.py): the 160 GiB tier from 0.28.0, A100s excluded from 0.9.0,
+# the large tier by memory from 0.8.5, H100/H200 by name before, and 1,024 sequences everywhere until 0.8.4.
 @pytest.mark.parametrize(
     ("name", "memory_gib", "version", "expected"),
     [
@@ -159,7 +162,14 @@ def test_bad_rope_scaling_names_the_field(raw: dict[str, Any], needle: str) -> N
         ("H100", 79.2, "0.32.0", (8192, 1024)),
         ("H200", 139.8, "0.32.0", (8192, 1024)),
         ("B200", 179.06, "0.32.0", (16384, 1024)),
-        ("B200", 179.06, "0.30.0", (8192, 1024)),  # before the >= 160 GiB tier
+        ("B200", 179.06, "0.28.0", (16384, 1024)),
+        ("B200", 179.06, "0.27.1", (8192, 1024)),  # before the >= 160 GiB tier
+        ("A100-80GB", 79.2, "0.8.5", (8192, 1024)),  # by memory, before A100s were excluded
+        ("A100-80GB", 79.2, "0.9.0", (2048, 256)),
+        ("H100", 79.2, "0.8.0", (8192, 1024)),  # by name
+        ("L40S", 44.42, "0.8.0", (2048, 1024)),  # 1,024 sequences on every device
+        ("L40S", 44.42, "0.8.4", (2048, 256)),
+        ("A100-80GB", 79.2, "0.8.4", (2048, 256)),  # not an H100 or H200 by name
         ("L40S", 44.42, "0.32.0", (2048, 256)),
         ("", 79.2, "0.32.0", (8192, 1024)),  # a memory alone: no name to exclude
         ("H100", 79.2, "0.6.0", (2048, 256)),  # V0: one default for every device

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import pytest
 
+from kvfleet.errors import SizingError
 from kvfleet.sizing.capacity import EngineSettings, capacity
 from kvfleet.sizing.catalog import catalog_model
 from kvfleet.sizing.engines import EngineName, activation_peak_bytes
@@ -113,16 +114,20 @@ def test_qwen3_235b_fp8_tp8_on_l40s_end_to_end() -> None:
     # vLLM 0.10.2, TP8 on L40S (torch sees 44.42 GiB), gpu_memory_utilization 0.9, max_model_len 32768,
     # default 2,048 batched tokens on a < 70 GiB GPU. Log: requested 39.98 GiB, weights 27.72, activation
     # 1.40, non-torch 0.17-0.21, "Available KV cache memory: 10.64 GiB", "GPU KV cache size: 237,344
-    # tokens", "Maximum concurrency for 32,768 tokens per request: 7.24x".
+    # tokens", "Maximum concurrency for 32,768 tokens per request: 7.24x". 0.10.2 refuses this checkpoint at TP 8
+    # without expert parallelism (the 192-wide expert shards are not whole FP8 blocks before 0.29.0), so it ran with
+    # --enable-expert-parallel; 128 experts over 8 ranks hold what tensor parallelism would.
     m = catalog_model("Qwen/Qwen3-235B-A22B-FP8")
-    cap = capacity(
-        m,
-        gpu_memory_bytes=int(44.42 * GiB),
-        settings=EngineSettings(
-            version="0.10.2", tensor_parallel_size=8, gpu_memory_utilization=0.9, max_model_len=32768
-        ),
-        accelerator_name="L40S",
+    settings = EngineSettings(
+        version="0.10.2",
+        tensor_parallel_size=8,
+        gpu_memory_utilization=0.9,
+        max_model_len=32768,
+        enable_expert_parallel=True,
     )
+    with pytest.raises(SizingError, match="192"):
+        capacity(m, gpu_memory_bytes=int(44.42 * GiB), settings=replace(settings, enable_expert_parallel=False))
+    cap = capacity(m, gpu_memory_bytes=int(44.42 * GiB), settings=settings, accelerator_name="L40S")
     assert cap.requested_bytes / GiB == pytest.approx(39.98, abs=0.01)
     assert cap.max_num_batched_tokens == 2048
     assert cap.kv_bytes_per_token_per_gpu == 48128

@@ -34,8 +34,8 @@ BNB = FIXTURES / "Kocdigital-LLM-8b-v0.1-bnb-4bit"
 AWQ = FIXTURES / "Meta-Llama-3.1-70B-Instruct-AWQ-INT4"
 
 # vLLM 0.32.0's QuantizationMethods (vllm/model_executor/layers/quantization/__init__.py) holds neither
-# bitsandbytes nor gguf, and its DEPRECATED_QUANTIZATION_METHODS are fbgemm_fp8 and fp_quant; 0.22.1's registry,
-# read from nvcr.io/nvidia/vllm:26.06-py3, still listed bitsandbytes.
+# bitsandbytes nor gguf, and its DEPRECATED_QUANTIZATION_METHODS are fbgemm_fp8 and fp_quant. The PyPI sdists list
+# gguf up to 0.23.0 and bitsandbytes up to 0.27.1 (kvfleet/sizing/data/vllm_release_markers.json).
 VLLM_0_32_REFUSED = {"bitsandbytes", "gguf", "fbgemm_fp8", "fp_quant"}
 # quant_method values a published checkpoint carries and kvfleet parses (models.py _quantization).
 CHECKPOINT_METHODS = (
@@ -71,7 +71,8 @@ def test_every_release_row_has_a_source_and_every_scheme_a_method() -> None:
         assert {s.name for s in WEIGHT_SCHEMES.values() if s.is_quantized} == set(table["schemes"]), name
         for row in table["releases"]:
             assert row["source"] and row["methods"], (name, row["since"])
-            assert set(row.get("deprecated", ())) <= set(row["methods"]), (name, row["since"])
+            # A row's lists are its release's own: 0.14.0 still deprecates tpu_int8, which it no longer lists.
+            assert set(row.get("schemes", {})) <= set(table["schemes"]), (name, row["since"])
 
 
 def test_vllm_0_32_refuses_what_its_source_leaves_out() -> None:
@@ -83,15 +84,32 @@ def test_vllm_0_32_refuses_what_its_source_leaves_out() -> None:
 
 
 def test_bitsandbytes_loads_before_its_removal() -> None:
-    for version in ("0.6.0", "0.10.1", "0.22.1", "0.31.9"):
+    # QuantizationMethods lists bitsandbytes up to 0.27.1 and gguf up to 0.23.0 (the sdists' __init__.py).
+    for version in ("0.6.0", "0.10.1", "0.22.1", "0.27.1"):
         assert quantization_release(EngineName.VLLM, version).loads("bitsandbytes"), version
-    assert not quantization_release(EngineName.VLLM, "0.32.0").loads("bitsandbytes")
+    for version in ("0.28.0", "0.32.0"):
+        assert not quantization_release(EngineName.VLLM, version).loads("bitsandbytes"), version
+    assert quantization_release(EngineName.VLLM, "0.23.0").loads("gguf")
+    assert not quantization_release(EngineName.VLLM, "0.24.0").loads("gguf")
 
 
 def test_mxfp4_arrives_with_gpt_oss() -> None:
-    # gpt-oss's MXFP4 experts came with v0.10.1 (its release notes); the older list has no mxfp4.
-    assert not quantization_release(EngineName.VLLM, "0.9.2").loads("mxfp4")
+    # gpt-oss's MXFP4 experts came with 0.10.1; 0.10.0's list has no mxfp4.
+    assert not quantization_release(EngineName.VLLM, "0.10.0").loads("mxfp4")
     assert quantization_release(EngineName.VLLM, "0.10.1").loads("mxfp4")
+
+
+def test_nvfp4_loads_under_the_name_each_release_gives_it() -> None:
+    # ModelOpt NVFP4 came in 0.8.0 as method "nvfp4"; 0.9.0 renamed it "modelopt_fp4". 0.7.3 has neither.
+    nvfp4 = WEIGHT_SCHEMES["nvfp4"]
+    for version, method in (("0.8.0", "nvfp4"), ("0.8.5", "nvfp4"), ("0.9.0", "modelopt_fp4")):
+        release = quantization_release(EngineName.VLLM, version)
+        assert scheme_method(EngineName.VLLM, nvfp4, release) == method, version
+        assert release.loads(method), version
+    assert not quantization_release(EngineName.VLLM, "0.7.3").loads("nvfp4")
+    assert resolve_scheme(catalog_model(LLAMA), "nvfp4", version="0.8.0").name == "nvfp4"
+    with pytest.raises(SizingError, match="does not load"):
+        resolve_scheme(catalog_model(LLAMA), "nvfp4", version="0.7.3")
 
 
 def test_trtllm_reads_modelopt_fp8_block_and_mxfp4_checkpoints_only() -> None:
@@ -118,7 +136,7 @@ def test_bnb_4bit_refused_at_0_32_with_the_nearest_scheme() -> None:
 
 
 def test_bnb_4bit_accepted_at_a_release_that_had_it() -> None:
-    cap = capacity(catalog_model(LLAMA), gpu_memory_bytes=80 * GiB, settings=_settings("0.30.0", "bnb-4bit"))
+    cap = capacity(catalog_model(LLAMA), gpu_memory_bytes=80 * GiB, settings=_settings("0.27.1", "bnb-4bit"))
     assert cap.weights.scheme.name == "bnb-4bit"
     assert cap.kv_cache_tokens > 0
 
@@ -136,19 +154,21 @@ def test_bitsandbytes_checkpoint_refused_for_the_release() -> None:
     assert err.value.field == "model"
     assert "vLLM 0.32.0" in err.value.message and "'bitsandbytes'" in err.value.message
     assert "awq (quant_method awq)" in err.value.message
-    ok = capacity(model, gpu_memory_bytes=80 * GiB, settings=_settings("0.30.0"))
+    ok = capacity(model, gpu_memory_bytes=80 * GiB, settings=_settings("0.27.1"))
     assert ok.weights.scheme.name == "bnb-4bit"
 
 
 def test_deprecated_checkpoint_method_refused_at_0_32() -> None:
-    # A checkpoint in fbgemm_fp8 (Meta's FP8 Llama 405B format): vLLM 0.32.0 lists it as deprecated and
+    # A checkpoint in fbgemm_fp8 (Meta's FP8 Llama 405B format): vLLM lists it as deprecated from 0.14.0 on and
     # refuses it without --allow-deprecated-quantization (config/model.py _verify_quantization).
     cfg = llama_config(quantization_config={"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0})
     model = parse_hf_config(cfg, model_id="test/llama-fbgemm")
     with pytest.raises(SizingError, match="deprecated quant_method 'fbgemm_fp8'") as err:
         capacity(model, gpu_memory_bytes=80 * GiB, settings=_settings("0.32.0"))
     assert err.value.field == "model"
-    assert capacity(model, gpu_memory_bytes=80 * GiB, settings=_settings("0.30.0")).weights.scheme.name == "fp8"
+    with pytest.raises(SizingError, match="deprecated quant_method 'fbgemm_fp8'"):
+        capacity(model, gpu_memory_bytes=80 * GiB, settings=_settings("0.14.0"))
+    assert capacity(model, gpu_memory_bytes=80 * GiB, settings=_settings("0.13.0")).weights.scheme.name == "fp8"
 
 
 def test_trtllm_refuses_a_huggingface_awq_checkpoint() -> None:
@@ -188,12 +208,12 @@ def _req(*precisions: str, version: str = "0.32.0", model: str | Path = LLAMA) -
     )
 
 
-def test_planner_refuses_bnb_only_at_0_32() -> None:
+def test_planner_refuses_bnb_from_0_28() -> None:
     with pytest.raises(SizingError) as err:
         plan(_req("bnb-4bit"))
     assert err.value.field == "weight_precisions"
     assert "vLLM 0.32.0" in err.value.message and "awq" in err.value.message
-    assert plan(_req("bnb-4bit", version="0.30.0")).best.weight_scheme.name == "bnb-4bit"
+    assert plan(_req("bnb-4bit", version="0.27.1")).best.weight_scheme.name == "bnb-4bit"
 
 
 def test_planner_keeps_what_the_release_loads_and_says_why_not_the_rest() -> None:
@@ -207,7 +227,7 @@ def test_planner_refuses_a_checkpoint_the_release_does_not_load() -> None:
     with pytest.raises(SizingError) as err:
         plan(_req(version="0.32.0", model=BNB))
     assert err.value.field == "model"
-    assert plan(_req(version="0.30.0", model=BNB)).best.weight_scheme.name == "bnb-4bit"
+    assert plan(_req(version="0.27.1", model=BNB)).best.weight_scheme.name == "bnb-4bit"
 
 
 def test_planner_says_a_trtllm_fp8_plan_needs_the_fp8_checkpoint() -> None:

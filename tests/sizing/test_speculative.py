@@ -24,7 +24,14 @@ from kvfleet.sizing.capacity import EngineSettings, capacity
 from kvfleet.sizing.catalog import catalog_model, resolve_model
 from kvfleet.sizing.engines import EngineName
 from kvfleet.sizing.precision import KvDtype
-from kvfleet.sizing.speculative import SpecMethod, Speculative, parse_method, resolve_drafter
+from kvfleet.sizing.speculative import (
+    SpecMethod,
+    Speculative,
+    acceptance,
+    acceptance_data,
+    parse_method,
+    resolve_drafter,
+)
 from kvfleet.sizing.units import GiB
 
 HF = Path(__file__).resolve().parents[1] / "fixtures" / "hf_configs"
@@ -295,3 +302,34 @@ def test_catalog_eagle1_head_reads_the_targets_embedding_and_lm_head() -> None:
         want = 2 * (layer + 2 * h * h)
         assert got.weights_bytes_per_gpu == pytest.approx(want, rel=0.002), tp
         assert set(got.shares) == {"embedding", "lm_head"}
+
+
+# ---- what the plan says about speed ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "tau", "passes"),
+    [
+        # The published table's eagle3 K = 3 entry (data/speculative_acceptance.json), read here, not restated.
+        (
+            Speculative(
+                method=SpecMethod.EAGLE3, draft_model="yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", num_speculative_tokens=3
+            ),
+            None,
+            "the drafter's 3 passes",
+        ),
+        (Speculative(method=SpecMethod.NGRAM, num_speculative_tokens=4, acceptance_length=2.5), 2.5, "n-gram lookups"),
+    ],
+    ids=["eagle3-published", "ngram-given"],
+)
+def test_the_speed_note_names_the_acceptance_length_the_planner_credits(
+    spec: Speculative, tau: float | None, passes: str
+) -> None:
+    if tau is None:
+        tau = float(acceptance_data()["defaults"]["eagle3"]["by_num_speculative_tokens"]["3"])
+    assert acceptance(spec, spec.num_speculative_tokens).tokens_per_step == tau  # what planner.py prices
+    cap = _cap("meta-llama/Llama-3.1-8B-Instruct", spec)
+    [note] = [n for n in cap.notes if n.startswith("speed: ")]
+    assert passes in note and f"verifying {spec.num_speculative_tokens + 1} tokens" in note
+    assert f"crediting {tau:g} tokens per step" in note
+    assert not any("does not price drafting" in n for n in cap.notes)
