@@ -555,7 +555,8 @@ MARKERS: tuple[Marker, ...] = (
             else _v1_runner_gone(files)
         ),
         test="VllmConfig.use_v2_model_runner without the _is_default_v2_model_runner_model restriction",
-        boundary="not modelled: the no-sort bytes per logit are fitted across runners",
+        boundary="VLLM_PROFILES v2_runner all (in_flight_batches under pipeline parallelism); the no-sort bytes per "
+        "logit are fitted across runners",
     ),
     Marker(
         name="v2-profiling-sampler-full-params",

@@ -108,7 +108,7 @@ class EngineRef(Frozen):
         description=(
             "Cache prompt prefixes (vLLM --enable-prefix-caching, TensorRT-LLM enable_block_reuse). Default: the "
             "release's, which the plan resolves and the engine is started with: on, except for hybrid "
-            "linear-attention / Mamba models on vLLM before 0.32. On a hybrid model it keeps two state pages per "
+            "linear-attention / Mamba models on vLLM before 0.28. On a hybrid model it keeps two state pages per "
             "request instead of one (vLLM's mamba_cache_mode align), so false holds more sequences."
         ),
     )

@@ -23,6 +23,7 @@ from kvfleet.sizing.engines import (
     cuda_graph_bytes,
     encoder_profile,
     engine_profile,
+    in_flight_batches,
     non_torch_bytes,
     rope_rules,
     trtllm_profiling_requests,
@@ -901,6 +902,12 @@ def _stage_capacity(
             f"sequence each, padded to a {pool.page_bytes:,}-byte page of {k.block} attention tokens; "
             f"{state_pages} page(s) per request (mamba_cache_mode {'align' if state_pages > 1 else 'none'})"
         )
+    in_flight = in_flight_batches(
+        profile,
+        pipeline_parallel_size=s.pipeline_parallel_size,
+        moe=full.moe is not None,
+        state_layers=full.state is not None,
+    )
     blocks_per_request = sum(
         _blocks_per_request(
             kind,
@@ -908,7 +915,7 @@ def _stage_capacity(
             max_model_len=k.max_len,
             block_size=k.block,
             max_num_batched_tokens=k.batched,
-            in_flight_batches=profile.sliding_in_flight_batches,
+            in_flight_batches=in_flight,
             state_pages=state_pages,
         )
         for kind, w in pool.groups
@@ -935,7 +942,7 @@ def _stage_capacity(
         block_size=k.block,
         max_num_batched_tokens=k.batched,
         limit=k.max_len,
-        in_flight_batches=profile.sliding_in_flight_batches,
+        in_flight_batches=in_flight,
     )
     if not problems and concurrency < 1:
         problems.append(

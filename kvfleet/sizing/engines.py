@@ -78,9 +78,14 @@ class EngineProfile:
     hybrid_group_ratio: float  # kv_cache_utils grouping: use the largest type count below this ratio (1: never)
     hybrid_tokens_from_concurrency: bool  # hybrid models log max_concurrency x max_model_len tokens
     sort_sampler: bool  # the profiling run's top-k/top-p mask sorts the vocabulary (see the module docstring)
-    # Batches a sliding-window layer reserves beyond its window (VllmConfig.max_in_flight_tokens: 2 with
-    # async scheduling, the default at 0.32.0; 1 where a step's blocks are freed before the next).
+    # Batches a sliding-window layer reserves beyond its window at pipeline parallel size 1
+    # (VllmConfig.max_in_flight_tokens: 2 with async scheduling, on by default from 0.26; 1 where a step's blocks
+    # are freed before the next). With pipeline stages see ``in_flight_batches``.
     sliding_in_flight_batches: int
+    # Which models Model Runner V2 runs by default (VllmConfig.use_v2_model_runner): "none"; "dense" (0.26-0.28
+    # _is_default_v2_model_runner_model: generative, not MoE, not a hybrid state model, not attention-free); "all"
+    # (0.29 on). Only what depends on it is modelled: the in-flight batches under pipeline parallelism.
+    v2_runner: str
     # Prefix caching on by default for hybrid attention/Mamba models, which puts their state layers in
     # mamba_cache_mode "align": two state pages per request instead of one (MambaSpec.max_memory_usage_bytes).
     mamba_align_by_default: bool
@@ -119,6 +124,7 @@ VLLM_PROFILES: tuple[EngineProfile, ...] = _releases(
         hybrid_tokens_from_concurrency=False,
         sort_sampler=True,
         sliding_in_flight_batches=1,
+        v2_runner="none",
         mamba_align_by_default=False,
         note="V0 engine: every layer holds max_model_len; CUDA graphs use the 1 - utilization headroom",
     ),
@@ -174,14 +180,21 @@ VLLM_PROFILES: tuple[EngineProfile, ...] = _releases(
     (
         (0, 26, 0),
         "sliding-window layers reserve two in-flight batches under async scheduling (vllm/config/vllm.py "
-        "max_in_flight_tokens; sliding-window-in-flight-tokens)",
-        {"sliding_in_flight_batches": 2},
+        "max_in_flight_tokens; sliding-window-in-flight-tokens); Model Runner V2 the default for dense models "
+        "(vllm/config/vllm.py _is_default_v2_model_runner_model, read in 0.26.0 and 0.28.0)",
+        {"sliding_in_flight_batches": 2, "v2_runner": "dense"},
     ),
     (
         (0, 28, 0),
         "hybrid Mamba models cache prefixes by default, in mamba_cache_mode align (vllm/engine/arg_utils.py, "
         "vllm/config/model.py is_prefix_caching_supported; hybrid-prefix-caching-by-default)",
         {"mamba_align_by_default": True},
+    ),
+    (
+        (0, 29, 0),
+        "Model Runner V2 the default for every generative model it supports (vllm/config/vllm.py "
+        "use_v2_model_runner; v2-model-runner-default)",
+        {"v2_runner": "all"},
     ),
 )
 
@@ -219,6 +232,7 @@ TRTLLM_PROFILES: tuple[EngineProfile, ...] = (
         hybrid_tokens_from_concurrency=False,
         sort_sampler=False,
         sliding_in_flight_batches=1,
+        v2_runner="none",
         mamba_align_by_default=False,
         max_num_batched_tokens=8192,
         max_num_seqs=2048,
@@ -400,6 +414,18 @@ def vllm_batch_defaults(version: str | None, *, gpu_memory_bytes: int, accelerat
     rows = [r for r in VLLM_BATCH_DEFAULTS if r.since <= v] or [VLLM_BATCH_DEFAULTS[0]]
     name = accelerator_name.lower()
     return next((t for t in rows[-1].tiers if t.admits(gpu_memory_bytes, name)), _SMALL)
+
+
+def in_flight_batches(profile: EngineProfile, *, pipeline_parallel_size: int, moe: bool, state_layers: bool) -> int:
+    """VllmConfig.max_concurrent_batches, the batches a sliding-window layer holds beyond its window: under async
+    scheduling (the default) pp + 1 where Model Runner V2 runs, 2 (pp 1) or pp (the V1 runner, which vLLM
+    0.26-0.32 run without async scheduling under pipeline parallelism); vllm/config/vllm.py, read in 0.26.0,
+    0.28.0, 0.29.0 and 0.32.0 (0.34.0: pp + 1 always, the V1 runner gone)."""
+    pp = pipeline_parallel_size
+    if profile.sliding_in_flight_batches < 2 or pp <= 1:
+        return profile.sliding_in_flight_batches
+    v2 = profile.v2_runner == "all" or (profile.v2_runner == "dense" and not moe and not state_layers)
+    return pp + 1 if v2 else pp
 
 
 def engine_profile(engine: EngineName, version: str | None = None) -> EngineProfile:

@@ -259,6 +259,44 @@ def test_sliding_window_reserves_two_in_flight_batches_at_0_32() -> None:
     assert cap.blocks_per_max_len_request == 32768 // 16 + cdiv(128 - 1 + 2 * 2048, 16) + 1
 
 
+# Groups one request holds blocks in: gpt-oss-20b alternates sliding (128) and full layers, one group of each kind;
+# Gemma 3 12B has 5 sliding (1,024) layers per full one, grouped by the full count: 1 full and 5 sliding groups.
+# A pipeline stage holds half or a quarter of the layers in the same proportions, so the same groups.
+_GROUPS = {"openai/gpt-oss-20b": (1, 1, 128), "google/gemma-3-12b-it": (1, 5, 1024)}
+
+
+@pytest.mark.parametrize(
+    ("model_id", "version", "pp", "batches"),
+    [
+        # VllmConfig.max_concurrent_batches (vllm/config/vllm.py, the same function in 0.26.0, 0.28.0, 0.29.0 and
+        # 0.32.0): under async scheduling pp + 1 where Model Runner V2 runs; the V1 runner keeps pp (async
+        # scheduling is turned off for it under pipeline parallelism). MRV2 ran dense models by default from 0.26
+        # (_is_default_v2_model_runner_model: not MoE) and every model from 0.29 (use_v2_model_runner).
+        ("openai/gpt-oss-20b", "0.28.0", 2, 2),  # MoE on the V1 runner
+        ("openai/gpt-oss-20b", "0.28.0", 4, 4),
+        ("openai/gpt-oss-20b", "0.29.0", 2, 3),  # MoE on Model Runner V2
+        ("openai/gpt-oss-20b", "0.32.0", 4, 5),
+        ("google/gemma-3-12b-it", "0.28.0", 2, 3),  # dense: Model Runner V2 already
+        ("google/gemma-3-12b-it", "0.25.0", 2, 1),  # before max_in_flight_tokens: one batch, whatever pp
+        ("google/gemma-3-12b-it", "0.32.0", 1, 2),
+    ],
+)
+def test_sliding_window_in_flight_batches_follow_the_pipeline(
+    model_id: str, version: str, pp: int, batches: int
+) -> None:
+    s = EngineSettings(
+        version=version,
+        max_model_len=32768,
+        kv_cache_memory_bytes=4 * GiB,
+        max_num_batched_tokens=2048,
+        pipeline_parallel_size=pp,
+    )
+    cap = capacity(catalog_model(model_id), gpu_memory_bytes=80 * GiB, settings=s)
+    full_groups, sliding_groups, window = _GROUPS[model_id]
+    sliding = cdiv(min(window - 1 + batches * 2048, 32768), 16) + 1  # max_admission_blocks_per_request
+    assert cap.blocks_per_max_len_request == full_groups * cdiv(32768, 16) + sliding_groups * sliding
+
+
 # --- real start-up logs (CHECK cases: nothing here was fitted to them) ---------------------------------
 
 

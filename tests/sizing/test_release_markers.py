@@ -111,6 +111,7 @@ PROFILE_FLAGS: list[tuple[str, Callable[[Any], bool]]] = [
     ("kv-tokens-from-concurrency", lambda p: p.hybrid_tokens_from_concurrency),
     ("sliding-window-in-flight-tokens", lambda p: p.sliding_in_flight_batches == 2),
     ("hybrid-prefix-caching-by-default", lambda p: p.mamba_align_by_default),
+    ("v2-model-runner-default", lambda p: p.v2_runner == "all"),
 ]
 
 
