@@ -902,12 +902,7 @@ def _stage_capacity(
             f"sequence each, padded to a {pool.page_bytes:,}-byte page of {k.block} attention tokens; "
             f"{state_pages} page(s) per request (mamba_cache_mode {'align' if state_pages > 1 else 'none'})"
         )
-    in_flight = in_flight_batches(
-        profile,
-        pipeline_parallel_size=s.pipeline_parallel_size,
-        moe=full.moe is not None,
-        state_layers=full.state is not None,
-    )
+    in_flight = in_flight_batches(profile, full, pipeline_parallel_size=s.pipeline_parallel_size)
     blocks_per_request = sum(
         _blocks_per_request(
             kind,

@@ -83,9 +83,11 @@ class EngineProfile:
     # are freed before the next). With pipeline stages see ``in_flight_batches``.
     sliding_in_flight_batches: int
     # Which models Model Runner V2 runs by default (VllmConfig.use_v2_model_runner): "none"; "dense" (0.26-0.28
-    # _is_default_v2_model_runner_model: generative, not MoE, not a hybrid state model, not attention-free); "all"
-    # (0.29 on). Only what depends on it is modelled: the in-flight batches under pipeline parallelism.
+    # _is_default_v2_model_runner_model: a listed architecture, else a model that is neither MoE nor a hybrid
+    # state model); "all" (0.29 on). Only what depends on it is modelled: in-flight batches under pipeline parallelism.
     v2_runner: str
+    # DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES (vllm/config/vllm.py) where ``v2_runner`` is "dense".
+    v2_runner_architectures: frozenset[str] = frozenset()
     # Prefix caching on by default for hybrid attention/Mamba models, which puts their state layers in
     # mamba_cache_mode "align": two state pages per request instead of one (MambaSpec.max_memory_usage_bytes).
     mamba_align_by_default: bool
@@ -94,6 +96,20 @@ class EngineProfile:
     # max_batch_size). vLLM's depend on it: VLLM_BATCH_DEFAULTS (tiers by memory, A100s excluded by name).
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
+
+
+# vllm/config/vllm.py DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES in the 0.26.0 sdist: MoE architectures Model Runner V2
+# runs by default although other MoE models stay on the V1 runner.
+_V2_ARCHS_0_26 = frozenset(
+    {
+        "DeepseekV2ForCausalLM",
+        "GraniteMoeForCausalLM",
+        "InklingForCausalLM",
+        "InklingForConditionalGeneration",
+        "LongcatFlashNgramForCausalLM",
+        "Qwen2MoeForCausalLM",
+    }
+)
 
 
 def _releases(first: EngineProfile, *changes: tuple[Version, str, dict[str, Any]]) -> tuple[EngineProfile, ...]:
@@ -181,14 +197,19 @@ VLLM_PROFILES: tuple[EngineProfile, ...] = _releases(
         (0, 26, 0),
         "sliding-window layers reserve two in-flight batches under async scheduling (vllm/config/vllm.py "
         "max_in_flight_tokens; sliding-window-in-flight-tokens); Model Runner V2 the default for dense models "
-        "(vllm/config/vllm.py _is_default_v2_model_runner_model, read in 0.26.0 and 0.28.0)",
-        {"sliding_in_flight_batches": 2, "v2_runner": "dense"},
+        "(vllm/config/vllm.py _is_default_v2_model_runner_model and its architecture list, 0.26.0)",
+        {"sliding_in_flight_batches": 2, "v2_runner": "dense", "v2_runner_architectures": _V2_ARCHS_0_26},
     ),
     (
         (0, 28, 0),
         "hybrid Mamba models cache prefixes by default, in mamba_cache_mode align (vllm/engine/arg_utils.py, "
-        "vllm/config/model.py is_prefix_caching_supported; hybrid-prefix-caching-by-default)",
-        {"mamba_align_by_default": True},
+        "vllm/config/model.py is_prefix_caching_supported; hybrid-prefix-caching-by-default); Model Runner V2 "
+        "lists two more architectures (vllm/config/vllm.py DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES, 0.28.0)",
+        # 0.27.1 already lists KimiK3ForConditionalGeneration (no catalog model); 0.27.x keeps the 0.26.0 list here.
+        {
+            "mamba_align_by_default": True,
+            "v2_runner_architectures": _V2_ARCHS_0_26 | {"DeepseekV4ForCausalLM", "KimiK3ForConditionalGeneration"},
+        },
     ),
     (
         (0, 29, 0),
@@ -416,7 +437,7 @@ def vllm_batch_defaults(version: str | None, *, gpu_memory_bytes: int, accelerat
     return next((t for t in rows[-1].tiers if t.admits(gpu_memory_bytes, name)), _SMALL)
 
 
-def in_flight_batches(profile: EngineProfile, *, pipeline_parallel_size: int, moe: bool, state_layers: bool) -> int:
+def in_flight_batches(profile: EngineProfile, model: ModelSpec, *, pipeline_parallel_size: int) -> int:
     """VllmConfig.max_concurrent_batches, the batches a sliding-window layer holds beyond its window: under async
     scheduling (the default) pp + 1 where Model Runner V2 runs, 2 (pp 1) or pp (the V1 runner, which vLLM
     0.26-0.32 run without async scheduling under pipeline parallelism); vllm/config/vllm.py, read in 0.26.0,
@@ -424,7 +445,9 @@ def in_flight_batches(profile: EngineProfile, *, pipeline_parallel_size: int, mo
     pp = pipeline_parallel_size
     if profile.sliding_in_flight_batches < 2 or pp <= 1:
         return profile.sliding_in_flight_batches
-    v2 = profile.v2_runner == "all" or (profile.v2_runner == "dense" and not moe and not state_layers)
+    listed = not profile.v2_runner_architectures.isdisjoint(model.architectures)
+    plain = model.moe is None and model.state is None  # vLLM's is_moe, is_hybrid
+    v2 = profile.v2_runner == "all" or (profile.v2_runner == "dense" and (listed or plain))
     return pp + 1 if v2 else pp
 
 

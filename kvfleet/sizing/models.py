@@ -198,6 +198,8 @@ class ModelSpec:
     # (num_nextn_predict_layers, or mtp_num_hidden_layers), and an EAGLE-3 head's reduced output vocabulary.
     mtp_layers: int = 0
     draft_vocab_size: int | None = None
+    # config.json "architectures": the classes vLLM may build, which some engine defaults are keyed on.
+    architectures: tuple[str, ...] = ()
     source: str = ""
     family: str = ""
     aliases: tuple[str, ...] = field(default=())
@@ -976,6 +978,13 @@ _VL_TEXT_TYPES = {
 }
 
 
+def _architectures(cfg: Mapping[str, Any]) -> tuple[str, ...]:
+    archs = cfg.get("architectures")
+    if not isinstance(archs, list):
+        return ()
+    return tuple(a for a in archs if isinstance(a, str))
+
+
 def parse_hf_config(
     cfg: Mapping[str, Any],
     *,
@@ -1082,6 +1091,7 @@ def parse_hf_config(
         vision=vision,
         mtp_layers=_int(t, "num_nextn_predict_layers", where=where, default=int(t.get("mtp_num_hidden_layers") or 0)),
         draft_vocab_size=_int(cfg, "draft_vocab_size", where="") if cfg.get("draft_vocab_size") else None,
+        architectures=_architectures(cfg),
         source=source,
         family=family,
         aliases=aliases,

@@ -65,17 +65,12 @@ class QuantizationRelease:
         return method in self.online and method not in self.deprecated
 
 
-@dataclass(frozen=True, kw_only=True)
-class _EngineTable:
-    schemes: dict[str, str]  # kvfleet scheme name -> the engine's method for it
-    releases: tuple[QuantizationRelease, ...]  # oldest first
-
-
 @cache
-def _tables() -> dict[EngineName, _EngineTable]:
+def _tables() -> dict[EngineName, tuple[QuantizationRelease, ...]]:
+    """Each engine's release rows, oldest first."""
     text = resources.files("kvfleet.sizing").joinpath("data", "engine_quantization.json").read_text(encoding="utf-8")
     data: dict[str, Any] = json.loads(text)
-    out: dict[EngineName, _EngineTable] = {}
+    out: dict[EngineName, tuple[QuantizationRelease, ...]] = {}
     for name, raw in data["engines"].items():
         engine = EngineName(name)
         rows = []
@@ -94,7 +89,7 @@ def _tables() -> dict[EngineName, _EngineTable]:
                 )
             )
         rows.sort(key=lambda row: row.since)
-        out[engine] = _EngineTable(schemes=dict(raw["schemes"]), releases=tuple(rows))
+        out[engine] = tuple(rows)
     return out
 
 
@@ -102,9 +97,9 @@ def quantization_release(engine: EngineName, version: str | None = None) -> Quan
     """The row for ``version`` (the engine's default release when None)."""
     table = _tables()[engine]
     v = parse_version(version or DEFAULT_VERSIONS[engine])
-    rows = [r for r in table.releases if r.since <= v]
+    rows = [r for r in table if r.since <= v]
     if not rows:
-        oldest = ".".join(map(str, table.releases[0].since))
+        oldest = ".".join(map(str, table[0].since))
         raise SizingError(
             f"{ENGINE_TITLES[engine]} {version}: which weight precisions it loads is known from {oldest} on",
             field="engine_version",
@@ -112,17 +107,14 @@ def quantization_release(engine: EngineName, version: str | None = None) -> Quan
     return rows[-1]
 
 
-def scheme_method(engine: EngineName, scheme: WeightScheme, release: QuantizationRelease | None = None) -> str | None:
-    """The engine's method for a kvfleet weight scheme (as ``release`` names it, where given); None for an
-    unquantized one (a dtype, not a method)."""
-    if not scheme.is_quantized:
-        return None
-    names = release.schemes if release is not None else _tables()[engine].schemes
-    return names.get(scheme.name)
+def scheme_method(scheme: WeightScheme, release: QuantizationRelease) -> str | None:
+    """The release's method for a kvfleet weight scheme, by the name that release gives it; None for an unquantized
+    one (a dtype, not a method)."""
+    return release.schemes.get(scheme.name) if scheme.is_quantized else None
 
 
 def _loads_scheme(release: QuantizationRelease, scheme: WeightScheme) -> bool:
-    method = scheme_method(release.engine, scheme, release)
+    method = scheme_method(scheme, release)
     if method is None:
         return not scheme.is_quantized
     # A scheme asked of an unquantized checkpoint is applied at load where the release can, else sized as a
@@ -131,7 +123,7 @@ def _loads_scheme(release: QuantizationRelease, scheme: WeightScheme) -> bool:
 
 
 def _as_loaded(release: QuantizationRelease, scheme: WeightScheme) -> str:
-    method = scheme_method(release.engine, scheme, release)
+    method = scheme_method(scheme, release)
     if not scheme.is_quantized or method is None:
         return f"{scheme.name} (the unquantized checkpoint)"
     if scheme.needs_quantized_checkpoint:
@@ -158,7 +150,7 @@ def scheme_refusal(scheme: WeightScheme, *, engine: EngineName, version: str | N
     release = quantization_release(engine, version)
     if _loads_scheme(release, scheme):
         return None
-    method = scheme_method(engine, scheme, release) or scheme.name
+    method = scheme_method(scheme, release) or scheme.name
     label = _label(release, version)
     if method in release.deprecated:
         why = f"refuses the deprecated method {method} ({scheme.name}) without a flag kvfleet does not set"
@@ -173,7 +165,7 @@ def checkpoint_note(scheme: WeightScheme, *, engine: EngineName, version: str | 
     """Where the release loads ``scheme`` only as a checkpoint though kvfleet could ask for it at load: the
     plan is sized for that checkpoint, which the deployment must then name."""
     release = quantization_release(engine, version)
-    method = scheme_method(engine, scheme, release)
+    method = scheme_method(scheme, release)
     if method is None or scheme.needs_quantized_checkpoint or release.applies(method) or not release.loads(method):
         return None
     return (
@@ -201,7 +193,7 @@ def _nearest_checkpoint(release: QuantizationRelease, scheme: WeightScheme, refu
         alt = WEIGHT_SCHEMES.get(name)
         if alt is None or not alt.is_quantized:
             continue
-        method = scheme_method(release.engine, alt, release)
+        method = scheme_method(alt, release)
         if method is not None and method != refused and release.loads(method):
             return f"{name} (quant_method {method})"
     return "bf16 (the unquantized checkpoint)"

@@ -23,7 +23,7 @@ import pytest
 from kvfleet.errors import ModelConfigError, SizingError
 from kvfleet.sizing.capacity import EngineSettings, capacity, hybrid_block_size
 from kvfleet.sizing.catalog import catalog_model
-from kvfleet.sizing.engines import EngineName
+from kvfleet.sizing.engines import EngineName, engine_profile, in_flight_batches
 from kvfleet.sizing.memory import kv_layout, state_layout, weight_bytes
 from kvfleet.sizing.models import AttentionKind, ModelSpec, StateKind, parse_hf_config
 from kvfleet.sizing.precision import KvDtype
@@ -295,6 +295,22 @@ def test_sliding_window_in_flight_batches_follow_the_pipeline(
     full_groups, sliding_groups, window = _GROUPS[model_id]
     sliding = cdiv(min(window - 1 + batches * 2048, 32768), 16) + 1  # max_admission_blocks_per_request
     assert cap.blocks_per_max_len_request == full_groups * cdiv(32768, 16) + sliding_groups * sliding
+
+
+def test_listed_moe_architectures_run_model_runner_v2_before_0_29() -> None:
+    # 0.26.0-0.28.0 _is_default_v2_model_runner_model: a MoE model stays on the V1 runner unless its architecture
+    # is in DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES (Qwen2MoeForCausalLM is, from 0.26.0; DeepseekV4ForCausalLM
+    # from 0.28.0).
+    moe = catalog_model("openai/gpt-oss-20b")
+    for archs, version, batches in (
+        (("GptOssForCausalLM",), "0.28.0", 2),
+        (("Qwen2MoeForCausalLM",), "0.26.0", 3),
+        (("DeepseekV4ForCausalLM",), "0.26.0", 2),
+        (("DeepseekV4ForCausalLM",), "0.28.0", 3),
+    ):
+        m = replace(moe, architectures=archs)
+        assert in_flight_batches(engine_profile(EngineName.VLLM, version), m, pipeline_parallel_size=2) == batches
+    assert catalog_model("openai/gpt-oss-20b").architectures == ("GptOssForCausalLM",)  # read from config.json
 
 
 # --- real start-up logs (CHECK cases: nothing here was fitted to them) ---------------------------------

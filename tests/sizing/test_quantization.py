@@ -104,7 +104,7 @@ def test_nvfp4_loads_under_the_name_each_release_gives_it() -> None:
     nvfp4 = WEIGHT_SCHEMES["nvfp4"]
     for version, method in (("0.8.0", "nvfp4"), ("0.8.5", "nvfp4"), ("0.9.0", "modelopt_fp4")):
         release = quantization_release(EngineName.VLLM, version)
-        assert scheme_method(EngineName.VLLM, nvfp4, release) == method, version
+        assert scheme_method(nvfp4, release) == method, version
         assert release.loads(method), version
     assert not quantization_release(EngineName.VLLM, "0.7.3").loads("nvfp4")
     assert resolve_scheme(catalog_model(LLAMA), "nvfp4", version="0.8.0").name == "nvfp4"
@@ -116,7 +116,7 @@ def test_trtllm_reads_modelopt_fp8_block_and_mxfp4_checkpoints_only() -> None:
     release = quantization_release(EngineName.TRTLLM, DEFAULT_VERSIONS[EngineName.TRTLLM])
     assert {m for m in CHECKPOINT_METHODS if release.loads(m)} == {"modelopt", "fp8", "mxfp4"}
     assert not release.online  # the PyTorch backend quantizes nothing at load
-    assert scheme_method(EngineName.TRTLLM, WEIGHT_SCHEMES["awq"]) == "modelopt"  # ModelOpt W4A16_AWQ
+    assert scheme_method(WEIGHT_SCHEMES["awq"], release) == "modelopt"  # ModelOpt W4A16_AWQ
 
 
 # ---- capacity ------------------------------------------------------------------------------------
