@@ -25,6 +25,8 @@ from types import FrameType
 
 from aiohttp import web
 
+# vLLM 0.33.0's DecisionRequest (vllm/entrypoints/openai/decisions/protocol.py): every field it declares.
+DECISION_FIELDS = frozenset({"model", "input", "questions", "safety_identifier", "joint", "cache_salt"})
 HIST_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -53,6 +55,7 @@ class FakeEngine:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.complete)
         app.router.add_post("/v1/chat/completions", self.complete)
+        app.router.add_post("/v1/decisions", self.decide)
         return app
 
     async def health(self, _: web.Request) -> web.Response:
@@ -60,6 +63,28 @@ class FakeEngine:
 
     async def models(self, _: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+
+    async def decide(self, request: web.Request) -> web.Response:
+        """vLLM 0.33's Decisions API: one one-token read per question, answered with probabilities. Its request
+        forbids fields it does not declare (pydantic extra="forbid"), so a field the agent added would be a 400."""
+        body = await request.json()
+        extra = sorted(set(body) - DECISION_FIELDS)
+        if extra:
+            message = f"extra fields not permitted: {', '.join(extra)}"
+            return web.json_response(
+                {"error": {"message": message, "type": "BadRequestError", "code": 400}}, status=400
+            )
+        questions = body.get("questions") if isinstance(body.get("questions"), list) else []
+        prompt = len(str(body.get("input", "")).split()) or 1
+        usage = {
+            "input_tokens": prompt * len(questions),
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens": len(questions),
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": (prompt + 1) * len(questions),
+        }
+        answers = [{"type": "predicate", "name": None, "probability": 0.5} for _ in questions]
+        return web.json_response({"model": body.get("model"), "answers": answers, "usage": usage, "echo": body})
 
     async def complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
