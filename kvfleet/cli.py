@@ -529,11 +529,15 @@ def _print_capacity(cap: Capacity) -> None:
     t.add_column("how")
     util = cap.gpu_memory_utilization
     t.add_row("GPU memory", f"{cap.gpu_memory_bytes / GiB:.2f} GiB", "as the engine sees it")
-    t.add_row(
-        "budget",
-        f"{cap.requested_bytes / GiB:.2f} GiB",
-        f"x {util} gpu_memory_utilization" if cap.engine.value == "vllm" else f"fraction {util} of what is free",
-    )
+    if cap.extensible_kv_cache:
+        how = f"x {util} gpu_memory_utilization (a cap: the cache is sized from what warm-up leaves free)"
+    elif cap.engine.value == "vllm":
+        how = f"x {util} gpu_memory_utilization"
+    else:
+        how = f"fraction {util} of what is free"
+    t.add_row("budget", f"{cap.requested_bytes / GiB:.2f} GiB", how)
+    if cap.cuda_context_bytes:
+        t.add_row("CUDA context", f"{cap.cuda_context_bytes / GiB:.2f} GiB", "resident before the engine measures")
     t.add_row("weights", f"{cap.weights_bytes_per_gpu / GiB:.2f} GiB", cap.weights.scheme.description)
     if cap.drafter is not None:
         d = cap.drafter
@@ -564,6 +568,13 @@ def _print_capacity(cap: Capacity) -> None:
         f"{cap.cuda_graph_bytes / GiB:.2f} GiB",
         "subtracted" if cap.cuda_graph_counted else "not subtracted (uses the headroom)",
     )
+    if cap.extensible_kv_cache:
+        t.add_row(
+            "transient kept free",
+            f"{cap.transient_bytes / GiB:.2f} GiB",
+            "the larger of the profile run's peak and the sizing step's",
+        )
+        t.add_row("margin", f"{cap.kv_margin_bytes / GiB:.2f} GiB", "max(1 GiB, 0.75 x transient)")
     t.add_row("KV cache", f"{cap.kv_cache_bytes_per_gpu / GiB:.2f} GiB", f"{cap.kv.kv_dtype.value} KV")
     t.add_row(
         "KV bytes / token",

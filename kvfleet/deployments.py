@@ -49,7 +49,11 @@ def engine_args(c: Candidate) -> EngineArgs:
         max_model_len=cap.max_model_len,
         max_num_seqs=c.concurrency_per_replica,
         max_num_batched_tokens=cap.max_num_batched_tokens,
-        gpu_memory_utilization=cap.gpu_memory_utilization,
+        # vLLM's extensible cache (0.34 on) takes an explicit utilization as a cap below its measured size: left to
+        # the engine unless the settings give one.
+        gpu_memory_utilization=None
+        if cap.extensible_kv_cache and not cap.gpu_memory_utilization_given
+        else cap.gpu_memory_utilization,
         kv_cache_dtype=c.kv_cache_dtype.value,
         quantization=c.online_quantization,
         # Resolved (the release's default where the file leaves it) and always given, so the engine caches prefixes

@@ -85,8 +85,9 @@ def write_config(tmp_path: Path, name: str, text: str) -> Path:
 # ---- capacity ------------------------------------------------------------------------------------
 
 
-def test_capacity_json_llama_8b_on_h100(capsys: pytest.CaptureFixture[str]) -> None:
-    cap = run_json(capsys, "capacity", "--model", LLAMA_8B, "--gpu", "H100")
+@pytest.mark.parametrize("version", ["0.32.0", "0.34.0"])
+def test_capacity_json_llama_8b_on_h100(capsys: pytest.CaptureFixture[str], version: str) -> None:
+    cap = run_json(capsys, "capacity", "--model", LLAMA_8B, "--gpu", "H100", "--engine-version", version)
     assert cap["model"] == LLAMA_8B
     assert cap["kv_bytes_per_token_per_gpu"] == 131072
     assert cap["gpu_memory_gib"] == 79.22  # what CUDA reports on an H100 80GB
@@ -103,13 +104,24 @@ def test_capacity_json_llama_8b_on_h100(capsys: pytest.CaptureFixture[str]) -> N
     assert cap["max_concurrency"] == pytest.approx(cap["kv_cache_tokens"] / cap["max_model_len"], abs=0.01)
     assert cap["max_model_len"] == 131072  # the model's max_position_embeddings by default
     assert 1 < cap["max_concurrency"] < 10
-    # Every term of the budget adds up to what vLLM requested (utilization x total).
-    terms = ("weights_gib_per_gpu", "activation_peak_gib", "non_torch_gib", "kv_cache_gib_per_gpu")
-    total = sum(cap[t] for t in terms) + (cap["cuda_graph_gib"] if cap["cuda_graph_counted"] else 0)
-    assert total == pytest.approx(cap["requested_gib"], abs=0.005)
     # H100: CUDA reports 79.22 GiB of the 80 GiB AWS lists (vllm PR 10511's log); the engine budgets that.
     assert cap["gpu_memory_gib"] == pytest.approx(79.22, abs=0.001)
     assert cap["requested_gib"] == pytest.approx(79.22 * cap["gpu_memory_utilization"], abs=0.001)
+    if version == "0.32.0":
+        # Every term of the budget adds up to what vLLM requested (utilization x total).
+        assert not cap["extensible_kv_cache"] and cap["gpu_memory_utilization"] == 0.92
+        terms = ("weights_gib_per_gpu", "activation_peak_gib", "non_torch_gib", "kv_cache_gib_per_gpu")
+        total = sum(cap[t] for t in terms) + (cap["cuda_graph_gib"] if cap["cuda_graph_counted"] else 0)
+        assert total == pytest.approx(cap["requested_gib"], abs=0.005)
+    else:
+        # The extensible cache: every term adds up to the device's memory, the CUDA context, the margin and the
+        # transient kept free included; utilization 1.0 is only a cap.
+        assert cap["extensible_kv_cache"] and cap["gpu_memory_utilization"] == 1.0 and cap["block_size"] == 64
+        terms = ("weights_gib_per_gpu", "non_torch_gib", "cuda_graph_gib", "cuda_context_gib", "kv_margin_gib")
+        total = sum(cap[t] for t in terms) + cap["transient_gib"] + cap["kv_cache_gib_per_gpu"]
+        assert total == pytest.approx(cap["gpu_memory_gib"], abs=0.005)
+        assert cap["transient_gib"] >= cap["activation_peak_gib"]
+        assert cap["kv_margin_gib"] == pytest.approx(max(1.0, 0.75 * cap["transient_gib"]), abs=0.002)
     assert cap["problems"] == []
 
 
@@ -791,9 +803,13 @@ def test_capacity_of_a_gated_delta_net_hybrid(capsys: pytest.CaptureFixture[str]
 
     (tmp_path / "config.json").write_text(json.dumps(qwen3_next_config()), encoding="utf-8")
     base = ("capacity", "--model", str(tmp_path), "--gpu", "H200", "--tp", "4", "--max-model-len", "32768")
-    d = run_json(capsys, *base)
+    d = run_json(capsys, *base, "--engine-version", "0.32.0")
     # vllm/platforms/interface.py _align_hybrid_block_size at TP4: 16 x cdiv(274,432, 16 x 1,024) = 272 tokens.
     assert d["block_size"] == 272
+    # 0.34.0 starts from 64-token blocks (its align-mode checkpoint alignment, 64 for FlashInfer's GDN prefill
+    # in vllm/v1/attention/backends/gdn_attn.py, changes nothing): 64 x cdiv(274,432, 64 x 1,024) = 320 tokens.
+    assert run_json(capsys, *base, "--engine-version", "0.34.0")["block_size"] == 320
+    d = run_json(capsys, *base)
     assert d["state_layers"]["pages_per_request"] == 2  # prefix caching on by default: mamba_cache_mode align
     off = run_json(capsys, *base, "--no-prefix-caching", "--mamba-ssm-cache-dtype", "float32")
     assert off["state_layers"]["pages_per_request"] == 1
@@ -877,6 +893,7 @@ def test_capacity_refuses_a_bitsandbytes_checkpoint_at_0_32(capsys: pytest.Captu
 def test_plan_flags_carry_the_engine_settings_to_plan_and_engine(capsys: pytest.CaptureFixture[str]) -> None:
     base = ("plan", "--model", "Qwen/Qwen2.5-VL-7B-Instruct", "--max-input-tokens", "120000")
     base += ("--max-output-tokens", "8000", "--concurrency", "1", "--instance-type", "g6e.xlarge", "--top", "1")
+    base += ("--engine-version", "0.32.0")
     video = run_json(capsys, *base)
     image = run_json(capsys, *base, "--limit-mm-per-prompt", "image=1,video=0", "--no-prefix-caching")
 
@@ -894,3 +911,25 @@ def test_plan_flags_carry_the_engine_settings_to_plan_and_engine(capsys: pytest.
 def test_plan_engine_flags_with_an_environment_file_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "plan", "environments/dev.yaml", "--no-prefix-caching")
     one_error_line(code, err, "enable_prefix_caching", "engine section")
+
+
+@pytest.mark.parametrize(
+    ("version", "flags", "written"),
+    [
+        ("0.32.0", (), "0.92"),  # estimate-based sizing: the default is written as sized
+        ("0.34.0", (), None),  # the extensible cache: an explicit value would cap it below what it measures
+    ],
+)
+def test_plan_writes_gpu_memory_utilization_only_where_it_sizes_the_cache(
+    capsys: pytest.CaptureFixture[str], version: str, flags: tuple[str, ...], written: str | None
+) -> None:
+    # A utilization the environment file gives is kept as the cap it is: tests/sizing/test_vllm_033_034.py.
+    argv = ("plan", "--model", LLAMA_8B, "--max-input-tokens", "4096", "--max-output-tokens", "512")
+    argv += ("--concurrency", "8", "--instance-type", "g6e.xlarge", "--top", "1", "--engine-version", version)
+    best = run_json(capsys, *argv, *flags)[0]["candidates"][0]
+    settings = best["engine_settings"]["settings"]
+    if written is None:
+        assert "gpu-memory-utilization" not in settings
+        assert "--gpu-memory-utilization" not in best["engine_settings"]["command"]
+    else:
+        assert str(settings["gpu-memory-utilization"]) == written

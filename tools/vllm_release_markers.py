@@ -10,6 +10,8 @@ holds the code's boundaries to.
 A release is read from its sdist where PyPI has one. Some releases (0.15.0, 0.15.1) only have wheels of about
 500 MB; from those only the members needed are read, by HTTP range requests into the wheel's zip. Downloads and
 the members read from wheels are cached (``--cache``, by default a directory under the system's temporary one).
+``--write`` with ``--only`` merges: the markers read replace their entries in the stored file and the others are
+kept as they were (the stored file and this reading must reach the same newest release).
 
 This is a maintenance tool: it needs the network, and no test runs it.
 
@@ -567,7 +569,7 @@ MARKERS: tuple[Marker, ...] = (
         paths=("vllm/v1/worker/gpu/model_runner.py",),
         holds=line_matching(r"SamplingParams\.for_sampler_warmup\(\)", within=r"def _dummy_sampler_run\b"),
         test="v1/worker/gpu/model_runner.py _dummy_sampler_run uses SamplingParams.for_sampler_warmup()",
-        boundary="not modelled: newer than the default release modelled",
+        boundary="VLLM_PROFILES sampler_extra_bytes_per_logit",
     ),
     Marker(
         name="cuda-graph-memory-profiled",
@@ -631,6 +633,51 @@ MARKERS: tuple[Marker, ...] = (
             "is_hybrid'), and ModelConfig.is_prefix_caching_supported is True for generative hybrid models"
         ),
         boundary="VLLM_PROFILES mamba_align_by_default",
+    ),
+    Marker(
+        name="kv-dtype-must-match-model",
+        meaning=(
+            "an explicit bfloat16/float16 kv_cache_dtype must equal the model's dtype, or VllmConfig refuses the "
+            "configuration (_reject_mismatched_float_kv_cache, run from __post_init__)"
+        ),
+        paths=_CONFIG,
+        holds=all_of(
+            line_matching(r"def _reject_mismatched_float_kv_cache\b"),
+            line_matching(r"self\._reject_mismatched_float_kv_cache\(\)", within=r"def __post_init__\b"),
+        ),
+        test="VllmConfig defines _reject_mismatched_float_kv_cache and __post_init__ calls it",
+        boundary="VLLM_PROFILES kv_dtype_must_match_model",
+    ),
+    Marker(
+        name="extensible-kv-cache-default",
+        meaning=(
+            "the extensible KV cache (sized after warm-up and CUDA-graph capture from measured free memory) is on "
+            "by default on CUDA and ROCm, and gpu_memory_utilization defaults to None, which resolves to 1.0 with "
+            "it (DEFAULT_GPU_MEMORY_UTILIZATION, 0.92, without it)"
+        ),
+        paths=("vllm/config/cache.py",),
+        holds=all_of(
+            line_matching(r"gpu_memory_utilization: float \| None = Field\(default=None\b"),
+            line_matching(r"^\s+enable_extensible_kv_cache: bool\b"),
+            line_matching(r"return 1\.0\b", within=r"def resolved_gpu_memory_utilization\b"),
+        ),
+        test=(
+            "CacheConfig.gpu_memory_utilization defaults to None, CacheConfig has enable_extensible_kv_cache, and "
+            "resolved_gpu_memory_utilization returns 1.0 with it"
+        ),
+        boundary="VLLM_PROFILES extensible_kv_cache, gpu_memory_utilization 1.0",
+    ),
+    Marker(
+        name="default-block-size-64",
+        meaning=(
+            "the default KV block size is 64 tokens (CacheConfig.DEFAULT_BLOCK_SIZE); it was 16: "
+            "CacheConfig.DEFAULT_BLOCK_SIZE from 0.18.0, before that the CUDA platform's check_and_update_config "
+            "where block_size was unset (from 0.6.5), and EngineArgs.block_size in 0.6.0-0.6.4"
+        ),
+        paths=("vllm/config/cache.py",),
+        holds=line_matching(r"DEFAULT_BLOCK_SIZE(: ClassVar\[int\])? = 64\b"),
+        test="CacheConfig.DEFAULT_BLOCK_SIZE is 64",
+        boundary="VLLM_PROFILES block_size 64",
     ),
     Marker(
         name="longrope-default-original-length",
@@ -702,7 +749,7 @@ MARKERS: tuple[Marker, ...] = (
         paths=_ARG_UTILS,
         holds=line_matching(r"and not is_gb10"),
         test="arg_utils.py excludes GB10 from the 70 GiB tier",
-        boundary="not modelled: newer than the default release modelled",
+        boundary="VLLM_BATCH_DEFAULTS large tier excluded_names gb10",
     ),
     Marker(
         name="fp8-moe-block-refine",
@@ -790,6 +837,19 @@ MARKERS: tuple[Marker, ...] = (
         paths=(QUANT_INIT,),
         holds=methods_exclude("bitsandbytes"),
         test="QUANTIZATION_METHODS no longer lists bitsandbytes",
+        boundary="engine_quantization.json row",
+        lists_quantization=True,
+    ),
+    Marker(
+        name="quant-fp_quant-removed",
+        meaning=(
+            "fp_quant is no longer a quantization method (listed from 0.11.1, on DEPRECATED_QUANTIZATION_METHODS "
+            "from 0.14.0)"
+        ),
+        paths=(QUANT_INIT,),
+        # Releases before 0.11.1 do not list it either: only a release that deprecates methods can have dropped it.
+        holds=all_of(methods_exclude("fp_quant"), line_matching(r"^DEPRECATED_QUANTIZATION_METHODS\b")),
+        test="QUANTIZATION_METHODS no longer lists fp_quant, in a release that defines DEPRECATED_QUANTIZATION_METHODS",
         boundary="engine_quantization.json row",
         lists_quantization=True,
     ),
@@ -914,6 +974,36 @@ def report(
     }
 
 
+def merge(stored: Mapping[str, Any], fresh: Mapping[str, Any]) -> dict[str, Any]:
+    """``fresh`` (a report of some markers) written over ``stored`` (the file as it was): the markers read replace
+    their stored entries and the others are kept, in the order of MARKERS; a stored marker the tool no longer has is
+    dropped. The quantization lists and artifacts kept are those the merged markers still use."""
+    for key in ("index", "newest_release"):
+        if stored.get(key) != fresh[key]:
+            raise ValueError(
+                f"{OUT.name} was read with {key} {stored.get(key)!r}, this reading with {fresh[key]!r}: the kept "
+                "markers would not match; read every marker (drop --only)"
+            )
+    entries = {m["name"]: m for m in stored.get("markers", [])} | {m["name"]: m for m in fresh["markers"]}
+    markers = [entries[m.name] for m in MARKERS if m.name in entries]
+    named = {m.name: m for m in MARKERS}
+    floor = min(fresh["quantization_lists"], key=lambda v: release_key(v) or ())
+    listed = {floor} | {m["first_release"] for m in markers if named[m["name"]].lists_quantization}
+    used = {m[k] for m in markers for k in ("first_release", "previous_release")}
+    lists = {**stored.get("quantization_lists", {}), **fresh["quantization_lists"]}
+    artifacts = {**stored.get("artifacts", {}), **fresh["artifacts"]}
+
+    def by_release(d: Mapping[str, Any], keep: set[str]) -> dict[str, Any]:
+        return dict(sorted(((k, v) for k, v in d.items() if k in keep), key=lambda kv: release_key(kv[0]) or ()))
+
+    return {
+        **fresh,
+        "markers": markers,
+        "quantization_lists": by_release(lists, listed),
+        "artifacts": by_release(artifacts, used),
+    }
+
+
 def read_markers(
     reader: ReleaseReader,
     markers: Sequence[Marker],
@@ -953,8 +1043,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = set(args.only or ()) - {m.name for m in MARKERS}
     if unknown:
         parser.error(f"unknown markers: {', '.join(sorted(unknown))}")
-    if args.write and args.only:
-        parser.error("--write records every marker; drop --only")
 
     def log(msg: str) -> None:
         if args.verbose:
@@ -979,9 +1067,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if f.note and f.match:
             print(f"  note: {f.note}")
     if args.write:
-        OUT.write_text(
-            json.dumps(report(findings, lists, args.index, releases[-1].version), indent=2) + "\n", encoding="utf-8"
-        )
+        out = report(findings, lists, args.index, releases[-1].version)
+        if args.only is not None and OUT.exists():
+            stored = json.loads(OUT.read_text(encoding="utf-8"))
+            try:
+                out = merge(stored, out)
+            except ValueError as err:
+                print(f"not written: {err}", file=sys.stderr)
+                return 1
+            dropped = sorted({m["name"] for m in stored["markers"]} - {m["name"] for m in out["markers"]})
+            if dropped:
+                print(f"dropped markers the tool no longer has: {', '.join(dropped)}")
+        OUT.write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
         print(f"wrote {OUT}")
     return 0 if all(f.first is not None and f.previous is not None for f in findings) else 1
 

@@ -308,7 +308,13 @@ class SizingConfig(Frozen):
     instance_type: str | None = Field(default=None, description="Pin one instance type (EC2 or ml.* name).")
     max_fleet_usd_per_hour: Float | None = Field(default=None, gt=0, description="Fleet price ceiling.")
     gpu_memory_utilization: Float | None = Field(
-        default=None, gt=0, le=1, description="Engine memory fraction. Default: the engine's for its version."
+        default=None,
+        gt=0,
+        le=1,
+        description=(
+            "Engine memory fraction. Default: the engine's for its version (vLLM 0.34: unset, the KV cache sized "
+            "from the memory free after warm-up; a value given here caps it)."
+        ),
     )
 
 

@@ -15,6 +15,7 @@ from kvfleet.sizing.engines import (
     ACTIVATIONS,
     DEFAULT_VERSIONS,
     MM_ENCODER_TP_MODES,
+    VLLM_ESTIMATED_SIZING_UTILIZATION,
     VLLM_PROFILES,
     EncoderProfile,
     EngineName,
@@ -23,9 +24,11 @@ from kvfleet.sizing.engines import (
     cuda_graph_bytes,
     encoder_profile,
     engine_profile,
+    extensible_kv_bytes,
     in_flight_batches,
     non_torch_bytes,
     rope_rules,
+    sizing_step_transient_bytes,
     trtllm_profiling_requests,
     vllm_batch_defaults,
 )
@@ -127,6 +130,14 @@ class Capacity:
     # Whether the engine caches prefixes at these settings (the setting, else the release's default): the engine
     # must start with the same, since for hybrid Mamba models it sets the state pages each request holds.
     prefix_caching: bool = True
+    # vLLM's extensible KV cache (0.34 on): sized after warm-up from measured memory. Then the CUDA context, a
+    # margin of max(1 GiB, 0.75 x transient) and the transient itself are what is kept out of the cache, and the
+    # engine is started without --gpu-memory-utilization unless the settings give one.
+    extensible_kv_cache: bool = False
+    cuda_context_bytes: int = 0  # counted where the engine measures free memory (extensible cache, TensorRT-LLM)
+    kv_margin_bytes: int = 0
+    transient_bytes: int = 0  # extensible cache: the larger of the profile run's peak and the sizing step's
+    gpu_memory_utilization_given: bool = False  # the settings named a utilization (else the release's default)
 
     @property
     def gpus_per_replica(self) -> int:
@@ -159,6 +170,10 @@ class Capacity:
             "gpu_memory_gib": round(self.gpu_memory_bytes / g, 3),
             "gpu_memory_utilization": self.gpu_memory_utilization,
             "requested_gib": round(self.requested_bytes / g, 3),
+            "extensible_kv_cache": self.extensible_kv_cache,
+            "cuda_context_gib": round(self.cuda_context_bytes / g, 3),
+            "kv_margin_gib": round(self.kv_margin_bytes / g, 3),
+            "transient_gib": round(self.transient_bytes / g, 3),
             "weight_precision": self.weights.scheme.name,
             "weights_gib_per_gpu": round(self.weights_bytes_per_gpu / g, 3),
             "activation_peak_gib": round(self.activation_peak_bytes / g, 3),
@@ -480,6 +495,9 @@ def _knobs(
     if gpu_memory_bytes <= 0:
         raise SizingError(f"must be positive, got {gpu_memory_bytes / GiB:.2f} GiB", field="gpu_memory_gib")
     util = profile.gpu_memory_utilization if s.gpu_memory_utilization is None else s.gpu_memory_utilization
+    if s.gpu_memory_utilization is None and profile.extensible_kv_cache and s.kv_cache_memory_bytes is not None:
+        # CacheConfig.resolved_gpu_memory_utilization: 1.0 only with the extensible cache, which a fixed size turns off.
+        util = VLLM_ESTIMATED_SIZING_UTILIZATION
     if not 0 < util <= 1:
         raise SizingError(f"must be in (0, 1], got {util}", field="gpu_memory_utilization")
     if model.rope_override and profile.engine is not EngineName.VLLM:
@@ -546,6 +564,10 @@ class _Budget:
     kv_bytes: int
     problems: tuple[str, ...]
     notes: tuple[str, ...]
+    extensible: bool = False
+    context: int = 0
+    margin: int = 0
+    transient: int = 0
 
 
 def _kv_budget(
@@ -560,11 +582,42 @@ def _kv_budget(
     graphs: int,
     graphs_counted: bool,
     kv_bytes_per_token: int,
+    sizing_transient: int = 0,
 ) -> _Budget:
-    """The bytes the engine gives the KV cache: vLLM's requested share minus what is not cache, or TensorRT-LLM's
-    fraction of what is free after profiling."""
+    """The bytes the engine gives the KV cache: vLLM's requested share minus what is not cache (or, with the
+    extensible cache, what warm-up leaves free less a margin), or TensorRT-LLM's fraction of what is free after
+    profiling."""
     notes: list[str] = []
     problems: list[str] = []
+    if profile.engine is EngineName.VLLM and profile.extensible_kv_cache and s.kv_cache_memory_bytes is None:
+        requested = int(gpu_memory_bytes * k.util)
+        transient = max(act, sizing_transient)
+        ext = extensible_kv_bytes(
+            gpu_memory_bytes=gpu_memory_bytes,
+            gpu_memory_utilization=k.util,
+            used_bytes=weights_bytes + non_torch + graphs,
+            transient_bytes=transient,
+        )
+        notes.append(
+            f"the KV cache is sized after warm-up and CUDA-graph capture from measured free memory: less the CUDA "
+            f"context ({ACTIVATIONS.cuda_context_bytes / GiB:.2f} GiB), a margin of {ext.margin_bytes / GiB:.2f} GiB "
+            f"(max of 1 GiB and 0.75 x the transient) and the transient peak ({transient / GiB:.2f} GiB)"
+        )
+        if s.gpu_memory_utilization is not None and ext.withheld_bytes >= GiB:
+            notes.append(
+                f"gpu_memory_utilization {k.util} keeps {ext.withheld_bytes / GiB:.2f} GiB of free memory out of the "
+                "cache (vLLM warns); leave it unset unless something else shares the GPU"
+            )
+        return _Budget(
+            requested=requested,
+            kv_bytes=ext.kv_bytes,
+            problems=(),
+            notes=tuple(notes),
+            extensible=True,
+            context=ACTIVATIONS.cuda_context_bytes,
+            margin=ext.margin_bytes,
+            transient=transient,
+        )
     if profile.engine is EngineName.VLLM:
         requested = int(gpu_memory_bytes * k.util)
         non_kv = weights_bytes + act + non_torch + (graphs if graphs_counted else 0)
@@ -583,8 +636,9 @@ def _kv_budget(
             notes.append("CUDA graphs are captured after the cache is sized, from the 1 - utilization headroom")
     else:
         requested = gpu_memory_bytes
-        used = weights_bytes + act + non_torch + graphs + ACTIVATIONS.trtllm_context_bytes
+        used = weights_bytes + act + non_torch + graphs + ACTIVATIONS.cuda_context_bytes
         kv_bytes = int((gpu_memory_bytes - used) * k.util)
+        context = ACTIVATIONS.cuda_context_bytes
         if kv_bytes > 0 and kv_bytes_per_token > 0:
             # _cal_max_tokens floors to whole tokens and KvCacheConfig.max_tokens caps them; calculate_max_num_blocks
             # then rounds the tokens up to whole blocks (ceil), so a cap that is not a block multiple gains a block.
@@ -595,6 +649,9 @@ def _kv_budget(
         runs = trtllm_profiling_requests(max_num_tokens=k.batched, max_seq_len=k.max_len)
         notes.append(
             f"profiled with {runs} dummy context request(s) filling max_num_tokens {k.batched}, one sampled row each"
+        )
+        return _Budget(
+            requested=requested, kv_bytes=kv_bytes, problems=tuple(problems), notes=tuple(notes), context=context
         )
     return _Budget(requested=requested, kv_bytes=kv_bytes, problems=tuple(problems), notes=tuple(notes))
 
@@ -781,16 +838,21 @@ def _stage_capacity(
     state_pages = _state_pages(model, s, profile)
     if kv.state is not None:
         k = replace(k, block=hybrid_block_size(kv, block_size=k.block))
+    _check_kv_dtype(full, s, profile)
     drafter = _drafter(model, s, k, profile, tp=tp, scheme=scheme)
     constants = ACTIVATIONS
+    if profile.sampler_extra_bytes_per_logit:
+        constants = replace(
+            constants, sampler_bytes_per_logit=constants.sampler_bytes_per_logit + profile.sampler_extra_bytes_per_logit
+        )
     if drafter is not None:
         # The dummy sampler run then runs the rejection sampler over one draft per request (gpu_model_runner.py
         # _dummy_sampler_run): bf16 logits of twice the rows (4 B per request's logit) stay alive while it samples
         # the bonus tokens through the same path as the sampler (v1/sample/rejection_sampler.py forward).
         constants = replace(
-            ACTIVATIONS,
-            sampler_bytes_per_logit=ACTIVATIONS.sampler_bytes_per_logit + 4,
-            sampler_sort_bytes_per_logit=ACTIVATIONS.sampler_sort_bytes_per_logit + 4,
+            constants,
+            sampler_bytes_per_logit=constants.sampler_bytes_per_logit + 4,
+            sampler_sort_bytes_per_logit=constants.sampler_sort_bytes_per_logit + 4,
         )
     act = activation_peak_bytes(
         model,
@@ -839,7 +901,8 @@ def _stage_capacity(
         mm_notes.append("TensorRT-LLM's vision encoder memory beyond its weights is not modelled")
     non_torch = non_torch_bytes(tp=tp)
     graphs = 0 if s.enforce_eager else cuda_graph_bytes(model)
-    graphs_counted = profile.counts_cuda_graphs and not s.enforce_eager
+    # The extensible cache measures the captured pools after capture, so they always come off the cache.
+    graphs_counted = (profile.counts_cuda_graphs or profile.extensible_kv_cache) and not s.enforce_eager
     drafter_weights = 0
     if drafter is not None:
         # Its layers join the target's pool; its forward follows the target's in the profile run, reading the
@@ -859,6 +922,9 @@ def _stage_capacity(
         graphs=graphs,
         graphs_counted=graphs_counted,
         kv_bytes_per_token=kv.kv_bytes_per_token_per_gpu,
+        sizing_transient=sizing_step_transient_bytes(model, max_num_batched_tokens=k.batched, max_model_len=k.max_len)
+        if profile.extensible_kv_cache
+        else 0,
     )
     notes = [profile.note, *budget.notes, *mm_notes]
     if weights.buffer_bytes >= _ROPE_NOTE_BYTES:
@@ -874,7 +940,9 @@ def _stage_capacity(
     problems = list(budget.problems)
     kv_bytes = budget.kv_bytes
     if kv_bytes <= 0:
-        runtime = act + non_torch + (graphs if graphs_counted else 0)
+        runtime = (
+            max(act, budget.transient) + budget.margin + budget.context + non_torch + (graphs if graphs_counted else 0)
+        )
         need = (weights.weights_bytes_per_gpu + drafter_weights + runtime) / GiB
         problems.append(
             f"no memory left for the KV cache: weights + activations + runtime need {need:.2f} GiB per GPU, "
@@ -943,7 +1011,11 @@ def _stage_capacity(
         problems.append(
             f"one request of max_model_len {k.max_len} needs {blocks_per_request} KV blocks but only {num_blocks} "
             f"fit; the largest max_model_len that fits is {fits_len} (lower max_model_len, use kv_cache_dtype fp8, "
-            "or raise gpu_memory_utilization)"
+            + (
+                "or spread the model over more GPUs)"
+                if budget.extensible and k.util == 1.0
+                else "or raise gpu_memory_utilization)"
+            )
         )
     return Capacity(
         model_id=full.model_id,
@@ -979,7 +1051,39 @@ def _stage_capacity(
         problems=tuple(problems),
         notes=tuple(notes),
         drafter=drafter,
+        extensible_kv_cache=budget.extensible,
+        cuda_context_bytes=budget.context,
+        kv_margin_bytes=budget.margin,
+        transient_bytes=budget.transient,
+        gpu_memory_utilization_given=s.gpu_memory_utilization is not None,
     )
+
+
+def _first_release(flag: str) -> str:
+    return ".".join(map(str, next(p.since for p in VLLM_PROFILES if getattr(p, flag))))
+
+
+# The model dtype vLLM resolves from a checkpoint's config ("auto"): float16 and bfloat16 stay as they are; float32
+# becomes bfloat16 or float16 by device (vllm/config/model.py _resolve_auto_dtype), which is not checked here.
+_HALF_DTYPES = {"float16": "float16", "fp16": "float16", "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+
+def _check_kv_dtype(model: ModelSpec, s: EngineSettings, profile: EngineProfile) -> None:
+    """vLLM 0.33 on refuses a bfloat16/float16 kv_cache_dtype that differs from the model dtype
+    (vllm/config/vllm.py VllmConfig._reject_mismatched_float_kv_cache): 'kv_cache_dtype="bfloat16" is incompatible
+    with dtype="float16"'."""
+    if not profile.kv_dtype_must_match_model or s.kv_cache_dtype not in (KvDtype.BF16, KvDtype.FP16):
+        return
+    cast = weight_scheme(s.quantization).name if s.quantization is not None else None
+    model_dtype = _HALF_DTYPES.get(cast or "") or _HALF_DTYPES.get(model.torch_dtype.lower())
+    kv = _HALF_DTYPES[s.kv_cache_dtype.value]
+    if model_dtype is not None and model_dtype != kv:
+        raise SizingError(
+            f"vLLM {_first_release('kv_dtype_must_match_model')} and later refuse a {kv} KV cache for a "
+            f"{model_dtype} model (kv_cache_dtype must equal the model dtype); use kv_cache_dtype auto (the model's "
+            f"{model_dtype}) or fp8",
+            field="kv_cache_dtype",
+        )
 
 
 def _drafter(

@@ -92,6 +92,17 @@ class EngineProfile:
     # mamba_cache_mode "align": two state pages per request instead of one (MambaSpec.max_memory_usage_bytes).
     mamba_align_by_default: bool
     note: str
+    # Bytes per logit the profiling sampler holds beyond the fitted constant: Model Runner V2's profile run samples
+    # with SamplingParams.for_sampler_warmup from 0.33 (top-k/top-p through FlashInfer). Measured in vLLM PR 57926
+    # (Qwen2.5-0.5B-Instruct, L4, 256 sequences): 1,733,440 -> 1,710,928 KV tokens across the change, 22,512 tokens
+    # x 12,288 B = 0.258 GiB over 256 x 151,936 logits = 7.1 B per logit.
+    sampler_extra_bytes_per_logit: float = 0.0
+    # A bfloat16/float16 kv_cache_dtype must equal the model's dtype, or the engine refuses to start
+    # (vllm/config/vllm.py VllmConfig._reject_mismatched_float_kv_cache, from 0.33).
+    kv_dtype_must_match_model: bool = False
+    # The cache is sized after warm-up and CUDA-graph capture from measured free memory (vllm/v1/worker/
+    # extensible_kv_cache.py measure_kv_cache_bytes, on by default on CUDA from 0.34); see ``extensible_kv_bytes``.
+    extensible_kv_cache: bool = False
     # The server's scheduler defaults where they do not depend on the device (TensorRT-LLM's max_num_tokens and
     # max_batch_size). vLLM's depend on it: VLLM_BATCH_DEFAULTS (tiers by memory, A100s excluded by name).
     max_num_batched_tokens: int | None = None
@@ -217,7 +228,26 @@ VLLM_PROFILES: tuple[EngineProfile, ...] = _releases(
         "use_v2_model_runner; v2-model-runner-default)",
         {"v2_runner": "all"},
     ),
+    (
+        (0, 33, 0),
+        "Model Runner V2's profiling sampler runs the full warm-up parameters, top-k/top-p included (vllm/v1/"
+        "worker/gpu/model_runner.py, SamplingParams.for_sampler_warmup; v2-profiling-sampler-full-params); a "
+        "bfloat16/float16 kv_cache_dtype must equal the model dtype (vllm/config/vllm.py; kv-dtype-must-match-model)",
+        {"sampler_extra_bytes_per_logit": 7.1, "kv_dtype_must_match_model": True},
+    ),
+    (
+        (0, 34, 0),
+        "extensible KV cache: sized after warm-up and CUDA-graph capture from measured free memory, "
+        "gpu_memory_utilization unset (1.0) unless given (vllm/config/cache.py, vllm/v1/worker/extensible_kv_cache.py; "
+        "extensible-kv-cache-default); 64-token blocks by default (vllm/config/cache.py DEFAULT_BLOCK_SIZE; "
+        "default-block-size-64); the V1 runner removed",
+        {"extensible_kv_cache": True, "gpu_memory_utilization": 1.0, "block_size": 64},
+    ),
 )
+
+# vllm/config/cache.py DEFAULT_GPU_MEMORY_UTILIZATION (0.34.0): the default where the extensible cache is off
+# (--kv-cache-memory-bytes given, or a driver without virtual memory management).
+VLLM_ESTIMATED_SIZING_UTILIZATION = 0.92
 
 # TensorRT-LLM PyTorch backend, 1.0 (tensorrt_llm/_torch/pyexecutor/_util.py KvCacheCreator; resource_manager.py
 # KVCacheManager.calculate_max_num_blocks; llmapi/llm_args.py KvCacheConfig; commands/serve.py):
@@ -232,7 +262,7 @@ VLLM_PROFILES: tuple[EngineProfile, ...] = _releases(
 #     one sampled row per request (trtllm_profiling_requests), since the model returns the logits of each context
 #     request's last token only (model_engine.py _prepare_tp_inputs: gather_ids). configure_kv_cache_capacity resets
 #     the peak statistics after warm-up, so the torch peak is the run's; what warm-up keeps (CUDA graphs, NCCL) is
-#     the "used outside torch" part, cuda_graph_bytes + non_torch_bytes + trtllm_context_bytes here. The activation
+#     the "used outside torch" part, cuda_graph_bytes + non_torch_bytes + cuda_context_bytes here. The activation
 #     term charges those rows, not max_batch_size: NVIDIA/TensorRT-LLM#6294 (max_batch_size 4,096, 151 dummy
 #     requests) used at most 13.58 GiB and is predicted at 12.07 GiB; 4,096 rows alone would have charged 13.3 GiB.
 #   Defaults: free_gpu_memory_fraction None -> 0.9 (_get_free_gpu_memory_fraction; llm_args "Default is 90%"; the
@@ -271,7 +301,7 @@ def trtllm_profiling_requests(*, max_num_tokens: int, max_seq_len: int) -> int:
 
 
 # The newest releases modelled; deployments pin their own.
-DEFAULT_VERSIONS = {EngineName.VLLM: "0.32.0", EngineName.TRTLLM: "1.0.0"}
+DEFAULT_VERSIONS = {EngineName.VLLM: "0.34.0", EngineName.TRTLLM: "1.0.0"}
 # 70 GiB: vLLM's threshold for its larger scheduler defaults (H100-class GPUs).
 LARGE_GPU_BYTES = 70 * GiB
 
@@ -388,6 +418,7 @@ _BY_NAME = BatchDefaults(
     max_num_batched_tokens=8192,
     max_num_seqs=1024,
 )
+_HUGE = BatchDefaults(min_memory_bytes=160 * GiB, excluded_names=(), max_num_batched_tokens=16384, max_num_seqs=1024)
 # Each rule's release is the first whose vllm/engine/arg_utils.py shows it (data/vllm_release_markers.json, marker in
 # the source); the V1 defaults start with V1 as the default engine, 0.8.0 (the H100/H200 test is older, V1 only).
 VLLM_BATCH_DEFAULTS: tuple[BatchDefaultsRule, ...] = (
@@ -416,15 +447,16 @@ VLLM_BATCH_DEFAULTS: tuple[BatchDefaultsRule, ...] = (
     ),
     BatchDefaultsRule(
         since=(0, 28, 0),
-        tiers=(
-            BatchDefaults(
-                min_memory_bytes=160 * GiB, excluded_names=(), max_num_batched_tokens=16384, max_num_seqs=1024
-            ),
-            _LARGE,
-            _SMALL,
-        ),
+        tiers=(_HUGE, _LARGE, _SMALL),
         source="vllm/engine/arg_utils.py get_batch_defaults, 0.28.0: >= 160 GiB (B200/B300) the largest defaults "
         "(batch-160gib-tier)",
+    ),
+    BatchDefaultsRule(
+        since=(0, 33, 0),
+        tiers=(_HUGE, replace(_LARGE, excluded_names=("a100", "gb10")), _SMALL),
+        # vLLM tests compute capability (12, 1), not the name; the name stands for it here (no AWS instance has one).
+        source="vllm/engine/arg_utils.py get_batch_defaults, 0.33.0: GB10 (DGX Spark) kept on the small tier "
+        "(batch-gb10-excluded)",
     ),
 )
 
@@ -493,9 +525,80 @@ class ActivationModel:
     cuda_graph_base_bytes: int = 100 * MiB
     cuda_graph_per_layer_bytes: int = 14 * MiB
     cuda_graph_moe_factor: float = 2.5
-    # TRT-LLM counts everything outside torch (CUDA context, NCCL, graphs) as used; the CUDA context
-    # alone is ~0.5 GiB (TensorRT-LLM PR 15985: a stray 550 MiB context cut the cache by as much).
-    trtllm_context_bytes: int = 512 * MiB
+    # What the CUDA context takes before the engine measures anything. TRT-LLM counts everything outside torch
+    # (CUDA context, NCCL, graphs) as used, and vLLM's extensible cache measures free memory, so both lose it; the
+    # context alone is ~0.5 GiB (TensorRT-LLM PR 15985: a stray 550 MiB context cut the cache by as much).
+    # vLLM's estimate-based sizing leaves it in the 1 - utilization headroom.
+    cuda_context_bytes: int = 512 * MiB
+
+
+# vllm/v1/worker/extensible_kv_cache.py (0.34.0) on CUDA: KV_CACHE_MARGIN_FLOOR_BYTES, KV_CACHE_MARGIN_FRACTION.
+EXTENSIBLE_MARGIN_FLOOR_BYTES = 1 * GiB
+EXTENSIBLE_MARGIN_FRACTION = 0.75
+# vllm/v1/worker/gpu/sample/prompt_logprob.py CHUNK_SIZE: prompt logprobs are computed 1,024 rows of logits at once.
+PROMPT_LOGPROBS_CHUNK_ROWS = 1024
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExtensibleBudget:
+    """vLLM's post-warm-up sizing of the extensible KV cache on one GPU (measure_kv_cache_bytes, 0.34.0)."""
+
+    kv_bytes: int
+    transient_bytes: int  # max(transient peak, torch reservation growth), kept free in full
+    margin_bytes: int  # max(1 GiB, 0.75 x transient), kept free below the device's headroom
+    capped_by_utilization: bool  # an explicit gpu_memory_utilization, not the device, binds
+    withheld_bytes: int  # what an explicit utilization keeps out of the cache (vLLM warns from 1 GiB)
+
+
+def extensible_kv_bytes(
+    *,
+    gpu_memory_bytes: int,
+    gpu_memory_utilization: float,
+    used_bytes: int,
+    transient_bytes: int,
+    constants: ActivationModel | None = None,
+) -> ExtensibleBudget:
+    """measure_kv_cache_bytes with what kvfleet predicts in place of what vLLM measures after warm-up::
+
+        non_kv_used = used_bytes                    (weights, CUDA-graph pools, non-torch, buffers: resident)
+        headroom    = total - CUDA context - used_bytes            (free memory, the torch cache emptied)
+        margin      = max(1 GiB, 0.75 x T)
+        kv          = min(utilization x total - used_bytes, headroom - margin) - T
+
+    T: the transient peak (the profile run's activation peak, or the sizing warm-up step's where larger); torch's
+    reservation growth over the same step is taken as no larger. At utilization 1.0 (the default) the device's
+    headroom binds; an explicit value binds once it withholds more than the margin and the CUDA context."""
+    c = constants or ACTIVATIONS
+    margin = max(EXTENSIBLE_MARGIN_FLOOR_BYTES, int(transient_bytes * EXTENSIBLE_MARGIN_FRACTION))
+    by_budget = int(gpu_memory_bytes * gpu_memory_utilization) - used_bytes
+    by_device = gpu_memory_bytes - c.cuda_context_bytes - used_bytes - margin
+    return ExtensibleBudget(
+        kv_bytes=min(by_budget, by_device) - transient_bytes,
+        transient_bytes=transient_bytes,
+        margin_bytes=margin,
+        capped_by_utilization=by_budget < by_device,
+        withheld_bytes=max(0, by_device - by_budget),
+    )
+
+
+def sizing_step_transient_bytes(
+    model: ModelSpec,
+    *,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    constants: ActivationModel | None = None,
+    activation_bytes: int = 2,
+) -> int:
+    """The allocated transient of the extensible cache's sizing step that the profile run does not have: the step
+    requests prompt logprobs (max_logprobs 20 by default) on one prompt of min(max_num_batched_tokens,
+    max_model_len) tokens (vllm/v1/worker/gpu/warmup.py run_kv_cache_sizing_warmup, 0.34.0), so after the forward
+    its hidden states stay while one chunk of full-vocabulary logits is computed (prompt_logprob.py: 1,024 rows,
+    the model dtype); the forward itself (with attention) is the profile run's."""
+    c = constants or ACTIVATIONS
+    prompt = min(max_num_batched_tokens, max_model_len)
+    rows = min(PROMPT_LOGPROBS_CHUNK_ROWS, prompt)
+    hidden = max_num_batched_tokens * model.hidden_size * activation_bytes
+    return hidden + rows * model.vocab_size * activation_bytes + c.workspace_bytes
 
 
 ACTIVATIONS = ActivationModel()

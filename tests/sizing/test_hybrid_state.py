@@ -204,7 +204,7 @@ def test_attention_block_is_raised_to_hold_a_state_page(tp: int, block: int) -> 
 
 def test_qwen3_next_pool_groups_and_pages_per_request() -> None:
     m = qwen3_next()
-    s = EngineSettings(max_model_len=32768, kv_cache_memory_bytes=40 * GiB, tensor_parallel_size=4)
+    s = EngineSettings(version="0.32.0", max_model_len=32768, kv_cache_memory_bytes=40 * GiB, tensor_parallel_size=4)
     cap = capacity(m, gpu_memory_bytes=141 * GiB, settings=s)
     page = 272 * 1024
     assert cap.block_size == 272
@@ -228,7 +228,7 @@ def test_qwen3_next_pool_groups_and_pages_per_request() -> None:
 def test_nemotron_h_groups_by_the_smaller_count() -> None:
     # 2 attention + 6 Mamba layers: group size 2, one attention group and three Mamba groups.
     m = nemotron_h()
-    s = EngineSettings(max_model_len=8192, kv_cache_memory_bytes=8 * GiB, enable_prefix_caching=False)
+    s = EngineSettings(version="0.32.0", max_model_len=8192, kv_cache_memory_bytes=8 * GiB, enable_prefix_caching=False)
     cap = capacity(m, gpu_memory_bytes=80 * GiB, settings=s)
     state = 3 * 10240 * 2 + 128 * 64 * 128 * 4
     per_token = 2 * 8 * 128 * 2
@@ -254,9 +254,15 @@ def test_sliding_window_reserves_two_in_flight_batches_at_0_32() -> None:
     # SlidingWindowSpec.max_admission_blocks_per_request: min(window - 1 + max_in_flight_tokens, max_len)
     # with max_in_flight_tokens = 2 x max_num_batched_tokens under async scheduling (vllm/config/vllm.py).
     m = catalog_model("openai/gpt-oss-20b")
-    s = EngineSettings(max_model_len=32768, kv_cache_memory_bytes=4 * GiB, max_num_batched_tokens=2048)
+    s = EngineSettings(
+        version="0.32.0", max_model_len=32768, kv_cache_memory_bytes=4 * GiB, max_num_batched_tokens=2048
+    )
     cap = capacity(m, gpu_memory_bytes=80 * GiB, settings=s)
     assert cap.blocks_per_max_len_request == 32768 // 16 + cdiv(128 - 1 + 2 * 2048, 16) + 1
+    # 0.34.0: 64-token blocks by default; the same rule.
+    cap = capacity(m, gpu_memory_bytes=80 * GiB, settings=replace(s, version="0.34.0"))
+    assert cap.block_size == 64
+    assert cap.blocks_per_max_len_request == 32768 // 64 + cdiv(128 - 1 + 2 * 2048, 64) + 1
 
 
 # Groups one request holds blocks in: gpt-oss-20b alternates sliding (128) and full layers, one group of each kind;

@@ -107,11 +107,16 @@ PROFILE_FLAGS: list[tuple[str, Callable[[Any], bool]]] = [
     ("hybrid-group-ratio-1.5", lambda p: p.hybrid_group_ratio >= 1.5),
     ("triton-top-k-top-p", lambda p: not p.sort_sampler),
     ("cuda-graph-memory-profiled", lambda p: p.counts_cuda_graphs),
-    ("gpu-memory-utilization-0.92", lambda p: p.gpu_memory_utilization == 0.92),
+    # 0.92 stays the default where the cache is sized from the profile, not where the extensible cache takes 1.0.
+    ("gpu-memory-utilization-0.92", lambda p: p.gpu_memory_utilization == 0.92 or p.extensible_kv_cache),
     ("kv-tokens-from-concurrency", lambda p: p.hybrid_tokens_from_concurrency),
     ("sliding-window-in-flight-tokens", lambda p: p.sliding_in_flight_batches == 2),
     ("hybrid-prefix-caching-by-default", lambda p: p.mamba_align_by_default),
     ("v2-model-runner-default", lambda p: p.v2_runner == "all"),
+    ("v2-profiling-sampler-full-params", lambda p: p.sampler_extra_bytes_per_logit > 0),
+    ("kv-dtype-must-match-model", lambda p: p.kv_dtype_must_match_model),
+    ("extensible-kv-cache-default", lambda p: p.extensible_kv_cache),
+    ("default-block-size-64", lambda p: p.block_size == 64),
 ]
 
 
@@ -126,7 +131,12 @@ def test_profile_values_are_the_ones_read() -> None:
     assert min(ratios) == _ratio(MARKERS["hybrid-group-ratio"]["line"])
     assert max(ratios) == _ratio(MARKERS["hybrid-group-ratio-1.5"]["line"])
     util = re.search(r"0\.\d+", MARKERS["gpu-memory-utilization-0.92"]["line"])
-    assert util is not None and VLLM_PROFILES[-1].gpu_memory_utilization == float(util[0])
+    estimated = [p for p in VLLM_PROFILES if not p.extensible_kv_cache]
+    assert util is not None and estimated[-1].gpu_memory_utilization == float(util[0])
+    # With the extensible cache an unset gpu_memory_utilization is 1.0 (CacheConfig.resolved_gpu_memory_utilization).
+    extensible = next(p for p in VLLM_PROFILES if p.extensible_kv_cache)
+    assert extensible.since == first("extensible-kv-cache-default")
+    assert extensible.gpu_memory_utilization == 1.0
 
 
 def test_every_profile_row_starts_at_a_pinned_release() -> None:
@@ -166,6 +176,11 @@ def test_scheduler_default_rules_change_where_the_release_did() -> None:
     assert first_row(
         VLLM_BATCH_DEFAULTS, since, lambda r: any(t.min_memory_bytes == 160 * GiB for t in r.tiers)
     ) == first("batch-160gib-tier")
+    assert first_row(
+        VLLM_BATCH_DEFAULTS,
+        since,
+        lambda r: any(t.min_memory_bytes == LARGE_GPU_BYTES and "gb10" in t.excluded_names for t in r.tiers),
+    ) == first("batch-gb10-excluded")
     pinned = {first(m) for m in MARKERS} | {v1}
     assert all(r.since in pinned for r in VLLM_BATCH_DEFAULTS[1:])
 
@@ -212,6 +227,17 @@ def test_methods_come_and_go_where_the_release_did(marker: str, method: str, arr
     before = quantization_release(EngineName.VLLM, previous(marker))
     after = quantization_release(EngineName.VLLM, MARKERS[marker]["first_release"])
     assert (before.loads(method), after.loads(method)) == (not arrives, arrives)
+
+
+def test_fp_quant_rows_end_where_the_release_dropped_it() -> None:
+    # fp_quant is listed from 0.11.1 (so not in the oldest rows): the row after the last that lists it drops it.
+    rows = _data("engine_quantization.json")["engines"]["vllm"]["releases"]
+    last = max(i for i, r in enumerate(rows) if "fp_quant" in r["methods"])
+    assert rows[last + 1]["since"] == MARKERS["quant-fp_quant-removed"]["first_release"]
+    assert all("fp_quant" not in r["methods"] + r.get("deprecated", []) for r in rows[last + 1 :])
+    before = quantization_release(EngineName.VLLM, previous("quant-fp_quant-removed"))
+    after = quantization_release(EngineName.VLLM, MARKERS["quant-fp_quant-removed"]["first_release"])
+    assert "fp_quant" in before.methods and "fp_quant" not in after.methods
 
 
 def test_deprecated_methods_refused_from_the_release_that_refuses_them() -> None:

@@ -88,9 +88,10 @@ def test_deepseek_v3_mtp_layer_kv_is_one_more_mla_latent() -> None:
     assert cap.drafter is not None and cap.drafter.kv_bytes_per_token_per_gpu == latent
     assert base.kv_bytes_per_token_per_gpu == 61 * latent
     assert cap.kv_bytes_per_token_per_gpu == 62 * latent
-    # One group: a block holds 16 tokens of all 62 layers.
-    assert cap.num_blocks == cap.kv_cache_bytes_per_gpu // (16 * 62 * latent)
-    assert cap.kv_cache_tokens == cap.num_blocks * 16
+    # One group: a block holds block_size tokens of all 62 layers.
+    b = cap.block_size
+    assert cap.num_blocks == cap.kv_cache_bytes_per_gpu // (b * 62 * latent)
+    assert cap.kv_cache_tokens == cap.num_blocks * b
     assert cap.weights_bytes_per_gpu == base.weights_bytes_per_gpu + cap.drafter.weights_bytes_per_gpu
 
 
@@ -145,7 +146,7 @@ def test_eagle3_head_with_its_own_head_size_shares_the_pool() -> None:
     assert cap.drafter is not None and cap.drafter.kv_bytes_per_token_per_gpu == 2 * 8 * 80 * 2
     per_token = 64 * 2 * 8 * 128 * 2 + 2 * 8 * 80 * 2
     assert cap.kv_bytes_per_token_per_gpu == per_token
-    assert cap.num_blocks == cap.kv_cache_bytes_per_gpu // (16 * per_token)
+    assert cap.num_blocks == cap.kv_cache_bytes_per_gpu // (cap.block_size * per_token)
     # The head's weights and forward come out of the cache.
     assert cap.kv_cache_bytes_per_gpu < base.kv_cache_bytes_per_gpu - cap.drafter.weights_bytes_per_gpu
     assert cap.activation_peak_bytes > base.activation_peak_bytes
@@ -191,7 +192,7 @@ def test_draft_model_keeps_its_own_embedding_and_cache() -> None:
     assert d is not None and d.shares == ()  # draft_model.py: "Draft models don't share embeddings"
     # Llama-3.2-1B: 16 layers x 2 x 8 KV heads x 64 x 2 B; the 8B: 32 x 2 x 8 x 128 x 2 B.
     assert d.kv_bytes_per_token_per_gpu == 16 * 2 * 8 * 64 * 2
-    assert cap.num_blocks == cap.kv_cache_bytes_per_gpu // (16 * (32 * 4096 + 16 * 2048))
+    assert cap.num_blocks == cap.kv_cache_bytes_per_gpu // (cap.block_size * (32 * 4096 + 16 * 2048))
     assert d.weights_bytes_per_gpu / GiB == pytest.approx(2.3, abs=0.1)  # 1.24B parameters in bf16
 
 
