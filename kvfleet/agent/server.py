@@ -55,6 +55,10 @@ REQUEST_ID_HEADER = "X-Request-Id"
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 # Marks a 503 the agent chose (draining, engine starting) for the middleware that counts 5xx; read only on a 5xx.
 _DELIBERATE = web.ResponseKey("kvfleet.deliberate", bool)
+# 501 is the engine declining a feature the model lacks (vLLM maps NotImplementedError to it: vllm/entrypoints/
+# serve/exception_handling/error_response.py, e.g. /v1/decisions on a model without that API, 0.33 on); any client
+# can draw it at will, so it is not a server error that a rollback alarm should see.
+_NOT_A_FAILURE = frozenset({501})
 _QUERY_SAFE = "!$&'()*+,/:;=?@[]~%"  # RFC 3986 query characters, and escapes already made
 _Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 
@@ -198,7 +202,7 @@ class Agent:
 
     async def _guard(self, request: web.BaseRequest, handler: _Handler) -> web.StreamResponse:
         """Every response: a request id, aiohttp's own errors as JSON, an exception as a logged, counted 500,
-        and ServerErrors counted once for each 5xx the agent sent (its own and the engine's)."""
+        and ServerErrors counted once for each 5xx the agent sent (its own and the engine's; not the engine's 501)."""
         given = request.headers.get(REQUEST_ID_HEADER, "")
         rid = given if given and _REQUEST_ID.fullmatch(given) else os.urandom(16).hex()  # as random as uuid4, cheaper
         ex = request[_EXCHANGE] = _Exchange(request_id=rid)
@@ -209,7 +213,7 @@ class Agent:
         except Exception:
             log.exception("%s %s failed: answered 500 (request id %s)", request.method, request.path, rid)
             resp = _json_error(500, f"the agent failed on this request (request id {rid})", "server_error")
-        if ex.failed or (resp.status >= 500 and not resp.get(_DELIBERATE)):
+        if ex.failed or (resp.status >= 500 and resp.status not in _NOT_A_FAILURE and not resp.get(_DELIBERATE)):
             self._server_error()
         if not resp.prepared:
             resp.headers[REQUEST_ID_HEADER] = rid

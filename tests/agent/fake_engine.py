@@ -31,7 +31,8 @@ HIST_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0,
 
 
 class FakeEngine:
-    def __init__(self, *, token_delay: float, capacity: int, trtllm: bool = False) -> None:
+    def __init__(self, *, token_delay: float, capacity: int, trtllm: bool = False, decisions: bool = True) -> None:
+        self.decisions = decisions  # False: a model without the Decisions API (vLLM answers 501)
         self.trtllm = (
             trtllm  # speak as trtllm-serve 1.0: histograms on /prometheus/metrics, iteration stats on /metrics
         )
@@ -67,6 +68,11 @@ class FakeEngine:
     async def decide(self, request: web.Request) -> web.Response:
         """vLLM 0.33's Decisions API: one one-token read per question, answered with probabilities. Its request
         forbids fields it does not declare (pydantic extra="forbid"), so a field the agent added would be a 400."""
+        if not self.decisions:  # vllm/entrypoints/openai/decisions/api_router.py create_decision, 0.33.0
+            message = "The model does not support the Decisions API"
+            return web.json_response(
+                {"error": {"message": message, "type": "NotImplementedError", "param": None, "code": 501}}, status=501
+            )
         body = await request.json()
         extra = sorted(set(body) - DECISION_FIELDS)
         if extra:
@@ -227,6 +233,7 @@ def main() -> None:
     p.add_argument("--term-takes-group", action="store_true")
     p.add_argument("--shared-memory", default=None)
     p.add_argument("--trtllm", action="store_true", help="speak as trtllm-serve 1.0 on its metrics paths")
+    p.add_argument("--no-decisions", action="store_true", help="a model without vLLM's Decisions API (501)")
     a = p.parse_args()
     if a.shared_memory:
         from multiprocessing import shared_memory
@@ -251,7 +258,9 @@ def main() -> None:
 
     async def run() -> None:
         await asyncio.sleep(a.startup_delay)
-        engine = FakeEngine(token_delay=a.token_delay, capacity=a.capacity, trtllm=a.trtllm)
+        engine = FakeEngine(
+            token_delay=a.token_delay, capacity=a.capacity, trtllm=a.trtllm, decisions=not a.no_decisions
+        )
         # uvicorn's keep-alive as vLLM sets it (5 s unless VLLM_HTTP_TIMEOUT_KEEP_ALIVE says otherwise).
         keep_alive = float(os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5"))
         runner = web.AppRunner(engine.app(), access_log=None, keepalive_timeout=keep_alive)

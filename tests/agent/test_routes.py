@@ -319,3 +319,22 @@ def test_decisions_are_gated_salted_and_admitted_as_completions_are() -> None:
             assert (r.agent.admission.admitted, r.agent.admission.shed) == (2, 2)
 
     run(go)
+
+
+def test_the_engines_501_for_a_missing_api_is_passed_on_and_not_counted_as_a_server_error() -> None:
+    # vLLM answers /v1/decisions with 501 where the model has no Decisions API; a client can ask for it at will, so
+    # counting it in ServerErrors would let users trip the rollback alarm on a healthy release.
+    async def go() -> None:
+        s = settings(engine_command=(*fake_engine_command(), "--no-decisions"))
+        async with running(s) as r:
+            for _ in range(3):
+                async with r.http.post(r.url + "/v1/decisions", json=DECISION) as c:
+                    assert c.status == 501
+                    assert (await c.json())["error"]["message"] == "The model does not support the Decisions API"
+            async with r.http.post(r.url + "/v1/completions", json=COMPLETION) as c:
+                assert c.status == 200  # the replica still serves
+            await asyncio.sleep(0.5)
+            assert sum(rec.get("ServerErrors", 0) for rec in r.emf()) == 0
+            assert r.agent.admission.reserved_tokens == 0
+
+    run(go)
