@@ -547,6 +547,12 @@ def _print_capacity(cap: Capacity) -> None:
             f"{d.method.value}, {d.num_speculative_tokens} tokens per step"
             + (f"; reads the target's {' and '.join(d.shares)}" if d.shares else ""),
         )
+    if cap.runner_buffer_bytes:
+        t.add_row(
+            "sampler state",
+            f"{cap.runner_buffer_bytes / GiB:.2f} GiB",
+            f"Model Runner V2's penalty buffers, {cap.max_num_seqs} sequences x the vocabulary (int32)",
+        )
     t.add_row(
         "activation peak",
         f"{cap.activation_peak_bytes / GiB:.2f} GiB",

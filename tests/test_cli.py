@@ -110,15 +110,16 @@ def test_capacity_json_llama_8b_on_h100(capsys: pytest.CaptureFixture[str], vers
     if version == "0.32.0":
         # Every term of the budget adds up to what vLLM requested (utilization x total).
         assert not cap["extensible_kv_cache"] and cap["gpu_memory_utilization"] == 0.92
-        terms = ("weights_gib_per_gpu", "activation_peak_gib", "non_torch_gib", "kv_cache_gib_per_gpu")
-        total = sum(cap[t] for t in terms) + (cap["cuda_graph_gib"] if cap["cuda_graph_counted"] else 0)
+        terms = ("weights_gib_per_gpu", "runner_buffer_gib", "activation_peak_gib", "non_torch_gib")
+        total = sum(cap[t] for t in terms) + cap["kv_cache_gib_per_gpu"]
+        total += cap["cuda_graph_gib"] if cap["cuda_graph_counted"] else 0
         assert total == pytest.approx(cap["requested_gib"], abs=0.005)
     else:
         # The extensible cache: every term adds up to the device's memory, the CUDA context, the margin and the
         # transient kept free included; utilization 1.0 is only a cap.
         assert cap["extensible_kv_cache"] and cap["gpu_memory_utilization"] == 1.0 and cap["block_size"] == 64
-        terms = ("weights_gib_per_gpu", "non_torch_gib", "cuda_graph_gib", "cuda_context_gib", "kv_margin_gib")
-        total = sum(cap[t] for t in terms) + cap["transient_gib"] + cap["kv_cache_gib_per_gpu"]
+        terms = ("weights_gib_per_gpu", "runner_buffer_gib", "non_torch_gib", "cuda_graph_gib", "cuda_context_gib")
+        total = sum(cap[t] for t in terms) + cap["kv_margin_gib"] + cap["transient_gib"] + cap["kv_cache_gib_per_gpu"]
         assert total == pytest.approx(cap["gpu_memory_gib"], abs=0.005)
         assert cap["transient_gib"] >= cap["activation_peak_gib"]
         assert cap["kv_margin_gib"] == pytest.approx(max(1.0, 0.75 * cap["transient_gib"]), abs=0.002)

@@ -1,10 +1,16 @@
 """Fit vLLM's profiling-sampler bytes per logit to the FIT records of tests/sizing/data/engine_logs.json.
 
 Each FIT record whose activation peak is known (printed, or what is left of the requested memory after the
-printed weights, the printed cache and the modelled non-torch and CUDA-graph terms) and is the sampler's
-(the modelled forward pass is smaller) gives one value of bytes per logit: (peak - workspace) / (rows x
-vocabulary). The constant of each sampler path (``EngineProfile.sort_sampler``) is their mean, rounded to
-0.5 B. CHECK records are never read by the fit; they are only reported.
+printed weights, the printed cache and the modelled non-torch and CUDA-graph terms) says something of the bytes per
+logit the profiling run's sampler holds, (peak - workspace) / (rows x vocabulary): where the peak is the sampler's
+(the modelled forward pass is smaller) that is a value; where it is not, the sampler held no more than that, an
+upper bound. There are three sampler paths: the V1 runner sorting the vocabulary (``EngineProfile.sort_sampler``),
+the V1 runner without the sort, and Model Runner V2 (``engines.runs_v2_runner``). The two V1 paths' constants are
+the mean of their values, rounded to 0.5 B, capped by the smallest of their bounds (rounded down to 0.5 B); a path
+with neither keeps the constant read from the source. Model Runner V2's constant is the source's (the bf16 logits):
+its FIT records are reported, not fitted, because a first boot without vLLM's compile cache charges the compiler's
+temporaries to the same peak (a public 0.27.1 pair: 1.18 GiB cold, 0.19 GiB warm), which no per-logit constant
+describes. CHECK records are never read by the fit; they are only reported.
 
 The report gives every logged term's error (weights, activation peak, non-torch, CUDA-graph estimate, the
 available KV cache and its tokens) on FIT and CHECK apart, with the constants before this recalibration and
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from collections.abc import Iterator
@@ -42,6 +49,8 @@ from kvfleet.sizing.engines import (
     cuda_graph_bytes,
     engine_profile,
     non_torch_bytes,
+    runs_v2_runner,
+    sampler_bytes_per_logit,
 )
 from kvfleet.sizing.memory import kv_layout, rope_cache_bytes, weight_bytes
 from kvfleet.sizing.models import ModelSpec, parse_hf_config
@@ -50,8 +59,17 @@ from kvfleet.sizing.quantization import as_loaded
 from kvfleet.sizing.units import GiB
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "sizing" / "data" / "engine_logs.json"
-# The constants as they stood before this recalibration: one 27 B per logit for every release.
-BEFORE = replace(ACTIVATIONS, sampler_sort_bytes_per_logit=27.0, sampler_bytes_per_logit=27.0)
+# The constants as they stood before the sampler paths were told apart: one 27 B per logit for every release.
+BEFORE = replace(
+    ACTIVATIONS, sampler_sort_bytes_per_logit=27.0, sampler_bytes_per_logit=27.0, v2_sampler_bytes_per_logit=27.0
+)
+# The sampler paths and the ActivationModel constant of each; FITTED those the fit sets.
+FITTED = ("sort", "v1")
+PATHS = {
+    "sort": "sampler_sort_bytes_per_logit",
+    "v1": "sampler_bytes_per_logit",
+    "v2": "v2_sampler_bytes_per_logit",
+}
 TERMS = (
     "weights_gib",
     "activation_peak_gib",
@@ -139,6 +157,7 @@ def predict(rec: dict[str, Any], c: ActivationModel) -> Prediction | None:
     printed = cap.stages[0] if cap.stages else cap
     non_kv = (
         printed.weights_bytes_per_gpu
+        + printed.runner_buffer_bytes
         + printed.activation_peak_bytes
         + printed.non_torch_bytes
         + (printed.cuda_graph_bytes if printed.cuda_graph_counted else 0)
@@ -154,6 +173,14 @@ class Shape:
     tp: int
     batched: int
     rows: int
+    path: str  # a key of PATHS
+    extra_per_logit: float = 0.0  # EngineProfile.sampler_extra_bytes_per_logit
+
+
+def _path(profile: Any, model: ModelSpec) -> str:
+    if profile.sort_sampler:
+        return "sort"
+    return "v2" if runs_v2_runner(profile, model) else "v1"
 
 
 def shape_of(rec: dict[str, Any]) -> Shape | None:
@@ -166,6 +193,8 @@ def shape_of(rec: dict[str, Any]) -> Shape | None:
             tp=cap.tensor_parallel_size,
             batched=cap.max_num_batched_tokens,
             rows=cap.max_num_seqs,
+            path=_path(cap.profile, model_of(rec)),
+            extra_per_logit=cap.profile.sampler_extra_bytes_per_logit,
         )
     s = rec["settings"]
     if rec["release"] is None or "max_num_batched_tokens" not in s or "max_num_seqs" not in s:
@@ -177,6 +206,8 @@ def shape_of(rec: dict[str, Any]) -> Shape | None:
         tp=s.get("tensor_parallel_size", 1),
         batched=batched,
         rows=min(s["max_num_seqs"], batched),
+        path=_path(profile, model_of(rec)),
+        extra_per_logit=profile.sampler_extra_bytes_per_logit,
     )
 
 
@@ -184,12 +215,14 @@ def activation_gib(rec: dict[str, Any], c: ActivationModel) -> float | None:
     sh = shape_of(rec)
     if sh is None:
         return None
+    m = model_of(rec)
+    profile = engine_profile(EngineName(rec["engine"]), rec["release"])
     peak = activation_peak_bytes(
-        model_of(rec),
+        m,
         tp=sh.tp,
         max_num_batched_tokens=sh.batched,
         max_num_seqs=sh.rows,
-        constants=c,
+        constants=replace(c, sampler_bytes_per_logit=sampler_bytes_per_logit(profile, m, c)),
         sort_sampler=sh.sort_sampler,
     )
     return peak / GiB
@@ -246,8 +279,15 @@ def errors(rec: dict[str, Any], c: ActivationModel) -> dict[str, float]:
     return out
 
 
-def sampler_samples(rec: dict[str, Any]) -> tuple[bool, float] | None:
-    """(sort path?, bytes per logit) this FIT record implies, or None where its peak is not the sampler's."""
+@dataclass(frozen=True, kw_only=True)
+class Sample:
+    path: str
+    bytes_per_logit: float  # without the release's extra
+    bound: bool  # an upper bound (the peak is not the sampler's), not a value
+
+
+def sampler_samples(rec: dict[str, Any]) -> Sample | None:
+    """What this record implies of its path's bytes per logit, or None where its peak is not known."""
     logged = rec["logged"]
     sh = shape_of(rec)
     if sh is None:
@@ -261,36 +301,43 @@ def sampler_samples(rec: dict[str, Any]) -> tuple[bool, float] | None:
         cap = p.cap
         graphs = cap.cuda_graph_bytes if cap.cuda_graph_counted else 0
         peak = cap.requested_bytes - (
-            (logged["weights_gib"] + logged["available_kv_cache_gib"]) * GiB + cap.non_torch_bytes + graphs
+            (logged["weights_gib"] + logged["available_kv_cache_gib"]) * GiB
+            + cap.non_torch_bytes
+            + graphs
+            + cap.runner_buffer_bytes
         )
     no_sampler = replace(ACTIVATIONS, sampler_sort_bytes_per_logit=0.0, sampler_bytes_per_logit=0.0)
     forward = activation_peak_bytes(
         model_of(rec), tp=sh.tp, max_num_batched_tokens=sh.batched, max_num_seqs=sh.rows, constants=no_sampler
     )
-    if forward >= peak:
-        return None
-    return sh.sort_sampler, (peak - ACTIVATIONS.workspace_bytes) / (sh.rows * model_of(rec).vocab_size)
+    per_logit = (peak - ACTIVATIONS.workspace_bytes) / (sh.rows * model_of(rec).vocab_size) - sh.extra_per_logit
+    return Sample(path=sh.path, bytes_per_logit=per_logit, bound=forward >= peak)
 
 
 def fit(records: list[dict[str, Any]]) -> dict[str, Any]:
-    by_path: dict[bool, list[tuple[str, float]]] = {True: [], False: []}
+    values: dict[str, list[tuple[str, float]]] = {p: [] for p in PATHS}
+    bounds: dict[str, list[tuple[str, float]]] = {p: [] for p in PATHS}
     for rec in records:
         if rec["split"] != "fit" or rec["engine"] != "vllm":
             continue
         got = sampler_samples(rec)
         if got is not None:
-            by_path[got[0]].append((rec["id"], round(got[1], 2)))
+            (bounds if got.bound else values)[got.path].append((rec["id"], round(got.bytes_per_logit, 2)))
     out: dict[str, Any] = {}
-    for path, name in ((True, "sampler_sort_bytes_per_logit"), (False, "sampler_bytes_per_logit")):
-        samples = by_path[path]
-        value = round(statistics.fmean(v for _, v in samples) * 2) / 2 if samples else None
-        out[name] = {"value": value, "from": dict(samples)}
+    for path, name in PATHS.items():
+        value = round(statistics.fmean(v for _, v in values[path]) * 2) / 2 if values[path] else None
+        if bounds[path]:
+            cap = math.floor(min(v for _, v in bounds[path]) * 2) / 2
+            value = cap if value is None else min(value, cap)
+        if path not in FITTED:
+            value = None  # reported only: the constant is the source's
+        out[name] = {"value": value, "from": dict(values[path]), "at_most": dict(bounds[path])}
     return out
 
 
 def fitted_constants(result: dict[str, Any]) -> ActivationModel:
     c = ACTIVATIONS
-    for name in ("sampler_sort_bytes_per_logit", "sampler_bytes_per_logit"):
+    for name in PATHS.values():
         if result[name]["value"] is not None:
             c = replace(c, **{name: result[name]["value"]})
     return c
@@ -350,8 +397,11 @@ def main() -> int:
     if args.write:
         raw = json.loads(DATA.read_text())
         raw["fit"] = {
-            "procedure": "tools/fit_engine_logs.py: mean of the FIT records' implied bytes per logit per sampler "
-            "path, rounded to 0.5",
+            "procedure": "tools/fit_engine_logs.py: per V1-runner sampler path (sort, no sort), the mean of the FIT "
+            "records' implied bytes per logit where the sampler sets the peak, rounded to 0.5, capped by the "
+            "smallest upper bound of those where it does not ('at_most', rounded down to 0.5); a path with neither, "
+            "and Model Runner V2's (cold-boot compile temporaries share its peak), keep the constant read from the "
+            "source, their records' implied values reported",
             "result": result,
             "errors_units": units,
             "errors": errs,

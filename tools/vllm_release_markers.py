@@ -561,6 +561,27 @@ MARKERS: tuple[Marker, ...] = (
         "logit are fitted across runners",
     ),
     Marker(
+        name="v2-cudagraph-estimate",
+        meaning="Model Runner V2 estimates CUDA-graph memory before the cache is sized (before: its "
+        "profile_cudagraph_memory returned 0, so graphs came out of the 1 - utilization headroom)",
+        paths=("vllm/v1/worker/gpu/model_runner.py",),
+        holds=lambda files: find_line(
+            files, r"return _profile_cudagraph_memory\(self\)", within=r"def profile_cudagraph_memory\b"
+        ),
+        test="gpu/model_runner.py profile_cudagraph_memory returns _profile_cudagraph_memory(self)",
+        boundary="VLLM_PROFILES v2_counts_cuda_graphs",
+    ),
+    Marker(
+        name="budget-counts-persistent-allocations",
+        meaning="the KV budget subtracts everything resident after profiling (free memory at start minus free memory "
+        "after, total_consumed), so buffers allocated between model loading and profiling count; before, only the "
+        "weights, the non-torch increase and the torch peak during profiling did",
+        paths=("vllm/utils/mem_utils.py", "vllm/utils/__init__.py", "vllm/utils.py"),
+        holds=lambda files: find_line(files, r"result\.total_consumed = "),
+        test="memory_profiling sets result.total_consumed",
+        boundary="VLLM_PROFILES persistent_buffers_counted (Model Runner V2's penalty buffers)",
+    ),
+    Marker(
         name="v2-profiling-sampler-full-params",
         meaning=(
             "Model Runner V2's profiling sampler run adds a pass with SamplingParams.for_sampler_warmup (top-k, "

@@ -22,14 +22,18 @@ from kvfleet.sizing.engines import (
     EngineProfile,
     activation_peak_bytes,
     cuda_graph_bytes,
+    cuda_graphs_counted,
     encoder_profile,
     engine_profile,
     extensible_kv_bytes,
     in_flight_batches,
     non_torch_bytes,
     rope_rules,
+    runs_v2_runner,
+    sampler_bytes_per_logit,
     sizing_step_transient_bytes,
     trtllm_profiling_requests,
+    v2_penalty_buffer_bytes,
     vllm_batch_defaults,
 )
 from kvfleet.sizing.memory import (
@@ -138,6 +142,8 @@ class Capacity:
     kv_margin_bytes: int = 0
     transient_bytes: int = 0  # extensible cache: the larger of the profile run's peak and the sizing step's
     gpu_memory_utilization_given: bool = False  # the settings named a utilization (else the release's default)
+    # Buffers the engine allocates after loading that its budget counts (Model Runner V2's penalty state).
+    runner_buffer_bytes: int = 0
 
     @property
     def gpus_per_replica(self) -> int:
@@ -174,6 +180,7 @@ class Capacity:
             "cuda_context_gib": round(self.cuda_context_bytes / g, 3),
             "kv_margin_gib": round(self.kv_margin_bytes / g, 3),
             "transient_gib": round(self.transient_bytes / g, 3),
+            "runner_buffer_gib": round(self.runner_buffer_bytes / g, 3),
             "weight_precision": self.weights.scheme.name,
             "weights_gib_per_gpu": round(self.weights_bytes_per_gpu / g, 3),
             "activation_peak_gib": round(self.activation_peak_bytes / g, 3),
@@ -840,11 +847,8 @@ def _stage_capacity(
         k = replace(k, block=hybrid_block_size(kv, block_size=k.block))
     _check_kv_dtype(full, s, profile)
     drafter = _drafter(model, s, k, profile, tp=tp, scheme=scheme)
-    constants = ACTIVATIONS
-    if profile.sampler_extra_bytes_per_logit:
-        constants = replace(
-            constants, sampler_bytes_per_logit=constants.sampler_bytes_per_logit + profile.sampler_extra_bytes_per_logit
-        )
+    # The non-sorting sampler's bytes per logit on the runner this model takes (Model Runner V2 or the V1 runner).
+    constants = replace(ACTIVATIONS, sampler_bytes_per_logit=sampler_bytes_per_logit(profile, full, ACTIVATIONS))
     if drafter is not None:
         # The dummy sampler run then runs the rejection sampler over one draft per request (gpu_model_runner.py
         # _dummy_sampler_run): bf16 logits of twice the rows (4 B per request's logit) stay alive while it samples
@@ -858,7 +862,8 @@ def _stage_capacity(
         model,
         tp=tp,
         max_num_batched_tokens=k.batched,
-        max_num_seqs=_sampler_rows(profile, k),
+        # Only the last pipeline stage computes logits and samples (gpu/model_runner.py profile_run: is_last_pp_rank).
+        max_num_seqs=0 if Part.LM_HEAD in without else _sampler_rows(profile, k),
         sort_sampler=profile.sort_sampler,
         constants=constants,
     )
@@ -901,8 +906,7 @@ def _stage_capacity(
         mm_notes.append("TensorRT-LLM's vision encoder memory beyond its weights is not modelled")
     non_torch = non_torch_bytes(tp=tp)
     graphs = 0 if s.enforce_eager else cuda_graph_bytes(model)
-    # The extensible cache measures the captured pools after capture, so they always come off the cache.
-    graphs_counted = (profile.counts_cuda_graphs or profile.extensible_kv_cache) and not s.enforce_eager
+    graphs_counted = cuda_graphs_counted(profile, full, enforce_eager=s.enforce_eager)
     drafter_weights = 0
     if drafter is not None:
         # Its layers join the target's pool; its forward follows the target's in the profile run, reading the
@@ -911,12 +915,22 @@ def _stage_capacity(
         act = max(act, drafter.activation_peak_bytes + ACTIVATIONS.workspace_bytes) + drafter.hidden_state_bytes
         graphs += 0 if s.enforce_eager else drafter.cuda_graph_bytes
         drafter_weights = drafter.weights_bytes_per_gpu
+    # Model Runner V2's penalty state on the last stage: resident, and counted from the release that subtracts what
+    # is resident (before, the engine's budget leaves it out and the cache is sized as if it were not there).
+    runner_buffers = 0
+    if (
+        profile.engine is EngineName.VLLM
+        and Part.LM_HEAD not in without
+        and runs_v2_runner(profile, full)
+        and profile.persistent_buffers_counted
+    ):
+        runner_buffers = v2_penalty_buffer_bytes(max_num_seqs=k.max_seqs, vocab_size=full.vocab_size)
     budget = _kv_budget(
         s,
         profile,
         k,
         gpu_memory_bytes=gpu_memory_bytes,
-        weights_bytes=weights.weights_bytes_per_gpu + drafter_weights,
+        weights_bytes=weights.weights_bytes_per_gpu + drafter_weights + runner_buffers,
         act=act,
         non_torch=non_torch,
         graphs=graphs,
@@ -935,6 +949,14 @@ def _stage_capacity(
     if drafter is not None:
         assert s.speculative is not None
         notes.extend(_drafter_notes(drafter, acceptance(s.speculative, drafter.num_speculative_tokens)))
+    if profile.engine is EngineName.VLLM and profile.since >= (0, 8, 0) and not s.enforce_eager:
+        # Public pair (tests/sizing/data/engine_logs.json, coldstart-qwen3-8b-rtx4090-warm): vLLM 0.27.1, Qwen3-8B on
+        # an RTX 4090, the first boot compiling for 39 s printed 1.18 GiB of peak activation, the second 0.19 GiB.
+        notes.append(
+            "sized for a boot that finds vLLM's compile cache: a first boot without it charges torch.compile's "
+            "temporaries to the activation peak and starts with a smaller cache (about 1 GiB less for an 8B model "
+            "on vLLM 0.27.1); persist VLLM_CACHE_ROOT across boots, or plan that much headroom"
+        )
     if model.quantization is None and (as_checkpoint := checkpoint_note(scheme, engine=s.engine, version=version)):
         notes.append(as_checkpoint)
     problems = list(budget.problems)
@@ -943,7 +965,7 @@ def _stage_capacity(
         runtime = (
             max(act, budget.transient) + budget.margin + budget.context + non_torch + (graphs if graphs_counted else 0)
         )
-        need = (weights.weights_bytes_per_gpu + drafter_weights + runtime) / GiB
+        need = (weights.weights_bytes_per_gpu + drafter_weights + runner_buffers + runtime) / GiB
         problems.append(
             f"no memory left for the KV cache: weights + activations + runtime need {need:.2f} GiB per GPU, "
             f"{budget.requested / GiB:.2f} GiB available; "
@@ -1052,6 +1074,7 @@ def _stage_capacity(
         notes=tuple(notes),
         drafter=drafter,
         extensible_kv_cache=budget.extensible,
+        runner_buffer_bytes=runner_buffers,
         cuda_context_bytes=budget.context,
         kv_margin_bytes=budget.margin,
         transient_bytes=budget.transient,

@@ -31,11 +31,15 @@ sorts the whole vocabulary (vllm/v1/sample/ops/topk_topp_sampler.py apply_top_k_
 values, int64 indices, softmax, cumsum and masks beside the bf16 and fp32 logits; before 0.11.1 FlashInfer's
 sampler ran instead where flashinfer was installed, an optional extra of the wheel then). From 0.17 no release
 sorts: a Triton kernel masks in place (topk_topp_triton.py, vLLM PR 33538), FlashInfer's sampler is the CUDA
-default from 0.21, and Model Runner V2 (the default for listed dense models from 0.22, for every model it
-supports from 0.29) leaves top-k/top-p off in its profiling run until 0.33; all keep about the logits, the
-probabilities and the noise. data/vllm_release_markers.json records each of these releases. The constants live
-in ``ActivationModel``; they are fitted on the FIT records of tests/sizing/data/engine_logs.json
-(tools/fit_engine_logs.py) and held to the CHECK records in tests/sizing/test_engine_log_calibration.py.
+default from 0.21; the V1 runner keeps the bf16 and fp32 logits, the probabilities and the noise. Model Runner V2
+(the default for dense models from 0.26, for every model it supports from 0.29; ``runs_v2_runner``) samples its
+dummy requests on the bf16 logits in place (vllm/v1/worker/gpu/sample/sampler.py) until 0.33 adds a pass with the
+full warm-up parameters; beside it sits a penalty state of max_num_seqs x vocabulary int32, which the budget counts
+from 0.27 (``v2_penalty_buffer_bytes``), and before 0.29 it gives no CUDA-graph estimate (``cuda_graphs_counted``).
+data/vllm_release_markers.json records each of these releases. The constants live in ``ActivationModel``; the
+V1 sorting path's is fitted on the FIT records of tests/sizing/data/engine_logs.json (tools/fit_engine_logs.py),
+the others are read from the source, and all are held to the CHECK records in
+tests/sizing/test_engine_log_calibration.py.
 """
 
 from __future__ import annotations
@@ -88,6 +92,12 @@ class EngineProfile:
     v2_runner: str
     # DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES (vllm/config/vllm.py) where ``v2_runner`` is "dense".
     v2_runner_architectures: frozenset[str] = frozenset()
+    # Model Runner V2 estimates CUDA-graph memory before sizing the cache (gpu/model_runner.py
+    # profile_cudagraph_memory; it returned 0 before 0.29, so graphs came out of the 1 - utilization headroom).
+    v2_counts_cuda_graphs: bool = False
+    # The budget subtracts everything resident after profiling (vllm/utils/mem_utils.py total_consumed, 0.27 on), so
+    # buffers allocated between loading and profiling count: Model Runner V2's penalty state above all.
+    persistent_buffers_counted: bool = False
     # Prefix caching on by default for hybrid attention/Mamba models, which puts their state layers in
     # mamba_cache_mode "align": two state pages per request instead of one (MambaSpec.max_memory_usage_bytes).
     mamba_align_by_default: bool
@@ -212,6 +222,12 @@ VLLM_PROFILES: tuple[EngineProfile, ...] = _releases(
         {"sliding_in_flight_batches": 2, "v2_runner": "dense", "v2_runner_architectures": _V2_ARCHS_0_26},
     ),
     (
+        (0, 27, 0),
+        "the budget subtracts everything resident after profiling, buffers allocated after loading included "
+        "(vllm/utils/mem_utils.py memory_profiling total_consumed; budget-counts-persistent-allocations)",
+        {"persistent_buffers_counted": True},
+    ),
+    (
         (0, 28, 0),
         "hybrid Mamba models cache prefixes by default, in mamba_cache_mode align (vllm/engine/arg_utils.py, "
         "vllm/config/model.py is_prefix_caching_supported; hybrid-prefix-caching-by-default); Model Runner V2 "
@@ -225,8 +241,9 @@ VLLM_PROFILES: tuple[EngineProfile, ...] = _releases(
     (
         (0, 29, 0),
         "Model Runner V2 the default for every generative model it supports (vllm/config/vllm.py "
-        "use_v2_model_runner; v2-model-runner-default)",
-        {"v2_runner": "all"},
+        "use_v2_model_runner; v2-model-runner-default); it estimates CUDA-graph memory before sizing the cache "
+        "(gpu/model_runner.py profile_cudagraph_memory; v2-cudagraph-estimate)",
+        {"v2_runner": "all", "v2_counts_cuda_graphs": True},
     ),
     (
         (0, 33, 0),
@@ -477,10 +494,44 @@ def in_flight_batches(profile: EngineProfile, model: ModelSpec, *, pipeline_para
     pp = pipeline_parallel_size
     if profile.sliding_in_flight_batches < 2 or pp <= 1:
         return profile.sliding_in_flight_batches
+    return pp + 1 if runs_v2_runner(profile, model) else pp
+
+
+def runs_v2_runner(profile: EngineProfile, model: ModelSpec) -> bool:
+    """Whether vLLM runs this model on Model Runner V2 by default (VllmConfig.use_v2_model_runner): from 0.26 a
+    listed architecture or a model that is neither MoE nor a hybrid state model, from 0.29 every model."""
     listed = not profile.v2_runner_architectures.isdisjoint(model.architectures)
     plain = model.moe is None and model.state is None  # vLLM's is_moe, is_hybrid
-    v2 = profile.v2_runner == "all" or (profile.v2_runner == "dense" and (listed or plain))
-    return pp + 1 if v2 else pp
+    return profile.v2_runner == "all" or (profile.v2_runner == "dense" and (listed or plain))
+
+
+def v2_penalty_buffer_bytes(*, max_num_seqs: int, vocab_size: int) -> int:
+    """Model Runner V2's PenaltiesState (vllm/v1/worker/gpu/sample/penalties.py, 0.26.0-0.34.0), allocated with the
+    sampler on the last pipeline rank after the weights load: output_bin_counts, int32 [max_num_reqs, vocab] ("can
+    be very large, taking up GBs of GPU memory"), and prompt_bin_mask, int32 [max_num_reqs, cdiv(vocab, 32)]."""
+    return max_num_seqs * (vocab_size + -(-vocab_size // 32)) * 4
+
+
+def cuda_graphs_counted(profile: EngineProfile, model: ModelSpec, *, enforce_eager: bool) -> bool:
+    """Whether the release subtracts CUDA-graph memory before sizing the cache for this model: the V1 runner from
+    0.20, Model Runner V2 from 0.29 (it returned no estimate before), the extensible cache always (it measures)."""
+    if enforce_eager:
+        return False
+    if profile.extensible_kv_cache:
+        return True
+    if profile.engine is EngineName.VLLM and runs_v2_runner(profile, model):
+        return profile.counts_cuda_graphs and profile.v2_counts_cuda_graphs
+    return profile.counts_cuda_graphs
+
+
+def sampler_bytes_per_logit(
+    profile: EngineProfile, model: ModelSpec, constants: ActivationModel | None = None
+) -> float:
+    """Bytes per logit the profiling run's sampler holds on the path this release takes for this model (the sorting
+    path's constant is ``sampler_sort_bytes_per_logit``, chosen by ``sort_sampler``)."""
+    c = constants or ACTIVATIONS
+    base = c.v2_sampler_bytes_per_logit if runs_v2_runner(profile, model) else c.sampler_bytes_per_logit
+    return base + profile.sampler_extra_bytes_per_logit
 
 
 def engine_profile(engine: EngineName, version: str | None = None) -> EngineProfile:
@@ -511,10 +562,18 @@ class ActivationModel:
     # scattered result. Fitted 38.0 B: 39.2, 36.9 and 38.2 B on the FIT records vllm PR 10511 (V0), the L40S
     # Qwen3-235B log (0.10.2) and vllm issue 23278 (gpt-oss-120b on an H100, 0.10.1, 1,024 rows).
     sampler_sort_bytes_per_logit: float = 38.0
-    # Releases with the in-place Triton mask: fitted 27.0 B on the one FIT record of that path (Qwen2.5-7B-AWQ,
-    # vLLM 0.26.0); the source's own tensors (bf16 + fp32 logits, probabilities, noise) come to ~14 B, so this
-    # record's peak may be the forward pass's instead; the CHECK record of vLLM PR 51590 (0.28.0) says lower.
-    sampler_bytes_per_logit: float = 27.0
+    # The V1 runner without the sort (0.17 on; from 0.26 only for the models Model Runner V2 does not run): the
+    # source's own tensors, bf16 and fp32 logits, probabilities and the exponential noise (vllm/v1/sample/sampler.py,
+    # ops/topk_topp_sampler.py), 2 + 4 + 4 + 4 B. No FIT record of this path bounds the sampler
+    # (tools/fit_engine_logs.py reports it); the CHECK record of vLLM PR 51590 (0.28.0, gpt-oss-120b) holds it.
+    sampler_bytes_per_logit: float = 14.0
+    # Model Runner V2's profile run (vllm/v1/worker/gpu/sample/sampler.py, read in 0.26.0 and 0.32.0): its dummy
+    # requests need no logits processing, so the sampler works on the bf16 logits in place and draws Gumbel noise a
+    # 1,024-column block at a time: the logits' 2 B. Read from the source, not fitted: the warm-boot logs of 0.27.1
+    # (peak activation 0.19 GiB for Qwen3-8B, 0.08 GiB for Qwen2.5-0.5B) leave no room for more; a first boot
+    # without vLLM's compile cache charges the compiler's temporaries to the same peak (1.18 GiB for that Qwen3-8B
+    # run), which is what the older FIT record's 27 B per logit most likely measured (tools/fit_engine_logs.py).
+    v2_sampler_bytes_per_logit: float = 2.0
     workspace_bytes: int = 64 * MiB  # cuBLAS / attention workspaces alive at the peak
     # Allocations outside PyTorch made during profiling (vLLM's "non-torch increase"): 0.06 GiB on one
     # GPU (Qwen2.5-7B-AWQ log), 0.17-0.21 GiB per rank at TP8 (Qwen3-235B-FP8 on L40S log).

@@ -14,7 +14,7 @@ import pytest
 from kvfleet.errors import SizingError
 from kvfleet.sizing.capacity import EngineSettings, capacity
 from kvfleet.sizing.catalog import catalog_model
-from kvfleet.sizing.engines import EngineName, activation_peak_bytes
+from kvfleet.sizing.engines import ACTIVATIONS, EngineName, activation_peak_bytes, engine_profile, runs_v2_runner
 from kvfleet.sizing.memory import kv_layout, weight_bytes
 from kvfleet.sizing.models import ModelSpec, parse_hf_config
 from kvfleet.sizing.precision import KvDtype
@@ -100,11 +100,22 @@ def test_activation_peak_slope_matches_v0_profiles() -> None:
     assert a / GiB == pytest.approx(17.06 - 14.99, rel=0.10)
 
 
-def test_activation_peak_sampler_bound_case() -> None:
-    # Qwen2.5-7B-Instruct-AWQ, vLLM 0.26.0, 2,048 batched tokens / 256 sequences: peak activation 1.04 GiB.
-    m = _quantized("Qwen/Qwen2.5-7B", AWQ)
-    peak = activation_peak_bytes(m, tp=1, max_num_batched_tokens=2048, max_num_seqs=256)
-    assert peak / GiB == pytest.approx(1.04, rel=0.05)
+def test_the_sampler_term_follows_the_runner_the_release_takes() -> None:
+    # Qwen2.5-7B (dense), 2,048 batched tokens, 256 sequences. vLLM 0.25 samples on the V1 runner (bf16 and fp32
+    # logits, probabilities, noise: 14 B per logit, which sets the peak here); 0.26 runs it on Model Runner V2,
+    # whose profile run works on the bf16 logits in place, so the forward pass sets the peak.
+    m = catalog_model("Qwen/Qwen2.5-7B")
+    s = EngineSettings(max_model_len=4096, max_num_batched_tokens=2048, max_num_seqs=256, kv_cache_memory_bytes=GiB)
+    v1 = capacity(m, gpu_memory_bytes=24 * GiB, settings=replace(s, version="0.25.0"))
+    v2 = capacity(m, gpu_memory_bytes=24 * GiB, settings=replace(s, version="0.26.0"))
+    logits = 256 * m.vocab_size
+    assert v1.activation_peak_bytes == int(logits * ACTIVATIONS.sampler_bytes_per_logit) + ACTIVATIONS.workspace_bytes
+    forward = activation_peak_bytes(m, tp=1, max_num_batched_tokens=2048, max_num_seqs=0)
+    assert v2.activation_peak_bytes == forward > logits * ACTIVATIONS.v2_sampler_bytes_per_logit
+    # A MoE model stays on the V1 runner at 0.26 (vllm/config/vllm.py _is_default_v2_model_runner_model).
+    moe = catalog_model("Qwen/Qwen3-30B-A3B")
+    assert not runs_v2_runner(engine_profile(EngineName.VLLM, "0.26.0"), moe)
+    assert runs_v2_runner(engine_profile(EngineName.VLLM, "0.29.0"), moe)
 
 
 # --- end to end ------------------------------------------------------------------------------------

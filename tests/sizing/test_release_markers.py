@@ -113,6 +113,8 @@ PROFILE_FLAGS: list[tuple[str, Callable[[Any], bool]]] = [
     ("sliding-window-in-flight-tokens", lambda p: p.sliding_in_flight_batches == 2),
     ("hybrid-prefix-caching-by-default", lambda p: p.mamba_align_by_default),
     ("v2-model-runner-default", lambda p: p.v2_runner == "all"),
+    ("v2-cudagraph-estimate", lambda p: p.v2_counts_cuda_graphs),
+    ("budget-counts-persistent-allocations", lambda p: p.persistent_buffers_counted),
     ("v2-profiling-sampler-full-params", lambda p: p.sampler_extra_bytes_per_logit > 0),
     ("kv-dtype-must-match-model", lambda p: p.kv_dtype_must_match_model),
     ("extensible-kv-cache-default", lambda p: p.extensible_kv_cache),

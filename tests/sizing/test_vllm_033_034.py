@@ -47,7 +47,8 @@ def test_the_extensible_cache_keeps_the_context_a_margin_and_the_transient_out()
     )
     assert cap.extensible_kv_cache and cap.gpu_memory_utilization == 1.0 and not cap.gpu_memory_utilization_given
     assert cap.block_size == 64 and cap.cuda_graph_counted
-    used = cap.weights_bytes_per_gpu + cap.non_torch_bytes + cap.cuda_graph_bytes
+    # Model Runner V2's penalty state is resident too (sizing/engines.py v2_penalty_buffer_bytes).
+    used = cap.weights_bytes_per_gpu + cap.runner_buffer_bytes + cap.non_torch_bytes + cap.cuda_graph_bytes
     t = cap.transient_bytes
     assert t == cap.activation_peak_bytes  # the sampler run's peak is the larger here
     margin = max(EXTENSIBLE_MARGIN_FLOOR_BYTES, int(0.75 * t))
@@ -78,7 +79,7 @@ def test_an_explicit_utilization_caps_the_extensible_cache() -> None:
         accelerator_name="H100",
     )
     assert capped.extensible_kv_cache and capped.gpu_memory_utilization_given
-    used = capped.weights_bytes_per_gpu + capped.non_torch_bytes + capped.cuda_graph_bytes
+    used = capped.weights_bytes_per_gpu + capped.runner_buffer_bytes + capped.non_torch_bytes + capped.cuda_graph_bytes
     # min(utilization x total - non-KV used, headroom - margin) - transient: here the budget binds.
     assert capped.kv_cache_bytes_per_gpu == int(H100 * 0.92) - used - capped.transient_bytes
     assert capped.kv_cache_bytes_per_gpu < free.kv_cache_bytes_per_gpu
