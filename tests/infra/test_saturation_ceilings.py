@@ -88,12 +88,12 @@ def test_every_saturation_target_is_below_its_ceiling(env_file: Path) -> None:
     The raw KV ceilings (max_num_seqs x max_model_len / KV-cache tokens, per replica, at most 1) of the example
     environments' plans, which the old design targeted 0.75 against:
 
-    - chat-trace: 0.97 (77 x 5,131 / 408,576)
-    - dev: 0.20 (16 x 5,120 / 409,184)
-    - platform: 0.61 (32 x 9,216 / 482,256)
-    - prod: 0.20 (32 x 18,432 / 2,912,288)
-    - shared-cluster: 0.61 (32 x 9,216 / 482,256)
-    - staging: 0.18 (32 x 10,240 / 1,820,496)
+    - chat-trace: 0.99 (79 x 5,131 / 408,544)
+    - dev: 0.20 (16 x 5,120 / 409,056)
+    - platform: 0.61 (32 x 9,216 / 481,904)
+    - prod: 0.20 (32 x 18,432 / 2,911,472)
+    - shared-cluster: 0.61 (32 x 9,216 / 481,904)
+    - staging: 0.18 (32 x 10,240 / 1,820,848)
 
     Only chat-trace's cache could reach 0.75; on the other five the KV policy and the saturation alarm never fired.
     """
