@@ -102,7 +102,7 @@ class EngineProfile:
     # mamba_cache_mode "align": two state pages per request instead of one (MambaSpec.max_memory_usage_bytes).
     mamba_align_by_default: bool
     note: str
-    # Bytes per logit the profiling sampler holds beyond the fitted constant: Model Runner V2's profile run samples
+    # Bytes per logit the profiling sampler holds beyond its runner's constant: Model Runner V2's profile run samples
     # with SamplingParams.for_sampler_warmup from 0.33 (top-k/top-p through FlashInfer). Measured in vLLM PR 57926
     # (Qwen2.5-0.5B-Instruct, L4, 256 sequences): 1,733,440 -> 1,710,928 KV tokens across the change, 22,512 tokens
     # x 12,288 B = 0.258 GiB over 256 x 151,936 logits = 7.1 B per logit.
