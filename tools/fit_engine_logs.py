@@ -169,12 +169,15 @@ def predict(rec: dict[str, Any], c: ActivationModel) -> Prediction | None:
 class Shape:
     """What the profiling run sees: the release's row, the batched tokens and the sampler's rows."""
 
-    sort_sampler: bool
     tp: int
     batched: int
     rows: int
     path: str  # a key of PATHS
     extra_per_logit: float = 0.0  # EngineProfile.sampler_extra_bytes_per_logit
+
+    @property
+    def sort_sampler(self) -> bool:
+        return self.path == "sort"
 
 
 def _path(profile: Any, model: ModelSpec) -> str:
@@ -189,7 +192,6 @@ def shape_of(rec: dict[str, Any]) -> Shape | None:
     if p is not None:
         cap = p.cap
         return Shape(
-            sort_sampler=cap.profile.sort_sampler,
             tp=cap.tensor_parallel_size,
             batched=cap.max_num_batched_tokens,
             rows=cap.max_num_seqs,
@@ -202,7 +204,6 @@ def shape_of(rec: dict[str, Any]) -> Shape | None:
     profile = engine_profile(EngineName(rec["engine"]), rec["release"])
     batched = s["max_num_batched_tokens"]
     return Shape(
-        sort_sampler=profile.sort_sampler,
         tp=s.get("tensor_parallel_size", 1),
         batched=batched,
         rows=min(s["max_num_seqs"], batched),

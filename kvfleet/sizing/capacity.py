@@ -675,7 +675,7 @@ def _state_pages(model: ModelSpec, s: EngineSettings, profile: EngineProfile) ->
         )
     if not profile.mamba_state_cache:
         # Earlier releases ran these models on V0 by default, whose state cache is a separate pool.
-        since = ".".join(map(str, next(p.since for p in VLLM_PROFILES if p.mamba_state_cache)))
+        since = _first_release("mamba_state_cache")
         raise SizingError(
             f"{model.model_id} has {model.state.kind.value} layers, whose state shares the hybrid KV-cache "
             f"allocator from the release where V1 runs them by default; releases before it are not modelled; use "
@@ -1083,6 +1083,7 @@ def _stage_capacity(
 
 
 def _first_release(flag: str) -> str:
+    """The first vLLM release whose profile row sets ``flag``, as text."""
     return ".".join(map(str, next(p.since for p in VLLM_PROFILES if getattr(p, flag))))
 
 

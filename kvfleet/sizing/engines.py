@@ -51,7 +51,7 @@ from typing import Any
 from kvfleet import versions
 from kvfleet.errors import SizingError
 from kvfleet.sizing.models import ModelSpec, RopeLengthRules
-from kvfleet.sizing.units import GiB, MiB
+from kvfleet.sizing.units import GiB, MiB, cdiv
 from kvfleet.versions import Version
 
 
@@ -509,7 +509,7 @@ def v2_penalty_buffer_bytes(*, max_num_seqs: int, vocab_size: int) -> int:
     """Model Runner V2's PenaltiesState (vllm/v1/worker/gpu/sample/penalties.py, 0.26.0-0.34.0), allocated with the
     sampler on the last pipeline rank after the weights load: output_bin_counts, int32 [max_num_reqs, vocab] ("can
     be very large, taking up GBs of GPU memory"), and prompt_bin_mask, int32 [max_num_reqs, cdiv(vocab, 32)]."""
-    return max_num_seqs * (vocab_size + -(-vocab_size // 32)) * 4
+    return max_num_seqs * (vocab_size + cdiv(vocab_size, 32)) * 4
 
 
 def cuda_graphs_counted(profile: EngineProfile, model: ModelSpec, *, enforce_eager: bool) -> bool:

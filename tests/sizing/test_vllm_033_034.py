@@ -10,7 +10,7 @@ import pytest
 
 from kvfleet.deployments import engine_args
 from kvfleet.errors import SizingError
-from kvfleet.sizing.capacity import EngineSettings, capacity
+from kvfleet.sizing.capacity import Capacity, EngineSettings, capacity
 from kvfleet.sizing.catalog import catalog_model
 from kvfleet.sizing.engines import (
     ACTIVATIONS,
@@ -30,8 +30,8 @@ LLAMA = "meta-llama/Llama-3.1-8B"
 H100 = int(79.22 * GiB)  # what CUDA reports on an H100 80GB
 
 
-def _cap(version: str, **kw: object) -> object:
-    s = EngineSettings(version=version, max_model_len=8192, **kw)  # type: ignore[arg-type]
+def _cap(settings: EngineSettings) -> Capacity:
+    s = replace(settings, max_model_len=8192)
     return capacity(catalog_model(LLAMA), gpu_memory_bytes=H100, settings=s, accelerator_name="H100")
 
 
@@ -39,12 +39,7 @@ def _cap(version: str, **kw: object) -> object:
 
 
 def test_the_extensible_cache_keeps_the_context_a_margin_and_the_transient_out() -> None:
-    cap = capacity(
-        catalog_model(LLAMA),
-        gpu_memory_bytes=H100,
-        settings=EngineSettings(version="0.34.0", max_model_len=8192),
-        accelerator_name="H100",
-    )
+    cap = _cap(EngineSettings(version="0.34.0"))
     assert cap.extensible_kv_cache and cap.gpu_memory_utilization == 1.0 and not cap.gpu_memory_utilization_given
     assert cap.block_size == 64 and cap.cuda_graph_counted
     # Model Runner V2's penalty state is resident too (sizing/engines.py v2_penalty_buffer_bytes).
@@ -57,12 +52,7 @@ def test_the_extensible_cache_keeps_the_context_a_margin_and_the_transient_out()
     assert cap.kv_cache_bytes_per_gpu == H100 - ACTIVATIONS.cuda_context_bytes - used - margin - t
     assert cap.num_blocks == cap.kv_cache_bytes_per_gpu // (64 * 131072)
     # Against 0.33's estimate at 0.92 the cache gains what the 8% headroom held, less the context and the margin.
-    old = capacity(
-        catalog_model(LLAMA),
-        gpu_memory_bytes=H100,
-        settings=EngineSettings(version="0.33.0", max_model_len=8192),
-        accelerator_name="H100",
-    )
+    old = _cap(EngineSettings(version="0.33.0"))
     assert not old.extensible_kv_cache and old.gpu_memory_utilization == 0.92 and old.block_size == 16
     assert old.activation_peak_bytes == cap.activation_peak_bytes
     gained = cap.kv_cache_bytes_per_gpu - old.kv_cache_bytes_per_gpu
@@ -70,14 +60,9 @@ def test_the_extensible_cache_keeps_the_context_a_margin_and_the_transient_out()
 
 
 def test_an_explicit_utilization_caps_the_extensible_cache() -> None:
-    base = EngineSettings(version="0.34.0", max_model_len=8192)
-    free = capacity(catalog_model(LLAMA), gpu_memory_bytes=H100, settings=base, accelerator_name="H100")
-    capped = capacity(
-        catalog_model(LLAMA),
-        gpu_memory_bytes=H100,
-        settings=replace(base, gpu_memory_utilization=0.92),
-        accelerator_name="H100",
-    )
+    base = EngineSettings(version="0.34.0")
+    free = _cap(base)
+    capped = _cap(replace(base, gpu_memory_utilization=0.92))
     assert capped.extensible_kv_cache and capped.gpu_memory_utilization_given
     used = capped.weights_bytes_per_gpu + capped.runner_buffer_bytes + capped.non_torch_bytes + capped.cuda_graph_bytes
     # min(utilization x total - non-KV used, headroom - margin) - transient: here the budget binds.
@@ -85,22 +70,17 @@ def test_an_explicit_utilization_caps_the_extensible_cache() -> None:
     assert capped.kv_cache_bytes_per_gpu < free.kv_cache_bytes_per_gpu
     assert any("keeps" in n and "vLLM warns" in n for n in capped.notes)
     # A cap above what the device leaves changes nothing, and draws no warning.
-    loose = capacity(
-        catalog_model(LLAMA),
-        gpu_memory_bytes=H100,
-        settings=replace(base, gpu_memory_utilization=0.99),
-        accelerator_name="H100",
-    )
+    loose = _cap(replace(base, gpu_memory_utilization=0.99))
     assert loose.kv_cache_bytes_per_gpu == free.kv_cache_bytes_per_gpu
     assert not any("vLLM warns" in n for n in loose.notes)
 
 
 def test_a_fixed_cache_size_turns_the_extensible_cache_off() -> None:
-    cap = _cap("0.34.0", kv_cache_memory_bytes=20 * GiB)
-    assert not cap.extensible_kv_cache  # type: ignore[attr-defined]
+    cap = _cap(EngineSettings(version="0.34.0", kv_cache_memory_bytes=20 * GiB))
+    assert not cap.extensible_kv_cache
     # CacheConfig.resolved_gpu_memory_utilization: 0.92 without the extensible cache.
-    assert cap.gpu_memory_utilization == 0.92  # type: ignore[attr-defined]
-    assert cap.kv_cache_bytes_per_gpu == 20 * GiB  # type: ignore[attr-defined]
+    assert cap.gpu_memory_utilization == 0.92
+    assert cap.kv_cache_bytes_per_gpu == 20 * GiB
 
 
 def test_extensible_budget_arithmetic() -> None:
