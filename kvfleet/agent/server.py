@@ -523,15 +523,12 @@ class Agent:
             framed = request.version >= aiohttp.HttpVersion11
             if framed:
                 resp.enable_chunked_encoding()
+            # aiohttp sends a StreamResponse's head at once (StreamResponse._send_headers_immediately), so from
+            # here on the body goes straight to the client's transport from the engine connection's callback,
+            # the first token included: no task wake-up per chunk (the proxy's main cost), and none on the way to
+            # the first token either, which under a burst waited behind every other ready callback.
             await _to_client(resp.prepare(request))
-            # The first bytes go out with the response head through aiohttp; the rest straight to the client's
-            # transport as they arrive, without a task wake-up per chunk (the proxy's main cost).
-            await conn.wait_body()
-            ex.first_byte_s = time.monotonic()
-            first = conn.take()
-            if first:
-                await _to_client(resp.write(first))
-            pipe = _Pipe(request, conn, framed=framed, tail=first[-2:] if first else b"\n\n", first=first)
+            pipe = _Pipe(request, conn, framed=framed, exchange=ex)
             conn.pipe(pipe.write)
             await conn.finished()
             await _to_client(resp.write_eof())
@@ -629,7 +626,7 @@ class _Pipe:
     RECHECK_S = 0.02
 
     def __init__(
-        self, request: web.BaseRequest, conn: upstream.Connection, *, framed: bool, tail: bytes, first: bytes = b""
+        self, request: web.BaseRequest, conn: upstream.Connection, *, framed: bool, exchange: _Exchange
     ) -> None:
         transport = request.transport
         assert transport is not None
@@ -637,9 +634,11 @@ class _Pipe:
         self._conn: upstream.Connection | None = conn
         self._framed = framed
         self._loop = asyncio.get_running_loop()
-        self.events = first.count(b"data: ")  # server-sent events passed on (for the request log)
-        # The stream's end as sent, trimmed now and then rather than on every write (a copy per event otherwise).
-        self._end = bytearray(first or tail)
+        self._exchange: _Exchange | None = exchange  # until the first bytes: their time is the request's TTFT
+        self.events = 0  # server-sent events passed on (for the request log)
+        # The stream's end as sent, trimmed now and then rather than on every write (a copy per event otherwise);
+        # before any event it is on an event boundary.
+        self._end = bytearray(b"\n\n")
 
     @property
     def last(self) -> bytes:
@@ -656,6 +655,9 @@ class _Pipe:
         if transport.is_closing():
             self._gone()
             return
+        if self._exchange is not None:
+            self._exchange.first_byte_s = time.monotonic()
+            self._exchange = None
         transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._framed else data)
         self.events += data.count(b"data: ")
         end = self._end

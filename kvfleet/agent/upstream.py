@@ -94,7 +94,6 @@ class Connection(asyncio.Protocol):
         self._sink: Sink | None = None
         self._head_ready: asyncio.Future[Head] = self._loop.create_future()
         self._done: asyncio.Future[None] = self._loop.create_future()
-        self._first: asyncio.Future[None] | None = None
 
     # ---- asyncio.Protocol ----------------------------------------------------------------------------
 
@@ -135,7 +134,6 @@ class Connection(asyncio.Protocol):
         self._buf = b""
         self._parts = []
         self._sink = None
-        self._first = None
         self._head_ready = self._loop.create_future()
         self._done = self._loop.create_future()
         self.transport.write(request)
@@ -147,13 +145,6 @@ class Connection(asyncio.Protocol):
         """The whole body."""
         await self._done
         return b"".join(self._parts)
-
-    async def wait_body(self) -> None:
-        """Until some body bytes have arrived (``take`` then has them), or the body is complete or failed."""
-        if self._parts or self._done.done():
-            return
-        self._first = self._loop.create_future()
-        await self._first
 
     def take(self) -> bytes:
         """The body bytes received and not yet handed on."""
@@ -349,18 +340,11 @@ class Connection(asyncio.Protocol):
             sink(data)
             return
         self._parts.append(data)
-        self._wake_first()
-
-    def _wake_first(self) -> None:
-        first = self._first
-        if first is not None and not first.done():
-            first.set_result(None)
 
     def _complete(self) -> None:
         self._phase = _Phase.COMPLETE
         if not self._done.done():
             self._done.set_result(None)
-        self._wake_first()
         if not self.reusable:
             self.close()
 
@@ -372,7 +356,6 @@ class Connection(asyncio.Protocol):
             self._done.cancel()  # nobody waits for a body whose head never came
         elif not self._done.done():
             self._done.set_exception(exc)
-        self._wake_first()  # the failure is raised by ``finished``
 
 
 class EnginePool:
