@@ -170,11 +170,20 @@ async def wait_ready(url: str, timeout: float) -> None:
 
 
 async def phase(
-    proc: subprocess.Popen[bytes], engine_url: str, agent_url: str, model: str, *, rounds: int, **kw: int
+    proc: subprocess.Popen[bytes],
+    engine_url: str,
+    agent_url: str,
+    relay_url: str,
+    model: str,
+    *,
+    rounds: int,
+    **kw: int,
 ) -> dict[str, float]:
-    """Rounds alternating direct, through the agent, and direct again (the noise floor of the comparison)."""
+    """Rounds alternating direct, through the agent, through the bare relay, and direct again (the noise floor of
+    the comparison)."""
     direct: list[dict[str, Any]] = []
     proxied: list[dict[str, Any]] = []
+    relayed: list[dict[str, Any]] = []
     again: list[dict[str, Any]] = []
     user_s = sys_s = 0.0  # the agent's own CPU time over the proxied rounds
     for _ in range(rounds):
@@ -184,29 +193,41 @@ async def phase(
         after = cpu_seconds(proc.pid)
         user_s += after[0] - before[0]
         sys_s += after[1] - before[1]
+        relayed.append(await round_(relay_url, model, **kw))
         again.append(await round_(engine_url, model, **kw))
 
     def tput(rs: list[dict[str, Any]]) -> float:
-        return statistics.median(r["tokens_per_s"] for r in rs)
+        return float(statistics.median(r["tokens_per_s"] for r in rs))
 
     def ttft_ms(rs: list[dict[str, Any]]) -> float:
-        return statistics.median(t for r in rs for t in r["ttft"]) * 1e3
+        return float(statistics.median(t for r in rs for t in r["ttft"])) * 1e3
 
     cpu_s = user_s + sys_s
+
     # Each proxied round against the direct rounds either side of it: load from elsewhere on the host that drifts
     # over a phase hits the pair alike (the medians of whole phases do not cancel it).
-    paired = [
-        p["tokens_per_s"] / ((d["tokens_per_s"] + a["tokens_per_s"]) / 2)
-        for d, p, a in zip(direct, proxied, again, strict=True)
-    ]
+    def tput_paired(rs: list[dict[str, Any]]) -> float:
+        return float(
+            statistics.median(
+                p["tokens_per_s"] / ((d["tokens_per_s"] + a["tokens_per_s"]) / 2)
+                for d, p, a in zip(direct, rs, again, strict=True)
+            )
+        )
+
     # The same for the median TTFT: a round's median against the mean of the direct medians either side of it.
-    ttft_paired = [
-        (statistics.median(p["ttft"]) - (statistics.median(d["ttft"]) + statistics.median(a["ttft"])) / 2) * 1e3
-        for d, p, a in zip(direct, proxied, again, strict=True)
-    ]
+    def ttft_paired(rs: list[dict[str, Any]]) -> float:
+        return float(
+            statistics.median(
+                (statistics.median(p["ttft"]) - (statistics.median(d["ttft"]) + statistics.median(a["ttft"])) / 2) * 1e3
+                for d, p, a in zip(direct, rs, again, strict=True)
+            )
+        )
+
     return {
-        "tput_paired": statistics.median(paired),
-        "ttft_paired": statistics.median(ttft_paired),
+        "tput_paired": tput_paired(proxied),
+        "ttft_paired": ttft_paired(proxied),
+        "relay_tput_paired": tput_paired(relayed),
+        "relay_ttft_paired": ttft_paired(relayed),
         "tput_direct": tput(direct),
         "tput_agent": tput(proxied),
         "tput_again": tput(again),
@@ -234,6 +255,11 @@ def report(name: str, r: dict[str, float]) -> tuple[float, float]:
         f"{added:+.2f} ms"
     )
     print(
+        f"  bare relay (the extra hop alone, no HTTP work; benchmarks/relay.py), the same way: throughput "
+        f"{r['relay_tput_paired']:.3f}, median TTFT {r['relay_ttft_paired']:+.2f} ms; the agent's own share "
+        f"{added - r['relay_ttft_paired']:+.2f} ms"
+    )
+    print(
         f"  noise floor (direct vs direct again): throughput ratio {r['tput_again'] / r['tput_direct']:.3f}, "
         f"median TTFT {r['ttft_again'] - r['ttft_direct']:+.2f} ms"
     )
@@ -251,27 +277,40 @@ async def bench(args: argparse.Namespace) -> int:
     os.sched_setaffinity(0, host)  # the load generator runs where clients of a GPU host would
     with tempfile.TemporaryDirectory() as tmp:
         proc, port, engine_port, model = start_agent(args.engine, Path(tmp), args.layout)
+        relay_port = free_port()
+        relay = subprocess.Popen([sys.executable, str(REPO / "benchmarks/relay.py"), str(relay_port), str(engine_port)])
         try:
             agent_url, engine_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{engine_port}"
+            relay_url = f"http://127.0.0.1:{relay_port}"
             await wait_ready(agent_url, 300)
             kw = {"concurrency": args.concurrency, "requests": args.requests, "max_tokens": args.max_tokens}
-            await round_(engine_url, model, **kw)  # warm-up (both paths share the engine)
-            await round_(agent_url, model, **kw)
-            burst = await phase(proc, engine_url, agent_url, model, rounds=args.rounds, **kw)
+            for url in (engine_url, agent_url, relay_url):  # warm-up (all paths share the engine)
+                await round_(url, model, **kw)
+            burst = await phase(proc, engine_url, agent_url, relay_url, model, rounds=args.rounds, **kw)
             mixed = [
                 await mixed_round((engine_url, agent_url), model, streams=args.concurrency, max_tokens=args.max_tokens)
                 for _ in range(args.rounds * 4 if args.engine == "fake" else 0)
             ]
             alone = await phase(
-                proc, engine_url, agent_url, model, rounds=args.rounds, concurrency=1, requests=8, max_tokens=8
+                proc,
+                engine_url,
+                agent_url,
+                relay_url,
+                model,
+                rounds=args.rounds,
+                concurrency=1,
+                requests=8,
+                max_tokens=8,
             )
         except (Exception, SystemExit):
             # Why the engine or the agent went away is in the agent's log (the engine's lines are in it too).
             sys.stderr.write((Path(tmp) / "agent.log").read_text(errors="replace")[-3000:])
             raise
         finally:
+            relay.terminate()
             proc.send_signal(signal.SIGTERM)
             proc.wait(120)
+            relay.wait(10)
     cores = f"cores {sorted(host)} for agent, API server and clients" + (
         f", core {compute} for the forward pass" if compute is not None else ""
     )
@@ -306,7 +345,7 @@ async def bench(args: argparse.Namespace) -> int:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine", choices=("vllm", "fake"), default="vllm" if VLLM_PYTHON.exists() else "fake")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
