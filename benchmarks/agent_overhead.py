@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import uvloop
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -47,33 +48,96 @@ from kvfleet.engines import EngineArgs  # noqa: E402
 from tests.agent.harness import VLLM_PYTHON, VLLM_VERSION, fake_engine_command, free_port  # noqa: E402
 
 
-async def one(http: aiohttp.ClientSession, url: str, model: str, max_tokens: int) -> tuple[float, int, float]:
+class _Stream(asyncio.Protocol):
+    """One keep-alive client connection that sends a streaming request and notes when its first body bytes and its
+    last chunk arrive. Nothing is parsed beyond that: the load generator shares the CPUs with what it measures, and
+    aiohttp's client (a response object, a reader and a task wake-up per chunk) cost more of the shared core per
+    event than the agent does, so it slowed both paths and widened the comparison's noise."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.body_at = -1  # where the body starts in buf, once the head is in
+        self.first = 0.0
+        self.done: asyncio.Future[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        if self.body_at < 0:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            if buf[9:12] != b"200" or b"chunked" not in buf[:end].lower():
+                self._end(RuntimeError(f"unexpected response: {bytes(buf[:200])!r}"))
+                return
+            self.body_at = end + 4
+        if not self.first and len(buf) > self.body_at:
+            self.first = time.perf_counter()
+        if buf.endswith(b"0\r\n\r\n") and (len(buf) - self.body_at == 5 or buf.endswith(b"\r\n0\r\n\r\n")):
+            self._end(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._end(ConnectionError(f"connection closed mid-response: {exc}"))
+
+    def _end(self, exc: BaseException | None) -> None:
+        if self.done is not None and not self.done.done():
+            if exc is None:
+                self.done.set_result(None)
+            else:
+                self.done.set_exception(exc)
+
+    async def stream(self, request: bytes) -> tuple[float, int, float]:
+        """TTFT, events with a token, end to end."""
+        assert self.transport is not None
+        self.buf, self.body_at, self.first = bytearray(), -1, 0.0
+        self.done = asyncio.get_running_loop().create_future()
+        t0 = time.perf_counter()
+        self.transport.write(request)
+        await self.done
+        end = time.perf_counter()
+        return (self.first or end) - t0, self.buf.count(b"data: {", self.body_at), end - t0
+
+
+def _request(url: str, model: str, max_tokens: int) -> bytes:
     body = {"model": model, "prompt": "the cache holds", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
-    t0 = time.perf_counter()
-    first = None
-    tokens = 0
-    async with http.post(url + "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        # Count events without parsing them: the load generator shares the CPUs with what it measures.
-        async for chunk in r.content.iter_any():
-            if first is None:
-                first = time.perf_counter()
-            tokens += chunk.count(b"data: {")
-    end = time.perf_counter()
-    return (first or end) - t0, tokens, end - t0
+    data = json.dumps(body).encode()
+    host = url.removeprefix("http://")
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    return (head + f"Content-Length: {len(data)}\r\n\r\n").encode() + data
+
+
+async def _connect(url: str) -> _Stream:
+    host, port = url.removeprefix("http://").split(":")
+    _, stream = await asyncio.get_running_loop().create_connection(_Stream, host, int(port))
+    return stream
 
 
 async def round_(url: str, model: str, *, concurrency: int, requests: int, max_tokens: int) -> dict[str, float]:
-    sem = asyncio.Semaphore(concurrency)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+    """``requests`` streams over ``concurrency`` keep-alive connections, opened for the round (as a client pool
+    would be), each sending its next request when its last one ended."""
+    raw = _request(url, model, max_tokens)
+    conns = [await _connect(url) for _ in range(min(concurrency, requests))]
+    left = requests
+    results: list[tuple[float, int, float]] = []
 
-        async def bounded() -> tuple[float, int, float]:
-            async with sem:
-                return await one(http, url, model, max_tokens)
+    async def worker(conn: _Stream) -> None:
+        nonlocal left
+        while left > 0:
+            left -= 1
+            results.append(await conn.stream(raw))
 
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(bounded() for _ in range(requests)))
-        wall = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    try:
+        await asyncio.gather(*(worker(c) for c in conns))
+    finally:
+        for c in conns:
+            if c.transport is not None:
+                c.transport.close()
+    wall = time.perf_counter() - t0
     return {
         "tokens_per_s": sum(r[1] for r in results) / wall,
         "tokens": sum(r[1] for r in results),
@@ -86,8 +150,14 @@ async def mixed_round(urls: tuple[str, str], model: str, *, streams: int, max_to
     adds, without the round-to-round noise. Only where the engine takes requests in parallel (the fake engine): vLLM's
     API server takes a burst one request at a time, so a half that arrives a millisecond later queues behind the
     whole other half, and the difference measures queue position instead."""
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
-        results = await asyncio.gather(*(one(http, urls[i % 2], model, max_tokens) for i in range(streams)))
+    conns = [await _connect(urls[i % 2]) for i in range(streams)]
+    raws = [_request(u, model, max_tokens) for u in urls]
+    try:
+        results = await asyncio.gather(*(c.stream(raws[i % 2]) for i, c in enumerate(conns)))
+    finally:
+        for c in conns:
+            if c.transport is not None:
+                c.transport.close()
     direct = [r[0] for i, r in enumerate(results) if i % 2 == 0]
     proxied = [r[0] for i, r in enumerate(results) if i % 2 == 1]
     return statistics.median(direct) * 1e3, statistics.median(proxied) * 1e3
@@ -149,10 +219,11 @@ def start_agent(engine: str, workdir: Path, layout: str) -> tuple[subprocess.Pop
 
 
 def cpu_seconds(pid: int) -> tuple[float, float]:
-    """User and system CPU of one process (not its children: the engine is measured on both paths alike)."""
+    """CPU time of one process (not its children: the engine is measured on both paths alike), all its threads, to
+    the nanosecond (schedstat; /proc/PID/stat counts 10 ms ticks), and the part of it in the kernel (ticks)."""
+    total = sum(int((task / "schedstat").read_text().split()[0]) for task in Path(f"/proc/{pid}/task").iterdir())
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    tick = os.sysconf("SC_CLK_TCK")
-    return int(fields[11]) / tick, int(fields[12]) / tick
+    return total / 1e9, int(fields[12]) / os.sysconf("SC_CLK_TCK")
 
 
 async def wait_ready(url: str, timeout: float) -> None:
@@ -176,6 +247,7 @@ async def phase(
     relay_url: str,
     model: str,
     *,
+    relay: subprocess.Popen[bytes],
     rounds: int,
     **kw: int,
 ) -> dict[str, float]:
@@ -185,15 +257,17 @@ async def phase(
     proxied: list[dict[str, Any]] = []
     relayed: list[dict[str, Any]] = []
     again: list[dict[str, Any]] = []
-    user_s = sys_s = 0.0  # the agent's own CPU time over the proxied rounds
+    cpu_s = sys_s = relay_s = 0.0  # the agent's own CPU time over the proxied rounds, the relay's over its own
     for _ in range(rounds):
         direct.append(await round_(engine_url, model, **kw))
         before = cpu_seconds(proc.pid)
         proxied.append(await round_(agent_url, model, **kw))
         after = cpu_seconds(proc.pid)
-        user_s += after[0] - before[0]
+        cpu_s += after[0] - before[0]
         sys_s += after[1] - before[1]
+        before = cpu_seconds(relay.pid)
         relayed.append(await round_(relay_url, model, **kw))
+        relay_s += cpu_seconds(relay.pid)[0] - before[0]
         again.append(await round_(engine_url, model, **kw))
 
     def tput(rs: list[dict[str, Any]]) -> float:
@@ -201,8 +275,6 @@ async def phase(
 
     def ttft_ms(rs: list[dict[str, Any]]) -> float:
         return float(statistics.median(t for r in rs for t in r["ttft"])) * 1e3
-
-    cpu_s = user_s + sys_s
 
     # Each proxied round against the direct rounds either side of it: load from elsewhere on the host that drifts
     # over a phase hits the pair alike (the medians of whole phases do not cancel it).
@@ -236,7 +308,8 @@ async def phase(
         "ttft_again": ttft_ms(again),
         "cpu_per_request_ms": cpu_s / (rounds * kw["requests"]) * 1e3,
         "cpu_per_event_us": cpu_s / max(sum(r["tokens"] for r in proxied), 1) * 1e6,
-        "kernel_share": sys_s / max(cpu_s, 1e-9),
+        "kernel_share": min(sys_s / max(cpu_s, 1e-9), 1.0),
+        "relay_cpu_per_request_ms": relay_s / (rounds * kw["requests"]) * 1e3,
     }
 
 
@@ -265,7 +338,7 @@ def report(name: str, r: dict[str, float]) -> tuple[float, float]:
     )
     print(
         f"  agent CPU {r['cpu_per_request_ms']:.2f} ms per request, {r['cpu_per_event_us']:.0f} us per streamed "
-        f"event ({r['kernel_share']:.0%} in the kernel)"
+        f"event ({r['kernel_share']:.0%} in the kernel); the relay's {r['relay_cpu_per_request_ms']:.2f} ms per request"
     )
     return ratio, added
 
@@ -286,7 +359,7 @@ async def bench(args: argparse.Namespace) -> int:
             kw = {"concurrency": args.concurrency, "requests": args.requests, "max_tokens": args.max_tokens}
             for url in (engine_url, agent_url, relay_url):  # warm-up (all paths share the engine)
                 await round_(url, model, **kw)
-            burst = await phase(proc, engine_url, agent_url, relay_url, model, rounds=args.rounds, **kw)
+            burst = await phase(proc, engine_url, agent_url, relay_url, model, relay=relay, rounds=args.rounds, **kw)
             mixed = [
                 await mixed_round((engine_url, agent_url), model, streams=args.concurrency, max_tokens=args.max_tokens)
                 for _ in range(args.rounds * 4 if args.engine == "fake" else 0)
@@ -297,6 +370,7 @@ async def bench(args: argparse.Namespace) -> int:
                 agent_url,
                 relay_url,
                 model,
+                relay=relay,
                 rounds=args.rounds,
                 concurrency=1,
                 requests=8,
@@ -350,7 +424,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--layout", choices=("pinned", "shared"), default="pinned", help="see the module docstring")
-    sys.exit(asyncio.run(bench(p.parse_args())))
+    sys.exit(uvloop.run(bench(p.parse_args())))
 
 
 if __name__ == "__main__":
