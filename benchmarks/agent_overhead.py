@@ -6,11 +6,20 @@ Targets: the agent keeps at least 97% of the throughput and adds at most 2 ms to
 per round: each proxied round against the mean of the direct rounds either side of it, and the median over rounds.
 
 Phases: a burst (16 concurrent streams) for throughput and TTFT under load, and one request at a time for the
-hop alone. The agent's own CPU time per request and per streamed event is read from /proc. With the fake engine,
-bursts that send every other stream through the agent as well: on a 2-core host the burst TTFT of separate rounds
-moves by a few ms from one run to the next (the noise floor line), more than the 2 ms it is held to, and within one
-burst that noise is common to both halves. With vLLM that comparison is biased (see ``mixed_round``), so its TTFT
-target is read from the separate rounds, whose noise floor there is a few ms: read it with that floor.
+hop alone. The agent's own CPU time per request and per streamed event is read from /proc (schedstat). With the
+fake engine, bursts that send every other stream through the agent as well: on a 2-core host the burst TTFT of
+separate rounds moves by a few ms from one run to the next (the noise floor line), more than the 2 ms it is held
+to, and within one burst that noise is common to both halves. With vLLM that comparison is biased (see
+``mixed_round``), so its TTFT target is read from the separate rounds, whose noise floor there is a few ms: read it
+with that floor.
+
+A bare TCP relay (``relay.py``) runs beside the agent against the same engine as a reference: one more process on
+the token path, no HTTP work. Its throughput and CPU are the floor any proxy pays on this host. Its burst TTFT is
+not a floor with vLLM: a relay spreads a burst's arrivals at the API server, which takes them one at a time, and
+that alone can move the burst's median TTFT below direct.
+
+The load generator is a raw keep-alive HTTP/1.1 client (``_Stream``) on uvloop: it shares the cores with what it
+measures, and aiohttp's client cost more CPU per streamed event than the agent itself.
 
 Core layout (vLLM): on a GPU host the forward pass runs on the GPU, and the agent, the engine's API server and
 the clients share the host's cores. vLLM's CPU build instead runs the forward pass on OpenMP threads that
@@ -419,7 +428,7 @@ async def bench(args: argparse.Namespace) -> int:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine", choices=("vllm", "fake"), default="vllm" if VLLM_PYTHON.exists() else "fake")
-    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
