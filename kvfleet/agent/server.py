@@ -41,6 +41,9 @@ ABORT_GRACE_S = 5.0  # after the budget: time for aborted streams to write their
 # request was a quarter of the agent's CPU per request.
 REQUEST_LOG_FLUSH_S = 0.25
 REQUEST_LOG_MAX_LINES = 512
+# An engine cache this much smaller than the plan's is reported (the live check's default plan-drift gate, as in
+# kvfleet/config/pipeline.py): less than that is the rounding of whole blocks and profiling noise.
+KV_SHORTFALL_WARN = 0.05
 
 
 @dataclass(eq=False)
@@ -158,6 +161,7 @@ class Agent:
         self._log_lines: list[str] = []  # request-log lines not yet written
         self._log_flush: asyncio.TimerHandle | None = None
         self.shutdown_requested = asyncio.Event()
+        self._kv_capacity: tuple[int, int] | None = None  # (blocks, tokens per block) admission was last set from
         # The agent's own routes (HEAD with GET, as HTTP has it); every other path is the engine's route table.
         self._own: dict[str, tuple[frozenset[str], _Handler]] = {
             contract.HEALTH_ROUTE: (frozenset({"GET", "HEAD", "POST"}), self.ping),
@@ -342,6 +346,14 @@ class Agent:
             f'kvfleet_admission_reserved_tokens{{deployment="{self.settings.deployment}"}} '
             f"{self.admission.reserved_tokens}\n"
         )
+        if self.admission.budget_tokens is not None:
+            own += (
+                "# HELP kvfleet_admission_budget_tokens Tokens admitted requests may reserve: the plan's KV cache, "
+                "or the engine's where smaller, times the admission factor.\n"
+                "# TYPE kvfleet_admission_budget_tokens gauge\n"
+                f'kvfleet_admission_budget_tokens{{deployment="{self.settings.deployment}"}} '
+                f"{self.admission.budget_tokens}\n"
+            )
         text = self.collector.prometheus_text(deployment=self.settings.deployment) + own
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
@@ -594,6 +606,7 @@ class Agent:
             stats_path = self.settings.adapter.iteration_stats_path
             stats = await self._scrape(stats_path) if stats_path is not None else None
             sample = self.collector.update(text if text is not None else "", stats)
+            self._admit_by_engine_cache()
             line = metrics.emf_line(
                 sample,
                 namespace=self.settings.namespace,
@@ -608,6 +621,39 @@ class Agent:
                 self._publishing = asyncio.create_task(self.publisher.publish(sample))
         except Exception:  # a metrics problem must never take the agent down
             log.exception("publishing signals failed")
+
+    def _admit_by_engine_cache(self) -> None:
+        """Holds admission to the KV cache the engine reports (its adapter's capacity metric) where that is less
+        than the plan's: the engine sizes its cache when it starts, from the memory it finds, so a first boot that
+        compiles, another driver or a different release can leave fewer tokens than planned, and admitting by
+        the plan would queue and preempt in the engine instead of shedding here. Read from each scrape (the
+        first one comes within the publish interval of the engine's start), again after each restart."""
+        capacity = self.collector.kv_capacity
+        if capacity is None or capacity == self._kv_capacity:
+            return
+        self._kv_capacity = capacity
+        s = self.settings
+        tokens = capacity[0] * capacity[1]
+        self.admission.budget_tokens = s.admitted_tokens_for(tokens)
+        planned = s.token_budget
+        if planned is None:
+            return
+        if tokens < planned * (1 - KV_SHORTFALL_WARN):
+            budget = self.admission.budget_tokens
+            log.warning(
+                "the engine allocated %d KV tokens (%d blocks of %d), %.0f%% fewer than the plan's %d%s; a first "
+                "boot without the engine's compile cache, another driver or engine release, or other processes on "
+                "the accelerator take memory the plan left to the cache: re-plan, or calibrate the plan "
+                "with `kvfleet bench --calibrate`",
+                tokens,
+                capacity[0],
+                capacity[1],
+                (1 - tokens / planned) * 100,
+                planned,
+                f": admission now holds the replica to {budget} tokens" if budget is not None else "",
+            )
+        else:
+            log.info("the engine allocated %d KV tokens; the plan expected %d", tokens, planned)
 
     async def _metrics_loop(self) -> None:
         while True:

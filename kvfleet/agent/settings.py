@@ -94,9 +94,16 @@ class AgentSettings:
 
     @property
     def admitted_tokens(self) -> int | None:
+        return self.admitted_tokens_for(None)
+
+    def admitted_tokens_for(self, engine_kv_tokens: int | None) -> int | None:
+        """The admission budget: the plan's KV tokens, or the cache the engine reports allocating where that is
+        smaller (a cold first boot, another driver or release: the engine sizes its cache at start-up, whatever the
+        plan said), times the admission factor. None: admission off."""
         if not self.admission or self.token_budget is None:
             return None
-        return int(self.token_budget * self.admission_factor)
+        tokens = self.token_budget if engine_kv_tokens is None else min(self.token_budget, engine_kv_tokens)
+        return int(tokens * self.admission_factor)
 
     @property
     def max_model_len(self) -> int | None:

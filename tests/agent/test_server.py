@@ -484,3 +484,50 @@ def test_request_log_has_one_line_per_generation_that_kvfleet_workload_reads(tmp
     trace = read_trace(log)
     assert trace.fmt == "kvfleet" and len(trace) == 3  # the 400 has no prompt: not a request the engine saw
     assert profile(trace).output_tokens.max == 9
+
+
+def test_admission_follows_the_engines_cache_where_it_is_smaller_than_the_plans(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The engine sizes its cache at start-up from the memory it finds; where that is less than the plan's (a cold
+    first boot, another driver), admitting by the plan would queue and preempt in the engine instead of shedding.
+    The fake engine reports 2 x 64 blocks of 16 tokens, 2,048 tokens, against a plan of 100,000."""
+    caplog.set_level("INFO", logger="kvfleet.agent.server")
+
+    async def budget(r: Any) -> str:
+        async with r.http.get(r.url + "/metrics") as m:
+            lines = [x for x in (await m.text()).splitlines() if x.startswith("kvfleet_admission_budget_tokens{")]
+        return lines[0].rsplit(" ", 1)[1] if lines else ""
+
+    async def go() -> None:
+        s = settings(
+            engine_command=fake_engine_command(token_delay=0.05, capacity=2), token_budget=100_000, admission_factor=1.0
+        )
+        async with running(s) as r:
+            assert r.agent.admission.budget_tokens == 100_000  # the plan's, until the first scrape
+            for _ in range(50):
+                await asyncio.sleep(0.1)
+                if r.agent.admission.budget_tokens != 100_000:
+                    break
+            assert r.agent.admission.budget_tokens == 2048
+            assert await budget(r) == "2048"
+            # Two requests of up to 1,024 tokens (max_model_len) hold the engine's 2,048; a third is shed here.
+            body = {"prompt": "x", "max_tokens": 1000, "stream": True}
+            held = [asyncio.create_task(stream_completion(r.http, r.url, max_tokens=1000)) for _ in range(2)]
+            await asyncio.sleep(0.3)
+            async with r.http.post(r.url + "/v1/completions", json=body) as c:
+                assert c.status == 429
+            for t in held:
+                t.cancel()
+            await asyncio.gather(*held, return_exceptions=True)
+        warned = [rec.getMessage() for rec in caplog.records if rec.levelname == "WARNING"]
+        assert any("2048 KV tokens" in m and "98% fewer than the plan's 100000" in m for m in warned), warned
+        assert any("admission now holds the replica to 2048 tokens" in m for m in warned), warned
+        # A plan smaller than the engine's cache keeps its own budget, and nothing is reported as a shortfall.
+        caplog.clear()
+        async with running(settings(engine_command=fake_engine_command(capacity=2), token_budget=1000)) as r:
+            await asyncio.sleep(1.0)
+            assert r.agent.admission.budget_tokens == int(1000 * contract.ADMISSION_FACTOR)
+        assert not [rec for rec in caplog.records if rec.levelname == "WARNING" and "KV tokens" in rec.getMessage()]
+
+    run(go)

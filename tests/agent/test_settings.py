@@ -273,3 +273,12 @@ def test_the_agent_reads_the_tenant_key_or_does_not_serve(monkeypatch: pytest.Mo
         assert read is not None and read.tenant_secret == b"s3cret" and read.tenant_isolation
         assert asyncio.run(agent_main.serve(settings)) == 2  # not found: no serving, no engine
     assert asyncio.run(agent_main._tenant_secret(from_env({contract.ENV_MODEL: "m"}))) is not None  # none asked
+
+
+def test_admission_budget_is_the_smaller_of_the_plans_cache_and_the_engines() -> None:
+    s = from_env({**M, contract.ENV_TOKEN_BUDGET: "1000", contract.ENV_ADMISSION_FACTOR: "1.5"})
+    assert s.admitted_tokens_for(800) == 1200  # the engine allocated less than planned
+    assert s.admitted_tokens_for(5000) == 1500  # more than planned: the plan's budget holds
+    assert s.admitted_tokens_for(None) == s.admitted_tokens == 1500
+    off = from_env({**M, contract.ENV_TOKEN_BUDGET: "1000", contract.ENV_ADMISSION: "0"})
+    assert off.admitted_tokens_for(800) is None
