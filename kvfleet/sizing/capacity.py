@@ -955,7 +955,9 @@ def _stage_capacity(
         notes.append(
             "sized for a boot that finds vLLM's compile cache: a first boot without it charges torch.compile's "
             "temporaries to the activation peak and starts with a smaller cache (about 1 GiB less for an 8B model "
-            "on vLLM 0.27.1); persist VLLM_CACHE_ROOT across boots, or plan that much headroom"
+            "on vLLM 0.27.1). An EC2 warm pool's instances compile before they enter the pool; other new replicas "
+            "boot cold, and their agent then admits by the smaller cache the engine reports. Persist VLLM_CACHE_ROOT "
+            "across boots, or plan that much headroom"
         )
     if model.quantization is None and (as_checkpoint := checkpoint_note(scheme, engine=s.engine, version=version)):
         notes.append(as_checkpoint)

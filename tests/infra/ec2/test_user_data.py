@@ -365,10 +365,12 @@ def test_s3_model_on_raid0_nvme_into_a_warm_pool(tmp_path: Path) -> None:
     assert f"-v {model}:{contract.MODEL_DIR}:ro {IMAGE} {contract.SERVE_ARG}" in docker_create(run)
     # The image's own user is root (SageMaker's rule); on EC2 the agent runs as its own user.
     assert f"--user {contract.AGENT_UID}:{contract.AGENT_UID}" in docker_create(run)
-    # The first boot prepares and hands over to the lifecycle unit; the container is not started, the weights came
-    # from S3 so the engine need not run to download them.
+    # The first boot prepares, starts the engine once so that it compiles into its cache in the container (the
+    # weights came from S3: nothing to download), stops it, and hands over to the lifecycle unit.
     unit = ud.LIFECYCLE_UNIT
     assert run.called("systemctl") == [
+        "systemctl start kvfleet.service",
+        "systemctl stop kvfleet.service",
         "systemctl daemon-reload",
         f"systemctl enable {unit}",
         f"systemctl start --no-block {unit}",
