@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from kvfleet import contract
 from kvfleet.engines import ENGINES
 from kvfleet.errors import KvfleetError
 from kvfleet.targets import TARGETS
@@ -364,7 +365,10 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--env", help="take --expect-kv-tokens from this environment file's plan (with --deployment)")
     be.add_argument("--deployment", help="the deployment of --env")
     be.add_argument(
-        "--tolerance", type=_fraction, default=0.05, help="allowed shortfall of the KV cache (default 0.05)"
+        "--tolerance",
+        type=_fraction,
+        default=contract.KV_SHORTFALL_TOLERANCE,
+        help=f"allowed shortfall of the KV cache (default {contract.KV_SHORTFALL_TOLERANCE})",
     )
     be.add_argument(
         "--speed-tolerance",
@@ -391,7 +395,10 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--role-arn", help="assume this role first (a pipeline stage's live-check role)")
     ck.add_argument("--no-generation", action="store_true", help="health only: send no generation")
     ck.add_argument(
-        "--kv-tolerance", type=_fraction, default=0.05, help="allowed shortfall of the KV cache (default 0.05)"
+        "--kv-tolerance",
+        type=_fraction,
+        default=contract.KV_SHORTFALL_TOLERANCE,
+        help=f"allowed shortfall of the KV cache (default {contract.KV_SHORTFALL_TOLERANCE})",
     )
 
     ct = sub.add_parser(

@@ -91,6 +91,10 @@ ENV_ADMISSION_FACTOR = "KVFLEET_ADMISSION_FACTOR"
 # The stacks always tell it: the plan's admission (kvfleet.sizing.planner.admission) as a factor on the KV tokens,
 # which the fleet simulator admits too.
 ADMISSION_FACTOR = 2.0
+# The shortfall of a replica's KV cache (what the engine allocated against the plan's) past which it is reported: the
+# live checks fail (kvfleet check, kvfleet bench --expect-kv-tokens, the pipeline's plan-drift gate) and the agent
+# logs it. Less is the rounding of whole blocks and profiling noise.
+KV_SHORTFALL_TOLERANCE = 0.05
 ENV_RETRY_AFTER_S = "KVFLEET_RETRY_AFTER_S"
 ENV_PUBLISH_INTERVAL_S = "KVFLEET_PUBLISH_INTERVAL_S"
 ENV_TENANT_HEADER = "KVFLEET_TENANT_HEADER"

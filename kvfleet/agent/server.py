@@ -41,9 +41,6 @@ ABORT_GRACE_S = 5.0  # after the budget: time for aborted streams to write their
 # request was a quarter of the agent's CPU per request.
 REQUEST_LOG_FLUSH_S = 0.25
 REQUEST_LOG_MAX_LINES = 512
-# An engine cache this much smaller than the plan's is reported (the live check's default plan-drift gate, as in
-# kvfleet/config/pipeline.py): less than that is the rounding of whole blocks and profiling noise.
-KV_SHORTFALL_WARN = 0.05
 
 
 @dataclass(eq=False)
@@ -638,7 +635,7 @@ class Agent:
         planned = s.token_budget
         if planned is None:
             return
-        if tokens < planned * (1 - KV_SHORTFALL_WARN):
+        if tokens < planned * (1 - contract.KV_SHORTFALL_TOLERANCE):
             budget = self.admission.budget_tokens
             log.warning(
                 "the engine allocated %d KV tokens (%d blocks of %d), %.0f%% fewer than the plan's %d%s; a first "

@@ -90,7 +90,7 @@ def check_deployment(
     *,
     session: Any,
     generation: bool = True,
-    kv_tolerance: float = 0.05,
+    kv_tolerance: float = contract.KV_SHORTFALL_TOLERANCE,
     sleep: Callable[[float], None] = time.sleep,
 ) -> Check:
     """The live checks of one deployed deployment; every problem is a FAIL line, never an exception."""

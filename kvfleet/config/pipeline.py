@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
+from kvfleet import contract
 from kvfleet.config.base import Bool, Float, Frozen
 from kvfleet.config.loader import (
     LoadedEnvironment,
@@ -91,7 +92,7 @@ class LiveChecks(Frozen):
         description="Each deployment answers its health check and streams one generation (kvfleet check).",
     )
     kv_tolerance: Float = Field(
-        default=0.05,
+        default=contract.KV_SHORTFALL_TOLERANCE,
         ge=0,
         lt=1,
         description="Where a replica's /metrics is reachable (EC2, from the instance): fail when the engine "

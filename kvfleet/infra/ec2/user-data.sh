@@ -172,8 +172,10 @@ KVFLEET_UNIT
 
 # Going into the warm pool the engine starts once and stops, so that the instance leaves the pool warm:
 # - weights from Hugging Face are downloaded (with the token it is given) into the host cache;
-# - vLLM compiles its graphs into its compile cache (VLLM_CACHE_ROOT, in the container, which `docker start` keeps
-#   across stops and restarts). A first boot without that cache charges the compiler's temporaries to the memory
+# - vLLM compiles its graphs into its compile cache: VLLM_CACHE_ROOT, by default $XDG_CACHE_HOME/vllm with the
+#   Inductor and Triton caches under it (vllm/envs.py, vllm/compilation/compiler_interface.py at 0.34.0). The image
+#   sets XDG_CACHE_HOME inside the container, outside the Hugging Face mount, so the cache is in the container's
+#   own layer, which `docker start` keeps across stops and restarts. A first boot without that cache charges the compiler's temporaries to the memory
 #   profile and leaves a smaller KV cache than planned (1.18 against 0.19 GiB of activation peak on a public
 #   vLLM 0.27.1 log, kvfleet/sizing/capacity.py), and spends the compile time at scale-out.
 warm_cache() {
