@@ -17,6 +17,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from kvfleet.engines.vllm_scheduler import VllmScheduler  # noqa: E402
 from kvfleet.sim.fleet import FleetSpec, Scaling, simulate  # noqa: E402
 from kvfleet.sim.replica import EngineLimits  # noqa: E402
 from kvfleet.sim.steps import RooflineSteps  # noqa: E402
@@ -25,6 +26,8 @@ from kvfleet.sizing.hardware import accelerator  # noqa: E402
 from kvfleet.sizing.precision import weight_scheme  # noqa: E402
 from kvfleet.sizing.step import replica  # noqa: E402
 from kvfleet.workload.traces import read_trace  # noqa: E402
+
+VLLM = VllmScheduler()  # the engine the plans here run
 
 TARGET = 1000.0
 TRACE = REPO / "traces" / "azure2023" / "AzureLLMInferenceTrace_conv.csv"
@@ -36,6 +39,7 @@ def run(*, exact: bool, duration_s: float | None) -> tuple[float, float, int]:
         replica(model=model, accelerator=accelerator("H100"), tp=1, nvlink=True, scheme=weight_scheme("bf16"))
     )
     spec = FleetSpec(
+        scheduler=VLLM,
         limits=EngineLimits(
             max_num_seqs=256, max_num_batched_tokens=8192, kv_blocks=28_000, admission_tokens=2 * 28_000 * 16
         ),

@@ -20,7 +20,9 @@ from kvfleet.sizing.engines import EngineName
 from kvfleet.sizing.planner import Measured
 
 KIND = "kvfleet.calibration"
-VERSION = 1
+# 2 adds the fitted step model (kvfleet.sim.fit); a version 1 file (a step-time scale alone) is still read.
+VERSION = 2
+READS = (1, 2)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,6 +31,42 @@ class Point:
     input_tokens: int
     output_tokens: int
     itl_s: float  # measured mean gap
+    predicted_itl_s: float
+    output_tokens_per_s: float
+    predicted_output_tokens_per_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class FittedSteps:
+    """The step model fitted on the levels (kvfleet.sim.fit): seconds per step, per prefill token, per decoding
+    sequence and per KV token read, and a request's time outside the steps."""
+
+    fixed_s: float
+    per_prefill_token_s: float
+    per_decode_seq_s: float
+    per_kv_token_s: float
+    request_overhead_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineLimitsRecord:
+    """The limits the measured engine ran with: what a simulation of it needs besides its steps and cache."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_tokens: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class FitResidual:
+    """One measured level and what the fitted model predicts for it."""
+
+    concurrency: int
+    input_tokens: int
+    output_tokens: int
+    ttft_p50_s: float
+    predicted_ttft_p50_s: float
+    itl_s: float
     predicted_itl_s: float
     output_tokens_per_s: float
     predicted_output_tokens_per_s: float
@@ -44,6 +82,9 @@ class Calibration:
     tensor_parallel_size: int
     kv_cache_tokens: int | None  # what the engine allocated per replica (None: the endpoint did not say)
     points: tuple[Point, ...]
+    steps: FittedSteps | None = None  # None: a version 1 file, or too few levels to fit
+    residuals: tuple[FitResidual, ...] = ()
+    engine_limits: EngineLimitsRecord | None = None
 
     @property
     def step_time_scale(self) -> float:
@@ -97,12 +138,16 @@ def read_calibration(path: str | Path) -> Calibration:
         raise KvfleetError(
             f"{p}: not a kvfleet calibration (kvfleet bench --calibrate writes one)", field="calibration"
         )
-    if data.get("version") != VERSION:
+    if data.get("version") not in READS:
         raise KvfleetError(
-            f"{p}: calibration version {data.get('version')!r}; this kvfleet reads {VERSION}", field="calibration"
+            f"{p}: calibration version {data.get('version')!r}; this kvfleet reads {', '.join(map(str, READS))}",
+            field="calibration",
         )
     try:
         points = tuple(Point(**pt) for pt in data["points"])
+        steps = FittedSteps(**data["steps"]) if data.get("steps") is not None else None
+        residuals = tuple(FitResidual(**r) for r in data.get("residuals", ()))
+        limits = EngineLimitsRecord(**data["engine_limits"]) if data.get("engine_limits") is not None else None
         cal = Calibration(
             measured_at=str(data["measured_at"]),
             instance_type=str(data["instance_type"]),
@@ -112,6 +157,9 @@ def read_calibration(path: str | Path) -> Calibration:
             tensor_parallel_size=int(data["tensor_parallel_size"]),
             kv_cache_tokens=None if data["kv_cache_tokens"] is None else int(data["kv_cache_tokens"]),
             points=points,
+            steps=steps,
+            residuals=residuals,
+            engine_limits=limits,
         )
     except (KeyError, TypeError, ValueError) as err:
         raise KvfleetError(f"{p}: a field is missing or malformed ({err})", field="calibration") from None
@@ -119,6 +167,10 @@ def read_calibration(path: str | Path) -> Calibration:
         values: list[Any] = [pt.itl_s, pt.predicted_itl_s, pt.output_tokens_per_s, pt.predicted_output_tokens_per_s]
         if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in values):
             raise KvfleetError(f"{p}: a point holds a negative or non-finite figure", field="calibration")
+    if cal.steps is not None:
+        terms: list[Any] = list(asdict(cal.steps).values())
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in terms):
+            raise KvfleetError(f"{p}: the fitted steps hold a negative or non-finite figure", field="calibration")
     if cal.kv_cache_tokens is not None and cal.kv_cache_tokens <= 0:
         raise KvfleetError(f"{p}: kv_cache_tokens must be positive", field="calibration")
     return cal

@@ -16,11 +16,12 @@ from kvfleet.calibration import Calibration
 from kvfleet.config.schema import ScalingConfig
 from kvfleet.config.targets import Ec2Target
 from kvfleet.deployments import ResolvedDeployment
+from kvfleet.engines import adapter
 from kvfleet.errors import KvfleetError
 from kvfleet.sim.fleet import FleetSpec, Router, Scaling, WarmPool
 from kvfleet.sim.policy import INTEGER_SETTINGS, AdmissionSpace, Derivation, Outcome, Setting, derive
 from kvfleet.sim.policy import replay as replay_policy
-from kvfleet.sim.replica import EngineLimits, StepModel
+from kvfleet.sim.replica import EngineLimits, LinearStepModel, StepModel
 from kvfleet.sim.steps import RooflineSteps
 from kvfleet.sizing.planner import admission
 from kvfleet.targets import TARGETS
@@ -100,6 +101,7 @@ def fleet_spec(
     s = r.deployment.scaling
     blocks = cap.num_blocks
     model: StepModel = RooflineSteps.for_candidate(c, r.model)
+    overhead = 0.0
     if calibration is not None:
         calibration.check_matches(
             instance_type=c.name,
@@ -108,10 +110,18 @@ def fleet_spec(
             model=r.model_id,
             tp=c.tensor_parallel_size,
         )
-        # A candidate the planner priced with this calibration has the measured cache and steps already.
-        if c.measured is None:
-            if calibration.kv_cache_tokens is not None:
-                blocks = max(1, calibration.kv_cache_tokens // cap.block_size)
+        if calibration.kv_cache_tokens is not None:
+            blocks = max(1, calibration.kv_cache_tokens // cap.block_size)
+        fitted = calibration.steps
+        if fitted is not None:  # the step model fitted on the measured levels replaces the plan's
+            model = LinearStepModel(
+                fixed_s=fitted.fixed_s,
+                per_prefill_token_s=fitted.per_prefill_token_s,
+                per_decode_seq_s=fitted.per_decode_seq_s,
+                per_kv_token_s=fitted.per_kv_token_s,
+            )
+            overhead = fitted.request_overhead_s
+        elif c.measured is None:  # a version 1 file: one scale (a candidate priced with it has it already)
             model = ScaledSteps(model, calibration.step_time_scale)
     limits = EngineLimits(
         max_num_seqs=r.engine_args.max_num_seqs or cap.max_num_seqs,
@@ -137,6 +147,7 @@ def fleet_spec(
     return FleetSpec(
         limits=limits,
         model=model,
+        scheduler=adapter(r.engine).scheduler(r.engine_args),
         scaling=sim_scaling,
         initial_replicas=r.initial_instance_count * c.engines_per_instance,
         cold_start_s=cold_start_s(r),
@@ -144,6 +155,7 @@ def fleet_spec(
         usd_per_replica_hour=c.usd_per_hour_per_instance / c.engines_per_instance,
         router=cast("Router", router or target.hosting.routing.value),
         standby_usd_per_hour=standby_usd_per_hour(r),
+        request_overhead_s=overhead,
     )
 
 

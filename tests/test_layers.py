@@ -27,7 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "config": {"sizing", "engines", "targets", "contract", "errors", "versions", "workload"},
     "deployments": {"config", "sizing", "engines", "targets", "contract", "errors", "versions"},
     "workload": {"contract", "errors"},
-    "sim": {"sizing", "workload", "contract", "errors"},
+    "sim": {"sizing", "workload", "contract", "errors", "engines"},
     # The live checks (bench.live) read a resolved deployment: what its stack outputs and its plan say.
     "bench": {"contract", "engines", "errors", "deployments", "targets"},
     "citemplate": {"config"},
@@ -35,7 +35,10 @@ ALLOWED: dict[str, set[str]] = {
     "plandiff": {"errors"},
     "volumes": {"deployments", "sizing"},
     # The bridge from a resolved deployment to the simulator (fleet, replay, derived thresholds).
-    "tuning": {"config", "deployments", "sim", "workload", "sizing", "targets", "errors", "calibration", "volumes"},
+    "tuning": {
+        *("config", "deployments", "sim", "workload", "sizing", "targets", "errors", "calibration", "volumes"),
+        "engines",
+    },
     "cli": {
         "config",
         "deployments",

@@ -640,7 +640,7 @@ def percentiles(values: Sequence[float]) -> dict[str, float] | None:
     def q(p: float) -> float:  # nearest rank, as the simulator's report takes them
         return v[max(0, math.ceil(p * len(v)) - 1)]
 
-    return {"p50": q(0.50), "p95": q(0.95), "p99": q(0.99), "mean": sum(v) / len(v)}
+    return {"p50": q(0.50), "p90": q(0.90), "p95": q(0.95), "p99": q(0.99), "mean": sum(v) / len(v)}
 
 
 def summarize(level: Level, *, ttft_slo_s: float | None = None) -> dict[str, Any]:

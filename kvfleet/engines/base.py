@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from kvfleet.engines.scheduling import Scheduler
 from kvfleet.versions import Version, parse_version
 
 # kvfleet's KV-cache dtype names (kvfleet.sizing.precision.KvDtype values).
@@ -227,6 +228,11 @@ class EngineAdapter(ABC):
     @abstractmethod
     def describe(self, args: EngineArgs) -> str:
         """One line for people: how to start the engine with these settings."""
+
+    @abstractmethod
+    def scheduler(self, args: EngineArgs) -> Scheduler:
+        """The engine's scheduling rules as these settings start it (kvfleet.engines.scheduling): the one model of
+        them that the plan, the simulator, the derived scaling and a calibration's replay run."""
 
     def settings_json(self, args: EngineArgs) -> dict[str, Any]:
         """What ``kvfleet plan --json`` shows of the settings."""

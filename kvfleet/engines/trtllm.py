@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 
 from kvfleet import contract
 from kvfleet.engines.base import EngineAdapter, EngineArgs, SignalNames
+from kvfleet.engines.trtllm_scheduler import TrtllmScheduler
 
 _S = contract
 # trtllm-serve exports no preemption or generated-token counter: those signals stay absent for it.
@@ -155,3 +156,7 @@ class TensorRtLlm(EngineAdapter):
     def describe(self, args: EngineArgs) -> str:
         options = json.dumps({**self.settings(args), **OBSERVABILITY_OPTIONS})
         return f"trtllm-serve <model> --extra_llm_api_options <file with: {options}>"
+
+    def scheduler(self, args: EngineArgs) -> TrtllmScheduler:
+        # The options a plan writes leave the scheduler's policy and chunked prefill at their defaults.
+        return TrtllmScheduler()

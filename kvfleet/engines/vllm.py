@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 
 from kvfleet import contract
 from kvfleet.engines.base import EngineAdapter, EngineArgs, SignalNames
+from kvfleet.engines.vllm_scheduler import VllmScheduler
 from kvfleet.versions import Version, parse_version
 
 # vLLM's --kv-cache-dtype names (vllm/config/cache.py CacheDType) for kvfleet's.
@@ -157,3 +158,7 @@ class Vllm(EngineAdapter):
 
     def describe(self, args: EngineArgs) -> str:
         return "vllm serve <model> " + shlex.join(self.flags(args))  # pasteable: --hf-overrides is JSON
+
+    def scheduler(self, args: EngineArgs) -> VllmScheduler:
+        # A plan sets no long_prefill_token_threshold, so vLLM's default (off) is what runs.
+        return VllmScheduler()

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvfleet import contract
+from kvfleet.engines.scheduling import Scheduler
 from kvfleet.sim.replica import EngineLimits, Replica, Request, Stats, StepModel
 from kvfleet.workload.traces import Trace
 
@@ -100,6 +101,7 @@ class WarmPool:
 class FleetSpec:
     limits: EngineLimits
     model: StepModel
+    scheduler: Scheduler  # the engine's own (its adapter's ``scheduler``)
     scaling: Scaling
     initial_replicas: int
     cold_start_s: float
@@ -109,6 +111,9 @@ class FleetSpec:
     # Paid for the whole replay whatever serves: a warm pool's stopped instances (their volumes) or running ones.
     standby_usd_per_hour: float = 0.0
     warm_pool: WarmPool | None = None
+    # A request's time outside the engine's steps (the API server, tokenizing, the first event's way back to the
+    # client): added to each request's TTFT and end-to-end latency as its client times them (a calibration fits it).
+    request_overhead_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,8 +159,9 @@ class _Member:
 
 
 class Fleet:
-    def __init__(self, spec: FleetSpec) -> None:
+    def __init__(self, spec: FleetSpec, *, hash_block_tokens: int | None = None) -> None:
         self.spec = spec
+        self.hash_block_tokens = hash_block_tokens  # the trace's prefix-hash block, in tokens
         self.stats = Stats()
         self.members: list[_Member] = []
         self.samples: list[Sample] = []
@@ -185,7 +191,14 @@ class Fleet:
     def _launch(self, t: float, *, ready_now: bool = False) -> None:
         ready = t if ready_now else t + self._start_s(t)
         r = Replica(
-            self._next_id, self.spec.limits, self.spec.model, self.stats, ready_s=ready, leap=not self.spec.exact_steps
+            self._next_id,
+            self.spec.limits,
+            self.spec.model,
+            self.stats,
+            scheduler=self.spec.scheduler,
+            ready_s=ready,
+            leap=not self.spec.exact_steps,
+            hash_block_tokens=self.hash_block_tokens,
         )
         self._next_id += 1
         self.members.append(_Member(r, t))
@@ -407,7 +420,7 @@ def simulate(
 
     ``stop(stats, t)``, asked at every sample, ends the replay at once when it says so (a policy search drops a
     candidate as soon as it has missed more requests than its goal allows); the result then says where."""
-    fleet = Fleet(spec)
+    fleet = Fleet(spec, hash_block_tokens=trace.block_tokens)
     publish = float(contract.PUBLISH_INTERVAL_S)
     scale_every = HPA_SYNC_S if spec.scaling.kind == "hpa" else TT_PERIOD_S
     arrivals = trace.arrival_s
@@ -427,7 +440,7 @@ def simulate(
             if kind == "sample":
                 fleet.sample(tt)
                 if stop is not None and stop(fleet.stats, tt):
-                    return _result(fleet, tt, i, stopped_s=tt)
+                    return finish(fleet, tt, i, stopped_s=tt)
                 heapq.heappush(timers, (tt + publish, order, kind))
             else:
                 fleet.autoscale(tt)
@@ -443,7 +456,7 @@ def simulate(
         fleet.sample(t)
         if t - end > 24 * 3600:  # a fleet that cannot finish its queue in a day: stop and say so
             break
-    return _result(fleet, max([t, *(m.replica.clock for m in fleet.members)]), i)
+    return finish(fleet, max([t, *(m.replica.clock for m in fleet.members)]), i)
 
 
 def fleet_usd(result: FleetResult, spec: FleetSpec) -> float | None:
@@ -453,7 +466,7 @@ def fleet_usd(result: FleetResult, spec: FleetSpec) -> float | None:
     return (result.replica_seconds * spec.usd_per_replica_hour + result.end_s * spec.standby_usd_per_hour) / 3600
 
 
-def _result(fleet: Fleet, last: float, offered: int, *, stopped_s: float | None = None) -> FleetResult:
+def finish(fleet: Fleet, last: float, offered: int, *, stopped_s: float | None = None) -> FleetResult:
     replica_s = 0.0
     for m in fleet.members:
         end = m.gone_s if m.gone_s is not None else last

@@ -1,26 +1,28 @@
 """One replica under load: an engine's continuous batching, step by step, on a step-time model.
 
-The scheduler follows vLLM V1 (vllm/v1/core/sched/scheduler.py, ``Scheduler.schedule``): chunked prefill is
-always on; running requests are scheduled first, in order, each with the tokens it still has to compute (a
-decode is one token) up to the step's token budget ``max_num_batched_tokens``; then waiting requests are
-admitted in arrival order while the budget, ``max_num_seqs`` and free KV blocks allow, a long prompt taking
-a chunk of what budget is left. When a running request needs a block and none is free, the most recently
-admitted running request is preempted: its blocks are freed and it is recomputed from the start (prompt and
-the tokens it had generated) when it is admitted again. A request's first token is sampled at the end of the
-step that computes the last of its prompt.
+The engine's own scheduler decides each step (``kvfleet.engines.scheduling``: each adapter owns one; vLLM V1's
+token budget with chunked prefill and recompute preemption, TensorRT-LLM's capacity and micro-batch schedulers);
+this module prices the step on a ``StepModel`` and advances it: every scheduled request computes its tokens, and
+a request whose target is reached samples a token at the end of the step (its first one when its prompt is done).
 
-Runs of pure-decode steps with an unchanged batch are computed as one leap (their step times differ only by
-the KV tokens read, which grow by one per sequence per step), which keeps an hour of traffic to seconds.
+Runs of pure-decode steps with an unchanged batch (the scheduler says when: ``Scheduler.steady``) are computed as
+one leap (their step times differ only by the KV tokens read, which grow by one per sequence per step), which keeps
+an hour of traffic to seconds.
+
+Prefix reuse is counted in tokens: a trace's block hashes come in the trace's own block size (Mooncake: 512 tokens),
+the engine reuses whole blocks of its own, and the hash cache holds as many trace blocks as the engine's cache holds
+tokens.
 """
 
 from __future__ import annotations
 
 import bisect
-import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+from kvfleet.engines.scheduling import EngineLimits, Request, Scheduler, blocks_for
 
 
 class StepModel(Protocol):
@@ -51,58 +53,7 @@ class LinearStepModel:
         )
 
 
-@dataclass(frozen=True, kw_only=True)
-class EngineLimits:
-    """What bounds one engine's batch: the settings the plan emits and the KV blocks its cache holds."""
-
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    kv_blocks: int
-    block_tokens: int = 16  # vLLM's default block size on GPUs
-    prefix_caching: bool = True
-    # The agent's token-aware admission: prompt + max output reserved per request, refused (429) past this.
-    admission_tokens: int | None = None
-
-
-class Request:
-    """One request's progress. Plain slots: the simulator makes millions of attribute updates."""
-
-    __slots__ = (
-        "admitted",
-        "arrival_s",
-        "blocks",
-        "blocks_hashes",
-        "cached",
-        "computed",
-        "done_s",
-        "first_token_s",
-        "generated",
-        "last_token_s",
-        "output",
-        "preemptions",
-        "prompt",
-        "rid",
-        "target",
-    )
-
-    def __init__(
-        self, rid: int, arrival_s: float, prompt: int, output: int, hashes: tuple[int, ...] | None = None
-    ) -> None:
-        self.rid = rid
-        self.arrival_s = arrival_s
-        self.prompt = prompt
-        self.output = max(1, output)  # every request returns at least one token
-        self.blocks_hashes = hashes
-        self.cached = 0
-        self.computed = 0  # tokens whose KV is in the cache
-        self.target = prompt  # tokens to compute before the next token is sampled
-        self.generated = 0
-        self.blocks = 0
-        self.first_token_s = math.nan
-        self.last_token_s = math.nan
-        self.done_s = math.nan
-        self.preemptions = 0
-        self.admitted = False
+__all__ = ["EngineLimits", "LinearStepModel", "Replica", "Request", "Stats", "StepModel"]
 
 
 class Stats:
@@ -121,13 +72,25 @@ class Stats:
 
 
 class Replica:
+    """One engine: the state its scheduler works on (``kvfleet.engines.scheduling.EngineState``) and the clock."""
+
     def __init__(
-        self, rid: int, limits: EngineLimits, model: StepModel, stats: Stats, *, ready_s: float, leap: bool = True
+        self,
+        rid: int,
+        limits: EngineLimits,
+        model: StepModel,
+        stats: Stats,
+        *,
+        scheduler: Scheduler,
+        ready_s: float,
+        leap: bool = True,
+        hash_block_tokens: int | None = None,
     ) -> None:
         self.rid = rid
         self.leap = leap  # False: every step on its own (the reference the leaps are checked against)
         self.limits = limits
         self.model = model
+        self.scheduler = scheduler
         self.stats = stats
         self.ready_s = ready_s  # serving from then on (cold start)
         self.clock = ready_s  # when the next step may start
@@ -136,6 +99,9 @@ class Replica:
         self.free_blocks = limits.kv_blocks
         self.reserved_tokens = 0
         self.draining = False
+        # The prefix cache as block hashes of the trace's own size, as many as the engine's cache holds in tokens.
+        self.hash_block_tokens = hash_block_tokens or limits.block_tokens
+        self.hash_capacity = max(1, limits.kv_blocks * limits.block_tokens // self.hash_block_tokens)
         self.prefix: OrderedDict[int, None] = OrderedDict()
 
     # ---- what the router and the autoscaler read ----------------------------------------------------------
@@ -161,16 +127,47 @@ class Replica:
                 if h not in self.prefix:
                     break
                 hits += 1
-            # Recorded here for the profile; the engine's block size decides what it really reuses.
-            req.cached = min(hits * self.limits.block_tokens, req.prompt - 1) if hits else 0
+            # The trace's blocks in tokens, reused in whole engine blocks, and never the whole prompt (the engine
+            # recomputes the last token to sample from it).
+            bt = self.limits.block_tokens
+            req.cached = min(hits * self.hash_block_tokens // bt * bt, req.prompt - 1) if hits else 0
         self.waiting.append(req)
         self.clock = max(self.clock, now)  # an idle engine starts its next step when work arrives
         return True
 
+    # ---- what the engine's scheduler calls on (EngineState) ------------------------------------------------
+
+    def preempt(self, victim: Request) -> None:
+        self.running.remove(victim)
+        self.free_blocks += victim.blocks
+        victim.blocks = 0
+        victim.computed = 0
+        victim.target = victim.prompt + victim.generated  # recompute what it had, then go on
+        victim.cached = 0
+        victim.admitted = False
+        victim.preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.appendleft(victim)
+
+    def start(self, req: Request) -> int:
+        return req.cached if req.preemptions == 0 and req.computed == 0 else req.computed
+
+    def admitted(self, req: Request, start: int) -> None:
+        if start > req.computed:
+            self.stats.prefix_hit_tokens += start - req.computed
+            req.computed = start
+        if self.limits.prefix_caching and req.blocks_hashes:
+            for h in req.blocks_hashes:
+                self.prefix[h] = None
+                self.prefix.move_to_end(h)
+            while len(self.prefix) > self.hash_capacity:
+                self.prefix.popitem(last=False)
+        req.admitted = True
+
     # ---- the engine ---------------------------------------------------------------------------------------
 
     def _blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.limits.block_tokens)
+        return blocks_for(tokens, self.limits.block_tokens)
 
     def _finish(self, r: Request, t: float) -> None:
         r.done_s = t
@@ -181,97 +178,51 @@ class Replica:
         self.stats.prompt_tokens += r.prompt
         self.stats.output_tokens += r.generated
 
-    def _preempt(self) -> Request:
-        victim = self.running.pop()
-        self.free_blocks += victim.blocks
-        victim.blocks = 0
-        victim.computed = 0
-        victim.target = victim.prompt + victim.generated  # recompute what it had, then go on
-        victim.cached = 0
-        victim.preemptions += 1
-        self.stats.preemptions += 1
-        self.waiting.appendleft(victim)
-        return victim
-
     def advance(self, horizon: float) -> None:
         """Run every step that starts before ``horizon``."""
         while (self.running or self.waiting) and self.clock < horizon:
-            if self.leap and not self.waiting and self._all_decoding():
-                self._leap(horizon)
-            else:
-                self._step()
+            self.step(horizon)
+
+    def step(self, horizon: float) -> None:
+        """One step, or a leap of decode steps that ends with the step running at ``horizon``."""
+        if self.leap and self.running and self._all_decoding() and self.scheduler.steady(self):
+            self._leap(horizon)
+        else:
+            self._step()
 
     def _all_decoding(self) -> bool:
         return all(r.generated and r.target - r.computed == 1 for r in self.running)
 
+    def _refuse_head(self) -> None:
+        """Nothing can be scheduled (a prompt larger than the whole cache, or than the engine takes in one step
+        without chunking): the engine refuses it rather than stall."""
+        r = self.waiting.popleft() if self.waiting else self.running.pop(0)
+        self.free_blocks += r.blocks
+        r.blocks = 0
+        self.reserved_tokens -= r.prompt + r.output
+        self.stats.aborted += 1
+
     def _step(self) -> None:
-        lim = self.limits
-        budget = lim.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
+        sched = self.scheduler.schedule(self)
+        if not sched.items:
+            if not sched.preempted:
+                self._refuse_head()
+            return  # after a preemption the next step readmits from the front of the queue
         prefill: list[tuple[int, int]] = []
         decodes = 0
         kv = 0
-        i = 0
-        preempted = False
-        while i < len(self.running) and budget > 0:
-            r = self.running[i]
-            n = min(r.target - r.computed, budget)
-            need = self._blocks_for(r.computed + n) - r.blocks
-            while need > self.free_blocks:
-                preempted = True
-                if self._preempt() is r:
-                    break
-            if i >= len(self.running):
-                break  # r itself was preempted: nothing after it was left running either
-            r.blocks += need
-            self.free_blocks -= need
-            scheduled.append((r, n))
-            budget -= n
-            if r.generated and n == 1:
+        for r, n in sched.items:
+            if r.generated and n == 1 and r.target - r.computed == 1:
                 decodes += 1
-                kv += r.computed + n
+                kv += r.computed + 1
             else:
                 prefill.append((n, r.computed))
-            i += 1
-        # vLLM admits no waiting request in a step that had to preempt (the cache is what is short).
-        while not preempted and self.waiting and budget > 0 and len(self.running) < lim.max_num_seqs:
-            r = self.waiting[0]
-            start = r.cached if r.preemptions == 0 and r.computed == 0 else r.computed
-            n = min(r.target - start, budget)
-            need = self._blocks_for(start + n)
-            if need > self.free_blocks:
-                break
-            self.waiting.popleft()
-            if start > r.computed:
-                self.stats.prefix_hit_tokens += start
-                r.computed = start
-            if self.limits.prefix_caching and r.blocks_hashes:
-                for h in r.blocks_hashes:
-                    self.prefix[h] = None
-                    self.prefix.move_to_end(h)
-                while len(self.prefix) > lim.kv_blocks:
-                    self.prefix.popitem(last=False)
-            r.admitted = True
-            r.blocks = need
-            self.free_blocks -= need
-            self.running.append(r)
-            scheduled.append((r, n))
-            budget -= n
-            prefill.append((n, r.computed))
-        if not scheduled:
-            if preempted:
-                return  # the next step readmits from the front of the queue
-            # Nothing fits (a prompt larger than the whole cache): refuse it rather than stall the engine.
-            r = self.waiting.popleft()
-            self.reserved_tokens -= r.prompt + r.output
-            self.stats.aborted += 1
-            return
         dt = self.model.step_s(prefill=prefill, decode_seqs=decodes, decode_kv_tokens=kv)
         t = self.clock + dt
         self.clock = t
         done: list[Request] = []
         gaps = 0
-        for r, n in scheduled:
+        for r, n in sched.items:
             was_decode = r.generated > 0 and r.target - r.computed == 1
             r.computed += n
             if r.computed >= r.target:

@@ -22,19 +22,27 @@ def test_measured_steps_feed_the_simulator(tmp_path: Any, capsys: pytest.Capture
         )  # fmt: skip
     assert "calibration written to" in err, err
     cal = read_calibration(cal_file)
-    assert cal.engine == "vllm" and cal.model == "meta-llama/Llama-3.1-8B" and len(cal.points) == 2
+    # The levels asked for (1 and 2 clients) with the prompt asked for and a short one: two batch sizes and two
+    # prompt lengths, enough to fit each term of the step model.
+    assert cal.engine == "vllm" and cal.model == "meta-llama/Llama-3.1-8B" and len(cal.points) == 4
+    assert sorted((p.concurrency, p.input_tokens) for p in cal.points) == [(1, 16), (1, 64), (2, 16), (2, 64)]
     assert cal.kv_cache_tokens is None  # this endpoint has no /metrics
     for p in cal.points:
         assert p.itl_s == pytest.approx(0.04, rel=0.5)  # the endpoint's 40 ms per token, as the client saw it
-    scale = cal.step_time_scale
-    assert scale > 1  # 40 ms a token is slower than the plan's GPU
+    assert cal.step_time_scale > 1  # 40 ms a token is slower than the plan's GPU
+    # The fitted model follows what was measured at every level, and says so level by level.
+    assert cal.steps is not None and len(cal.residuals) == 4
+    for x in cal.residuals:
+        assert x.predicted_itl_s == pytest.approx(x.itl_s, rel=0.2)
+        assert x.predicted_output_tokens_per_s == pytest.approx(x.output_tokens_per_s, rel=0.25)
+    assert "fitted step model:" in err and "concurrency 2, 64 in: TTFT p50" in err
     assert main(["simulate", "dev", "--json"]) == 0
     [plain] = json.loads(capsys.readouterr().out)
     assert main(["simulate", "dev", "--json", "--calibration", str(cal_file)]) == 0
     [calibrated] = json.loads(capsys.readouterr().out)
-    # Every step priced `scale` times slower: the simulated gaps between tokens follow (queueing aside, at p50).
-    ratio = calibrated["itl_s"]["p50"] / plain["itl_s"]["p50"]
-    assert ratio == pytest.approx(scale, rel=0.2), (ratio, scale)
+    # The fitted steps replace the plan's: a token every 40 ms whatever the batch, as this endpoint paces them.
+    assert calibrated["itl_s"]["p50"] == pytest.approx(0.04, rel=0.25)
+    assert calibrated["itl_s"]["p50"] > 1.2 * plain["itl_s"]["p50"]
 
 
 def test_a_calibration_from_another_deployment_is_refused(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
@@ -144,3 +152,31 @@ def test_a_malformed_calibration_is_one_line(tmp_path: Any, capsys: pytest.Captu
     assert main(["plan", "dev", "--calibration", str(cal)]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert "unknown engine 'sglang'" in line
+
+
+def test_predict_prints_each_level_beside_what_it_measured(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """--predict simulates each level on one replica: the plan's (far faster than this 40 ms-a-token endpoint, and
+    said so), then a calibration's fitted steps, which follow it."""
+    cal_file = tmp_path / "paced.json"
+    level = ["--concurrency", "1,2", "--requests", "4", "--input-tokens", "64", "--output-tokens", "6"]
+    with serving(_paced(0.04)) as url:
+        one_line(capsys, url, "--env", "dev", *level, "--calibrate", str(cal_file), "--speed-tolerance", "0.99")
+        _, out, err = one_line(capsys, url, "--env", "dev", *level, "--predict", "--speed-tolerance", "0.99")
+        assert "predicted on one replica (the plan of chat), against measured:" in out, err
+        assert "concurrency 2, 64 in" not in out and "concurrency 2: TTFT p50" in out  # only the levels asked for
+        _, out, err = one_line(capsys, url, *level, "--predict", "--calibration", str(cal_file), "--json")
+    report = json.loads(out)
+    for row in report["levels"]:
+        p = row["predicted"]
+        assert p["itl_s"]["mean"] == pytest.approx(row["itl_s"]["mean"], rel=0.25), row["level"]
+        assert p["output_tokens_per_s"] == pytest.approx(row["output_tokens_per_s"], rel=0.3), row["level"]
+        assert set(p["ttft_s"]) == {"p50", "p90", "p95", "p99", "mean"}
+
+
+def test_predict_needs_a_plan_or_a_fitted_calibration(capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:
+    with serving(_paced(0.001)) as url:
+        code, _, err = one_line(capsys, url, "--concurrency", "1", "--requests", "1", "--predict")
+        assert code == 2 and "give --env FILE or --calibration FILE" in err and len(err.splitlines()) == 1
+        old = str(_calibration(tmp_path))  # a version 1 file: a scale, no fitted steps
+        code, _, err = one_line(capsys, url, "--concurrency", "1", "--requests", "1", "--predict", "--calibration", old)
+        assert code == 2 and "has no fitted step model" in err and len(err.splitlines()) == 1

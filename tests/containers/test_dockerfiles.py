@@ -748,7 +748,7 @@ def test_copy_check_fails_on_missing_and_ignored_sources(tmp_path: Path) -> None
     [
         *(".git/HEAD", ".venv/bin/python", ".venv-vllm/x", "node_modules/x", "cdk.out/m.json", "tests/x.py"),
         *("benchmarks/x.py", "sizing/x.json", "pyproject.toml", ".env", "README.md"),
-        *("kvfleet/cli.py", "kvfleet/sizing/planner.py", "kvfleet/infra/app.py", "kvfleet/config/schema.py"),
+        *("kvfleet/cli/__init__.py", "kvfleet/sizing/planner.py", "kvfleet/infra/app.py", "kvfleet/config/schema.py"),
         *("kvfleet/agent/__pycache__/server.cpython-312.pyc", "containers/Dockerfile"),
     ],
 )

@@ -11,6 +11,7 @@ from typing import get_args
 import pytest
 
 from kvfleet.cli import main
+from kvfleet.engines.vllm_scheduler import VllmScheduler
 from kvfleet.sim.fleet import (
     TT_OUT_DATAPOINTS,
     TT_PERIOD_S,
@@ -25,12 +26,15 @@ from kvfleet.sim.replica import EngineLimits, Replica, Request, Stats
 from kvfleet.sizing.hosting import Routing
 from tests.sim.synthetic import MODEL, steady
 
+VLLM = VllmScheduler()  # the engine the plans here run
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def spec(kind: str, *, initial: int, kv_blocks: int = 2_000, **scaling: float) -> FleetSpec:
     s = {"min_replicas": 1, "max_replicas": 8, "kv_cache_target": 0.5, "queue_target": 2.0, **scaling}
     return FleetSpec(
+        scheduler=VLLM,
         limits=EngineLimits(max_num_seqs=64, max_num_batched_tokens=4096, kv_blocks=kv_blocks),
         model=MODEL,
         scaling=Scaling(kind=kind, **s),  # type: ignore[arg-type]
@@ -77,7 +81,12 @@ def test_scale_in_drains_in_flight_generations_within_the_budget(budget: float, 
 def test_saturation_is_the_larger_of_kv_use_and_sequence_slots() -> None:
     # 4 slots and a cache for far more: two running sequences hold a sliver of the cache and half the slots.
     slots = Replica(
-        0, EngineLimits(max_num_seqs=4, max_num_batched_tokens=4096, kv_blocks=10_000), MODEL, Stats(), ready_s=0
+        0,
+        EngineLimits(max_num_seqs=4, max_num_batched_tokens=4096, kv_blocks=10_000),
+        MODEL,
+        Stats(),
+        scheduler=VLLM,
+        ready_s=0,
     )
     for i in range(2):
         slots.admit(Request(i, 0.0, 500, 200), 0.0)
@@ -87,7 +96,12 @@ def test_saturation_is_the_larger_of_kv_use_and_sequence_slots() -> None:
     assert saturation(slots) == 0.5
     # A small cache: its blocks bind first.
     cache = Replica(
-        1, EngineLimits(max_num_seqs=64, max_num_batched_tokens=4096, kv_blocks=40), MODEL, Stats(), ready_s=0
+        1,
+        EngineLimits(max_num_seqs=64, max_num_batched_tokens=4096, kv_blocks=40),
+        MODEL,
+        Stats(),
+        scheduler=VLLM,
+        ready_s=0,
     )
     cache.admit(Request(0, 0.0, 500, 200), 0.0)
     cache.advance(0.05)
@@ -100,6 +114,7 @@ def test_a_cache_larger_than_max_num_seqs_runs_scales_out_on_saturation(kind: st
     target, so a fleet scaled on it would never grow however long its queue. Saturation reaches 1 when every slot
     is taken. The queue target is out of reach here, so only saturation can ask for replicas."""
     busy = FleetSpec(
+        scheduler=VLLM,
         limits=EngineLimits(max_num_seqs=8, max_num_batched_tokens=4096, kv_blocks=20_000),
         model=MODEL,
         scaling=Scaling(kind=kind, min_replicas=1, max_replicas=4, kv_cache_target=0.5, queue_target=1e9),  # type: ignore[arg-type]
@@ -135,6 +150,7 @@ def routed(router: Router) -> FleetResult:
     """Four fixed replicas of 4 slots (about 1.8 requests/s each on MODEL at 500 + 200 tokens) at 6 requests/s:
     about 80% of the fleet's slots busy."""
     fixed = FleetSpec(
+        scheduler=VLLM,
         limits=EngineLimits(max_num_seqs=4, max_num_batched_tokens=4096, kv_blocks=2_000),
         model=MODEL,
         scaling=Scaling(kind="none", min_replicas=4, max_replicas=4, kv_cache_target=0.5, queue_target=2.0),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvfleet.engines.vllm_scheduler import VllmScheduler
 from kvfleet.sim.fleet import FleetSpec, Scaling, simulate
 from kvfleet.sim.replica import EngineLimits
 from kvfleet.sim.report import summarize
@@ -26,6 +27,8 @@ from kvfleet.sizing.planner import Candidate, PlanRequest, Workload, plan
 from kvfleet.sizing.step import latency_percentiles
 from kvfleet.targets import TARGETS
 from kvfleet.workload.traces import Trace, poisson_trace
+
+VLLM = VllmScheduler()  # the engine the plans here run
 
 SECONDS = 1200.0  # simulated: enough arrivals for a steady p95 at these rates
 
@@ -38,6 +41,7 @@ def _simulated(c: Candidate, req: PlanRequest, rate: float) -> tuple[float, floa
     cap = c.capacity
     steps = RooflineSteps.for_candidate(c, req.model)
     spec = FleetSpec(
+        scheduler=VLLM,
         limits=EngineLimits(
             max_num_seqs=cap.max_num_seqs,
             max_num_batched_tokens=cap.max_num_batched_tokens,

@@ -41,10 +41,13 @@ import aiohttp
 import pytest
 
 from kvfleet.engines import EngineArgs
+from kvfleet.engines.vllm_scheduler import VllmScheduler
 from kvfleet.sim.fleet import FleetSpec, Scaling, simulate
 from kvfleet.sim.replica import EngineLimits, LinearStepModel
 from kvfleet.workload.traces import Trace, read_trace
 from tests.agent.harness import VLLM_PYTHON, make_tiny_model, require_vllm, running, settings, yield_forward_pass
+
+VLLM = VllmScheduler()  # the engine the plans here run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -234,6 +237,7 @@ def peak_in_flight(spans: list[tuple[float, float]]) -> int:
 
 def fleet_spec(profile: Profile, kv_blocks: int, block_tokens: int) -> FleetSpec:
     return FleetSpec(
+        scheduler=VLLM,
         limits=EngineLimits(
             max_num_seqs=MAX_NUM_SEQS,
             max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,

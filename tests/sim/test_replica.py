@@ -7,10 +7,15 @@ from pathlib import Path
 
 import pytest
 
+from kvfleet.engines.scheduling import Scheduler
+from kvfleet.engines.trtllm_scheduler import TrtllmScheduler
+from kvfleet.engines.vllm_scheduler import VllmScheduler
 from kvfleet.sim.fleet import FleetSpec, Scaling, simulate
 from kvfleet.sim.replica import EngineLimits, LinearStepModel, Replica, Request, Stats
 from kvfleet.sim.report import summarize
 from kvfleet.workload.traces import Trace, read_trace
+
+VLLM = VllmScheduler()  # the engine the plans here run
 
 REPO = Path(__file__).resolve().parents[2]
 CONV = REPO / "traces" / "azure2023" / "AzureLLMInferenceTrace_conv.csv"
@@ -24,7 +29,7 @@ def limits(**kw: int) -> EngineLimits:
 
 def replica(lim: EngineLimits, *, leap: bool = True) -> tuple[Replica, Stats]:
     stats = Stats()
-    return Replica(0, lim, MODEL, stats, ready_s=0.0, leap=leap), stats
+    return Replica(0, lim, MODEL, stats, scheduler=VLLM, ready_s=0.0, leap=leap), stats
 
 
 def run_one(prompt: int, output: int, lim: EngineLimits, *, leap: bool = True) -> Request:
@@ -111,6 +116,7 @@ def test_leaps_give_the_same_answers_as_single_steps(kv_blocks: int, rate_scale:
     reports = []
     for exact in (False, True):
         spec = FleetSpec(
+            scheduler=VLLM,
             limits=lim,
             model=MODEL,
             scaling=scaling,
@@ -137,6 +143,7 @@ def test_blocks_return_and_no_counter_goes_negative_after_a_busy_hour() -> None:
     trace = read_trace(CONV, duration_s=1200, rate_scale=4.0)
     lim = limits(kv_blocks=3_000, max_num_seqs=128, max_num_batched_tokens=4096, admission_tokens=3_000 * 16 * 2)
     spec = FleetSpec(
+        scheduler=VLLM,
         limits=lim,
         model=MODEL,
         initial_replicas=1,
@@ -161,6 +168,7 @@ def test_empty_arrays_are_not_a_trace() -> None:
         output_tokens=array("q", [5]),
     )
     spec = FleetSpec(
+        scheduler=VLLM,
         limits=limits(),
         model=MODEL,
         initial_replicas=1,
@@ -170,3 +178,60 @@ def test_empty_arrays_are_not_a_trace() -> None:
     )
     rep = summarize(simulate(t, spec), spec)
     assert rep.completed == 1 and rep.usd is None
+
+
+def _fixed_fleet(lim: EngineLimits, scheduler: Scheduler) -> FleetSpec:
+    return FleetSpec(
+        scheduler=scheduler,
+        limits=lim,
+        model=MODEL,
+        initial_replicas=1,
+        cold_start_s=0,
+        usd_per_replica_hour=None,
+        scaling=Scaling(kind="none", min_replicas=1, max_replicas=1, kv_cache_target=0.75, queue_target=2.0),
+    )
+
+
+def test_prefix_hits_are_counted_in_tokens_of_the_traces_own_blocks() -> None:
+    """Mooncake hashes prompts in 512-token blocks. A second request sharing two of them reuses 1,024 tokens (in the
+    engine's 16-token blocks), not 2 x 16; and the hash cache holds as many 512-token blocks as the engine's cache
+    holds tokens (4,096 blocks x 16 = 128 of them), not 4,096."""
+    trace = Trace(
+        source="x",
+        fmt="mooncake",
+        arrival_s=array("d", [0.0, 10.0]),
+        input_tokens=array("q", [1500, 1500]),
+        output_tokens=array("q", [4, 4]),
+        prefix_blocks=((1, 2, 3), (1, 2, 9)),
+        block_tokens=512,
+    )
+    fleet = _fixed_fleet(limits(kv_blocks=4096), VLLM)
+    result = simulate(trace, fleet)
+    assert result.stats.prefix_hit_tokens == 1024
+    second = max(result.stats.finished, key=lambda r: r.rid)
+    first = min(result.stats.finished, key=lambda r: r.rid)
+    assert second.first_token_s - second.arrival_s < first.first_token_s - first.arrival_s
+    r = Replica(0, limits(kv_blocks=4096), MODEL, Stats(), scheduler=VLLM, ready_s=0.0, hash_block_tokens=512)
+    assert r.hash_capacity == 128
+
+
+@pytest.mark.parametrize("scheduler", [VLLM, TrtllmScheduler()])
+def test_each_engines_rules_replay_a_busy_trace_to_the_end(scheduler: Scheduler) -> None:
+    trace = read_trace(CONV, duration_s=120, rate_scale=3.0)
+    lim = limits(kv_blocks=1_500, max_num_seqs=64, max_num_batched_tokens=8192, block_tokens=32)
+    result = simulate(trace, _fixed_fleet(lim, scheduler))
+    s = result.stats
+    assert len(s.finished) + s.aborted == len(trace)
+    if isinstance(scheduler, TrtllmScheduler):
+        # GUARANTEED_NO_EVICT reserves each request's whole length up front: never a preemption.
+        assert s.preemptions == 0
+    else:
+        assert s.preemptions > 0  # vLLM admits on what the prompt needs now and recomputes when blocks run out
+
+
+def test_trtllm_without_chunking_refuses_a_prompt_past_max_num_tokens() -> None:
+    r = Replica(0, limits(max_num_batched_tokens=1000), MODEL, Stats(), scheduler=TrtllmScheduler(), ready_s=0.0)
+    assert r.admit(Request(0, 0.0, 5000, 10), 0.0)
+    assert r.admit(Request(1, 0.0, 500, 10), 0.0)
+    r.advance(1e9)
+    assert r.stats.aborted == 1 and [q.rid for q in r.stats.finished] == [1]

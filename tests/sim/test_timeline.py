@@ -14,12 +14,15 @@ import pytest
 import yaml
 
 from kvfleet.cli import main
+from kvfleet.engines.vllm_scheduler import VllmScheduler
 from kvfleet.sim.fleet import FleetResult, FleetSpec, Scaling, simulate
 from kvfleet.sim.replica import EngineLimits
 from kvfleet.sim.report import summarize
 from kvfleet.sim.timeline import DPI, FIGURE_INCHES, Timeline, render_png, timeline
 from kvfleet.workload.traces import Trace
 from tests.sim.synthetic import MODEL, steady
+
+VLLM = VllmScheduler()  # the engine the plans here run
 
 REPO = Path(__file__).resolve().parents[2]
 TRACE = REPO / "traces" / "azure2023" / "AzureLLMInferenceTrace_conv.csv"
@@ -28,6 +31,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 def fleet(*, initial: int, admission_tokens: int | None = None, kind: str = "target_tracking") -> FleetSpec:
     return FleetSpec(
+        scheduler=VLLM,
         limits=EngineLimits(
             max_num_seqs=64, max_num_batched_tokens=4096, kv_blocks=2_000, admission_tokens=admission_tokens
         ),

@@ -15,17 +15,10 @@ from kvfleet.sizing.catalog import catalog_model
 from kvfleet.sizing.hardware import accelerator
 from kvfleet.sizing.precision import KvDtype, weight_scheme
 from kvfleet.sizing.step import (
-    CapacityPolicy,
     Limits,
     PrefillChunk,
-    Request,
-    SchedState,
     StepBatch,
-    TrtllmScheduler,
-    VllmScheduler,
     Workload,
-    advance,
-    batch_of,
     replica,
     steady_state,
     step_time,
@@ -176,85 +169,6 @@ def test_fp8_prefill_is_about_1_2x_not_2x() -> None:
     assert 1.1 < bf / f8 < 1.35
 
 
-# ---- vLLM scheduler ------------------------------------------------------------------------------
-
-
-def _req(rid: str, prompt: int, out: int = 0, computed: int | None = None, max_out: int = 100) -> Request:
-    done = prompt + out - 1 if out and computed is None else (computed or 0)
-    return Request(rid=rid, prompt_tokens=prompt, max_output_tokens=max_out, output_tokens=out, computed=done)
-
-
-def test_vllm_decodes_first_then_chunks_fill_the_budget() -> None:
-    s = VllmScheduler(max_num_batched_tokens=512, max_num_seqs=8)
-    state = SchedState(
-        running=(_req("a", 100, out=5), _req("b", 100, out=3)),
-        waiting=(_req("c", 1000), _req("d", 50)),
-        total_blocks=10_000,
-    )
-    out = s.schedule(state)
-    assert out.tokens == {"a": 1, "b": 1, "c": 510}  # c is chunked to the 510 left; d gets nothing
-    assert [r.rid for r in out.running] == ["a", "b", "c"] and [r.rid for r in out.waiting] == ["d"]
-    b = batch_of(out)
-    assert b.decode_seqs == 2 and b.prefill == (PrefillChunk(tokens=510, start=0),)
-
-
-def test_vllm_continues_a_chunked_prompt_and_respects_max_num_seqs() -> None:
-    s = VllmScheduler(max_num_batched_tokens=512, max_num_seqs=2)
-    state = SchedState(
-        running=(_req("a", 100, out=5), _req("c", 1000, computed=510)), waiting=(_req("d", 10),), total_blocks=10_000
-    )
-    out = s.schedule(state)
-    assert out.tokens == {"a": 1, "c": 490}
-    assert "d" not in out.tokens  # running is at max_num_seqs
-
-
-def test_vllm_preempts_the_last_running_request_by_recompute() -> None:
-    s = VllmScheduler(max_num_batched_tokens=512, max_num_seqs=8, block_size=16)
-    # a and b each hold 2 blocks (32 tokens computed) and need a third for their next token.
-    a, b = _req("a", 30, out=3), _req("b", 30, out=3)
-    state = SchedState(running=(a, b), waiting=(_req("w", 16),), total_blocks=5)
-    out = s.schedule(state)
-    assert out.preempted == ("b",)
-    assert out.tokens == {"a": 1}
-    assert [r.rid for r in out.waiting] == ["b", "w"]  # back at the head, nothing admitted after a preemption
-    assert out.waiting[0].computed == 0
-
-
-def test_vllm_admission_stops_when_blocks_run_out() -> None:
-    s = VllmScheduler(max_num_batched_tokens=8192, max_num_seqs=8, block_size=16)
-    out = s.schedule(SchedState(waiting=(_req("x", 64), _req("y", 64)), total_blocks=5))
-    assert out.tokens == {"x": 64} and [r.rid for r in out.waiting] == ["y"]
-
-
-# ---- TensorRT-LLM scheduler ------------------------------------------------------------------------
-
-
-def test_trtllm_guaranteed_no_evict_reserves_whole_requests() -> None:
-    s = TrtllmScheduler(max_num_tokens=8192, tokens_per_block=32)
-    running = (_req("a", 64, out=1, max_out=64),)  # reserves (64 + 64) / 32 = 4 blocks
-    state = SchedState(running=running, waiting=(_req("b", 64, max_out=64), _req("c", 32, max_out=32)), total_blocks=9)
-    out = s.schedule(state)
-    assert out.tokens == {"a": 1, "b": 64}  # c needs 2 more blocks; only 1 is unreserved
-    assert not out.preempted
-
-
-def test_trtllm_max_utilization_pauses_the_latest_started() -> None:
-    s = TrtllmScheduler(policy=CapacityPolicy.MAX_UTILIZATION, tokens_per_block=32)
-    a, b = _req("a", 64, out=1, max_out=64), _req("b", 64, out=1, max_out=64)
-    a, b = Request(**{**a.__dict__, "computed": 64}), Request(**{**b.__dict__, "computed": 64})
-    out = s.schedule(SchedState(running=(a, b), total_blocks=5))  # each needs a third block, 1 free
-    assert out.preempted == ("b",) and out.tokens == {"a": 1}
-
-
-def test_trtllm_chunked_context_takes_what_decodes_leave_in_block_multiples() -> None:
-    s = TrtllmScheduler(max_num_tokens=1000, tokens_per_block=32, enable_chunked_context=True)
-    state = SchedState(running=(_req("a", 64, out=2),), waiting=(_req("b", 5000),), total_blocks=100_000)
-    out = s.schedule(state)
-    assert out.tokens == {"a": 1, "b": 992}  # 999 left, rounded down to 31 blocks of 32
-    unchunked = TrtllmScheduler(max_num_tokens=1000, enable_chunked_context=False).schedule(state)
-    assert unchunked.tokens == {"a": 1}  # a whole 5000-token context does not fit: the batch stops
-
-
 # ---- steady state ------------------------------------------------------------------------------------
 
 
@@ -313,21 +227,3 @@ def test_open_loop_queueing_grows_to_overload() -> None:
         for r in (1.0, 10.0, 1000.0)
     ]
     assert waits[0] <= waits[1] < waits[2] == float("inf")
-
-
-def test_a_simulator_loop_drives_the_scheduler_to_completion() -> None:
-    rep = _rep()
-    sched = VllmScheduler(max_num_batched_tokens=256, max_num_seqs=4, block_size=16)
-    state = SchedState(waiting=tuple(_req(f"r{i}", 300, max_out=5) for i in range(6)), total_blocks=200)
-    clock = 0.0
-    finished: list[str] = []
-    for _ in range(200):
-        if not state.running and not state.waiting:
-            break
-        plan = sched.schedule(state)
-        clock += step_time(rep, batch_of(plan)).step_s
-        running, done = advance(plan)
-        finished += done
-        state = SchedState(running=running, waiting=plan.waiting, total_blocks=state.total_blocks)
-    assert sorted(finished) == [f"r{i}" for i in range(6)]
-    assert clock > 0

@@ -12,7 +12,7 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 from kvfleet import contract
 from kvfleet.engines import ENGINES
@@ -21,91 +21,28 @@ from kvfleet.targets import TARGETS
 
 if TYPE_CHECKING:
     from kvfleet.bench.client import KvCapacity, LevelSpec
+    from kvfleet.calibration import Calibration, FitResidual, FittedSteps
     from kvfleet.config.loader import LoadedEnvironment
     from kvfleet.deployments import DeploymentRequest, ResolvedDeployment
-    from kvfleet.sim.fleet import FleetResult, FleetSpec
     from kvfleet.sim.policy import Outcome
     from kvfleet.sizing.capacity import Capacity
     from kvfleet.sizing.models import ModelSpec
     from kvfleet.sizing.planner import Candidate, Measured, Plan, PlanRequest, Workload
     from kvfleet.sizing.speculative import Speculative
-    from kvfleet.workload.traces import Trace
 
-EXIT_USAGE = 2
-
-
-def _console() -> Any:
-    from rich.console import Console
-
-    # Pipelines and CI logs are not terminals: give tables room instead of rich's 80 columns.
-    return Console(width=None if sys.stdout.isatty() else 160, highlight=False)
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, not usage + error
-        command = " ".join(self.prog.split()[1:])
-        see = f"kvfleet {command} --help" if command else "kvfleet --help"
-        self.exit(EXIT_USAGE, f"kvfleet: error: {message} (see {see})\n")
-
-
-def _mm_limits(text: str) -> tuple[tuple[str, int], ...]:
-    """vLLM's --limit-mm-per-prompt: a JSON object ({"image": 0}) or image=0,video=0."""
-    text = text.strip()
-    try:
-        raw = json.loads(text) if text.startswith("{") else dict(p.split("=", 1) for p in text.split(",") if p)
-    except (ValueError, json.JSONDecodeError):
-        raise argparse.ArgumentTypeError(f"expected image=N,video=N or a JSON object, got {text!r}") from None
-    if not isinstance(raw, dict) or not raw:
-        raise argparse.ArgumentTypeError(f"expected image=N,video=N or a JSON object, got {text!r}")
-    out: list[tuple[str, int]] = []
-    for k, v in raw.items():
-        try:
-            n = int(v)
-        except (TypeError, ValueError):
-            raise argparse.ArgumentTypeError(f"{k}: expected a whole number of items, got {v!r}") from None
-        out.append((str(k).strip(), n))
-    return tuple(sorted(out))
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {v}")
-    return v
-
-
-def _int_list(text: str) -> list[int]:
-    out = [_positive_int(part.strip()) for part in text.split(",") if part.strip()]
-    if not out:
-        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}")
-    return out
-
-
-def _float_list(text: str) -> list[float]:
-    out = [_positive_float(part.strip()) for part in text.split(",") if part.strip()]
-    if not out:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive numbers, got {text!r}")
-    return out
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (v > 0 and math.isfinite(v)):
-        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
-    return v
-
-
-def _fraction(text: str) -> float:
-    v = _positive_float(text)
-    if v > 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return v
+from kvfleet.cli.args import (
+    EXIT_USAGE,
+    _console,
+    _float_list,
+    _fraction,
+    _int_list,
+    _mm_limits,
+    _Parser,
+    _positive_float,
+    _positive_int,
+    printable,
+)
+from kvfleet.cli.simulate import add_simulate_parser, cmd_simulate
 
 
 def _engine_setting_flags(p: argparse.ArgumentParser) -> None:
@@ -378,6 +315,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     be.add_argument("--html", help="also write a self-contained HTML report (distributions, levels, checks) here")
     be.add_argument(
+        "--predict",
+        action="store_true",
+        help="simulate each level beside what it measured, on one replica of the plan (--env) or of a calibration "
+        "(--calibration), and print both with the error",
+    )
+    be.add_argument(
+        "--calibration",
+        help="with --predict: a file kvfleet bench --calibrate wrote (its fitted steps, KV cache and engine limits)",
+    )
+    be.add_argument(
         "--calibrate",
         help="with --env: write what was measured (the engine's KV cache, step times against the plan's at each "
         "closed-loop level) as a calibration file for kvfleet plan and simulate --calibration",
@@ -421,30 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--duration-s", type=_positive_float, help="keep this many seconds (default: the rest)")
     w.add_argument("--rate-scale", type=_positive_float, default=1.0, help="replay at this multiple of the rate")
     w.add_argument("--json", action="store_true")
-    si = sub.add_parser("simulate", help="replay a trace through a planned fleet: latency, scaling, cost")
-    si.add_argument("environment", help="environments/<name>.yaml (or a name in environments/)")
-    si.add_argument("--deployment", help="the deployment to simulate (default: each in turn)")
-    si.add_argument("--trace", help="a request trace (kvfleet workload reads the same formats)")
-    si.add_argument("--trace-format", choices=["azure", "mooncake", "burstgpt", "kvfleet"])
-    si.add_argument("--start-s", type=float, default=0.0, help="skip this many seconds of the trace")
-    si.add_argument("--duration-s", type=_positive_float, help="keep this many seconds of the trace")
-    si.add_argument("--rate-scale", type=_positive_float, default=1.0, help="replay at this multiple of the rate")
-    si.add_argument(
-        "--router",
-        choices=["least_outstanding", "random", "round_robin"],
-        help="how requests reach replicas (default: what the deployment's target does)",
-    )
-    si.add_argument(
-        "--png",
-        metavar="FILE",
-        help="also draw the run over time (requests, queue, KV-cache use, replicas) into this PNG; with several "
-        "deployments, one each: FILE-<deployment>.png",
-    )
-    si.add_argument(
-        "--calibration",
-        help="a file kvfleet bench --calibrate wrote on this deployment: its measured KV cache and step times",
-    )
-    si.add_argument("--json", action="store_true")
+    add_simulate_parser(sub)
     i = sub.add_parser("instances", help="the accelerator and instance catalog")
     i.add_argument("--platform", choices=list(TARGETS))
     i.add_argument("--json", action="store_true")
@@ -1533,6 +1457,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
                 row["planned"] = _predicted_speed(planned, n_in, n_out, spec.concurrency)
                 row["input_tokens"], row["output_tokens_each"] = n_in, n_out
                 speed_drift += _speed_drift(row, a.speed_tolerance)
+    prediction_source = _predict_levels(a, planned, specs, rows) if a.predict else None
     failed = sum(r["requests"] - r["completed"] for r in rows)
     kv_note = None
     if capacity is None and expected is not None and not kv_required:
@@ -1599,6 +1524,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
                     f"(measured {measured}), {p['output_tokens_per_s']:,.0f} output tokens/s (measured "
                     f"{row['output_tokens_per_s']:,.0f}), TTFT {p['ttft_s'] * 1e3:,.0f} ms"
                 )
+        if prediction_source is not None:
+            from kvfleet.cli.predict import prediction_lines
+
+            print("\n".join(prediction_lines(rows, prediction_source)))
         if best_rate is not None:
             print(
                 f"highest rate with {a.slo_attainment:.0%} of first tokens within {ttft_ms:g} ms: {best_rate:g} req/s"
@@ -1721,6 +1650,18 @@ def _failures(row: dict[str, Any]) -> str:
     return ", ".join(f"{n} x {k}" for k, n in sorted(row["failed"].items()))
 
 
+def _predict_levels(
+    a: argparse.Namespace, planned: ResolvedDeployment | None, specs: list[LevelSpec], rows: list[dict[str, Any]]
+) -> str:
+    """Each level simulated beside what it measured (row["predicted"]); returns where the prediction came from."""
+    from kvfleet.cli.predict import predict_level, prediction_fleet
+
+    fleet, source = prediction_fleet(a, planned)
+    for row, spec in zip(rows, specs, strict=True):
+        row["predicted"] = predict_level(fleet, spec)
+    return source
+
+
 def _bench_levels(a: argparse.Namespace) -> list[LevelSpec]:
     from kvfleet.bench.client import LevelSpec, concurrency_levels, poisson_level
 
@@ -1741,9 +1682,22 @@ def _bench_levels(a: argparse.Namespace) -> list[LevelSpec]:
             poisson_level(r, requests=a.requests, prompt_tokens=a.input_tokens, output_tokens=a.output_tokens)
             for r in a.rate
         ]
-    return concurrency_levels(
+    levels = concurrency_levels(
         a.concurrency, requests=a.requests, prompt_tokens=a.input_tokens, output_tokens=a.output_tokens
     )
+    if a.calibrate:
+        # Enough levels to fit each term of the step model: the batch sizes asked for (and one request alone), each
+        # with the prompt asked for and a short one (per prefill token against per step and per request).
+        short = max(16, a.input_tokens // 8)
+        sizes = sorted({1, *a.concurrency})
+        levels = [
+            *concurrency_levels(
+                sizes, requests=a.requests, prompt_tokens=a.input_tokens, output_tokens=a.output_tokens
+            ),
+            *concurrency_levels(sizes, requests=a.requests, prompt_tokens=short, output_tokens=a.output_tokens),
+        ]
+        levels = [replace(lv, label=f"{lv.label}, {lv.lengths[0][0]} in") for lv in levels]
+    return levels
 
 
 def _write_calibration(
@@ -1754,6 +1708,7 @@ def _write_calibration(
 
     from kvfleet.calibration import Calibration, Point
 
+    measured = [row for row in rows if row.get("planned") and row["itl_s"] is not None and row["completed"]]
     points = tuple(
         Point(
             concurrency=row["concurrency"],
@@ -1764,9 +1719,14 @@ def _write_calibration(
             output_tokens_per_s=row["output_tokens_per_s"],
             predicted_output_tokens_per_s=row["planned"]["output_tokens_per_s"],
         )
-        for row in rows
-        if row.get("planned") and row["itl_s"] is not None and row["completed"]
+        for row in measured
     )
+    from kvfleet.calibration import EngineLimitsRecord
+    from kvfleet.tuning import fleet_spec
+
+    kv_tokens = capacity.tokens if capacity is not None else None
+    steps, residuals = _fit_steps(r, measured, kv_tokens)
+    lim = fleet_spec(r).limits
     cal = Calibration(
         measured_at=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         instance_type=r.candidate.name,
@@ -1774,8 +1734,15 @@ def _write_calibration(
         engine_version=r.deployment.engine.version,
         model=r.model_id,
         tensor_parallel_size=r.candidate.tensor_parallel_size,
-        kv_cache_tokens=capacity.tokens if capacity is not None else None,
+        kv_cache_tokens=kv_tokens,
         points=points,
+        steps=steps,
+        residuals=residuals,
+        engine_limits=EngineLimitsRecord(
+            max_num_seqs=lim.max_num_seqs,
+            max_num_batched_tokens=lim.max_num_batched_tokens,
+            block_tokens=lim.block_tokens,
+        ),
     )
     try:
         Path(path).write_text(cal.to_json(), encoding="utf-8")
@@ -1784,6 +1751,89 @@ def _write_calibration(
         return
     kv = f"{cal.kv_cache_tokens:,} KV tokens" if cal.kv_cache_tokens else "no KV size (the endpoint hides /metrics)"
     print(f"calibration written to {path}: steps x{cal.step_time_scale:.2f} the plan's, {kv}", file=sys.stderr)
+    for line in _fit_lines(cal):
+        print(line, file=sys.stderr)
+
+
+def _fit_steps(
+    r: ResolvedDeployment, rows: list[dict[str, Any]], kv_tokens: int | None
+) -> tuple[FittedSteps | None, tuple[FitResidual, ...]]:
+    """The step model fitted on the measured closed-loop levels (kvfleet.sim.fit), with each level's residual;
+    (None, ()) where the levels do not hold two batch sizes and two prompt lengths."""
+    from dataclasses import replace as with_fields
+
+    from kvfleet.calibration import FitResidual, FittedSteps
+    from kvfleet.sim.fit import MeasuredLevel, fit
+    from kvfleet.tuning import fleet_spec
+
+    levels = [
+        MeasuredLevel(
+            concurrency=row["concurrency"],
+            input_tokens=row["input_tokens"],
+            output_tokens=row["output_tokens_each"],
+            requests=row["completed"],
+            ttft_p50_s=row["ttft_s"]["p50"] if row["ttft_s"] else 0.0,
+            itl_mean_s=row["tpot_s"]["mean"] if row["tpot_s"] else 0.0,
+            output_tokens_per_s=row["output_tokens_per_s"],
+        )
+        for row in rows
+    ]
+    spec = fleet_spec(r)
+    if kv_tokens is not None:  # the cache the engine allocated, as the simulator will replay it
+        spec = with_fields(
+            spec, limits=with_fields(spec.limits, kv_blocks=max(1, kv_tokens // spec.limits.block_tokens))
+        )
+    try:
+        result = fit(spec, levels)
+    except ValueError:
+        return None, ()
+    m = result.model
+    steps = FittedSteps(
+        fixed_s=m.fixed_s,
+        per_prefill_token_s=m.per_prefill_token_s,
+        per_decode_seq_s=m.per_decode_seq_s,
+        per_kv_token_s=m.per_kv_token_s,
+        request_overhead_s=result.request_overhead_s,
+    )
+    residuals = tuple(
+        FitResidual(
+            concurrency=lf.level.concurrency,
+            input_tokens=lf.level.input_tokens,
+            output_tokens=lf.level.output_tokens,
+            ttft_p50_s=lf.level.ttft_p50_s,
+            predicted_ttft_p50_s=lf.ttft_p50_s,
+            itl_s=lf.level.itl_mean_s,
+            predicted_itl_s=lf.itl_mean_s,
+            output_tokens_per_s=lf.level.output_tokens_per_s,
+            predicted_output_tokens_per_s=lf.output_tokens_per_s,
+        )
+        for lf in result.levels
+    )
+    return steps, residuals
+
+
+def _fit_lines(cal: Calibration) -> list[str]:
+    """The fitted terms and each level's residual, for the person who ran the calibration."""
+    s = cal.steps
+    if s is None:
+        return ["no step model fitted: that needs closed-loop levels at two batch sizes and two prompt lengths"]
+    out = [
+        f"fitted step model: {s.fixed_s * 1e3:.3f} ms per step + {s.per_prefill_token_s * 1e6:.3f} us per prefill "
+        f"token + {s.per_decode_seq_s * 1e6:.2f} us per decoding sequence + {s.per_kv_token_s * 1e9:.3f} ns per KV "
+        f"token read; {s.request_overhead_s * 1e3:.2f} ms per request outside the steps"
+    ]
+    for x in cal.residuals:
+        out.append(
+            f"  concurrency {x.concurrency}, {x.input_tokens} in: "
+            f"TTFT p50 {_pct(x.predicted_ttft_p50_s, x.ttft_p50_s)}, "
+            f"ITL {_pct(x.predicted_itl_s, x.itl_s)}, output tokens/s "
+            f"{_pct(x.predicted_output_tokens_per_s, x.output_tokens_per_s)} (fitted against measured)"
+        )
+    return out
+
+
+def _pct(predicted: float, measured: float) -> str:
+    return f"{(predicted / measured - 1) * 100:+.0f}%" if measured > 0 else "n/a"
 
 
 def _progress_line() -> Callable[[LevelSpec, list[Any]], None]:
@@ -1935,122 +1985,6 @@ def cmd_workload(a: argparse.Namespace) -> int:
     return 0
 
 
-def _png_paths(png: str, names: list[str]) -> dict[str, str]:
-    """Each deployment's timeline file: FILE for one, FILE-<name>.png for several. Checked before the replay, so a
-    path that cannot be written costs no simulation."""
-    import os
-    from pathlib import Path
-
-    path = Path(png)
-    if path.suffix.lower() != ".png":
-        raise KvfleetError(f"{png} does not end in .png", field="png")
-    folder = path.parent
-    if not folder.is_dir():
-        raise KvfleetError(f"cannot write {png}: there is no directory {folder}", field="png")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise KvfleetError(f"cannot write {png}: the directory {folder} is not writable", field="png")
-    paths = {names[0]: path} if len(names) == 1 else {n: path.with_name(f"{path.stem}-{n}{path.suffix}") for n in names}
-    for p in paths.values():
-        if p.is_dir():
-            raise KvfleetError(f"cannot write {p}: it is a directory", field="png")
-    return {n: str(p) for n, p in paths.items()}
-
-
-def _write_timeline(result: FleetResult, trace: Trace, spec: FleetSpec, path: str, *, title: str) -> None:
-    from kvfleet.sim.timeline import render_png, timeline
-
-    try:
-        render_png(timeline(result, trace, spec), path, title=title)
-    except OSError as err:
-        raise KvfleetError(f"cannot write {path}: {err.strerror or err}", field="png") from None
-
-
-def cmd_simulate(a: argparse.Namespace) -> int:
-    from kvfleet.config.loader import environment_path, load_located
-    from kvfleet.deployments import config_error, plan_requests, resolve
-    from kvfleet.sim.fleet import simulate
-    from kvfleet.sim.report import render, summarize
-    from kvfleet.tuning import fleet_spec, poisson_trace
-    from kvfleet.workload.traces import read_trace
-
-    loaded = load_located(environment_path(a.environment))
-    env = loaded.environment
-    try:
-        drs = plan_requests(env)
-    except KvfleetError as err:
-        raise loaded.problem(err) from None
-    names = [dr.deployment.name for dr in drs]
-    if a.deployment and a.deployment not in names:
-        raise KvfleetError(
-            f"no deployment {a.deployment!r} in {loaded.source}; it has {', '.join(names)}", field="deployment"
-        )
-    pngs = _png_paths(a.png, [n for n in names if not a.deployment or n == a.deployment]) if a.png else {}
-    calibration = None
-    if a.calibration:
-        from kvfleet.calibration import read_calibration
-
-        calibration = read_calibration(a.calibration)
-    trace = (
-        read_trace(a.trace, fmt=a.trace_format, start_s=a.start_s, duration_s=a.duration_s, rate_scale=a.rate_scale)
-        if a.trace
-        else None
-    )
-    out = []
-    for dr in drs:
-        if a.deployment and dr.deployment.name != a.deployment:
-            continue
-        try:
-            r = resolve(env, dr)
-        except KvfleetError as err:
-            raise loaded.problem(config_error(err, dr.index)) from None
-        spec = fleet_spec(r, a.router, calibration=calibration)
-        # --trace wins; else the deployment's own workload.trace, read when the file was loaded (its window and
-        # rate scale applied); else Poisson arrivals at the workload's peak.
-        own = loaded.traces.get(dr.index)
-        replay = trace if trace is not None else own if own is not None else poisson_trace(r)
-        w = r.deployment.workload
-        result = simulate(replay, spec)
-        report = summarize(
-            result,
-            spec,
-            ttft_slo_s=w.ttft_ms / 1000 if w.ttft_ms else None,
-            itl_slo_s=w.itl_ms / 1000 if w.itl_ms else None,
-        )
-        fleet = (
-            f"{dr.deployment.name}: {r.instance_type} x{spec.initial_replicas} "
-            f"({spec.scaling.min_replicas}-{spec.scaling.max_replicas}, {spec.scaling.kind}, {spec.router} routing)"
-        )
-        head = f"{fleet}, {replay.source}"
-        if calibration is not None:
-            kv = f"{calibration.kv_cache_tokens:,} KV tokens" if calibration.kv_cache_tokens else "the planned KV cache"
-            head += (
-                f"\ncalibrated ({a.calibration}, measured {calibration.measured_at}): step times "
-                f"x{calibration.step_time_scale:.2f} the model's, {kv}"
-            )
-        if dr.deployment.name in pngs:
-            _write_timeline(result, replay, spec, pngs[dr.deployment.name], title=f"{fleet}\n{replay.source}")
-        out.append((head, report, spec))
-    if a.json:
-        rows = []
-        for h, rep, spec in out:
-            name = h.split(":", 1)[0]
-            rows.append(
-                {
-                    "deployment": name,
-                    "router": spec.router,
-                    "autoscaler": spec.scaling.kind,
-                    **rep.as_dict(),
-                    **({"png": pngs[name]} if name in pngs else {}),
-                }
-            )
-        print(json.dumps(rows, indent=2))
-    else:
-        print("\n\n".join(f"{h}\n{render(rep)}" for h, rep, _ in out))
-        for path in pngs.values():
-            print(f"timeline written to {path}")
-    return 0
-
-
 COMMANDS = {
     "bench": cmd_bench,
     "simulate": cmd_simulate,
@@ -2072,7 +2006,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except KvfleetError as err:
-        print(f"kvfleet: error: {err}", file=sys.stderr)
+        print(f"kvfleet: error: {printable(str(err))}", file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:
         return 0

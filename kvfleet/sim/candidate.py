@@ -1,0 +1,122 @@
+"""One engine start on one instance type, without an environment file: what a user benchmarks.
+
+``kvfleet simulate --model M --instance-type T --tp N ...`` asks what a benchmark of ``vllm serve M
+--tensor-parallel-size N`` (or trtllm-serve) on T would show. The engine starts with its own defaults for that device
+and release, as the capacity model sizes them (max_num_seqs, max_num_batched_tokens, the KV cache), unless a flag
+gives one; the step model prices its steps; the engine's own scheduler runs them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvfleet.engines import adapter
+from kvfleet.engines.base import EngineArgs
+from kvfleet.errors import KvfleetError
+from kvfleet.sim.fleet import FleetSpec, Scaling
+from kvfleet.sim.replica import EngineLimits
+from kvfleet.sim.steps import RooflineSteps
+from kvfleet.sizing.capacity import Capacity, EngineSettings, capacity, prefix_caching
+from kvfleet.sizing.engines import EngineName
+from kvfleet.sizing.hardware import InstanceType, instance
+from kvfleet.sizing.models import ModelSpec
+from kvfleet.sizing.precision import kv_dtype, weight_scheme
+from kvfleet.sizing.step import replica
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineStart:
+    model: ModelSpec
+    instance_type: str
+    tp: int = 1
+    engine: str = "vllm"
+    engine_version: str | None = None
+    precision: str | None = None  # weight precision; None: the checkpoint's own
+    kv_cache_dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    gpu_memory_utilization: float | None = None
+    enable_prefix_caching: bool | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class StartedEngine:
+    spec: FleetSpec  # one warm replica, no autoscaler (kvfleet.sim.shapes.fixed sets the count)
+    capacity: Capacity
+    instance: InstanceType
+
+    def describe(self) -> str:
+        c = self.capacity
+        return (
+            f"{c.model_id} on {self.instance.name}, {c.engine.value} {c.engine_version}, tp={c.tensor_parallel_size}, "
+            f"{c.weights.scheme.name}: {c.num_blocks * c.block_size:,} KV tokens, max_num_seqs {c.max_num_seqs}, "
+            f"max_num_batched_tokens {c.max_num_batched_tokens}"
+        )
+
+
+def _settings(e: EngineStart) -> EngineSettings:
+    scheme = weight_scheme(e.precision, field="precision") if e.precision else None
+    native = e.model.native_scheme
+    return EngineSettings(
+        engine=EngineName(e.engine),
+        version=e.engine_version,
+        tensor_parallel_size=e.tp,
+        gpu_memory_utilization=e.gpu_memory_utilization,
+        max_model_len=e.max_model_len,
+        max_num_seqs=e.max_num_seqs,
+        max_num_batched_tokens=e.max_num_batched_tokens,
+        kv_cache_dtype=kv_dtype(e.kv_cache_dtype),
+        quantization=scheme.name if scheme is not None and scheme.name != native.name else None,
+        enable_prefix_caching=e.enable_prefix_caching,
+    )
+
+
+def start(e: EngineStart, *, longest_request_tokens: int) -> StartedEngine:
+    """The engine as it would start, refused with the engine's own reason where it would not, or where the
+    benchmark's longest request would not fit its context."""
+    it = instance(e.instance_type)
+    if e.tp > it.accelerator_count:
+        raise KvfleetError(f"{it.name} has {it.accelerator_count} GPUs; give at most that", field="tp")
+    mem = it.usable_gpu_memory_bytes
+    if mem is None:
+        raise KvfleetError(f"the catalog has no GPU memory figure for {it.name}", field="instance-type")
+    settings = _settings(e)
+    cap = capacity(e.model, gpu_memory_bytes=mem, settings=settings, accelerator_name=it.accelerator.name)
+    if cap.problems:
+        raise KvfleetError(f"the engine would not start: {cap.problems[0]}", field="model")
+    if longest_request_tokens > cap.max_model_len:
+        raise KvfleetError(
+            f"the longest request ({longest_request_tokens:,} tokens) exceeds the engine's max_model_len "
+            f"({cap.max_model_len:,}); give shorter lengths or a larger --max-model-len",
+            field="max-model-len",
+        )
+    rep = replica(
+        model=e.model,
+        accelerator=it.accelerator,
+        tp=e.tp,
+        nvlink=it.nvlink,
+        scheme=cap.weights.scheme,
+        kv_dtype=settings.kv_cache_dtype,
+    )
+    args = EngineArgs(tensor_parallel_size=e.tp)
+    price = it.ec2_price
+    return StartedEngine(
+        spec=FleetSpec(
+            limits=EngineLimits(
+                max_num_seqs=cap.max_num_seqs,
+                max_num_batched_tokens=cap.max_num_batched_tokens,
+                kv_blocks=cap.num_blocks,
+                block_tokens=cap.block_size,
+                prefix_caching=prefix_caching(e.model, settings),
+            ),
+            model=RooflineSteps(rep),
+            scheduler=adapter(e.engine).scheduler(args),
+            scaling=Scaling(kind="none", min_replicas=1, max_replicas=1, kv_cache_target=1.0, queue_target=1e9),
+            initial_replicas=1,
+            cold_start_s=0.0,
+            usd_per_replica_hour=price.usd_per_hour * e.tp / it.accelerator_count if price else None,
+        ),
+        capacity=cap,
+        instance=it,
+    )

@@ -1,0 +1,104 @@
+"""`kvfleet simulate` on a benchmark shape: one engine start from flags or a planned deployment, and the flags it
+refuses because they would change nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvfleet.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+BARE = [
+    *("--model", "meta-llama/Llama-3.1-8B", "--instance-type", "p5.48xlarge", "--tp", "1"),
+    *("--engine", "vllm", "--engine-version", "0.11.0", "--precision", "bf16"),
+]
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    try:
+        code = main(["simulate", *argv])
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_a_closed_loop_on_one_engine_start_reports_percentiles_and_throughput(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    shape = ["--concurrency", "64", "--requests", "640", "--input-tokens", "1000", "--output-tokens", "1000", "--json"]
+    code, out, err = run(capsys, *BARE, *shape)
+    assert code == 0, err
+    [row] = json.loads(out)
+    assert row["requests"] == row["completed"] == 640
+    for metric in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
+        p = row[metric]
+        assert 0 < p["p50"] <= p["p90"] <= p["p99"], metric
+        assert p["mean"] > 0
+    assert row["output_tokens_per_s"] > 0 and row["requests_per_s"] > 0
+    assert row["output_tokens_per_s"] == pytest.approx(1000 * row["requests_per_s"], rel=1e-6)
+    assert "closed loop: 64 clients" in row["load"] and "p5.48xlarge" in row["subject"]
+    # Four times the clients on the same engine: more throughput, a later first token.
+    code, out, err = run(
+        capsys,
+        *BARE,
+        *["--concurrency", "256", "--requests", "1024", "--input-tokens", "1000"],
+        "--output-tokens",
+        "1000",
+        "--json",
+    )
+    assert code == 0, err
+    [busy] = json.loads(out)
+    assert busy["output_tokens_per_s"] > row["output_tokens_per_s"]
+    assert busy["ttft_s"]["p90"] > row["ttft_s"]["p90"]
+
+
+def test_poisson_and_a_local_model_directory(capsys: pytest.CaptureFixture[str]) -> None:
+    model = REPO / "tests" / "fixtures" / "hf_configs" / "Qwen3-30B-A3B-FP8"
+    code, out, err = run(
+        capsys,
+        *f"--model {model} --instance-type g6e.xlarge --rate 2 --requests 200 --input-tokens 500".split(),
+        *["--output-tokens", "100", "--range-ratio", "0.3"],
+    )
+    assert code == 0, err
+    assert "Poisson arrivals at 2 requests/s, 200 requests" in out and "TTFT" in out and "throughput" in out
+
+
+def test_a_deployments_planned_fleet_runs_a_benchmark_shape(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "dev", "--concurrency", "8", "--requests", "64", "--json")
+    assert code == 0, err
+    rows = json.loads(out)
+    assert rows and all(r["autoscaler"] == "none" and r["requests"] == 64 for r in rows)
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["dev", "--duration-s", "60"], "--duration-s only apply to --trace"),
+        (["dev", "--rate-scale", "2"], "--rate-scale only apply to --trace"),
+        (["dev", "--requests", "10"], "only apply to --concurrency or --rate"),
+        (["dev", "--concurrency", "4", "--rate", "2"], "two loads"),
+        (["dev", "--concurrency", "4", "--png", "x.png"], "a closed loop has none"),
+        (["dev", "--tp", "2"], "give --model too"),
+        (["dev", *BARE, "--concurrency", "4"], "not both"),
+        (["--model", "meta-llama/Llama-3.1-8B", "--concurrency", "4"], "--instance-type"),
+        (BARE, "give a load"),
+        ([*BARE, "--concurrency", "4"], "--input-tokens and --output-tokens"),
+        ([], "give an environment file, or --model"),
+        (
+            [*BARE, "--concurrency", "4", "--input-tokens", "200000", "--output-tokens", "10"],
+            "max_model_len",
+        ),
+        ([*BARE, "--concurrency", "4", "--input-tokens", "10", "--output-tokens", "10", "--tp", "16"], "8 GPUs"),
+    ],
+)
+def test_flags_that_would_change_nothing_or_cannot_run_are_one_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str], needle: str
+) -> None:
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert needle in err
