@@ -18,16 +18,20 @@ from kvfleet.sim.replica import EngineLimits
 from kvfleet.sim.steps import RooflineSteps
 from kvfleet.sizing.capacity import Capacity, EngineSettings, capacity, prefix_caching
 from kvfleet.sizing.engines import EngineName
-from kvfleet.sizing.hardware import InstanceType, instance
+from kvfleet.sizing.hardware import InstanceType, accelerator, instance
 from kvfleet.sizing.models import ModelSpec
 from kvfleet.sizing.precision import kv_dtype, weight_scheme
-from kvfleet.sizing.step import replica
+from kvfleet.sizing.step import nvlink_bytes_per_s, replica
 
 
 @dataclass(frozen=True, kw_only=True)
 class EngineStart:
+    """One engine start: on an instance type (its GPUs, their links and its price), or on a catalog GPU alone (a
+    published benchmark names the GPU, not the instance)."""
+
     model: ModelSpec
-    instance_type: str
+    instance_type: str | None = None
+    gpu: str | None = None  # with instance_type None: the catalog accelerator
     tp: int = 1
     engine: str = "vllm"
     engine_version: str | None = None
@@ -44,12 +48,13 @@ class EngineStart:
 class StartedEngine:
     spec: FleetSpec  # one warm replica, no autoscaler (kvfleet.sim.shapes.fixed sets the count)
     capacity: Capacity
-    instance: InstanceType
+    instance: InstanceType | None
+    where: str  # the instance type, or the GPU
 
     def describe(self) -> str:
         c = self.capacity
         return (
-            f"{c.model_id} on {self.instance.name}, {c.engine.value} {c.engine_version}, tp={c.tensor_parallel_size}, "
+            f"{c.model_id} on {self.where}, {c.engine.value} {c.engine_version}, tp={c.tensor_parallel_size}, "
             f"{c.weights.scheme.name}: {c.num_blocks * c.block_size:,} KV tokens, max_num_seqs {c.max_num_seqs}, "
             f"max_num_batched_tokens {c.max_num_batched_tokens}"
         )
@@ -75,14 +80,16 @@ def _settings(e: EngineStart) -> EngineSettings:
 def start(e: EngineStart, *, longest_request_tokens: int) -> StartedEngine:
     """The engine as it would start, refused with the engine's own reason where it would not, or where the
     benchmark's longest request would not fit its context."""
-    it = instance(e.instance_type)
-    if e.tp > it.accelerator_count:
+    it = instance(e.instance_type) if e.instance_type else None
+    acc = it.accelerator if it is not None else accelerator(e.gpu or "")
+    if it is not None and e.tp > it.accelerator_count:
         raise KvfleetError(f"{it.name} has {it.accelerator_count} GPUs; give at most that", field="tp")
-    mem = it.usable_gpu_memory_bytes
+    mem = it.usable_gpu_memory_bytes if it is not None else acc.usable_memory_bytes or acc.memory_bytes
     if mem is None:
-        raise KvfleetError(f"the catalog has no GPU memory figure for {it.name}", field="instance-type")
+        raise KvfleetError(f"the catalog has no GPU memory figure for {it.name if it else acc.model}", field="model")
+    nvlink = it.nvlink if it is not None else nvlink_bytes_per_s(acc) is not None
     settings = _settings(e)
-    cap = capacity(e.model, gpu_memory_bytes=mem, settings=settings, accelerator_name=it.accelerator.name)
+    cap = capacity(e.model, gpu_memory_bytes=mem, settings=settings, accelerator_name=acc.name)
     if cap.problems:
         raise KvfleetError(f"the engine would not start: {cap.problems[0]}", field="model")
     if longest_request_tokens > cap.max_model_len:
@@ -93,14 +100,14 @@ def start(e: EngineStart, *, longest_request_tokens: int) -> StartedEngine:
         )
     rep = replica(
         model=e.model,
-        accelerator=it.accelerator,
+        accelerator=acc,
         tp=e.tp,
-        nvlink=it.nvlink,
+        nvlink=nvlink,
         scheme=cap.weights.scheme,
         kv_dtype=settings.kv_cache_dtype,
     )
     args = EngineArgs(tensor_parallel_size=e.tp)
-    price = it.ec2_price
+    price = it.ec2_price if it is not None else None
     return StartedEngine(
         spec=FleetSpec(
             limits=EngineLimits(
@@ -115,8 +122,9 @@ def start(e: EngineStart, *, longest_request_tokens: int) -> StartedEngine:
             scaling=Scaling(kind="none", min_replicas=1, max_replicas=1, kv_cache_target=1.0, queue_target=1e9),
             initial_replicas=1,
             cold_start_s=0.0,
-            usd_per_replica_hour=price.usd_per_hour * e.tp / it.accelerator_count if price else None,
+            usd_per_replica_hour=price.usd_per_hour * e.tp / it.accelerator_count if price and it else None,
         ),
         capacity=cap,
         instance=it,
+        where=it.name if it is not None else f"{e.tp} x {acc.name}",
     )

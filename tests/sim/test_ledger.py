@@ -1,0 +1,64 @@
+"""The accuracy ledger: published serving benchmarks predicted as they ran (kvfleet/sim/ledger.py).
+
+docs/accuracy.md must be what a fresh run writes, and the check rows' median errors must not grow past what it
+records (lower the ceilings here when a change improves them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+
+from kvfleet.sim import ledger
+from kvfleet.sizing.catalog import catalog_model
+from tests.sizing.conftest import load_tool
+
+REPO = Path(__file__).resolve().parents[2]
+# The medians docs/accuracy.md records, rounded up to the next percent: a change that makes one worse fails here.
+CEILINGS = {
+    "check": {"ttft": 0.60, "tpot": 0.42, "itl": 0.41, "e2e": 0.06, "output_tokens_per_s": 0.21},
+    "fit": {"ttft": 0.06, "itl": 0.09, "output_tokens_per_s": 0.06},
+}
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[ledger.Row]:
+    return ledger.rows()
+
+
+def test_the_ledger_document_is_current(rows: list[ledger.Row]) -> None:
+    tool = load_tool("accuracy_ledger")
+    fresh = ledger.render(rows) + "\n" + tool.capacity_section()
+    assert (REPO / "docs" / "accuracy.md").read_text(encoding="utf-8") == fresh, (
+        "docs/accuracy.md is stale: run .venv/bin/python tools/accuracy_ledger.py"
+    )
+
+
+@pytest.mark.parametrize("split", ["check", "fit"])
+def test_median_errors_do_not_grow(rows: list[ledger.Row], split: str) -> None:
+    medians = ledger.medians(rows, split)
+    for metric, ceiling in CEILINGS[split].items():
+        value = medians[metric]
+        assert value is not None and value <= ceiling, (split, metric, value)
+
+
+def test_every_row_has_a_source_a_split_and_a_shape() -> None:
+    cases = ledger.data()["cases"]
+    assert len(cases) >= 80 and len({c["id"] for c in cases}) == len(cases)
+    hosts = {urlparse(c["source"].split()[0]).netloc for c in cases}
+    assert len(hosts) >= 4, hosts
+    for c in cases:
+        assert c["split"] in ("fit", "check") and c["source"].startswith("https://"), c["id"]
+        assert c["shape"]["kind"] in ("closed_loop", "offline") and c["shape"]["input_tokens"] > 0
+    for alias in ledger.data()["model_aliases"].values():
+        catalog_model(alias["as"])  # every alias names a catalog model
+
+
+def test_a_row_fails_loudly_when_the_prediction_is_off(rows: list[ledger.Row]) -> None:
+    """The errors are the prediction's: the same row against a measurement half as fast reads about +100%."""
+    row = next(r for r in rows if r.skipped is None and "output_tokens_per_s" in r.measured)
+    halved = ledger.Row(
+        **{**row.__dict__, "measured": {"output_tokens_per_s": row.measured["output_tokens_per_s"] / 2}}
+    )
+    assert halved.errors()["output_tokens_per_s"] == pytest.approx(2 * (1 + row.errors()["output_tokens_per_s"]) - 1)

@@ -1,0 +1,82 @@
+"""Regenerate docs/accuracy.md: every published serving benchmark of kvfleet/sizing/data/serving_benchmarks.json
+simulated as it ran, with the errors per split, engine, GPU and load level (kvfleet/sim/ledger.py).
+
+    .venv/bin/python tools/accuracy_ledger.py          # write docs/accuracy.md
+    .venv/bin/python tools/accuracy_ledger.py --check  # exit 1 when docs/accuracy.md is stale
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's kvfleet, not another one installed
+
+from kvfleet.sim import ledger  # noqa: E402
+from kvfleet.sizing.engines import DEFAULT_VERSIONS  # noqa: E402
+
+DOC = REPO / "docs" / "accuracy.md"
+LOGS = REPO / "tests" / "sizing" / "data" / "engine_logs.json"
+
+
+def capacity_section() -> str:
+    """The start-up logs the capacity model is held to (tests/sizing/data/engine_logs.json), per engine release, and
+    whether the default release and the example environments' pins have one."""
+    import json
+    import re
+
+    records = json.loads(LOGS.read_text(encoding="utf-8"))["records"]
+    by_release: dict[tuple[str, str], list[str]] = {}
+    for r in records:
+        by_release.setdefault((r["engine"], r["release"] or "unknown"), []).append(r["split"])
+    pins = sorted(set(re.findall(r'^\s+version: "([\d.]+)"', _environments(), re.M)))
+    lines = [
+        "## Capacity: start-up logs per engine release",
+        "",
+        "The KV cache the engine allocates is held to public start-up logs in `tests/sizing/data/engine_logs.json`",
+        "(fit and check apart; `tools/fit_engine_logs.py` prints every term's error).",
+        "",
+        "| engine | release | logs (fit / check) |",
+        "|---|---|---:|",
+    ]
+    for (engine, release), splits in sorted(by_release.items(), key=lambda kv: (kv[0][0], _key(kv[0][1]))):
+        lines.append(f"| {engine} | {release} | {splits.count('fit')} / {splits.count('check')} |")
+    lines.append("")
+    for engine, default in sorted((e.value, v) for e, v in DEFAULT_VERSIONS.items()):
+        n = len(by_release.get((engine, default), []))
+        lines.append(
+            f"- Default {engine} release {default}: {n} log(s){'' if n else ', modelled from its source alone'}."
+        )
+    for pin in pins:
+        n = len(by_release.get(("vllm", pin), []))
+        lines.append(f"- vLLM {pin}, pinned by the example environments: {n} log(s) of that exact release.")
+    return "\n".join(lines) + "\n"
+
+
+def _environments() -> str:
+    return "\n".join(p.read_text(encoding="utf-8") for p in sorted((REPO / "environments").glob("*.yaml")))
+
+
+def _key(release: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", release)) if release != "unknown" else (999,)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="exit 1 when docs/accuracy.md differs from a fresh run")
+    a = p.parse_args()
+    text = ledger.render(ledger.rows()) + "\n" + capacity_section()
+    if a.check:
+        stale = not DOC.exists() or DOC.read_text(encoding="utf-8") != text
+        print(f"{DOC.relative_to(REPO)} is {'stale: run tools/accuracy_ledger.py' if stale else 'current'}")
+        return 1 if stale else 0
+    DOC.write_text(text, encoding="utf-8")
+    print(f"wrote {DOC.relative_to(REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
