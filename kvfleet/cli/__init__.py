@@ -1473,6 +1473,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     best_rate = max((r["rate_per_s"] or 0.0 for r in meeting if r["rate_per_s"]), default=None)
     slo_miss = None
     verdict = _limits_verdict(rows, a.slo_attainment) if limits is not None else None
+    if verdict is not None and limits is not None:
+        verdict["lines"].append(_limits_fill(limits, capacity))
     if limits is not None:
         slo = None  # --limits judges the planned level alone (below), not every level
     if slo is not None and not meeting:
@@ -1509,7 +1511,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps(report, indent=2))
     else:
-        _print_bench(a.url, model, a.input_tokens, a.output_tokens, rows)
+        _print_bench(a.url, model, _what_ran(a, limits, specs), rows)
         if capacity is not None:
             print(
                 f"engine KV cache: {capacity.blocks:,} blocks of {capacity.block_tokens} tokens = "
@@ -1529,9 +1531,17 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
             print("\n".join(prediction_lines(rows, prediction_source)))
         if best_rate is not None:
-            print(
-                f"highest rate with {a.slo_attainment:.0%} of first tokens within {ttft_ms:g} ms: {best_rate:g} req/s"
-            )
+            top = max(a.rate or [0.0])
+            if a.rate and best_rate >= top:  # the sweep never found where it stops
+                print(
+                    f"every rate up to {top:g} req/s got {a.slo_attainment:.0%} of first tokens within {ttft_ms:g} "
+                    f"ms: the limit lies above {top:g} req/s (add higher rates to find it)"
+                )
+            else:
+                print(
+                    f"highest rate with {a.slo_attainment:.0%} of first tokens within {ttft_ms:g} ms: "
+                    f"{best_rate:g} req/s"
+                )
         if expected is not None and drift is None:
             print(f"plan check: {expected:,} KV tokens expected; the engine has them (tolerance {a.tolerance:.0%})")
     if drift is not None:
@@ -1644,6 +1654,22 @@ def _limits_verdict(rows: list[dict[str, Any]], goal: float) -> dict[str, Any]:
     else:
         lines.append(f"limits: {above['level']}: every request completed (admission let them queue)")
     return {"passed": not problems and not others, "lines": lines}
+
+
+def _limits_fill(limits: tuple[int, int, int], capacity: KvCapacity | None) -> str:
+    """Whether the levels could have filled the cache the engine reports: a test that could not says nothing of
+    what the engine does when its cache is full."""
+    n_in, n_out, c = limits
+    most = 2 * c * (n_in + n_out)  # the level above the plan, every request at its longest
+    if capacity is None:
+        return "limits: the endpoint reports no KV cache: whether the test could fill it is unknown"
+    if most < capacity.tokens:
+        return (
+            f"limits: note: the test holds at most {most:,} tokens at once and the engine's cache has "
+            f"{capacity.tokens:,}: it could not have filled the cache (raise --max-concurrency or the lengths to "
+            "test a full one)"
+        )
+    return f"limits: the test holds up to {most:,} tokens at once, past the engine's cache of {capacity.tokens:,}"
 
 
 def _failures(row: dict[str, Any]) -> str:
@@ -1906,14 +1932,28 @@ def _planned(env_file: str, deployment: str | None) -> ResolvedDeployment:
         raise loaded.problem(config_error(err, matching[0].index)) from None
 
 
-def _print_bench(url: str, model: str, inp: int, out: int, rows: list[dict[str, Any]]) -> None:
+def _what_ran(a: argparse.Namespace, limits: tuple[int, int, int] | None, specs: list[LevelSpec]) -> str:
+    """The table's title: what the levels sent."""
+    if a.trace is not None:
+        return f"the trace {a.trace} (its own lengths and arrivals, x{a.rate_scale:g} the rate)"
+    if limits is not None:
+        n_in, n_out, c = limits
+        return f"the limits: {n_in} prompt + {n_out} generated tokens per request at {c} and {2 * c} clients"
+    lengths = sorted({n for s in specs for n in s.lengths})
+    each = ", ".join(f"{i} prompt + {o} generated" for i, o in lengths)
+    if a.planned_load:
+        return f"the plan's load: Poisson arrivals, {each} tokens per request"
+    return f"{each} tokens per request"
+
+
+def _print_bench(url: str, model: str, what: str, rows: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     def ms(p: dict[str, float] | None, key: str, digits: int = 0) -> str:
         return "-" if p is None else f"{p[key] * 1e3:,.{digits}f}"
 
     slo = any(r["ttft_attainment"] is not None for r in rows)
-    t = Table(title=f"{url}: {model}, {inp} prompt + {out} generated tokens per request (trace: its own lengths)")
+    t = Table(title=f"{url}: {model}, {what}")
     cols = ["level", "ok", "failed", "TTFT p50/p95 ms", "ITL p50/p95 ms", "TPOT p50 ms", "req/s", "out tok/s"]
     cols += ["TTFT in time"] if slo else []
     gauges = any(r.get("over_time") for r in rows)

@@ -215,6 +215,20 @@ def test_a_rate_sweep_reports_the_highest_rate_meeting_the_target(capsys: pytest
     assert report["kv_cache"] is None  # this endpoint has no /metrics
 
 
+def test_the_report_says_what_ran_and_where_the_limit_lies(capsys: pytest.CaptureFixture[str]) -> None:
+    """The table names the lengths sent; a sweep whose top rate still met the target says the limit lies above it
+    instead of calling that rate the limit."""
+    seen: list[tuple[float, int, int]] = []
+    with serving(_streaming(seen)) as url:
+        code, out, err = one_line(
+            capsys, url, "--rate", "5,20", "--requests", "10", "--input-tokens", "7", "--output-tokens", "3",
+            "--ttft-ms", "2000",
+        )  # fmt: skip
+    assert code == 0, err
+    assert "7 prompt + 3 generated tokens per request" in out and "its own lengths" not in out
+    assert "the limit lies above 20 req/s" in out and "highest rate" not in out
+
+
 def test_a_trace_is_replayed_at_its_own_times_and_lengths(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     trace = tmp_path / "t.csv"
     trace.write_text(
@@ -288,6 +302,9 @@ def test_limits_pass_at_the_plan_and_are_refused_with_429_above(capsys: pytest.C
     assert above["failed"].get("429", 0) > 0 and set(above["failed"]) == {"429"}, above
     assert report["limits"]["passed"] and code == 0, err
     assert "refused with 429 (admission), none failed" in report["limits"]["lines"][1]
+    # The most the levels hold at once (8 x 25 tokens) against the cache the engine reports.
+    fill = report["limits"]["lines"][2]
+    assert fill.startswith("limits:") and "200 tokens at once" in fill, fill
 
 
 def test_limits_fail_when_the_planned_level_fails(capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,6 +13,12 @@ must agree within 50%. The forward pass runs at the lowest priority, and request
 a stall of the clients' own event loop are set aside (at most a fifth): on two cores the spinning OpenMP threads of
 the CPU build otherwise held a client back by up to a second now and then, which a GPU host does not do.
 
+The same engine is then calibrated as `kvfleet bench --calibrate` does it (closed-loop levels at three batch sizes
+and two prompt lengths through kvfleet's own bench client, the step model and the per-request overhead fitted to
+them by kvfleet.sim.fit, written as a calibration file), `kvfleet bench --predict --calibration` runs two more levels
+and prints each prediction beside its measurement, and the slice is replayed on the fitted model too: its medians
+must agree within 25%, its 95th percentiles within 50%.
+
 Why those bounds, and not the issue's 15%: on two cores shared by the clients, the agent, vLLM's API server and
 its engine loop, the comparison itself is that noisy. The profile is measured in the same run (the CPU's speed
 cancels) and the replay keeps the engine busy without saturating it (past saturation a small step-time error
@@ -33,15 +39,21 @@ import os
 import statistics
 import time
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
+from kvfleet.bench.client import Endpoint, concurrency_levels, run_levels
+from kvfleet.bench.client import summarize as bench_summary
+from kvfleet.calibration import Calibration, EngineLimitsRecord, FittedSteps
+from kvfleet.cli import main
 from kvfleet.engines import EngineArgs
 from kvfleet.engines.vllm_scheduler import VllmScheduler
+from kvfleet.sim.fit import MeasuredLevel, StepFit
+from kvfleet.sim.fit import fit as fit_levels
 from kvfleet.sim.fleet import FleetSpec, Scaling, simulate
 from kvfleet.sim.replica import EngineLimits, LinearStepModel
 from kvfleet.workload.traces import Trace, read_trace
@@ -64,6 +76,10 @@ MIN_IN_FLIGHT = 6
 PROMPT_DIV, PROMPT_MIN, PROMPT_MAX = 4, 8, 480
 OUTPUT_DIV, OUTPUT_MIN, OUTPUT_MAX = 4, 4, 96
 TOLERANCE = {50: 0.50, 95: 0.50}  # by percentile; see the module docstring
+# The calibration kvfleet bench --calibrate fits (closed-loop levels, client-side timing) against the replay: the
+# issue's 25% at the median; the tail is as noisy here as the direct profile's. First run: TTFT p50 -3.5%, ITL p50
+# +7.7%, p95s +3.0% and -22.8% (the direct profile, same run: -26.4%, +39.8%, -28.6%, -8.9%).
+CALIBRATED_TOLERANCE = {50: 0.25, 95: 0.50}
 
 MAX_NUM_SEQS = 32
 MAX_NUM_BATCHED_TOKENS = 512
@@ -235,7 +251,7 @@ def peak_in_flight(spans: list[tuple[float, float]]) -> int:
     return max(itertools.accumulate(step for _, step in edges))
 
 
-def fleet_spec(profile: Profile, kv_blocks: int, block_tokens: int) -> FleetSpec:
+def fleet_spec(profile: Profile | None, kv_blocks: int, block_tokens: int) -> FleetSpec:
     return FleetSpec(
         scheduler=VLLM,
         limits=EngineLimits(
@@ -245,7 +261,9 @@ def fleet_spec(profile: Profile, kv_blocks: int, block_tokens: int) -> FleetSpec
             block_tokens=block_tokens,
             prefix_caching=False,
         ),
-        model=profile.model,
+        model=profile.model
+        if profile is not None
+        else LinearStepModel(fixed_s=0.005, per_prefill_token_s=1e-5, per_decode_seq_s=1e-4, per_kv_token_s=1e-8),
         scaling=Scaling(kind="none", min_replicas=1, max_replicas=1, kv_cache_target=1.0, queue_target=1.0),
         initial_replicas=1,
         cold_start_s=0.0,
@@ -280,7 +298,68 @@ def pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1]
 
 
-async def scenario(model_dir: Path) -> dict[str, Any]:
+# kvfleet bench --calibrate's design: each batch size with a long prompt and a short one (kvfleet/cli, _bench_levels).
+CALIBRATION_SIZES = (1, 4, 16)
+CALIBRATION_PROMPTS = (256, 32)
+CALIBRATION_OUTPUT = 32
+PREDICT_LEVELS = ("--concurrency", "2,8", "--requests", "16", "--input-tokens", "128", "--output-tokens", "24")
+
+
+async def calibrate(url: str, kv_blocks: int, block_tokens: int, path: Path) -> StepFit:
+    """What `kvfleet bench --calibrate` does, against an engine no environment file describes: its closed-loop
+    levels through kvfleet's own bench client, the step model fitted to them (kvfleet.sim.fit), written as a
+    calibration file that `kvfleet bench --predict` and `kvfleet simulate --calibration` read."""
+    specs = [
+        spec
+        for p in CALIBRATION_PROMPTS
+        for spec in concurrency_levels(CALIBRATION_SIZES, requests=1, prompt_tokens=p, output_tokens=CALIBRATION_OUTPUT)
+    ]
+    specs = [replace(s, lengths=s.lengths * max(8, 4 * (s.concurrency or 1))) for s in specs]
+    _, levels, _ = await run_levels(Endpoint(url=url), specs)
+    measured = []
+    for lv in levels:
+        row = bench_summary(lv)
+        n_in, n_out = lv.spec.lengths[0]
+        measured.append(
+            MeasuredLevel(
+                concurrency=lv.spec.concurrency or 1,
+                input_tokens=n_in,
+                output_tokens=n_out,
+                requests=row["completed"],
+                ttft_p50_s=row["ttft_s"]["p50"],
+                itl_mean_s=row["tpot_s"]["mean"],
+                output_tokens_per_s=row["output_tokens_per_s"],
+            )
+        )
+    result = fit_levels(fleet_spec(None, kv_blocks, block_tokens), measured)
+    m = result.model
+    Path(path).write_text(
+        Calibration(
+            measured_at="2026-12-07T00:00:00Z",
+            instance_type="cpu",
+            engine="vllm",
+            engine_version="0.0.0",
+            model="tiny",
+            tensor_parallel_size=1,
+            kv_cache_tokens=kv_blocks * block_tokens,
+            points=(),
+            steps=FittedSteps(
+                fixed_s=m.fixed_s,
+                per_prefill_token_s=m.per_prefill_token_s,
+                per_decode_seq_s=m.per_decode_seq_s,
+                per_kv_token_s=m.per_kv_token_s,
+                request_overhead_s=result.request_overhead_s,
+            ),
+            engine_limits=EngineLimitsRecord(
+                max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, block_tokens=block_tokens
+            ),
+        ).to_json(),
+        encoding="utf-8",
+    )
+    return result
+
+
+async def scenario(model_dir: Path, cal_file: Path) -> dict[str, Any]:
     s = settings(
         engine_command=None,
         engine_python=str(VLLM_PYTHON),
@@ -312,9 +391,16 @@ async def scenario(model_dir: Path) -> dict[str, Any]:
             # Every sample kept (the line is fitted through all of them), the lengths interleaved.
             prefill = [(p, await prefill_s(http, r.url, p, k)) for k in range(PROBE_REPEATS) for p in PREFILL_PROBES]
             profile = fit(decode, prefill)
+            calibrated = await calibrate(r.url, kv_blocks, block_tokens, cal_file)
+            # The bench CLI in front of the same engine, each level predicted beside what it measured (its own
+            # thread: the CLI runs an event loop of its own).
+            predict_args = ["bench", r.url, *PREDICT_LEVELS, "--predict", "--calibration", str(cal_file)]
+            predict_code = await asyncio.to_thread(main, predict_args)
             trace, scale = busy_enough(profile, kv_blocks, block_tokens)
             real, stalls = await replay(http, r.url, trace)
     return {
+        "calibrated": calibrated,
+        "predict_code": predict_code,
         "trace": trace,
         "scale": scale,
         "profile": profile,
@@ -343,7 +429,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_simulated_ttft_and_itl_match_the_real_engine_on_a_trace_slice(
-    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # The forward pass on its own core, as on a GPU host (see benchmarks/agent_overhead.py): vLLM's OpenMP threads
     # spin at their barriers, and the API server, the agent and the clients starved beside them.
@@ -354,7 +440,7 @@ def test_simulated_ttft_and_itl_match_the_real_engine_on_a_trace_slice(
     gc.collect()
     gc.freeze()
     try:
-        out = asyncio.run(asyncio.wait_for(scenario(tiny_model), 900))
+        out = asyncio.run(asyncio.wait_for(scenario(tiny_model, tmp_path / "calibration.json"), 900))
     finally:
         gc.unfreeze()
     trace: Trace = out["trace"]
@@ -370,6 +456,48 @@ def test_simulated_ttft_and_itl_match_the_real_engine_on_a_trace_slice(
     kept = [i for i, t in enumerate(real) if not any(a < t.first_s and b > t.sent_s for a, b in stalls)]
     assert len(kept) >= UNDISTURBED_SHARE * len(real), f"{len(real) - len(kept)} requests timed across host stalls"
     real, sim = [real[i] for i in kept], [sim[i] for i in kept]
+    report, errors = compare(real, sim)
+    rate = f"{out['scale']:g}x the recorded rate, {len(out['real']) - len(real)} set aside for host stalls"
+    # The product's own path: closed-loop levels through kvfleet's bench client, the fitted calibration, the replay
+    # of the same slice on it (the fit never saw the trace).
+    calibrated: StepFit = out["calibrated"]
+    spec = replace(
+        fleet_spec(None, out["kv_blocks"], out["block_tokens"]),
+        model=calibrated.model,
+        request_overhead_s=calibrated.request_overhead_s,
+    )
+    replayed = simulate(trace, spec)
+    by_rid = {r.rid: r for r in replayed.stats.finished}
+    fitted_sim = [
+        (
+            r.first_token_s - r.arrival_s + calibrated.request_overhead_s,
+            (r.last_token_s - r.first_token_s) / (r.generated - 1),
+        )
+        for r in (by_rid[i] for i in sorted(by_rid))
+        if r.generated > 1
+    ]
+    fitted_report, fitted_errors = compare(real, [fitted_sim[i] for i in kept])
+    residuals = "; ".join(
+        f"c{lf.level.concurrency}/{lf.level.input_tokens}: "
+        + ", ".join(f"{k} {v:+.0%}" for k, v in lf.errors().items())
+        for lf in calibrated.levels
+    )
+    printed = capsys.readouterr().out
+    print(
+        f"\n{len(trace)} requests at {rate}, at most {in_flight} in flight; profile {profile}\n{report}"
+        f"\ncalibrated through kvfleet bench's levels ({calibrated.model}, overhead "
+        f"{calibrated.request_overhead_s * 1e3:.2f} ms; residuals {residuals}):\n{fitted_report}\n{printed}"
+    )
+    assert all(abs(e) <= TOLERANCE[q] for q, e in errors), report
+    assert all(abs(e) <= CALIBRATED_TOLERANCE[q] for q, e in fitted_errors), fitted_report
+    # kvfleet bench --predict against the same engine: each level predicted beside what it measured.
+    assert out["predict_code"] == 0, printed
+    assert "predicted on one replica (the steps fitted in" in printed, printed
+    assert "concurrency 2: TTFT p50" in printed and "concurrency 8: TTFT p50" in printed and "measured" in printed
+
+
+def compare(real: list[Timed], sim: list[tuple[float, float]]) -> tuple[str, list[tuple[int, float]]]:
+    """TTFT and ITL at p50 and p95, real against simulated: the lines to print and (percentile, error) pairs."""
     rows = []
     for name, r_xs, s_xs in (
         ("TTFT", [t.ttft_s for t in real], [x[0] for x in sim]),
@@ -381,6 +509,4 @@ def test_simulated_ttft_and_itl_match_the_real_engine_on_a_trace_slice(
     report = "\n".join(
         f"{n} p{q}: real {rv * 1e3:.1f} ms, simulated {sv * 1e3:.1f} ms ({e:+.1%})" for n, q, rv, sv, e in rows
     )
-    rate = f"{out['scale']:g}x the recorded rate, {len(out['real']) - len(real)} set aside for host stalls"
-    print(f"\n{len(trace)} requests at {rate}, at most {in_flight} in flight; profile {profile}\n{report}")
-    assert all(abs(e) <= TOLERANCE[q] for _, q, _, _, e in rows), report
+    return report, [(q, e) for _, q, _, _, e in rows]
