@@ -27,7 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "config": {"sizing", "engines", "targets", "contract", "errors", "versions", "workload"},
     "deployments": {"config", "sizing", "engines", "targets", "contract", "errors", "versions"},
     "workload": {"contract", "errors"},
-    "sim": {"sizing", "workload", "contract", "errors", "engines"},
+    "sim": {"sizing", "workload", "contract", "errors", "engines", "versions"},
     # The live checks (bench.live) read a resolved deployment: what its stack outputs and its plan say.
     "bench": {"contract", "engines", "errors", "deployments", "targets"},
     "citemplate": {"config"},
