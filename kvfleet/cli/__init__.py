@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from kvfleet.config.loader import LoadedEnvironment
     from kvfleet.deployments import DeploymentRequest, ResolvedDeployment
     from kvfleet.sim.policy import Outcome
+    from kvfleet.sim.report import SimReport
     from kvfleet.sizing.capacity import Capacity
     from kvfleet.sizing.models import ModelSpec
     from kvfleet.sizing.planner import Candidate, Measured, Plan, PlanRequest, Workload
@@ -1040,6 +1041,36 @@ def _planned_json(c: Candidate) -> dict[str, Any]:
     }
 
 
+def _simulated_load(p: Plan) -> tuple[SimReport, str]:
+    """The chosen candidate's planned load run through the simulator (its replicas and routing, the engine's own
+    scheduler): the percentiles the plan prints beside its closed form, and the load's description."""
+    from kvfleet.sim.candidate import planned_fleet
+    from kvfleet.sim.report import summarize
+    from kvfleet.sim.shapes import run
+
+    spec, shape = planned_fleet(p.best, p.request.model, p.request.workload)
+    return summarize(run(spec, shape, spec.initial_replicas), spec), shape.describe()
+
+
+def _simulated_json(p: Plan) -> dict[str, Any]:
+    r, load = _simulated_load(p)
+    return {
+        "candidate": p.best.label(),
+        "load": load,
+        "ttft_s": _quantile_json(r.ttft_s),
+        "itl_s": _quantile_json(r.itl_s),
+        "tpot_s": _quantile_json(r.tpot_s),
+        "e2e_s": _quantile_json(r.e2e_s),
+        "output_tokens_per_s": round(r.output_tokens_per_s, 2),
+        "requests_per_s": round(r.requests_per_s, 4),
+        "preemptions": r.preemptions,
+    }
+
+
+def _quantile_json(q: Any) -> dict[str, float] | None:
+    return None if q is None else {k: round(getattr(q, k), 5) for k in ("p50", "p90", "p95", "p99", "mean")}
+
+
 def _ms(v: float, digits: int = 0) -> str:
     return f"{v * 1e3:,.{digits}f}" if math.isfinite(v) else "inf"
 
@@ -1050,6 +1081,7 @@ def _plan_json(name: str, target: str, p: Plan, top: int) -> dict[str, Any]:
         "model": p.request.model.model_id,
         "platform": target,
         "candidates": [_candidate_json(c, p.request.workload) for c in p.candidates[:top]],
+        **({"simulated": _simulated_json(p)} if p.candidates else {}),
         "rejections": [
             {
                 "instance_type": r.instance_type,
@@ -1143,6 +1175,14 @@ def _print_plan(name: str, target: str, p: Plan, top: int, all_rejections: bool)
         "(`kvfleet simulate` replays it)",
         markup=False,
     )
+    sim, shape = _simulated_load(p)
+    if sim.ttft_s is not None and sim.itl_s is not None:
+        console.print(
+            f"simulated ({shape}, the engine's own scheduler): TTFT p50 {_ms(sim.ttft_s.p50)} / p90 "
+            f"{_ms(sim.ttft_s.p90)} / p99 {_ms(sim.ttft_s.p99)} ms, ITL p50 {_ms(sim.itl_s.p50, 1)} / p90 "
+            f"{_ms(sim.itl_s.p90, 1)} / p99 {_ms(sim.itl_s.p99, 1)} ms, {sim.output_tokens_per_s:,.0f} output tokens/s",
+            markup=False,
+        )
     bound = binding(best, wl)
     console.print(f"binding limit at the planned load: {bound.limit} ({bound.reason})", markup=False)
     adm = admission(best, wl)

@@ -39,14 +39,19 @@ class VllmScheduler:
         lim = eng.limits
         bt = lim.block_tokens
         budget = lim.max_num_batched_tokens
+        cap = self.long_prefill_token_threshold
         items = []
         running = eng.running
         preempted = False
         i = 0
+        # The hot loop of every replay: blocks counted inline (-(-x // bt) is ceil(x / bt)).
         while i < len(running) and budget > 0:
             r = running[i]
-            n = self._chunk(r.target - r.computed, budget)
-            need = blocks_for(r.computed + n, bt) - r.blocks
+            n = r.target - r.computed
+            if 0 < cap < n:
+                n = cap
+            n = min(n, budget)
+            need = -(-(r.computed + n) // bt) - r.blocks
             while need > eng.free_blocks:
                 preempted = True
                 victim = running[-1]

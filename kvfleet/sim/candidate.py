@@ -20,8 +20,10 @@ from kvfleet.sizing.capacity import Capacity, EngineSettings, capacity, prefix_c
 from kvfleet.sizing.engines import EngineName
 from kvfleet.sizing.hardware import InstanceType, accelerator, instance
 from kvfleet.sizing.models import ModelSpec
+from kvfleet.sizing.planner import Candidate, Workload
 from kvfleet.sizing.precision import kv_dtype, weight_scheme
 from kvfleet.sizing.step import nvlink_bytes_per_s, replica
+from kvfleet.workload.shapes import ClosedLoop, Lengths, PoissonLoad
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,3 +130,40 @@ def start(e: EngineStart, *, longest_request_tokens: int) -> StartedEngine:
         instance=it,
         where=it.name if it is not None else f"{e.tp} x {acc.name}",
     )
+
+
+# The planned load is simulated for this long at the peak rate (at least PLANNED_REQUESTS_MIN requests, at most
+# PLANNED_REQUESTS_MAX): long enough for the queue to settle, short enough that a plan prints in well under a second.
+PLANNED_SECONDS = 300.0
+PLANNED_REQUESTS_MIN = 400
+PLANNED_REQUESTS_MAX = 3000
+
+
+def planned_fleet(c: Candidate, model: ModelSpec, wl: Workload) -> tuple[FleetSpec, ClosedLoop | PoissonLoad]:
+    """A plan's candidate as the simulator's fleet (its replicas, routing, engine limits, step model and the engine's
+    own scheduler) and its planned load: Poisson arrivals at the peak rate, or each replica's planned sequences as
+    a closed loop where the workload gives no rate."""
+    cap = c.capacity
+    spec = FleetSpec(
+        limits=EngineLimits(
+            max_num_seqs=c.concurrency_per_replica,
+            max_num_batched_tokens=cap.max_num_batched_tokens,
+            kv_blocks=cap.num_blocks,
+            block_tokens=cap.block_size,
+            prefix_caching=False,  # the planned load's prompts share nothing
+        ),
+        model=RooflineSteps.for_candidate(c, model),
+        scheduler=adapter(cap.engine.value).scheduler(EngineArgs(tensor_parallel_size=c.tensor_parallel_size)),
+        scaling=Scaling(kind="none", min_replicas=1, max_replicas=1, kv_cache_target=1.0, queue_target=1e9),
+        initial_replicas=c.replicas,
+        cold_start_s=0.0,
+        usd_per_replica_hour=c.usd_per_hour_per_instance / c.engines_per_instance,
+        router=c.hosting.routing.value,
+    )
+    lengths = Lengths(input_tokens=wl.input_tokens, output_tokens=wl.output_tokens)
+    if wl.peak_requests_per_s is not None:
+        n = round(wl.peak_requests_per_s * PLANNED_SECONDS)
+        n = min(PLANNED_REQUESTS_MAX, max(PLANNED_REQUESTS_MIN, n))
+        return spec, PoissonLoad(rate_per_s=wl.peak_requests_per_s, requests=n, lengths=lengths)
+    clients = c.concurrency_per_replica * c.replicas
+    return spec, ClosedLoop(concurrency=clients, requests=min(PLANNED_REQUESTS_MAX, 4 * clients), lengths=lengths)

@@ -185,7 +185,7 @@ class Replica:
 
     def step(self, horizon: float) -> None:
         """One step, or a leap of decode steps that ends with the step running at ``horizon``."""
-        if self.leap and self.running and self._all_decoding() and self.scheduler.steady(self):
+        if self.leap and self.running and self.scheduler.steady(self) and self._all_decoding():
             self._leap(horizon)
         else:
             self._step()
@@ -243,6 +243,28 @@ class Replica:
             self.running.remove(r)
             self._finish(r, t)
 
+    def _fitting_steps(self, k: int, free: int) -> int:
+        """The most decode steps, at most ``k``, whose new blocks fit in ``free``."""
+        bt = self.limits.block_tokens
+        # Steps until each request's next new block: it needs one when its length crosses a block boundary.
+        # Step j writes position computed + j - 1, which opens a block when it is a multiple of the block size.
+        first_need = sorted((bt - r.computed % bt) % bt + 1 for r in self.running)
+
+        def demand(steps: int) -> int:
+            total = 0
+            for f in first_need[: bisect.bisect_right(first_need, steps)]:
+                total += 1 + (steps - f) // bt
+            return total
+
+        lo, hi = 0, k
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if demand(mid) <= free:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
     def _leap(self, horizon: float) -> None:
         """k pure-decode steps at once: until the first request finishes, the cache would need a block it does
         not have, or the next step would start at ``horizon``."""
@@ -250,27 +272,11 @@ class Replica:
         n = len(run)
         bt = self.limits.block_tokens
         k = min(r.output - r.generated for r in run)
-        # Steps until each request's next new block: it needs one when its length crosses a block boundary.
-        # Step j writes position computed + j - 1, which opens a block when it is a multiple of the block size.
-        first_need = sorted((bt - r.computed % bt) % bt + 1 for r in run)
         free = self.free_blocks
-
-        def demand(steps: int) -> int:
-            # Blocks the batch allocates over `steps` steps.
-            total = 0
-            for f in first_need[: bisect.bisect_right(first_need, steps)]:
-                total += 1 + (steps - f) // bt
-            return total
-
-        if demand(k) > free:
-            lo, hi = 0, k  # the largest number of steps whose blocks fit
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if demand(mid) <= free:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            k = lo
+        # Blocks the batch allocates over k steps (each holds exactly the blocks of what it computed): in one pass,
+        # and only where they would not fit, the search for the largest number of steps whose blocks do.
+        if sum((r.computed + k + bt - 1) // bt - r.blocks for r in run) > free:
+            k = self._fitting_steps(k, free)
             if k == 0:
                 self._step()  # the next step preempts
                 return
@@ -295,10 +301,11 @@ class Replica:
         total = elapsed(k)
         t = self.clock + total
         self.clock = t
-        self.free_blocks -= demand(k)
         done = []
         for r in run:
-            r.blocks = self._blocks_for(r.computed + k)
+            held = (r.computed + k + bt - 1) // bt
+            self.free_blocks -= held - r.blocks
+            r.blocks = held
             r.computed += k
             r.target = r.computed + 1
             r.generated += k

@@ -102,3 +102,20 @@ def test_flags_that_would_change_nothing_or_cannot_run_are_one_line(
     assert code == 2 and out == ""
     assert len(err.splitlines()) == 1 and "Traceback" not in err
     assert needle in err
+
+
+def test_the_plan_prints_its_planned_load_as_the_simulator_runs_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """The chosen candidate's planned load through the fleet simulator and the engine's own scheduler, beside the
+    closed form the candidates are ranked by."""
+    assert main(["plan", "dev", "--json"]) == 0
+    [row] = json.loads(capsys.readouterr().out)
+    sim = row["simulated"]
+    assert sim["candidate"] and "Poisson arrivals at 2 requests/s" in sim["load"]
+    for metric in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
+        assert 0 < sim[metric]["p50"] <= sim[metric]["p90"] <= sim[metric]["p99"], metric
+    # The closed form's median agrees with the simulated one on this light load (tests/sim/test_percentiles.py
+    # holds the two together on harder cases).
+    planned = row["candidates"][0]["planned_load"]
+    assert sim["ttft_s"]["p50"] == pytest.approx(planned["ttft_s"]["p50"], rel=0.25)
+    assert main(["plan", "dev"]) == 0
+    assert "simulated (Poisson arrivals at 2 requests/s" in capsys.readouterr().out
