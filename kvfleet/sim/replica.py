@@ -271,16 +271,22 @@ class Replica:
         run = self.running
         n = len(run)
         bt = self.limits.block_tokens
-        k = min(r.output - r.generated for r in run)
+        k = run[0].output - run[0].generated
+        kv0 = n
+        for r in run:  # one pass: the steps to the first finish and the KV the first step reads
+            left = r.output - r.generated
+            if left < k:  # noqa: PLR1730 - the hot loop of a replay; min() costs a call per sequence
+                k = left
+            kv0 += r.computed
         free = self.free_blocks
-        # Blocks the batch allocates over k steps (each holds exactly the blocks of what it computed): in one pass,
-        # and only where they would not fit, the search for the largest number of steps whose blocks do.
-        if sum((r.computed + k + bt - 1) // bt - r.blocks for r in run) > free:
+        # Blocks the batch allocates over k steps (each holds exactly the blocks of what it computed): counted only
+        # where the most it could need does not fit, and only where that count does not fit either, the search for
+        # the largest number of steps whose blocks do.
+        if n * (k // bt + 1) > free and sum((r.computed + k + bt - 1) // bt - r.blocks for r in run) > free:
             k = self._fitting_steps(k, free)
             if k == 0:
                 self._step()  # the next step preempts
                 return
-        kv0 = sum(r.computed for r in run) + n
         s0 = self.model.step_s(prefill=(), decode_seqs=n, decode_kv_tokens=kv0)
         s1 = self.model.step_s(prefill=(), decode_seqs=n, decode_kv_tokens=kv0 + (k - 1) * n) if k > 1 else s0
         slope = (s1 - s0) / (k - 1) if k > 1 else 0.0
@@ -302,9 +308,10 @@ class Replica:
         t = self.clock + total
         self.clock = t
         done = []
+        allocated = 0
         for r in run:
             held = (r.computed + k + bt - 1) // bt
-            self.free_blocks -= held - r.blocks
+            allocated += held - r.blocks
             r.blocks = held
             r.computed += k
             r.target = r.computed + 1
@@ -312,6 +319,7 @@ class Replica:
             r.last_token_s = t
             if r.generated >= r.output:
                 done.append(r)
+        self.free_blocks -= allocated
         self.stats.itl.append((total / k, n * k))
         for r in done:
             run.remove(r)
