@@ -20,6 +20,25 @@ from kvfleet.sizing.engines import DEFAULT_VERSIONS  # noqa: E402
 
 DOC = REPO / "docs" / "accuracy.md"
 LOGS = REPO / "tests" / "sizing" / "data" / "engine_logs.json"
+# What the capacity model reads at run time to say when a release has no checked log (kvfleet.sizing.coverage).
+COVERAGE = REPO / "kvfleet" / "sizing" / "data" / "checked_releases.json"
+
+
+def coverage_json() -> str:
+    """The engine releases with a public start-up log in tests/sizing/data/engine_logs.json, and how many."""
+    import json
+
+    counts: dict[str, dict[str, int]] = {}
+    for r in json.loads(LOGS.read_text(encoding="utf-8"))["records"]:
+        if r["release"]:
+            by_engine = counts.setdefault(r["engine"], {})
+            by_engine[r["release"]] = by_engine.get(r["release"], 0) + 1
+    body = {
+        "about": "Engine releases whose KV-cache sizing is held to a public start-up log (tests/sizing/data/"
+        "engine_logs.json, which names each log's source), and how many; written by tools/accuracy_ledger.py",
+        "releases": {e: dict(sorted(v.items(), key=lambda kv: _key(kv[0]))) for e, v in sorted(counts.items())},
+    }
+    return json.dumps(body, indent=2) + "\n"
 
 
 def capacity_section() -> str:
@@ -69,12 +88,15 @@ def main() -> int:
     p.add_argument("--check", action="store_true", help="exit 1 when docs/accuracy.md differs from a fresh run")
     a = p.parse_args()
     text = ledger.render(ledger.rows()) + "\n" + capacity_section()
+    coverage = coverage_json()
     if a.check:
         stale = not DOC.exists() or DOC.read_text(encoding="utf-8") != text
+        stale = stale or not COVERAGE.exists() or COVERAGE.read_text(encoding="utf-8") != coverage
         print(f"{DOC.relative_to(REPO)} is {'stale: run tools/accuracy_ledger.py' if stale else 'current'}")
         return 1 if stale else 0
     DOC.write_text(text, encoding="utf-8")
-    print(f"wrote {DOC.relative_to(REPO)}")
+    COVERAGE.write_text(coverage, encoding="utf-8")
+    print(f"wrote {DOC.relative_to(REPO)} and {COVERAGE.relative_to(REPO)}")
     return 0
 
 

@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass, field, replace
 
 from kvfleet.errors import SizingError
+from kvfleet.sizing.coverage import unchecked_note
 from kvfleet.sizing.engines import (
     ACTIVATIONS,
     DEFAULT_VERSIONS,
@@ -961,6 +962,8 @@ def _stage_capacity(
         )
     if model.quantization is None and (as_checkpoint := checkpoint_note(scheme, engine=s.engine, version=version)):
         notes.append(as_checkpoint)
+    if unchecked := unchecked_note(s.engine.value, version):
+        notes.append(unchecked)
     problems = list(budget.problems)
     kv_bytes = budget.kv_bytes
     if kv_bytes <= 0:

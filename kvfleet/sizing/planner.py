@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from kvfleet.errors import NothingFitsError, SizingError
 from kvfleet.sizing.capacity import Capacity, EngineSettings, capacity
+from kvfleet.sizing.coverage import unchecked_note
 from kvfleet.sizing.engines import DEFAULT_VERSIONS, EngineName, engine_profile
 from kvfleet.sizing.hardware import AcceleratorKind, InstanceType, instance, instances, offered_in_region
 from kvfleet.sizing.hosting import Hosting, PriceList, Routing
@@ -398,6 +399,12 @@ def _release_reason(scheme: WeightScheme, req: PlanRequest) -> str | None:
     if q is not None:
         return checkpoint_refusal(q.method, req.model.native_scheme, engine=req.engine, version=req.engine_version)
     return scheme_refusal(scheme, engine=req.engine, version=req.engine_version)
+
+
+def _coverage_notes(req: PlanRequest, version: str, measured: Measured | None) -> tuple[str, ...]:
+    """A release whose sizing no public start-up log checks (a calibration's measured cache stands in for one)."""
+    note = unchecked_note(req.engine.value, version) if measured is None or measured.kv_cache_tokens is None else None
+    return (note,) if note else ()
 
 
 def _release_notes(scheme: WeightScheme, req: PlanRequest) -> tuple[str, ...]:
@@ -820,6 +827,7 @@ def _evaluate(
         + answer
         + _precision_notes(it, kv, req)
         + _release_notes(scheme, req)
+        + _coverage_notes(req, version, measured)
         + _measured_notes(measured)
         + _layout_notes(layout)
         + _speculative_notes(o, cap, batch, load),

@@ -33,6 +33,23 @@ def test_the_ledger_document_is_current(rows: list[ledger.Row]) -> None:
     assert (REPO / "docs" / "accuracy.md").read_text(encoding="utf-8") == fresh, (
         "docs/accuracy.md is stale: run .venv/bin/python tools/accuracy_ledger.py"
     )
+    assert tool.COVERAGE.read_text(encoding="utf-8") == tool.coverage_json(), (
+        "kvfleet/sizing/data/checked_releases.json is stale: run .venv/bin/python tools/accuracy_ledger.py"
+    )
+
+
+def test_a_sizing_says_when_no_public_log_of_its_release_is_checked() -> None:
+    from kvfleet.sizing.capacity import EngineSettings, capacity
+    from kvfleet.sizing.engines import EngineName
+
+    model = catalog_model("meta-llama/Llama-3.1-8B")
+
+    def notes(version: str) -> str:
+        s = EngineSettings(engine=EngineName.VLLM, version=version, max_model_len=8192)
+        return " ".join(capacity(model, gpu_memory_bytes=80 * 2**30, settings=s, accelerator_name="H100").notes)
+
+    assert "no public start-up log of vllm 0.34.0 is checked" in notes("0.34.0")
+    assert "no public start-up log" not in notes("0.27.1")  # four logs of it are
 
 
 @pytest.mark.parametrize("split", ["check", "fit"])
