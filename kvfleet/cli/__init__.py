@@ -1121,8 +1121,8 @@ def _print_plan(name: str, target: str, p: Plan, top: int, all_rejections: bool)
         "instances",
         "$/h fleet",
         "$/M tok",
-        "TTFT p50/95 ms",
-        "ITL p50/95 ms",
+        "TTFT p50/90/99 ms",
+        "ITL p50/90/99 ms",
         "wts GiB",
         "KV GiB",
     ):
@@ -1142,8 +1142,8 @@ def _print_plan(name: str, target: str, p: Plan, top: int, all_rejections: bool)
             str(c.instance_count),
             f"{c.fleet_usd_per_hour:.2f}",
             f"{c.usd_per_million_output_tokens:.3f}",
-            f"{_ms(q.ttft.p50_s)}/{_ms(q.ttft.p95_s)}",
-            f"{_ms(q.itl.p50_s, 1)}/{_ms(q.itl.p95_s, 1)}",
+            f"{_ms(q.ttft.p50_s)}/{_ms(q.ttft.p90_s)}/{_ms(q.ttft.p99_s)}",
+            f"{_ms(q.itl.p50_s, 1)}/{_ms(q.itl.p90_s, 1)}/{_ms(q.itl.p99_s, 1)}",
             f"{cap.weights_bytes_per_gpu / GiB:.2f}",
             f"{cap.kv_cache_bytes_per_gpu / GiB:.2f}",
         )
@@ -1170,8 +1170,9 @@ def _print_plan(name: str, target: str, p: Plan, top: int, all_rejections: bool)
     else:
         load = f"{best.concurrency_per_replica} sequences running per replica"
     console.print(
-        f"under the planned load ({load}; average lengths): TTFT p50 {_ms(q.ttft.p50_s)} / p95 {_ms(q.ttft.p95_s)} / "
-        f"p99 {_ms(q.ttft.p99_s)} ms, ITL p50 {_ms(q.itl.p50_s, 1)} / p95 {_ms(q.itl.p95_s, 1)} ms "
+        f"under the planned load ({load}; average lengths): TTFT p50 {_ms(q.ttft.p50_s)} / p90 {_ms(q.ttft.p90_s)} / "
+        f"p95 {_ms(q.ttft.p95_s)} / p99 {_ms(q.ttft.p99_s)} ms, ITL p50 {_ms(q.itl.p50_s, 1)} / p90 "
+        f"{_ms(q.itl.p90_s, 1)} / p99 {_ms(q.itl.p99_s, 1)} ms "
         "(`kvfleet simulate` replays it)",
         markup=False,
     )
@@ -1994,7 +1995,7 @@ def _print_bench(url: str, model: str, what: str, rows: list[dict[str, Any]]) ->
 
     slo = any(r["ttft_attainment"] is not None for r in rows)
     t = Table(title=f"{url}: {model}, {what}")
-    cols = ["level", "ok", "failed", "TTFT p50/p95 ms", "ITL p50/p95 ms", "TPOT p50 ms", "req/s", "out tok/s"]
+    cols = ["level", "ok", "failed", "TTFT p50/p90/p99 ms", "ITL p50/p90/p99 ms", "TPOT p50 ms", "req/s", "out tok/s"]
     cols += ["TTFT in time"] if slo else []
     gauges = any(r.get("over_time") for r in rows)
     cols += ["KV peak", "queue peak"] if gauges else []
@@ -2007,8 +2008,8 @@ def _print_bench(url: str, model: str, what: str, rows: list[dict[str, Any]]) ->
             r["level"],
             str(r["completed"]),
             failed,
-            f"{ms(r['ttft_s'], 'p50')}/{ms(r['ttft_s'], 'p95')}",
-            f"{ms(r['itl_s'], 'p50', 1)}/{ms(r['itl_s'], 'p95', 1)}",
+            f"{ms(r['ttft_s'], 'p50')}/{ms(r['ttft_s'], 'p90')}/{ms(r['ttft_s'], 'p99')}",
+            f"{ms(r['itl_s'], 'p50', 1)}/{ms(r['itl_s'], 'p90', 1)}/{ms(r['itl_s'], 'p99', 1)}",
             ms(r["tpot_s"], "p50", 1),
             f"{r['requests_per_s']:.2f}",
             f"{r['output_tokens_per_s']:,.0f}",
