@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from kvfleet.cli.args import _fraction, _positive_float, _positive_int
+from kvfleet.cli.args import _float_list, _fraction, _int_list, _positive_float, _positive_int
 from kvfleet.engines import ENGINES
 from kvfleet.errors import KvfleetError
 
@@ -53,8 +54,12 @@ def add_simulate_parser(sub: Any) -> None:
     t.add_argument("--duration-s", type=_positive_float, help="keep this many seconds of the trace")
     t.add_argument("--rate-scale", type=_positive_float, help="replay at this multiple of the rate")
     b = si.add_argument_group("benchmark shape (as kvfleet bench and vllm bench serve run them)")
-    b.add_argument("--concurrency", type=_positive_int, help="a closed loop: N clients, all starting at t=0")
-    b.add_argument("--rate", type=_positive_float, help="Poisson arrivals at R requests/s")
+    b.add_argument(
+        "--concurrency",
+        type=_int_list,
+        help="a closed loop of N clients, all starting at t=0 (comma-separated: a sweep)",
+    )
+    b.add_argument("--rate", type=_float_list, help="Poisson arrivals at R requests/s (comma-separated: a sweep)")
     b.add_argument("--requests", type=_positive_int, help="requests sent in all (default 1000)")
     b.add_argument("--input-tokens", type=_positive_int, help="prompt length (default: the workload's average)")
     b.add_argument("--output-tokens", type=_positive_int, help="answer length (default: the workload's average)")
@@ -109,6 +114,7 @@ def _refuse_ignored(a: argparse.Namespace) -> None:
     refuse(["--trace"] if a.trace and shape else [], "and a benchmark shape are two loads; give one", "trace")
     refuse(["--replicas"] if a.replicas and not shape else [], "only applies to --concurrency or --rate", "replicas")
     refuse(["--png"] if a.png and a.concurrency else [], "draws arrivals over time; a closed loop has none", "png")
+    refuse(["--png"] if a.png and a.rate and len(a.rate) > 1 else [], "draws one run; give one --rate", "png")
     if a.model is None:
         refuse(_given(a, _ENGINE_ONLY), "describe one engine start: give --model too", "model")
         if not a.environment:
@@ -125,7 +131,8 @@ def _refuse_ignored(a: argparse.Namespace) -> None:
         raise KvfleetError("give a load: --concurrency N or --rate R (with --requests), or --trace FILE", field="model")
 
 
-def _shape(a: argparse.Namespace, input_tokens: int, output_tokens: int) -> ClosedLoop | PoissonLoad:
+def _shapes(a: argparse.Namespace, input_tokens: int, output_tokens: int) -> list[ClosedLoop | PoissonLoad]:
+    """Each level asked for: a closed loop per --concurrency, Poisson arrivals per --rate."""
     from kvfleet.workload.shapes import ClosedLoop, Lengths, PoissonLoad
 
     lengths = Lengths(
@@ -136,8 +143,8 @@ def _shape(a: argparse.Namespace, input_tokens: int, output_tokens: int) -> Clos
     )
     requests = a.requests or 1000
     if a.concurrency is not None:
-        return ClosedLoop(concurrency=a.concurrency, requests=requests, lengths=lengths)
-    return PoissonLoad(rate_per_s=a.rate, requests=requests, lengths=lengths)
+        return [ClosedLoop(concurrency=c, requests=requests, lengths=lengths) for c in a.concurrency]
+    return [PoissonLoad(rate_per_s=r, requests=requests, lengths=lengths) for r in a.rate]
 
 
 def _trace(a: argparse.Namespace) -> Trace | None:
@@ -171,21 +178,13 @@ def _row(subject: str, load: str, report: SimReport, note: str = "", **extra: An
 
 def _engine_start(a: argparse.Namespace) -> list[tuple[dict[str, Any], str]]:
     from kvfleet.sim.candidate import EngineStart, start
-    from kvfleet.sim.fleet import simulate
-    from kvfleet.sim.report import summarize
-    from kvfleet.sim.shapes import fixed, run
     from kvfleet.sizing.catalog import resolve_model
 
     png = _png_paths(a.png, ["engine"])["engine"] if a.png else None
     trace = _trace(a)
-    shape = None if trace is not None else _shape(a, 0, 0) if a.input_tokens and a.output_tokens else None
-    if trace is None and shape is None:
+    if trace is None and not (a.input_tokens and a.output_tokens):
         raise KvfleetError("give --input-tokens and --output-tokens for one engine start", field="input-tokens")
-    longest = (
-        max(i + o for i, o in zip(trace.input_tokens, trace.output_tokens, strict=True))
-        if trace is not None
-        else shape.lengths.max_input_tokens + shape.lengths.max_output_tokens  # type: ignore[union-attr]
-    )
+    loads: list[Trace | ClosedLoop | PoissonLoad] = [trace] if trace is not None else [*_shapes(a, 0, 0)]
     engine = EngineStart(
         model=resolve_model(a.model),
         instance_type=a.instance_type,
@@ -199,29 +198,47 @@ def _engine_start(a: argparse.Namespace) -> list[tuple[dict[str, Any], str]]:
         max_num_batched_tokens=a.max_num_batched_tokens,
         gpu_memory_utilization=a.gpu_memory_utilization,
     )
-    started = start(engine, longest_request_tokens=longest)
-    spec = started.spec
-    if a.router:
-        from dataclasses import replace
+    started = start(engine, longest_request_tokens=max(_longest(x) for x in loads))
+    spec = replace(started.spec, router=a.router) if a.router else started.spec
+    extra = {"replicas": a.replicas or 1, "kv_cache_tokens": started.capacity.num_blocks * spec.limits.block_tokens}
+    return [_load_row(a, spec, load, started.describe(), png, **extra) for load in loads]
 
-        spec = replace(spec, router=a.router)
-    replicas = a.replicas or 1
-    if trace is not None:
+
+def _longest(load: Trace | ClosedLoop | PoissonLoad) -> int:
+    """The longest request of a load, in tokens (prompt and answer)."""
+    from kvfleet.workload.traces import Trace
+
+    if isinstance(load, Trace):
+        return max(i + o for i, o in zip(load.input_tokens, load.output_tokens, strict=True))
+    return load.lengths.max_input_tokens + load.lengths.max_output_tokens
+
+
+def _load_row(
+    a: argparse.Namespace,
+    spec: FleetSpec,
+    load: Trace | ClosedLoop | PoissonLoad,
+    subject: str,
+    png: str | None,
+    **extra: Any,
+) -> tuple[dict[str, Any], str]:
+    """One load on a fixed, warm fleet of ``extra["replicas"]`` engines: its report row."""
+    from kvfleet.sim.fleet import simulate
+    from kvfleet.sim.report import summarize
+    from kvfleet.sim.shapes import fixed, run
+    from kvfleet.workload.shapes import ClosedLoop
+    from kvfleet.workload.traces import Trace
+
+    replicas = extra["replicas"]
+    replay: Trace | None
+    if isinstance(load, Trace):
         spec = fixed(spec, replicas)
-        result = simulate(trace, spec)
-        load = trace.source
+        result, described, replay = simulate(load, spec), load.source, load
     else:
-        assert shape is not None
-        result = run(spec, shape, replicas)
-        load = shape.describe()
-    extra: dict[str, Any] = {
-        "replicas": replicas,
-        "kv_cache_tokens": started.capacity.num_blocks * spec.limits.block_tokens,
-    }
-    if png is not None:
-        replay = trace if trace is not None else shape.trace()  # type: ignore[union-attr]
-        extra["png"] = _timeline(png, result, replay, spec, started.describe())
-    return [_row(started.describe(), load, summarize(result, spec), **extra)]
+        result, described = run(spec, load, replicas), load.describe()
+        replay = None if isinstance(load, ClosedLoop) else load.trace()
+    if png is not None and replay is not None:
+        extra["png"] = _timeline(png, result, replay, spec, subject)
+    return _row(subject, described, summarize(result, spec), **extra)
 
 
 def _png_paths(png: str, names: list[str]) -> dict[str, str]:
@@ -288,48 +305,40 @@ def _environment(a: argparse.Namespace) -> list[tuple[dict[str, Any], str]]:
         # --trace wins; else the deployment's own workload.trace, read when the file was loaded (its window and
         # rate scale applied); else Poisson arrivals at the workload's peak.
         own = loaded.traces.get(dr.index)
-        rows.append(_deployment(a, r, trace if trace is not None else own, calibration, pngs.get(dr.deployment.name)))
+        rows += _deployment(a, r, trace if trace is not None else own, calibration, pngs.get(dr.deployment.name))
     return rows
 
 
 def _deployment(
     a: argparse.Namespace, r: Any, trace: Trace | None, calibration: Any, png: str | None
-) -> tuple[dict[str, Any], str]:
+) -> list[tuple[dict[str, Any], str]]:
     from kvfleet.sim.fleet import simulate
     from kvfleet.sim.report import summarize
-    from kvfleet.sim.shapes import run
     from kvfleet.tuning import fleet_spec, poisson_trace
-    from kvfleet.workload.shapes import PoissonLoad
 
     spec = fleet_spec(r, a.router, calibration=calibration)
     w = r.deployment.workload
     name = r.deployment.name
-    extra: dict[str, Any] = {"deployment": name, "router": spec.router, "autoscaler": spec.scaling.kind}
-    if a.concurrency is not None or a.rate is not None:
-        shape = _shape(a, r.workload.input_tokens, r.workload.output_tokens)
-        replicas = a.replicas or spec.initial_replicas
-        result = run(spec, shape, replicas)
-        fleet = f"{name}: {r.instance_type} x{replicas} (fixed, {spec.router} routing)"
-        load = shape.describe()
-        replay = shape.trace() if png and isinstance(shape, PoissonLoad) else None
-        extra.update(replicas=replicas, autoscaler="none")
-    else:
-        replay = trace if trace is not None else poisson_trace(r)
-        result = simulate(replay, spec)
-        s = spec.scaling
-        fleet = (
-            f"{name}: {r.instance_type} x{spec.initial_replicas} "
-            f"({s.min_replicas}-{s.max_replicas}, {s.kind}, {spec.router} routing)"
-        )
-        load = replay.source
     note = ""
     if calibration is not None:
         kv = f"{calibration.kv_cache_tokens:,} KV tokens" if calibration.kv_cache_tokens else "the planned KV cache"
-        note = (
-            f"\ncalibrated ({a.calibration}, measured {calibration.measured_at}): step times "
-            f"x{calibration.step_time_scale:.2f} the model's, {kv}"
-        )
-    if png is not None and replay is not None:
+        fitted = "a fitted step model" if calibration.steps is not None else f"x{calibration.step_time_scale:.2f}"
+        note = f"\ncalibrated ({a.calibration}, measured {calibration.measured_at}): step times {fitted}, {kv}"
+    if a.concurrency is not None or a.rate is not None:
+        replicas = a.replicas or spec.initial_replicas
+        fleet = f"{name}: {r.instance_type} x{replicas} (fixed, {spec.router} routing){note}"
+        extra = {"deployment": name, "router": spec.router, "autoscaler": "none", "replicas": replicas}
+        shapes = _shapes(a, r.workload.input_tokens, r.workload.output_tokens)
+        return [_load_row(a, spec, shape, fleet, png, **extra) for shape in shapes]
+    replay = trace if trace is not None else poisson_trace(r)
+    result = simulate(replay, spec)
+    s = spec.scaling
+    fleet = (
+        f"{name}: {r.instance_type} x{spec.initial_replicas} "
+        f"({s.min_replicas}-{s.max_replicas}, {s.kind}, {spec.router} routing)"
+    )
+    extra = {"deployment": name, "router": spec.router, "autoscaler": s.kind}
+    if png is not None:
         extra["png"] = _timeline(png, result, replay, spec, fleet)
     report = summarize(
         result,
@@ -337,4 +346,4 @@ def _deployment(
         ttft_slo_s=w.ttft_ms / 1000 if w.ttft_ms else None,
         itl_slo_s=w.itl_ms / 1000 if w.itl_ms else None,
     )
-    return _row(fleet, load, report, note, **extra)
+    return [_row(fleet, replay.source, report, note, **extra)]

@@ -80,7 +80,8 @@ class ClosedLoop:
             raise KvfleetError(f"must be at least 1, got {self.concurrency}", field="concurrency")
 
     def describe(self) -> str:
-        return f"closed loop: {self.concurrency} clients, {self.requests:,} requests, {_lengths(self.lengths)}"
+        clients = f"{self.concurrency} client{'' if self.concurrency == 1 else 's'}"
+        return f"closed loop: {clients}, {self.requests:,} requests, {_lengths(self.lengths)}"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -67,6 +67,16 @@ def test_poisson_and_a_local_model_directory(capsys: pytest.CaptureFixture[str])
     assert "Poisson arrivals at 2 requests/s, 200 requests" in out and "TTFT" in out and "throughput" in out
 
 
+def test_a_sweep_runs_each_level_in_the_words_kvfleet_bench_uses(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, *BARE, "--concurrency", "1,16", "--requests", "64", "--input-tokens", "500",
+                         "--output-tokens", "100", "--json")  # fmt: skip
+    assert code == 0, err
+    one, sixteen = json.loads(out)
+    assert "1 client," in one["load"] and "16 clients" in sixteen["load"]
+    assert sixteen["output_tokens_per_s"] > 5 * one["output_tokens_per_s"]
+    assert sixteen["itl_s"]["p50"] > one["itl_s"]["p50"]
+
+
 def test_a_deployments_planned_fleet_runs_a_benchmark_shape(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, "dev", "--concurrency", "8", "--requests", "64", "--json")
     assert code == 0, err
@@ -82,6 +92,7 @@ def test_a_deployments_planned_fleet_runs_a_benchmark_shape(capsys: pytest.Captu
         (["dev", "--requests", "10"], "only apply to --concurrency or --rate"),
         (["dev", "--concurrency", "4", "--rate", "2"], "two loads"),
         (["dev", "--concurrency", "4", "--png", "x.png"], "a closed loop has none"),
+        (["dev", "--rate", "1,2", "--png", "x.png"], "give one --rate"),
         (["dev", "--tp", "2"], "give --model too"),
         (["dev", *BARE, "--concurrency", "4"], "not both"),
         (["--model", "meta-llama/Llama-3.1-8B", "--concurrency", "4"], "--instance-type"),
