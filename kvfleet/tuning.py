@@ -24,6 +24,7 @@ from kvfleet.sim.policy import replay as replay_policy
 from kvfleet.sim.replica import EngineLimits, LinearStepModel, StepModel
 from kvfleet.sim.steps import RooflineSteps
 from kvfleet.sizing.planner import admission
+from kvfleet.sizing.step import request_overhead_s
 from kvfleet.targets import TARGETS
 from kvfleet.volumes import root_volume, volume_usd_per_hour
 from kvfleet.workload.traces import Trace
@@ -101,7 +102,7 @@ def fleet_spec(
     s = r.deployment.scaling
     blocks = cap.num_blocks
     model: StepModel = RooflineSteps.for_candidate(c, r.model)
-    overhead = 0.0
+    overhead = request_overhead_s(r.engine)  # the engine's, where no calibration measured this deployment's
     if calibration is not None:
         calibration.check_matches(
             instance_type=c.name,

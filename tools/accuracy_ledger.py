@@ -24,6 +24,29 @@ LOGS = REPO / "tests" / "sizing" / "data" / "engine_logs.json"
 COVERAGE = REPO / "kvfleet" / "sizing" / "data" / "checked_releases.json"
 
 
+STEPS = REPO / "kvfleet" / "sizing" / "data" / "step_calibration.json"
+
+
+def write_overhead(fitted: dict[str, float]) -> None:
+    import json
+
+    data = json.loads(STEPS.read_text(encoding="utf-8"))
+    data["request_overhead_s"] = {
+        "value": fitted,
+        "source": "tools/accuracy_ledger.py --fit-overhead: per engine, the mean over the ledger's FIT rows with one "
+        "client (kvfleet/sizing/data/serving_benchmarks.json) of the measured TTFT less the simulated one without "
+        "overhead, floored at 0: the API server, tokenizing and the first event's way back, which the step model "
+        "leaves out. It differs by host and endpoint (17 ms on the L4 completions row, 49 ms on the H100 chat row); "
+        "a calibration (kvfleet bench --calibrate) measures a deployment's own",
+    }
+    STEPS.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    from kvfleet.sizing import step
+
+    step.calibration.cache_clear()
+    step.request_overhead_s.cache_clear()
+    print(f"request overhead per engine: {fitted}")
+
+
 def coverage_json() -> str:
     """The engine releases with a public start-up log in tests/sizing/data/engine_logs.json, and how many."""
     import json
@@ -86,7 +109,14 @@ def _key(release: str) -> tuple[int, ...]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="exit 1 when docs/accuracy.md differs from a fresh run")
+    p.add_argument(
+        "--fit-overhead",
+        action="store_true",
+        help="refit each engine's request overhead on the ledger's one-client FIT rows into step_calibration.json",
+    )
     a = p.parse_args()
+    if a.fit_overhead:
+        write_overhead(ledger.overhead_fit())
     text = ledger.render(ledger.rows()) + "\n" + capacity_section()
     coverage = coverage_json()
     if a.check:

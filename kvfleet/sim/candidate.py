@@ -22,7 +22,7 @@ from kvfleet.sizing.hardware import InstanceType, accelerator, instance
 from kvfleet.sizing.models import ModelSpec
 from kvfleet.sizing.planner import Candidate, Workload
 from kvfleet.sizing.precision import kv_dtype, weight_scheme
-from kvfleet.sizing.step import nvlink_bytes_per_s, replica
+from kvfleet.sizing.step import nvlink_bytes_per_s, replica, request_overhead_s
 from kvfleet.workload.shapes import ClosedLoop, Lengths, PoissonLoad
 
 
@@ -125,6 +125,7 @@ def start(e: EngineStart, *, longest_request_tokens: int) -> StartedEngine:
             initial_replicas=1,
             cold_start_s=0.0,
             usd_per_replica_hour=price.usd_per_hour * e.tp / it.accelerator_count if price and it else None,
+            request_overhead_s=request_overhead_s(e.engine),
         ),
         capacity=cap,
         instance=it,
@@ -159,6 +160,7 @@ def planned_fleet(c: Candidate, model: ModelSpec, wl: Workload) -> tuple[FleetSp
         cold_start_s=0.0,
         usd_per_replica_hour=c.usd_per_hour_per_instance / c.engines_per_instance,
         router=c.hosting.routing.value,
+        request_overhead_s=request_overhead_s(cap.engine.value),
     )
     lengths = Lengths(input_tokens=wl.input_tokens, output_tokens=wl.output_tokens)
     if wl.peak_requests_per_s is not None:

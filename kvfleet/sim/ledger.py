@@ -29,6 +29,7 @@ from kvfleet.sizing import trtllm_bench
 from kvfleet.sizing.catalog import catalog_model
 from kvfleet.sizing.hardware import accelerator
 from kvfleet.sizing.models import ModelSpec
+from kvfleet.sizing.step import request_overhead_s
 from kvfleet.versions import parse_version
 from kvfleet.workload.shapes import ClosedLoop, Lengths
 
@@ -180,9 +181,9 @@ def _shape(case: Mapping[str, Any]) -> ClosedLoop:
     n = shape["requests"]
     i, o = shape["input_tokens"], shape["output_tokens"]
     if n and shape.get("input_tokens_total"):
-        i = round(shape["input_tokens_total"] / n)
+        i = max(1, round(shape["input_tokens_total"] / n))
     if n and shape.get("output_tokens_total"):
-        o = max(1, round(shape["output_tokens_total"] / n))
+        o = max(1, round(shape["output_tokens_total"] / n))  # a dataset of varying lengths: predicted at the mean
     lengths = Lengths(input_tokens=i, output_tokens=o)
     if shape["kind"] == "offline":
         n = min(shape["requests"] or OFFLINE_REQUESTS, OFFLINE_REQUESTS)
@@ -320,3 +321,18 @@ def render(rs: list[Row]) -> str:
                     f"{_figure(m, r.predicted.get(m))} | {_pct(e) if e is None else f'{e:+.0%}'} |"
                 )
     return "\n".join(lines) + "\n"
+
+
+def overhead_fit() -> dict[str, float]:
+    """Each engine's request overhead: the mean, over its FIT rows with one client, of the measured TTFT less the
+    TTFT the simulator predicts without any overhead (at one client nothing queues, so the rest is the time outside
+    the steps); never below 0. tools/accuracy_ledger.py --fit-overhead writes it into step_calibration.json."""
+    gaps: dict[str, list[float]] = {}
+    for case in data()["cases"]:
+        if case["split"] != "fit" or case["shape"]["kind"] != "closed_loop" or case["shape"]["concurrency"] != 1:
+            continue
+        row = predict(case)
+        if row.skipped is None and "ttft" in row.measured:
+            bare = row.predicted["ttft"] - request_overhead_s(case["engine"])
+            gaps.setdefault(case["engine"], []).append(row.measured["ttft"] - bare)
+    return {engine: round(max(0.0, statistics.fmean(g)), 4) for engine, g in sorted(gaps.items())}

@@ -28,7 +28,15 @@ from kvfleet.sizing.perf import PerfEstimate, estimate, missing_perf_data
 from kvfleet.sizing.precision import KvDtype, Part, WeightScheme, weight_scheme
 from kvfleet.sizing.quantization import checkpoint_note, checkpoint_refusal, scheme_refusal
 from kvfleet.sizing.speculative import Speculative, acceptance, speculative_tokens
-from kvfleet.sizing.step import Limits, Replica, SteadyState, replica, speculative_replica, steady_state
+from kvfleet.sizing.step import (
+    Limits,
+    Replica,
+    SteadyState,
+    replica,
+    request_overhead_s,
+    speculative_replica,
+    steady_state,
+)
 from kvfleet.sizing.step import Workload as StepWorkload
 from kvfleet.sizing.units import GiB
 
@@ -578,18 +586,19 @@ class _Option:
         """The batch step model in steady state with ``batch`` sequences kept running: every step carries the
         decodes and its share of prefill chunks, within the engine's token budget."""
         wl = self.req.workload
-        return steady_state(
+        state = steady_state(
             rep or self.step_replica(cap),
             StepWorkload(input_tokens=wl.input_tokens, output_tokens=wl.output_tokens, concurrency=batch),
             limits=Limits(max_num_batched_tokens=cap.max_num_batched_tokens, max_running=batch),
         )
+        return replace(state, request_overhead_s=request_overhead_s(self.req.engine.value))
 
     def at_rate(self, cap: Capacity, batch: int, requests_per_s: float, replicas: int) -> SteadyState:
         """Poisson arrivals at ``requests_per_s`` per replica, each running at most ``batch`` sequences, at the
         workload's average lengths (what ``kvfleet simulate`` replays without a trace), queued as the host routes."""
         wl = self.req.workload
         pooled = replicas if self.req.hosting.routing is Routing.LEAST_OUTSTANDING else 1
-        return steady_state(
+        state = steady_state(
             self.step_replica(cap),
             StepWorkload(
                 input_tokens=wl.input_tokens,
@@ -599,6 +608,7 @@ class _Option:
             ),
             limits=Limits(max_num_batched_tokens=cap.max_num_batched_tokens, max_running=batch),
         )
+        return replace(state, request_overhead_s=request_overhead_s(self.req.engine.value))
 
     def perf(self, cap: Capacity, batch: int) -> PerfEstimate:
         wl = self.req.workload

@@ -136,6 +136,15 @@ def constants_from(raw: Mapping[str, Any], *, fitted: Sequence[str] = (), fit_da
 
 
 @cache
+def request_overhead_s(engine: str) -> float:
+    """A request's time outside the engine's steps for ``engine`` (its API server, tokenizing, the first event's way
+    back to the client), fitted on the ledger's one-client rows (tools/accuracy_ledger.py --fit-overhead); 0 where
+    the fit found none."""
+    value: Mapping[str, float] = calibration()["request_overhead_s"]["value"]
+    return float(value.get(engine, 0.0))
+
+
+@cache
 def default_constants() -> StepConstants:
     data = calibration()
     fit = data.get("fit", {})
@@ -540,10 +549,13 @@ class SteadyState:
     slot_wait_fixed: bool = False
     # Tokens a decoding sequence gains per step: 1, or the acceptance length tau with speculative decoding.
     tokens_per_step: float = 1.0
+    # A request's time outside the engine's steps (the API server, tokenizing, the first event's way back): in every
+    # TTFT a client measures (``request_overhead_s``).
+    request_overhead_s: float = 0.0
 
     @property
     def ttft_s(self) -> float:
-        return self.ttft_service_s + self.queue_wait_s
+        return self.ttft_service_s + self.queue_wait_s + self.request_overhead_s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -600,7 +612,7 @@ def latency_percentiles(s: SteadyState) -> LatencyQuantiles:
         inf = Quantiles(p50_s=math.inf, p90_s=math.inf, p95_s=math.inf, p99_s=math.inf)
         return LatencyQuantiles(ttft=inf, itl=itl)
     rng = random.Random(20261202)
-    fixed = s.own_chunks_s or s.prefill_steps * s.prefill_step_s
+    fixed = (s.own_chunks_s or s.prefill_steps * s.prefill_step_s) + s.request_overhead_s
     budget_mean = s.budget_wait_s / s.budget_busy if s.budget_busy > 0 else 0.0
     slot_mean = s.queue_wait_s / s.slot_wait_probability if s.slot_wait_probability > 0 else 0.0
     # An arrival lands in a step with a chance that grows with the step's length (the inspection paradox): a long

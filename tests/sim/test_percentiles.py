@@ -24,7 +24,7 @@ from kvfleet.sim.report import summarize
 from kvfleet.sim.steps import RooflineSteps
 from kvfleet.sizing.catalog import catalog_model
 from kvfleet.sizing.planner import Candidate, PlanRequest, Workload, plan
-from kvfleet.sizing.step import latency_percentiles
+from kvfleet.sizing.step import latency_percentiles, request_overhead_s
 from kvfleet.targets import TARGETS
 from kvfleet.workload.traces import Trace, poisson_trace
 
@@ -62,6 +62,7 @@ def _simulated(c: Candidate, req: PlanRequest, rate: float) -> tuple[float, floa
         cold_start_s=0.0,
         usd_per_replica_hour=None,
         router="least_outstanding",
+        request_overhead_s=request_overhead_s(req.engine.value),  # the plan's TTFT carries it too
     )
     wl = req.workload
     report = summarize(simulate(_poisson(rate, wl.input_tokens, wl.output_tokens), spec), spec)
