@@ -30,7 +30,20 @@ from kvfleet.workload.traces import read_trace  # noqa: E402
 VLLM = VllmScheduler()  # the engine the plans here run
 
 TARGET = 1000.0
+# The hour as a user runs it: `kvfleet simulate dev --trace <the hour>`, start-up and planning included (wall time).
+CLI_TARGET = 2000.0
 TRACE = REPO / "traces" / "azure2023" / "AzureLLMInferenceTrace_conv.csv"
+
+
+def cli_run() -> float:
+    """Seconds of wall time for the CLI to plan the dev environment and replay the whole hour."""
+    import subprocess
+
+    exe = Path(sys.executable).with_name("kvfleet")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "kvfleet.cli"]
+    t0 = time.perf_counter()
+    subprocess.run([*cmd, "simulate", "dev", "--trace", str(TRACE)], cwd=REPO, check=True, capture_output=True)
+    return time.perf_counter() - t0
 
 
 def run(*, exact: bool, duration_s: float | None) -> tuple[float, float, int]:
@@ -72,7 +85,14 @@ def main() -> int:
         f"leaps / single steps: {speed / base_speed:.1f}x; target >= {TARGET:,.0f}x real time: "
         f"{'met' if speed >= TARGET else 'MISSED'}"
     )
-    return 0 if speed >= TARGET else 1
+    hour = read_trace(TRACE).duration_s
+    wall = min(cli_run() for _ in range(3))
+    cli_speed = hour / wall
+    print(
+        f"kvfleet simulate dev --trace <the hour>: {hour:,.0f} s of trace in {wall:.2f} s wall (best of 3) = "
+        f"{cli_speed:,.0f}x; target >= {CLI_TARGET:,.0f}x: {'met' if cli_speed >= CLI_TARGET else 'MISSED'}"
+    )
+    return 0 if speed >= TARGET and cli_speed >= CLI_TARGET else 1
 
 
 if __name__ == "__main__":
