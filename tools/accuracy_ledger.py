@@ -47,6 +47,25 @@ def write_overhead(fitted: dict[str, float]) -> None:
     print(f"request overhead per engine: {fitted}")
 
 
+def write_moe_w4(factor: float) -> None:
+    import json
+
+    data = json.loads(STEPS.read_text(encoding="utf-8"))
+    data["constants"]["moe_w4_compute_factor"] = {
+        "value": factor,
+        "source": "tools/accuracy_ledger.py --fit-moe-w4: the factor that brings the ledger's gpt-oss-20b FIT rows "
+        "(kvfleet/sizing/data/serving_benchmarks.json: vLLM 0.11 on H100 and A100, MXFP4 experts) closest by TTFT, "
+        "TPOT and output tokens/s; gpt-oss-120b's rows and NVFP4 MoE rows check it. moe_compute_factor's 0.2 (FP8 "
+        "and 16-bit grouped GEMMs) ran gpt-oss 45-80% slow",
+    }
+    STEPS.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    from kvfleet.sizing import step
+
+    step.calibration.cache_clear()
+    step.default_constants.cache_clear()
+    print(f"moe_w4_compute_factor: {factor}")
+
+
 def coverage_json() -> str:
     """The engine releases with a public start-up log in tests/sizing/data/engine_logs.json, and how many."""
     import json
@@ -114,7 +133,14 @@ def main() -> int:
         action="store_true",
         help="refit each engine's request overhead on the ledger's one-client FIT rows into step_calibration.json",
     )
+    p.add_argument(
+        "--fit-moe-w4",
+        action="store_true",
+        help="refit the grouped-GEMM factor of 4-bit weight-only experts on the ledger's gpt-oss FIT rows",
+    )
     a = p.parse_args()
+    if a.fit_moe_w4:
+        write_moe_w4(ledger.moe_w4_fit())
     if a.fit_overhead:
         write_overhead(ledger.overhead_fit())
     text = ledger.render(ledger.rows()) + "\n" + capacity_section()

@@ -22,7 +22,7 @@ from kvfleet.sizing.hardware import InstanceType, accelerator, instance
 from kvfleet.sizing.models import ModelSpec
 from kvfleet.sizing.planner import Candidate, Workload
 from kvfleet.sizing.precision import kv_dtype, weight_scheme
-from kvfleet.sizing.step import nvlink_bytes_per_s, replica, request_overhead_s
+from kvfleet.sizing.step import StepConstants, nvlink_bytes_per_s, replica, request_overhead_s
 from kvfleet.workload.shapes import ClosedLoop, Lengths, PoissonLoad
 
 
@@ -79,7 +79,7 @@ def _settings(e: EngineStart) -> EngineSettings:
     )
 
 
-def start(e: EngineStart, *, longest_request_tokens: int) -> StartedEngine:
+def start(e: EngineStart, *, longest_request_tokens: int, constants: StepConstants | None = None) -> StartedEngine:
     """The engine as it would start, refused with the engine's own reason where it would not, or where the
     benchmark's longest request would not fit its context."""
     it = instance(e.instance_type) if e.instance_type else None
@@ -119,7 +119,7 @@ def start(e: EngineStart, *, longest_request_tokens: int) -> StartedEngine:
                 block_tokens=cap.block_size,
                 prefix_caching=prefix_caching(e.model, settings),
             ),
-            model=RooflineSteps(rep),
+            model=RooflineSteps(rep, constants),
             scheduler=adapter(e.engine).scheduler(args),
             scaling=Scaling(kind="none", min_replicas=1, max_replicas=1, kv_cache_target=1.0, queue_target=1e9),
             initial_replicas=1,

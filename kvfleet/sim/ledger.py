@@ -16,7 +16,7 @@ import json
 import math
 import statistics
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -29,7 +29,7 @@ from kvfleet.sizing import trtllm_bench
 from kvfleet.sizing.catalog import catalog_model
 from kvfleet.sizing.hardware import accelerator
 from kvfleet.sizing.models import ModelSpec
-from kvfleet.sizing.step import request_overhead_s
+from kvfleet.sizing.step import StepConstants, default_constants, request_overhead_s
 from kvfleet.versions import parse_version
 from kvfleet.workload.shapes import ClosedLoop, Lengths
 
@@ -40,6 +40,7 @@ OFFLINE_REQUESTS = 2000
 # 1,000 prompts is more, but a closed loop's figures settle well before).
 REQUESTS_PER_CLIENT = 10
 METRICS = ("ttft", "tpot", "itl", "e2e", "output_tokens_per_s")
+MOE_FIT_METRICS = ("ttft", "tpot", "output_tokens_per_s")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,7 +201,7 @@ def _figures(report: SimReport, stats: Mapping[str, str]) -> dict[str, float]:
     return out
 
 
-def predict(case: Mapping[str, Any]) -> Row:
+def predict(case: Mapping[str, Any], constants: StepConstants | None = None) -> Row:
     measured, stats = _measured(case)
     row = Row(
         cid=case["id"],
@@ -218,7 +219,8 @@ def predict(case: Mapping[str, Any]) -> Row:
     engine, notes = _engine(case, model)
     shape = _shape(case)
     try:
-        started = start(engine, longest_request_tokens=shape.lengths.max_input_tokens + shape.lengths.max_output_tokens)
+        longest = shape.lengths.max_input_tokens + shape.lengths.max_output_tokens
+        started = start(engine, longest_request_tokens=longest, constants=constants)
     except KvfleetError as err:
         return _skip(row, f"not started: {err}")
     report = summarize(closed_loop(started.spec, shape), started.spec)
@@ -336,3 +338,19 @@ def overhead_fit() -> dict[str, float]:
             bare = row.predicted["ttft"] - request_overhead_s(case["engine"])
             gaps.setdefault(case["engine"], []).append(row.measured["ttft"] - bare)
     return {engine: round(max(0.0, statistics.fmean(g)), 4) for engine, g in sorted(gaps.items())}
+
+
+def moe_w4_fit(candidates: Iterable[float] = ()) -> float:
+    """The grouped-GEMM factor of 4-bit weight-only experts that brings the FIT rows of such models (gpt-oss's
+    MXFP4 experts) closest, by the mean squared log error of their TTFT, TPOT and output tokens/s, over a grid of
+    factors (a 1-D fit: the grid is fine enough for two digits). tools/accuracy_ledger.py --fit-moe-w4 writes it."""
+    rows = [c for c in data()["cases"] if c["split"] == "fit" and c.get("fits") == "moe_w4_compute_factor"]
+    grid = list(candidates) or [round(0.2 * 1.1**i, 3) for i in range(30)]  # 0.2 to about 3.2
+    base = default_constants()
+
+    def loss(factor: float) -> float:
+        constants = replace(base, moe_w4_compute_factor=factor)
+        errs = [e for c in rows for k, e in predict(c, constants).errors().items() if k in MOE_FIT_METRICS]
+        return statistics.fmean(math.log1p(e) ** 2 for e in errs)
+
+    return min(grid, key=loss)

@@ -93,6 +93,9 @@ class StepConstants:
     eager_step_overhead_s: float  # extra per step without CUDA graphs (enforce_eager)
     draft_pass_overhead_s: float  # per drafter pass: its launches, sampling and the proposer's own bookkeeping
     roofline_sharpness: float = math.inf  # p in (compute^p + memory^p)^(1/p); inf: the hard max
+    # Grouped expert GEMMs of 4-bit weight-only experts (MXFP4, NVFP4, W4A16) vs dense GEMMs of that class: other
+    # kernels (vLLM's triton matmul_ogs and Marlin MoE) than the FP8/16-bit grouped GEMMs moe_compute_factor is from.
+    moe_w4_compute_factor: float = 0.2
     fitted: tuple[str, ...] = ()  # names the fit set; the rest are priors with their source
     fit_date: str = ""
 
@@ -130,6 +133,7 @@ def constants_from(raw: Mapping[str, Any], *, fitted: Sequence[str] = (), fit_da
         eager_step_overhead_s=float(v("eager_step_overhead_s")),
         draft_pass_overhead_s=float(v("draft_pass_overhead_s")),
         roofline_sharpness=float(v("roofline_sharpness")),
+        moe_w4_compute_factor=float(v("moe_w4_compute_factor")) if "moe_w4_compute_factor" in raw else 0.2,
         fitted=tuple(fitted),
         fit_date=fit_date,
     )
@@ -433,7 +437,8 @@ def step_time(rep: Replica, batch: StepBatch, constants: StepConstants | None = 
     bound = "compute" if dense_c > dense_m else "memory"
     if rep.is_moe:
         frac = expected_expert_fraction(t, experts=rep.num_experts, per_token=rep.experts_per_token)
-        moe_c = rep.expert_flops_per_token * t / (rep.peak_flops * gemm * c.moe_compute_factor)
+        moe_f = c.moe_w4_compute_factor if rep.compute is ComputeClass.W4 else c.moe_compute_factor
+        moe_c = rep.expert_flops_per_token * t / (rep.peak_flops * gemm * moe_f)
         moe_m = rep.expert_weight_bytes * frac / (rep.hbm_bytes_per_s * c.weights_bw_eff * c.moe_bw_factor)
         linear += _roofline(moe_c, moe_m, c.roofline_sharpness)
     # Attention: 2 matmuls (QK^T, PV) of 2 FLOPs per element; causal halves the square of a chunk.
