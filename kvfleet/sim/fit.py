@@ -9,9 +9,10 @@ scheduler and limits), and the five terms are chosen to bring the simulated leve
     the first event's way back), which the simulator adds on the client's side
 
 What is matched per level: median TTFT (prefill and the overhead), mean ITL (the step at that batch and context)
-and output tokens/s (both together). The fit is a Nelder-Mead search on the logarithms of the terms, started from
-the plan's own step model probed at the levels' sizes; its residuals are returned with it, so a user sees which
-level the model could not follow.
+and output tokens/s (both together), each as a log error under a Cauchy loss, so one level a host stall spoiled
+does not drag the others (least squares let one such level move an unseen level's prediction by 42%). The fit is a
+Nelder-Mead search on the logarithms of the terms, started from the plan's own step model probed at the levels'
+sizes; its residuals are returned with it, so a user sees which level the model could not follow.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from kvfleet.workload.shapes import ClosedLoop, Lengths
 # and few enough that a fit of a few hundred evaluations takes seconds.
 SIM_REQUESTS_PER_CLIENT = 4
 SIM_REQUESTS_MIN = 24
+ROBUST_SCALE = 0.3  # log-errors well inside this count as least squares; far outside it, about logarithmically
 TERMS = ("fixed_s", "per_prefill_token_s", "per_decode_seq_s", "per_kv_token_s", "request_overhead_s")
 
 
@@ -118,7 +120,11 @@ def _objective(spec: FleetSpec, levels: Sequence[MeasuredLevel]) -> Callable[[li
                 (p.itl_mean_s, lv.itl_mean_s),
                 (p.output_tokens_per_s, lv.output_tokens_per_s),
             ):
-                total += math.log(max(pred, 1e-12) / meas) ** 2 if math.isfinite(pred) else 1e6
+                if not math.isfinite(pred):
+                    return math.inf
+                # A Cauchy loss on the log error: a level a host stall spoiled pulls the fit far less than it would
+                # under least squares.
+                total += math.log1p((math.log(max(pred, 1e-12) / meas) / ROBUST_SCALE) ** 2)
         return total
 
     return loss
