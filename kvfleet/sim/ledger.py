@@ -140,7 +140,8 @@ def _engine(case: Mapping[str, Any], model: ModelSpec) -> tuple[EngineStart, tup
     s = {**case["settings"], **{k: v for k, v in case.get("assumed", {}).items() if v is not None}}
     notes: list[str] = [f"assumed: {case['assumed']['why']}"] if case.get("assumed") else []
     seqs, tokens = s.get("max_num_seqs"), s.get("max_num_batched_tokens")
-    if case["engine"] == "trtllm" and case["shape"]["kind"] == "offline" and seqs is None and tokens is None:
+    bench = case.get("client") == "trtllm-bench"  # not trtllm-serve, which starts with the LLM API's defaults
+    if bench and seqs is None and tokens is None:
         seqs, tokens = _bench_limits(case, model)
         notes.append(f"trtllm-bench's derived limits: max_batch_size {seqs}, max_num_tokens {tokens}")
     version = case.get("engine_version")
@@ -148,7 +149,7 @@ def _engine(case: Mapping[str, Any], model: ModelSpec) -> tuple[EngineStart, tup
         notes.append(f"release {version!r} not a version kvfleet reads: the engine's default release")
         version = None
     memory = s.get("gpu_memory_utilization")
-    if memory is None and case["engine"] == "trtllm" and case["shape"]["kind"] == "offline":
+    if memory is None and bench:
         memory = 0.95  # the perf-overview's own words: "we also use a higher KV cache percentage ... 0.95"
     start_args = {
         "model": model,

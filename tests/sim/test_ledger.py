@@ -17,7 +17,7 @@ from tests.sizing.conftest import load_tool
 REPO = Path(__file__).resolve().parents[2]
 # The medians docs/accuracy.md records, rounded up to the next percent: a change that makes one worse fails here.
 CEILINGS = {
-    "check": {"ttft": 0.26, "tpot": 0.16, "itl": 0.15, "e2e": 0.08, "output_tokens_per_s": 0.14},
+    "check": {"ttft": 0.28, "tpot": 0.14, "itl": 0.16, "e2e": 0.08, "output_tokens_per_s": 0.14},
     "fit": {"ttft": 0.11, "tpot": 0.17, "itl": 0.09, "e2e": 0.11, "output_tokens_per_s": 0.06},
 }
 
