@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Literal, cast
 
 from kvfleet.calibration import Calibration
@@ -18,10 +18,11 @@ from kvfleet.config.targets import Ec2Target
 from kvfleet.deployments import ResolvedDeployment
 from kvfleet.engines import adapter
 from kvfleet.errors import KvfleetError
+from kvfleet.sim.fit import linear_model
 from kvfleet.sim.fleet import FleetSpec, Router, Scaling, WarmPool
 from kvfleet.sim.policy import INTEGER_SETTINGS, AdmissionSpace, Derivation, Outcome, Setting, derive
 from kvfleet.sim.policy import replay as replay_policy
-from kvfleet.sim.replica import EngineLimits, LinearStepModel, StepModel
+from kvfleet.sim.replica import EngineLimits, StepModel
 from kvfleet.sim.steps import RooflineSteps
 from kvfleet.sizing.planner import admission
 from kvfleet.sizing.step import request_overhead_s
@@ -115,12 +116,7 @@ def fleet_spec(
             blocks = max(1, calibration.kv_cache_tokens // cap.block_size)
         fitted = calibration.steps
         if fitted is not None:  # the step model fitted on the measured levels replaces the plan's
-            model = LinearStepModel(
-                fixed_s=fitted.fixed_s,
-                per_prefill_token_s=fitted.per_prefill_token_s,
-                per_decode_seq_s=fitted.per_decode_seq_s,
-                per_kv_token_s=fitted.per_kv_token_s,
-            )
+            model = linear_model(asdict(fitted))
             overhead = fitted.request_overhead_s
         elif c.measured is None:  # a version 1 file: one scale (a candidate priced with it has it already)
             model = ScaledSteps(model, calibration.step_time_scale)

@@ -1053,22 +1053,11 @@ def _simulated_load(p: Plan) -> tuple[SimReport, str]:
 
 
 def _simulated_json(p: Plan) -> dict[str, Any]:
+    from kvfleet.cli.predict import SIMULATED_KEYS
+
     r, load = _simulated_load(p)
-    return {
-        "candidate": p.best.label(),
-        "load": load,
-        "ttft_s": _quantile_json(r.ttft_s),
-        "itl_s": _quantile_json(r.itl_s),
-        "tpot_s": _quantile_json(r.tpot_s),
-        "e2e_s": _quantile_json(r.e2e_s),
-        "output_tokens_per_s": round(r.output_tokens_per_s, 2),
-        "requests_per_s": round(r.requests_per_s, 4),
-        "preemptions": r.preemptions,
-    }
-
-
-def _quantile_json(q: Any) -> dict[str, float] | None:
-    return None if q is None else {k: round(getattr(q, k), 5) for k in ("p50", "p90", "p95", "p99", "mean")}
+    report = r.as_dict()
+    return {"candidate": p.best.label(), "load": load, **{k: report[k] for k in SIMULATED_KEYS}}
 
 
 def _ms(v: float, digits: int = 0) -> str:
@@ -1854,14 +1843,7 @@ def _fit_steps(
         result = fit(spec, levels)
     except ValueError:
         return None, ()
-    m = result.model
-    steps = FittedSteps(
-        fixed_s=m.fixed_s,
-        per_prefill_token_s=m.per_prefill_token_s,
-        per_decode_seq_s=m.per_decode_seq_s,
-        per_kv_token_s=m.per_kv_token_s,
-        request_overhead_s=result.request_overhead_s,
-    )
+    steps = FittedSteps(**result.terms())
     residuals = tuple(
         FitResidual(
             concurrency=lf.level.concurrency,

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import argparse
 from array import array
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from kvfleet.errors import KvfleetError
 
+# What a prediction reports of the simulator's run, in the bench's own keys (percentiles with their means).
+SIMULATED_KEYS = ("ttft_s", "itl_s", "tpot_s", "e2e_s", "output_tokens_per_s", "requests_per_s", "preemptions")
 # Tokens per sequence an unknown cache is given room for (it then never binds a benchmark's lengths).
 UNBOUNDED_CONTEXT_TOKENS = 1 << 20
 
@@ -46,8 +49,9 @@ def calibrated_fleet(cal: Calibration, source: str) -> FleetSpec:
     """One replica from a calibration alone: its engine's limits and scheduler, its fitted steps."""
     from kvfleet.engines import adapter
     from kvfleet.engines.base import EngineArgs
+    from kvfleet.sim.fit import linear_model
     from kvfleet.sim.fleet import FleetSpec, Scaling
-    from kvfleet.sim.replica import EngineLimits, LinearStepModel
+    from kvfleet.sim.replica import EngineLimits
 
     s, lim = cal.steps, cal.engine_limits
     if s is None or lim is None:
@@ -67,12 +71,7 @@ def calibrated_fleet(cal: Calibration, source: str) -> FleetSpec:
             block_tokens=lim.block_tokens,
             prefix_caching=False,  # benchmark prompts share nothing
         ),
-        model=LinearStepModel(
-            fixed_s=s.fixed_s,
-            per_prefill_token_s=s.per_prefill_token_s,
-            per_decode_seq_s=s.per_decode_seq_s,
-            per_kv_token_s=s.per_kv_token_s,
-        ),
+        model=linear_model(asdict(s)),
         scheduler=adapter(cal.engine).scheduler(EngineArgs(tensor_parallel_size=cal.tensor_parallel_size)),
         scaling=Scaling(kind="none", min_replicas=1, max_replicas=1, kv_cache_target=1.0, queue_target=1e9),
         initial_replicas=1,
@@ -108,20 +107,8 @@ def predict_level(spec: FleetSpec, level: LevelSpec) -> dict[str, Any]:
             output_tokens=array("q", (o for _, o in level.lengths)),
         )
         result = simulate(trace, spec)
-    r = summarize(result, spec)
-
-    def q(p: Any) -> dict[str, float] | None:
-        return None if p is None else {"p50": p.p50, "p90": p.p90, "p95": p.p95, "p99": p.p99, "mean": p.mean}
-
-    return {
-        "ttft_s": q(r.ttft_s),
-        "itl_s": q(r.itl_s),
-        "tpot_s": q(r.tpot_s),
-        "e2e_s": q(r.e2e_s),
-        "output_tokens_per_s": r.output_tokens_per_s,
-        "requests_per_s": r.requests_per_s,
-        "preemptions": r.preemptions,
-    }
+    report = summarize(result, spec).as_dict()
+    return {k: report[k] for k in SIMULATED_KEYS}
 
 
 def prediction_lines(rows: list[dict[str, Any]], source: str) -> list[str]:

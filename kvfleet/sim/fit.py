@@ -18,7 +18,7 @@ sizes; its residuals are returned with it, so a user sees which level the model 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from kvfleet.sim.fleet import FleetSpec
@@ -70,6 +70,12 @@ class StepFit:
     model: LinearStepModel
     request_overhead_s: float
     levels: tuple[LevelFit, ...]
+
+    def terms(self) -> dict[str, float]:
+        """The five fitted terms by name (``TERMS``, the fields of a calibration file's ``steps``)."""
+        m = self.model
+        values = (m.fixed_s, m.per_prefill_token_s, m.per_decode_seq_s, m.per_kv_token_s, self.request_overhead_s)
+        return dict(zip(TERMS, values, strict=True))
 
     def worst_error(self) -> float:
         return max((abs(e) for lf in self.levels for e in lf.errors().values()), default=0.0)
@@ -130,12 +136,20 @@ def _objective(spec: FleetSpec, levels: Sequence[MeasuredLevel]) -> Callable[[li
     return loss
 
 
-def with_terms(spec: FleetSpec, terms: Sequence[float]) -> FleetSpec:
-    fixed, per_token, per_seq, per_kv, overhead = terms
-    model = LinearStepModel(
-        fixed_s=fixed, per_prefill_token_s=per_token, per_decode_seq_s=per_seq, per_kv_token_s=per_kv
+def linear_model(terms: Mapping[str, float]) -> LinearStepModel:
+    """The step model of fitted terms given by name (``TERMS``; a calibration file's ``steps`` has these fields)."""
+    return LinearStepModel(
+        fixed_s=float(terms["fixed_s"]),
+        per_prefill_token_s=float(terms["per_prefill_token_s"]),
+        per_decode_seq_s=float(terms["per_decode_seq_s"]),
+        per_kv_token_s=float(terms["per_kv_token_s"]),
     )
-    return replace(spec, model=model, request_overhead_s=overhead)
+
+
+def with_terms(spec: FleetSpec, terms: Sequence[float]) -> FleetSpec:
+    """``spec`` stepping on the five terms, in ``TERMS`` order."""
+    named = dict(zip(TERMS, terms, strict=True))
+    return replace(spec, model=linear_model(named), request_overhead_s=named["request_overhead_s"])
 
 
 def fit(spec: FleetSpec, levels: Sequence[MeasuredLevel], *, evaluations: int = 400) -> StepFit:

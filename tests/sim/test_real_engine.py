@@ -335,7 +335,6 @@ async def calibrate(url: str, kv_blocks: int, block_tokens: int, path: Path) -> 
             )
         )
     result = fit_levels(fleet_spec(None, kv_blocks, block_tokens), measured)
-    m = result.model
     Path(path).write_text(
         Calibration(
             measured_at="2026-12-07T00:00:00Z",
@@ -346,13 +345,7 @@ async def calibrate(url: str, kv_blocks: int, block_tokens: int, path: Path) -> 
             tensor_parallel_size=1,
             kv_cache_tokens=kv_blocks * block_tokens,
             points=(),
-            steps=FittedSteps(
-                fixed_s=m.fixed_s,
-                per_prefill_token_s=m.per_prefill_token_s,
-                per_decode_seq_s=m.per_decode_seq_s,
-                per_kv_token_s=m.per_kv_token_s,
-                request_overhead_s=result.request_overhead_s,
-            ),
+            steps=FittedSteps(**result.terms()),
             engine_limits=EngineLimitsRecord(
                 max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, block_tokens=block_tokens
             ),
