@@ -39,7 +39,7 @@ _ENGINE_ONLY = (
 )
 
 
-def add_simulate_parser(sub: Any) -> None:
+def add_parser(sub: Any) -> None:
     si = sub.add_parser(
         "simulate",
         help="a planned fleet or one engine start under a trace or a benchmark shape: latency percentiles, "
@@ -157,7 +157,7 @@ def _trace(a: argparse.Namespace) -> Trace | None:
     )
 
 
-def cmd_simulate(a: argparse.Namespace) -> int:
+def run(a: argparse.Namespace) -> int:
     _refuse_ignored(a)
     rows = _engine_start(a) if a.model is not None else _environment(a)
     if a.json:

@@ -1,0 +1,397 @@
+"""`kvfleet bench`: load-test a live endpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from kvfleet import contract
+from kvfleet.cli.bench_checks import (
+    bench_limits,
+    limits_fill,
+    limits_levels,
+    limits_verdict,
+    predicted_speed,
+    speed_drift_lines,
+)
+from kvfleet.cli.bench_output import print_bench, progress_line, what_ran
+from kvfleet.cli.calibrate import write_calibration
+from kvfleet.cli.endpoint import deployed_url, planned_deployment
+from kvfleet.errors import KvfleetError
+
+if TYPE_CHECKING:
+    from kvfleet.bench.client import LevelSpec
+    from kvfleet.deployments import ResolvedDeployment
+
+from kvfleet.cli.args import (
+    _float_list,
+    _fraction,
+    _int_list,
+    _positive_float,
+    _positive_int,
+)
+
+
+def add_parser(sub: Any) -> None:
+    be = sub.add_parser(
+        "bench",
+        help="load-test a live OpenAI-compatible endpoint (the agent, vLLM, trtllm-serve, a load balancer) with "
+        "streaming timing: TTFT, ITL, TPOT, throughput per concurrency",
+    )
+    be.add_argument(
+        "url",
+        nargs="?",
+        help="the endpoint's base URL (http://127.0.0.1:8080), or sagemaker:<endpoint name> for a SageMaker endpoint "
+        "(InvokeEndpointWithResponseStream with the usual AWS credentials); default, with --env: where the "
+        "deployment's stack says it is",
+    )
+    be.add_argument("--region", help="the SageMaker endpoint's region (default: the AWS configuration's)")
+    be.add_argument("--endpoint-url", help="SageMaker runtime URL (a VPC endpoint)")
+    be.add_argument("--model", help="model id to request (default: the first /v1/models lists)")
+    be.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (default: $KVFLEET_BENCH_API_KEY)")
+    be.add_argument("--header", action="append", default=[], help="extra request header NAME:VALUE (repeatable)")
+    be.add_argument("--concurrency", type=_int_list, default=[1, 4, 16], help="comma-separated levels (default 1,4,16)")
+    be.add_argument(
+        "--rate",
+        type=_float_list,
+        help="open loop instead: Poisson arrivals at each of these comma-separated requests/s (a rate sweep)",
+    )
+    be.add_argument(
+        "--trace", help="open loop instead: replay a request trace's arrivals and lengths (the workload formats)"
+    )
+    be.add_argument(
+        "--planned-load",
+        action="store_true",
+        help="open loop instead, with --env: the plan's own load (Poisson at workload.peak_requests_per_s, the "
+        "average lengths) against its TTFT target",
+    )
+    be.add_argument("--trace-format", choices=["azure", "mooncake", "burstgpt", "kvfleet"])
+    be.add_argument("--start-s", type=float, default=0.0, help="skip this many seconds of the trace")
+    be.add_argument("--duration-s", type=_positive_float, help="trace window length")
+    be.add_argument("--rate-scale", type=_positive_float, default=1.0, help="replay the trace this many times faster")
+    be.add_argument(
+        "--ttft-ms", type=_positive_float, help="TTFT target: report attainment and the best rate meeting it"
+    )
+    be.add_argument(
+        "--slo-attainment", type=_fraction, default=0.95, help="share of requests within --ttft-ms (default 0.95)"
+    )
+    be.add_argument(
+        "--limits",
+        action="store_true",
+        help="test the limits together: --max-input-tokens + --max-output-tokens at --max-concurrency, then at twice "
+        "it (or the plan's, with --env); passes when nothing fails or is preempted at the planned concurrency and "
+        "what fails above it is refused with 429",
+    )
+    be.add_argument("--max-input-tokens", type=_positive_int)
+    be.add_argument("--max-output-tokens", type=_positive_int)
+    be.add_argument("--max-concurrency", type=_positive_int)
+    be.add_argument("--requests", type=_positive_int, default=32, help="requests per level (default 32)")
+    be.add_argument("--input-tokens", type=_positive_int, default=512, help="prompt length in tokens (default 512)")
+    be.add_argument("--output-tokens", type=_positive_int, default=128, help="tokens to generate (default 128)")
+    be.add_argument("--timeout-s", type=_positive_float, default=600.0, help="per request (default 600)")
+    be.add_argument(
+        "--expect-kv-tokens",
+        type=_positive_int,
+        help="KV-cache tokens per replica the plan expects; fail when the endpoint reports fewer (past --tolerance)",
+    )
+    be.add_argument("--env", help="take --expect-kv-tokens from this environment file's plan (with --deployment)")
+    be.add_argument("--deployment", help="the deployment of --env")
+    be.add_argument(
+        "--tolerance",
+        type=_fraction,
+        default=contract.KV_SHORTFALL_TOLERANCE,
+        help=f"allowed shortfall of the KV cache (default {contract.KV_SHORTFALL_TOLERANCE})",
+    )
+    be.add_argument(
+        "--speed-tolerance",
+        type=_fraction,
+        default=0.25,
+        help="with --env: how much slower than the plan's step model ITL and output tokens/s may be (default 0.25)",
+    )
+    be.add_argument("--html", help="also write a self-contained HTML report (distributions, levels, checks) here")
+    be.add_argument(
+        "--predict",
+        action="store_true",
+        help="simulate each level beside what it measured, on one replica of the plan (--env) or of a calibration "
+        "(--calibration), and print both with the error",
+    )
+    be.add_argument(
+        "--calibration",
+        help="with --predict: a file kvfleet bench --calibrate wrote (its fitted steps, KV cache and engine limits)",
+    )
+    be.add_argument(
+        "--calibrate",
+        help="with --env: write what was measured (the engine's KV cache, step times against the plan's at each "
+        "closed-loop level) as a calibration file for kvfleet plan and simulate --calibration",
+    )
+    be.add_argument("--json", action="store_true")
+
+
+def run(a: argparse.Namespace) -> int:
+    import asyncio
+    import os
+    import re
+    from pathlib import Path
+    from urllib.parse import urlsplit
+
+    from kvfleet.bench.client import Endpoint, kv_drift, poisson_level, run_levels, run_levels_sagemaker, summarize
+
+    planned = planned_deployment(a.env, a.deployment) if a.env is not None else None
+    if a.url is None:
+        if planned is None:
+            raise KvfleetError("give the endpoint's URL, or --env FILE [--deployment NAME] to read it", field="url")
+        a.url = deployed_url(planned)
+    sagemaker = None
+    if a.url.startswith("sagemaker:"):
+        from kvfleet.bench.sagemaker import SageMakerTarget
+
+        name = a.url.removeprefix("sagemaker:")
+        # SageMaker's EndpointName pattern (CreateEndpoint API reference).
+        if not re.fullmatch(r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}", name):
+            raise KvfleetError(
+                f"{name!r} is not a SageMaker endpoint name (letters, digits, '-', 63 at most)", field="url"
+            )
+        region = a.region or (planned.environment.region if planned is not None else None)
+        sagemaker = SageMakerTarget(endpoint_name=name, region=region, endpoint_url=a.endpoint_url)
+    else:
+        parts = urlsplit(a.url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise KvfleetError(
+                f"{a.url!r} is not an http(s) URL or sagemaker:<endpoint name>; e.g. http://127.0.0.1:8080", field="url"
+            )
+    headers = []
+    for h in a.header:
+        name, sep, value = h.partition(":")
+        if not sep or not name.strip():
+            raise KvfleetError(f"{h!r} is not NAME:VALUE", field="header")
+        headers.append((name.strip(), value.strip()))
+    ep = Endpoint(
+        url=a.url,
+        model=a.model,
+        api_key=a.api_key or os.environ.get("KVFLEET_BENCH_API_KEY"),
+        headers=tuple(headers),
+    )
+    expected = a.expect_kv_tokens
+    # Asked for (--expect-kv-tokens), the KV check fails where the endpoint reports no cache; implied by --env, it
+    # is skipped with a note there (a load balancer and SageMaker expose no /metrics).
+    kv_required = expected is not None
+    if planned is not None:
+        expected = expected or planned.candidate.capacity.kv_cache_tokens
+    elif a.deployment is not None:
+        raise KvfleetError("--deployment names a deployment of --env; give --env FILE too", field="deployment")
+    limits = bench_limits(a, planned) if a.limits else None
+    if a.trace is not None and a.rate is not None:
+        raise KvfleetError("--trace replays the trace's own arrivals; drop --rate (or use --rate-scale)", field="rate")
+    if limits is not None and (a.trace is not None or a.rate is not None):
+        raise KvfleetError("--limits runs its own two levels; drop --trace and --rate", field="limits")
+    if a.planned_load:
+        if planned is None:
+            raise KvfleetError("--planned-load replays the plan of --env; give --env FILE", field="planned_load")
+        if a.trace is not None or a.rate is not None or limits is not None:
+            raise KvfleetError(
+                "--planned-load is its own level; drop --trace, --rate and --limits", field="planned_load"
+            )
+        w = planned.deployment.workload
+        if w.peak_requests_per_s is None:
+            raise KvfleetError(
+                "the plan has no arrival rate; set workload.peak_requests_per_s (or workload.trace)",
+                field="planned_load",
+            )
+        specs = [
+            poisson_level(
+                w.peak_requests_per_s,
+                requests=a.requests,
+                prompt_tokens=w.avg_input_tokens or w.max_input_tokens,
+                output_tokens=w.avg_output_tokens or w.max_output_tokens,
+            )
+        ]
+    else:
+        specs = limits_levels(*limits) if limits is not None else _bench_levels(a)
+    if a.calibrate and planned is None:
+        raise KvfleetError(
+            "--calibrate measures a planned deployment; give --env FILE [--deployment NAME]", field="calibrate"
+        )
+    for out_file in (a.calibrate,):
+        if out_file:
+            folder = Path(out_file).parent
+            if Path(out_file).is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+                raise KvfleetError(f"cannot write {out_file}: no writable directory {folder}", field="calibrate")
+    if a.html:  # before the run, which may take long: a report that cannot be written should not cost it
+        folder = Path(a.html).parent
+        if Path(a.html).is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+            raise KvfleetError(f"cannot write {a.html}: no writable directory {folder} to put it in", field="html")
+    progress = progress_line() if not a.json and sys.stderr.isatty() else None
+    if sagemaker is not None:
+        run = run_levels_sagemaker(sagemaker, specs, model=a.model, timeout_s=a.timeout_s, progress=progress)
+    else:
+        run = run_levels(ep, specs, timeout_s=a.timeout_s, progress=progress)
+    model, levels, capacity = asyncio.run(run)
+    if progress is not None:
+        print("\r\033[K", end="", file=sys.stderr)  # clear the live line before the report
+    ttft_ms = a.ttft_ms or (planned.deployment.workload.ttft_ms if planned is not None else None)
+    slo = ttft_ms / 1000 if ttft_ms else None
+    rows = [summarize(level, ttft_slo_s=slo) for level in levels]
+    speed_drift: list[str] = []
+    if planned is not None:
+        for row, spec in zip(rows, specs, strict=True):
+            if spec.concurrency is not None and len(set(spec.lengths)) == 1:
+                (n_in, n_out) = spec.lengths[0]
+                row["planned"] = predicted_speed(planned, n_in, n_out, spec.concurrency)
+                row["input_tokens"], row["output_tokens_each"] = n_in, n_out
+                speed_drift += speed_drift_lines(row, a.speed_tolerance)
+    prediction_source = _predict_levels(a, planned, specs, rows) if a.predict else None
+    failed = sum(r["requests"] - r["completed"] for r in rows)
+    kv_note = None
+    if capacity is None and expected is not None and not kv_required:
+        kv_note = (
+            "note: KV check skipped: the endpoint reports no KV-cache size on its /metrics (a load balancer or "
+            f"SageMaker hides it); run it against a replica's agent, or pass --expect-kv-tokens {expected} to "
+            "require it"
+        )
+        print(kv_note, file=sys.stderr)
+        expected = None
+    drift = kv_drift(capacity, expected, a.tolerance)
+    meeting = [r for r in rows if r["ttft_attainment"] is not None and r["ttft_attainment"] >= a.slo_attainment]
+    best_rate = max((r["rate_per_s"] or 0.0 for r in meeting if r["rate_per_s"]), default=None)
+    slo_miss = None
+    verdict = limits_verdict(rows, a.slo_attainment) if limits is not None else None
+    if verdict is not None and limits is not None:
+        verdict["lines"].append(limits_fill(limits, capacity))
+    if limits is not None:
+        slo = None  # --limits judges the planned level alone (below), not every level
+    if slo is not None and not meeting:
+        slo_miss = (
+            f"no level got {a.slo_attainment:.0%} of its requests a first token within {ttft_ms:g} ms "
+            f"(best {max(r['ttft_attainment'] or 0.0 for r in rows):.1%})"
+        )
+    report: dict[str, Any] = {
+        "url": a.url,
+        "model": model,
+        "input_tokens": a.input_tokens,
+        "output_tokens": a.output_tokens,
+        "levels": rows,
+        "kv_cache": None
+        if capacity is None
+        else {"blocks": capacity.blocks, "block_tokens": capacity.block_tokens, "tokens": capacity.tokens},
+        "expected_kv_tokens": expected,
+        "drift": drift,
+        "ttft_target_s": slo,
+        "best_rate_per_s": best_rate,
+        "slo_miss": slo_miss,
+        "limits": verdict,
+        "speed_drift": speed_drift,
+    }
+    if a.html:
+        from kvfleet.bench.report import render_html
+
+        try:
+            Path(a.html).write_text(render_html(report, levels), encoding="utf-8")
+        except OSError as err:  # checked before the run; a disk that filled since still gets one line
+            print(f"kvfleet: cannot write {a.html}: {err.strerror or err}", file=sys.stderr)
+    if a.calibrate and planned is not None:
+        write_calibration(a.calibrate, planned, rows, capacity)
+    if a.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_bench(a.url, model, what_ran(a, limits, specs), rows)
+        if capacity is not None:
+            print(
+                f"engine KV cache: {capacity.blocks:,} blocks of {capacity.block_tokens} tokens = "
+                f"{capacity.tokens:,} tokens per replica ({capacity.source})"
+            )
+        for row in rows:
+            if p := row.get("planned"):
+                itl = row["itl_s"]
+                measured = f"{itl['mean'] * 1e3:.1f} ms" if itl else "-"
+                print(
+                    f"plan ({p['instance_type']}, one replica) at {row['level']}: ITL {p['itl_s'] * 1e3:.1f} ms "
+                    f"(measured {measured}), {p['output_tokens_per_s']:,.0f} output tokens/s (measured "
+                    f"{row['output_tokens_per_s']:,.0f}), TTFT {p['ttft_s'] * 1e3:,.0f} ms"
+                )
+        if prediction_source is not None:
+            from kvfleet.cli.predict import prediction_lines
+
+            print("\n".join(prediction_lines(rows, prediction_source)))
+        if best_rate is not None:
+            top = max(a.rate or [0.0])
+            if a.rate and best_rate >= top:  # the sweep never found where it stops
+                print(
+                    f"every rate up to {top:g} req/s got {a.slo_attainment:.0%} of first tokens within {ttft_ms:g} "
+                    f"ms: the limit lies above {top:g} req/s (add higher rates to find it)"
+                )
+            else:
+                print(
+                    f"highest rate with {a.slo_attainment:.0%} of first tokens within {ttft_ms:g} ms: "
+                    f"{best_rate:g} req/s"
+                )
+        if expected is not None and drift is None:
+            print(f"plan check: {expected:,} KV tokens expected; the engine has them (tolerance {a.tolerance:.0%})")
+    if drift is not None:
+        print(f"kvfleet: plan check: {drift}", file=sys.stderr)
+    for line in speed_drift:
+        print(f"kvfleet: plan check: {line}", file=sys.stderr)
+    if speed_drift:
+        drift = drift or speed_drift[0]
+    if slo_miss is not None:
+        print(f"kvfleet: TTFT target: {slo_miss}", file=sys.stderr)
+    if verdict is not None:
+        for line in verdict["lines"]:
+            if line.startswith("kvfleet: "):
+                print(line, file=sys.stderr)
+            elif not a.json:
+                print(line)
+        return 0 if verdict["passed"] and drift is None else 1
+    return 1 if failed or drift is not None or slo_miss is not None else 0
+
+
+def _bench_levels(a: argparse.Namespace) -> list[LevelSpec]:
+    from kvfleet.bench.client import LevelSpec, concurrency_levels, poisson_level
+
+    if a.trace is not None:
+        from kvfleet.workload.traces import read_trace
+
+        t = read_trace(a.trace, fmt=a.trace_format, start_s=a.start_s, duration_s=a.duration_s, rate_scale=a.rate_scale)
+        return [
+            LevelSpec(
+                label=f"trace x{a.rate_scale:g}",
+                arrivals_s=tuple(t.arrival_s),
+                lengths=tuple(zip(t.input_tokens, (max(1, o) for o in t.output_tokens), strict=True)),
+                rate_per_s=len(t) / t.duration_s if t.duration_s > 0 else None,
+            )
+        ]
+    if a.rate is not None:
+        return [
+            poisson_level(r, requests=a.requests, prompt_tokens=a.input_tokens, output_tokens=a.output_tokens)
+            for r in a.rate
+        ]
+    levels = concurrency_levels(
+        a.concurrency, requests=a.requests, prompt_tokens=a.input_tokens, output_tokens=a.output_tokens
+    )
+    if a.calibrate:
+        # Enough levels to fit each term of the step model: the batch sizes asked for (and one request alone), each
+        # with the prompt asked for and a short one (per prefill token against per step and per request).
+        short = max(16, a.input_tokens // 8)
+        sizes = sorted({1, *a.concurrency})
+        levels = [
+            *concurrency_levels(
+                sizes, requests=a.requests, prompt_tokens=a.input_tokens, output_tokens=a.output_tokens
+            ),
+            *concurrency_levels(sizes, requests=a.requests, prompt_tokens=short, output_tokens=a.output_tokens),
+        ]
+        levels = [replace(lv, label=f"{lv.label}, {lv.lengths[0][0]} in") for lv in levels]
+    return levels
+
+
+def _predict_levels(
+    a: argparse.Namespace, planned: ResolvedDeployment | None, specs: list[LevelSpec], rows: list[dict[str, Any]]
+) -> str:
+    """Each level simulated beside what it measured (row["predicted"]); returns where the prediction came from."""
+    from kvfleet.cli.predict import predict_level, prediction_fleet
+
+    fleet, source = prediction_fleet(a, planned)
+    for row, spec in zip(rows, specs, strict=True):
+        row["predicted"] = predict_level(fleet, spec)
+    return source

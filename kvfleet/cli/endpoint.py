@@ -1,0 +1,58 @@
+"""Where `kvfleet bench` sends its requests: a URL, a SageMaker endpoint, or where a planned stack says."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvfleet.errors import KvfleetError
+from kvfleet.targets import TARGETS
+
+if TYPE_CHECKING:
+    from kvfleet.deployments import ResolvedDeployment
+
+
+def deployed_url(r: ResolvedDeployment) -> str:
+    """Where the deployment's stack says clients reach it (its CloudFormation outputs)."""
+    from kvfleet.bench.aws import stack_outputs
+
+    key = TARGETS[r.deployment.target.platform].address_output
+    if key is None:
+        raise KvfleetError(
+            f"deployment {r.deployment.name} runs behind a ClusterIP Service with no address outside the cluster; "
+            "port-forward to it (kubectl port-forward) and give http://127.0.0.1:<port>",
+            field="url",
+        )
+    region = r.environment.region
+    if region is None:
+        raise KvfleetError("the environment file names no region to find its stacks in; set region", field="region")
+    outputs = stack_outputs(r.stack_name, region)
+    if key not in outputs:
+        raise KvfleetError(f"stack {r.stack_name} has no output {key}; redeploy it with this kvfleet", field="env")
+    if r.deployment.target.platform == "sagemaker":
+        return f"sagemaker:{outputs[key]}"
+    lb = getattr(r.deployment.target, "load_balancer", None)
+    return f"{'https' if lb is not None and lb.certificate_arn else 'http'}://{outputs[key]}"
+
+
+def planned_deployment(env_file: str, deployment: str | None) -> ResolvedDeployment:
+    """A deployment of an environment file as planned."""
+    from kvfleet.config.loader import environment_path, load_located
+    from kvfleet.deployments import config_error, plan_requests, resolve
+
+    loaded = load_located(environment_path(env_file))
+    try:
+        drs = plan_requests(loaded.environment)
+    except KvfleetError as err:
+        raise loaded.problem(err) from None
+    names = [dr.deployment.name for dr in drs]
+    if deployment is None and len(drs) == 1:
+        deployment = names[0]
+    matching = [dr for dr in drs if dr.deployment.name == deployment]
+    if not matching:
+        raise KvfleetError(
+            f"no deployment {deployment!r} in {loaded.source}; it has {', '.join(names)}", field="deployment"
+        )
+    try:
+        return resolve(loaded.environment, matching[0])
+    except KvfleetError as err:
+        raise loaded.problem(config_error(err, matching[0].index)) from None
