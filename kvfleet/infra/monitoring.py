@@ -79,86 +79,100 @@ class ServingMonitoring(Construct):
         super().__init__(scope, id)
         self._deployment_id = deployment_id
         self._scaling = scaling
-        m = _Metrics(deployment_id)
         self.alarms: list[cw.Alarm] = []
         # Alarms an endpoint update watches to roll back. They must not reference the endpoint itself (that
         # would be a dependency cycle), so they read the agent's signals, keyed by deployment.
         self.rollback_alarms: list[cw.Alarm] = []
 
         if signals_published:
-            self.saturated = self._alarm(
-                "Saturated",
-                m.saturation,
-                threshold=CACHE_SATURATED,
-                periods=SUSTAINED_MIN,
-                op=cw.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
-                what=f"replicas on average {CACHE_SATURATED:.0%} saturated or more for {SUSTAINED_MIN} min (KV cache "
-                f"or sequence slots, max_num_seqs, full): scale-out is not keeping up "
-                f"(at max_replicas {scaling.max_replicas}?)",
-            )
-            queue_limit = QUEUE_ALARM_FACTOR * scaling.queue_depth_target
-            self.queue_growing = self._alarm(
-                "QueueGrowing",
-                m.waiting,
-                threshold=queue_limit,
-                periods=SUSTAINED_MIN,
-                op=cw.ComparisonOperator.GREATER_THAN_THRESHOLD,
-                what=f"more than {queue_limit:g} requests waiting per replica for {SUSTAINED_MIN} min",
-            )
-            self.preempting = self._alarm(
-                "Preempting",
-                m.preemptions,
-                threshold=1,
-                periods=5,
-                datapoints=3,
-                op=cw.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
-                what="sequences preempted in 3 of 5 min: admitted concurrency exceeds the KV cache",
-            )
+            m = _Metrics(deployment_id)
+            self._capacity_alarms(m)
             self.cache_binds_first: cw.Alarm | None = None
             if slots_bind and max_num_seqs is not None:
-                slots = SLOTS_IDLE_FRACTION * max_num_seqs
-                self.cache_binds_first = self._alarm(
-                    "CacheBindsFirst",
-                    cw.MathExpression(
-                        expression=f"IF(kv >= {CACHE_SATURATED}, IF(running < {slots:g}, 1, 0), 0)",
-                        using_metrics={"kv": m.cache, "running": m.running},
-                        label="cache full with sequence slots free",
-                        period=PERIOD,
-                    ),
-                    threshold=1,
-                    periods=SUSTAINED_MIN,
-                    op=cw.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
-                    what=f"the KV cache above {CACHE_SATURATED:.0%} with fewer than {slots:g} of {max_num_seqs} "
-                    f"sequences running for {SUSTAINED_MIN} min: the plan has the sequence slots binding first, so "
-                    "requests are longer than it assumed; re-plan with the measured lengths (kvfleet workload on "
-                    "the agent's request log)",
-                )
-            rate_limit = error_rate_threshold(scaling)
-            self.server_error_rate = self._alarm(
-                "ServerErrorRate",
-                server_error_rate(deployment_id, threshold=rate_limit),
-                threshold=rate_limit,
-                periods=5,
-                datapoints=3,
-                op=cw.ComparisonOperator.GREATER_THAN_THRESHOLD,
-                what=f"more than {rate_limit:.1%} of requests answered 5xx in 3 of 5 min (minutes with fewer than "
-                f"{min_requests(rate_limit)} requests count as 0; old and new instances together during an update)",
-            )
-            # A fleet that scales to zero publishes nothing while at zero, which is no fault: there the alarm
-            # catches only replicas that publish too few samples, and a dead agent shows as the load balancer's
-            # failed health checks and 5xx instead.
-            at_zero = scaling.min_replicas == 0
-            self.signals_missing = self._alarm(
-                "SignalsMissing",
-                signal_metric(deployment_id, contract.REPLICA_SATURATION, statistic="SampleCount"),
-                threshold=1,
-                periods=5,
-                op=cw.ComparisonOperator.LESS_THAN_THRESHOLD,
-                missing=cw.TreatMissingData.NOT_BREACHING if at_zero else cw.TreatMissingData.BREACHING,
-                what="no saturation signal for 5 min: autoscaling is blind (agent down or metrics not delivered)"
-                + ("; not raised while the fleet is at zero (scaling.min_replicas 0)" if at_zero else ""),
-            )
+                self.cache_binds_first = self._cache_binds_first_alarm(m, max_num_seqs)
+            self._health_alarms()
             self.rollback_alarms = [self.server_error_rate]
+
+    def _capacity_alarms(self, m: _Metrics) -> None:
+        """Scale-out not keeping up (saturation, queue) and a cache too small for the admitted concurrency."""
+        scaling = self._scaling
+        self.saturated = self._alarm(
+            "Saturated",
+            m.saturation,
+            threshold=CACHE_SATURATED,
+            periods=SUSTAINED_MIN,
+            op=cw.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
+            what=f"replicas on average {CACHE_SATURATED:.0%} saturated or more for {SUSTAINED_MIN} min (KV cache "
+            f"or sequence slots, max_num_seqs, full): scale-out is not keeping up "
+            f"(at max_replicas {scaling.max_replicas}?)",
+        )
+        queue_limit = QUEUE_ALARM_FACTOR * scaling.queue_depth_target
+        self.queue_growing = self._alarm(
+            "QueueGrowing",
+            m.waiting,
+            threshold=queue_limit,
+            periods=SUSTAINED_MIN,
+            op=cw.ComparisonOperator.GREATER_THAN_THRESHOLD,
+            what=f"more than {queue_limit:g} requests waiting per replica for {SUSTAINED_MIN} min",
+        )
+        self.preempting = self._alarm(
+            "Preempting",
+            m.preemptions,
+            threshold=1,
+            periods=5,
+            datapoints=3,
+            op=cw.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
+            what="sequences preempted in 3 of 5 min: admitted concurrency exceeds the KV cache",
+        )
+
+    def _cache_binds_first_alarm(self, m: _Metrics, max_num_seqs: int) -> cw.Alarm:
+        """The plan has the sequence slots binding first, yet the cache fills while slots are free."""
+        slots = SLOTS_IDLE_FRACTION * max_num_seqs
+        return self._alarm(
+            "CacheBindsFirst",
+            cw.MathExpression(
+                expression=f"IF(kv >= {CACHE_SATURATED}, IF(running < {slots:g}, 1, 0), 0)",
+                using_metrics={"kv": m.cache, "running": m.running},
+                label="cache full with sequence slots free",
+                period=PERIOD,
+            ),
+            threshold=1,
+            periods=SUSTAINED_MIN,
+            op=cw.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
+            what=f"the KV cache above {CACHE_SATURATED:.0%} with fewer than {slots:g} of {max_num_seqs} "
+            f"sequences running for {SUSTAINED_MIN} min: the plan has the sequence slots binding first, so "
+            "requests are longer than it assumed; re-plan with the measured lengths (kvfleet workload on "
+            "the agent's request log)",
+        )
+
+    def _health_alarms(self) -> None:
+        """The 5xx share (the one an update rolls back on) and signals that stop arriving."""
+        deployment_id, scaling = self._deployment_id, self._scaling
+        rate_limit = error_rate_threshold(scaling)
+        self.server_error_rate = self._alarm(
+            "ServerErrorRate",
+            server_error_rate(deployment_id, threshold=rate_limit),
+            threshold=rate_limit,
+            periods=5,
+            datapoints=3,
+            op=cw.ComparisonOperator.GREATER_THAN_THRESHOLD,
+            what=f"more than {rate_limit:.1%} of requests answered 5xx in 3 of 5 min (minutes with fewer than "
+            f"{min_requests(rate_limit)} requests count as 0; old and new instances together during an update)",
+        )
+        # A fleet that scales to zero publishes nothing while at zero, which is no fault: there the alarm
+        # catches only replicas that publish too few samples, and a dead agent shows as the load balancer's
+        # failed health checks and 5xx instead.
+        at_zero = scaling.min_replicas == 0
+        self.signals_missing = self._alarm(
+            "SignalsMissing",
+            signal_metric(deployment_id, contract.REPLICA_SATURATION, statistic="SampleCount"),
+            threshold=1,
+            periods=5,
+            op=cw.ComparisonOperator.LESS_THAN_THRESHOLD,
+            missing=cw.TreatMissingData.NOT_BREACHING if at_zero else cw.TreatMissingData.BREACHING,
+            what="no saturation signal for 5 min: autoscaling is blind (agent down or metrics not delivered)"
+            + ("; not raised while the fleet is at zero (scaling.min_replicas 0)" if at_zero else ""),
+        )
 
     def add_dashboard(self, platform: PlatformMetrics) -> cw.Dashboard:
         deployment_id, scaling = self._deployment_id, self._scaling

@@ -26,6 +26,7 @@ from aws_cdk import aws_iam as iam
 from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
+from kvfleet.config.loader import LoadedEnvironment
 from kvfleet.config.pipeline import CHECK_ROLE_PATH, LoadedPipeline
 from kvfleet.config.schema import Environment
 from kvfleet.infra.app import add_environment
@@ -52,6 +53,10 @@ def live_check_stack_name(environment: str) -> str:
     return f"kvfleet-{environment}-live-check"
 
 
+# A cdk-nag IAM5 finding's resource and the reason the wildcard stands.
+_Wildcard = tuple[str, str]
+
+
 class LiveCheckStack(Stack):
     """The role the pipeline's check step assumes in a stage's account: it reads this environment's stacks and
     asks its endpoints, instances and node groups what `kvfleet check` asks, and nothing else."""
@@ -76,87 +81,103 @@ class LiveCheckStack(Stack):
             max_session_duration=Duration.hours(1),
             description=f"kvfleet check of environment {environment.name}",
         )
-        partition, region, account = cdk.Aws.PARTITION, self.region, self.account
-        tag = {"aws:ResourceTag/kvfleet:environment": environment.name}
-        self.role.add_to_policy(
-            iam.PolicyStatement(
-                actions=["cloudformation:DescribeStacks"],
-                resources=[f"arn:{partition}:cloudformation:{region}:{account}:stack/{s.stack_name}/*" for s in stacks],
-            )
-        )
+        wildcards = self._allow_stacks(stacks)
         platforms = {d.target.platform for d in environment.deployments}
-        # A stack's ARN ends in its id, which CloudFormation makes at creation.
-        wildcards = [
-            (f"arn:<AWS::Partition>:cloudformation:{region}:{account}:stack/{s.stack_name}/*", "a stack's id")
-            for s in stacks
-        ]
         if "sagemaker" in platforms:
-            self.role.add_to_policy(
-                iam.PolicyStatement(
-                    # InvokeEndpointWithResponseStream has no IAM action of its own: "your IAM permissions must
-                    # allow the sagemaker:InvokeEndpoint action" (SageMaker API Reference, the operation's page).
-                    actions=["sagemaker:DescribeEndpoint", "sagemaker:InvokeEndpoint"],
-                    resources=[f"arn:{partition}:sagemaker:{region}:{account}:endpoint/*"],
-                    conditions={"StringEquals": tag},
-                )
-            )
-            wildcards.append(
-                (
-                    f"arn:<AWS::Partition>:sagemaker:{region}:{account}:endpoint/*",
-                    "endpoint names are generated: limited to those tagged with this environment",
-                )
-            )
+            wildcards += self._allow_sagemaker(environment.name)
         if "ec2" in platforms:
-            self.role.add_to_policy(
-                iam.PolicyStatement(
-                    actions=["ssm:SendCommand"],
-                    resources=[f"arn:{partition}:ec2:{region}:{account}:instance/*"],
-                    # Run Command's own tag key for managed instances (Systems Manager User Guide, "Restricting Run
-                    # Command access based on tags").
-                    conditions={"StringEquals": {"ssm:resourceTag/kvfleet:environment": environment.name}},
-                )
-            )
-            self.role.add_to_policy(
-                iam.PolicyStatement(
-                    actions=["ssm:SendCommand"],
-                    resources=[f"arn:{partition}:ssm:{region}::document/AWS-RunShellScript"],
-                )
-            )
-            self.role.add_to_policy(
-                iam.PolicyStatement(
-                    # Neither takes a resource (Service Authorization Reference: DescribeAutoScalingGroups,
-                    # GetCommandInvocation).
-                    actions=["autoscaling:DescribeAutoScalingGroups", "ssm:GetCommandInvocation"],
-                    resources=["*"],
-                )
-            )
-            wildcards += [
-                (
-                    f"arn:<AWS::Partition>:ec2:{region}:{account}:instance/*",
-                    "instances are launched by Auto Scaling: limited to those tagged with this environment",
-                ),
-                ("*", "DescribeAutoScalingGroups and GetCommandInvocation take no resource"),
-            ]
+            wildcards += self._allow_ec2(environment.name)
         if "eks" in platforms:
-            self.role.add_to_policy(
-                iam.PolicyStatement(
-                    actions=["eks:DescribeCluster", "eks:DescribeNodegroup"],
-                    resources=[
-                        f"arn:{partition}:eks:{region}:{account}:cluster/*",
-                        f"arn:{partition}:eks:{region}:{account}:nodegroup/*",
-                    ],
-                )
-            )
-            wildcards += [
-                (
-                    f"arn:<AWS::Partition>:eks:{region}:{account}:{kind}/*",
-                    "describe only, on clusters and node groups whose names are generated or shared",
-                )
-                for kind in ("cluster", "nodegroup")
-            ]
+            wildcards += self._allow_eks()
         for finding, reason in wildcards:
             acknowledge(self.role, f"AwsSolutions-IAM5[Resource::{finding}]", reason)
         self.role_arn = cdk.CfnOutput(self, "RoleArn", value=self.role.role_arn)
+
+    def _allow_stacks(self, stacks: Sequence[Stack]) -> list[_Wildcard]:
+        region, account = self.region, self.account
+        self.role.add_to_policy(
+            iam.PolicyStatement(
+                actions=["cloudformation:DescribeStacks"],
+                resources=[
+                    f"arn:{cdk.Aws.PARTITION}:cloudformation:{region}:{account}:stack/{s.stack_name}/*" for s in stacks
+                ],
+            )
+        )
+        # A stack's ARN ends in its id, which CloudFormation makes at creation.
+        return [
+            (f"arn:<AWS::Partition>:cloudformation:{region}:{account}:stack/{s.stack_name}/*", "a stack's id")
+            for s in stacks
+        ]
+
+    def _allow_sagemaker(self, environment: str) -> list[_Wildcard]:
+        partition, region, account = cdk.Aws.PARTITION, self.region, self.account
+        self.role.add_to_policy(
+            iam.PolicyStatement(
+                # InvokeEndpointWithResponseStream has no IAM action of its own: "your IAM permissions must
+                # allow the sagemaker:InvokeEndpoint action" (SageMaker API Reference, the operation's page).
+                actions=["sagemaker:DescribeEndpoint", "sagemaker:InvokeEndpoint"],
+                resources=[f"arn:{partition}:sagemaker:{region}:{account}:endpoint/*"],
+                conditions={"StringEquals": {"aws:ResourceTag/kvfleet:environment": environment}},
+            )
+        )
+        return [
+            (
+                f"arn:<AWS::Partition>:sagemaker:{region}:{account}:endpoint/*",
+                "endpoint names are generated: limited to those tagged with this environment",
+            )
+        ]
+
+    def _allow_ec2(self, environment: str) -> list[_Wildcard]:
+        partition, region, account = cdk.Aws.PARTITION, self.region, self.account
+        self.role.add_to_policy(
+            iam.PolicyStatement(
+                actions=["ssm:SendCommand"],
+                resources=[f"arn:{partition}:ec2:{region}:{account}:instance/*"],
+                # Run Command's own tag key for managed instances (Systems Manager User Guide, "Restricting Run
+                # Command access based on tags").
+                conditions={"StringEquals": {"ssm:resourceTag/kvfleet:environment": environment}},
+            )
+        )
+        self.role.add_to_policy(
+            iam.PolicyStatement(
+                actions=["ssm:SendCommand"],
+                resources=[f"arn:{partition}:ssm:{region}::document/AWS-RunShellScript"],
+            )
+        )
+        self.role.add_to_policy(
+            iam.PolicyStatement(
+                # Neither takes a resource (Service Authorization Reference: DescribeAutoScalingGroups,
+                # GetCommandInvocation).
+                actions=["autoscaling:DescribeAutoScalingGroups", "ssm:GetCommandInvocation"],
+                resources=["*"],
+            )
+        )
+        return [
+            (
+                f"arn:<AWS::Partition>:ec2:{region}:{account}:instance/*",
+                "instances are launched by Auto Scaling: limited to those tagged with this environment",
+            ),
+            ("*", "DescribeAutoScalingGroups and GetCommandInvocation take no resource"),
+        ]
+
+    def _allow_eks(self) -> list[_Wildcard]:
+        partition, region, account = cdk.Aws.PARTITION, self.region, self.account
+        self.role.add_to_policy(
+            iam.PolicyStatement(
+                actions=["eks:DescribeCluster", "eks:DescribeNodegroup"],
+                resources=[
+                    f"arn:{partition}:eks:{region}:{account}:cluster/*",
+                    f"arn:{partition}:eks:{region}:{account}:nodegroup/*",
+                ],
+            )
+        )
+        return [
+            (
+                f"arn:<AWS::Partition>:eks:{region}:{account}:{kind}/*",
+                "describe only, on clusters and node groups whose names are generated or shared",
+            )
+            for kind in ("cluster", "nodegroup")
+        ]
 
 
 class PipelineStack(Stack):
@@ -172,7 +193,28 @@ class PipelineStack(Stack):
             stack_name=id,
             description=f"kvfleet release pipeline {p.name}: {' -> '.join(s.environment for s in p.stages)}",
         )
-        self.plans = s3.Bucket(
+        self.plans = self._plans_bucket()
+        source = pipelines.CodePipelineSource.connection(
+            p.source.repository, p.source.branch, connection_arn=p.source.connection_arn
+        )
+        env_files = list(loaded.relative_paths)
+        self.pipeline = self._code_pipeline(self._synth(source, env_files))
+        self.stages: list[cdk.Stage] = []
+        self.checks: dict[str, pipelines.CodeBuildStep] = {}
+        self.diffs: dict[str, pipelines.CodeBuildStep] = {}
+        self.approvals: dict[str, pipelines.ManualApprovalStep] = {}
+        for i, (env_loaded, env_file) in enumerate(zip(loaded.environments, env_files, strict=True)):
+            self._add_stage(i, env_loaded, env_file, source)
+        self.pipeline.build_pipeline()
+        cfn = self.pipeline.pipeline.node.default_child
+        assert isinstance(cfn, cdk.CfnResource)
+        # cfn-lint's E3703 ("prefer Fn::Sub over Fn::Join with an empty delimiter") is a style rule; CDK Pipelines
+        # writes the stages' role ARNs as such joins. Ignored on the pipeline resource only.
+        cfn.add_metadata("cfn-lint", {"config": {"ignore_checks": ["E3703"]}})
+        self._acknowledge()
+
+    def _plans_bucket(self) -> s3.Bucket:
+        plans = s3.Bucket(
             self,
             "Plans",
             encryption=s3.BucketEncryption.S3_MANAGED,
@@ -183,16 +225,15 @@ class PipelineStack(Stack):
             removal_policy=RemovalPolicy.RETAIN,
         )
         acknowledge(
-            self.plans,
+            plans,
             "AwsSolutions-S1",
             "holds the plan JSON of each deployed release, written and read only by this pipeline's steps; its "
             "versions are the history",
         )
-        source = pipelines.CodePipelineSource.connection(
-            p.source.repository, p.source.branch, connection_arn=p.source.connection_arn
-        )
-        env_files = list(loaded.relative_paths)
-        synth = pipelines.CodeBuildStep(
+        return plans
+
+    def _synth(self, source: pipelines.CodePipelineSource, env_files: Sequence[str]) -> pipelines.CodeBuildStep:
+        return pipelines.CodeBuildStep(
             "Synth",
             input=source,
             install_commands=["make venv", "npm ci --no-audit --no-fund --loglevel=error"],
@@ -200,13 +241,15 @@ class PipelineStack(Stack):
                 # The same gate as CI: lint, types and every test (the real vLLM on the CPU included).
                 "make test",
                 *(f".venv/bin/kvfleet plan {f}" for f in env_files),
-                f".venv/bin/kvfleet synth --pipeline {loaded.relative_source} -- --quiet",
+                f".venv/bin/kvfleet synth --pipeline {self._loaded.relative_source} -- --quiet",
             ],
             primary_output_directory="cdk.out",
             build_environment=codebuild.BuildEnvironment(build_image=BUILD_IMAGE, compute_type=SYNTH_COMPUTE),
             timeout=SYNTH_TIMEOUT,
         )
-        self.pipeline = pipelines.CodePipeline(
+
+    def _code_pipeline(self, synth: pipelines.CodeBuildStep) -> pipelines.CodePipeline:
+        return pipelines.CodePipeline(
             self,
             "Pipeline",
             synth=synth,
@@ -224,46 +267,42 @@ class PipelineStack(Stack):
                 timeout=STEP_TIMEOUT,
             ),
         )
+
+    def _add_stage(
+        self, index: int, env_loaded: LoadedEnvironment, env_file: str, source: pipelines.CodePipelineSource
+    ) -> None:
+        """One environment's Stage (its stacks and live-check role), with its approval before and check after."""
+        p = self._loaded.pipeline
+        env = env_loaded.environment
         app = self.node.scope
         assert isinstance(app, Construct)
-        self.stages: list[cdk.Stage] = []
-        self.checks: dict[str, pipelines.CodeBuildStep] = {}
-        self.diffs: dict[str, pipelines.CodeBuildStep] = {}
-        self.approvals: dict[str, pipelines.ManualApprovalStep] = {}
-        for i, (env_loaded, env_file) in enumerate(zip(loaded.environments, env_files, strict=True)):
-            env = env_loaded.environment
-            # Beside the pipeline's stack in the app, not inside it: the stage's construct paths (and the names CDK
-            # derives from them) are then those of a Stage of its own (tests/infra/test_stage.py).
-            stage = cdk.Stage(app, stage_id(env.name), env=cdk.Environment(account=env.account, region=env.region))
-            stacks = add_environment(stage, env, traces=env_loaded.traces)
-            live = LiveCheckStack(
-                stage, live_check_stack_name(env.name), environment=env, stacks=stacks, pipeline_account=p.account
-            )
-            pre: list[pipelines.Step] = []
-            if p.approval_before(i):
-                diff = self._plan_diff(source, env.name, env_file)
-                approval = pipelines.ManualApprovalStep(
-                    f"Approve-{env.name}",
-                    comment=f"Promote this release to {env.name}? Step PlanDiff-{env.name} shows what it changes in "
-                    "the plan (instance type, count, engine flags, KV tokens, $/h); the deploy actions' change sets "
-                    "show what it changes in CloudFormation.",
-                )
-                approval.add_step_dependency(diff)
-                pre = [diff, approval]
-                self.diffs[env.name], self.approvals[env.name] = diff, approval
-            check = self._live_check(
-                source, env, env_file, live, generation=p.checks.generation, kv_tolerance=p.checks.kv_tolerance
-            )
-            self.checks[env.name] = check
-            self.pipeline.add_stage(stage, pre=pre, post=[check])
-            self.stages.append(stage)
-        self.pipeline.build_pipeline()
-        cfn = self.pipeline.pipeline.node.default_child
-        assert isinstance(cfn, cdk.CfnResource)
-        # cfn-lint's E3703 ("prefer Fn::Sub over Fn::Join with an empty delimiter") is a style rule; CDK Pipelines
-        # writes the stages' role ARNs as such joins. Ignored on the pipeline resource only.
-        cfn.add_metadata("cfn-lint", {"config": {"ignore_checks": ["E3703"]}})
-        self._acknowledge()
+        # Beside the pipeline's stack in the app, not inside it: the stage's construct paths (and the names CDK
+        # derives from them) are then those of a Stage of its own (tests/infra/test_stage.py).
+        stage = cdk.Stage(app, stage_id(env.name), env=cdk.Environment(account=env.account, region=env.region))
+        stacks = add_environment(stage, env, traces=env_loaded.traces)
+        live = LiveCheckStack(
+            stage, live_check_stack_name(env.name), environment=env, stacks=stacks, pipeline_account=p.account
+        )
+        pre = self._approval(source, env.name, env_file) if p.approval_before(index) else []
+        check = self._live_check(
+            source, env, env_file, live, generation=p.checks.generation, kv_tolerance=p.checks.kv_tolerance
+        )
+        self.checks[env.name] = check
+        self.pipeline.add_stage(stage, pre=pre, post=[check])
+        self.stages.append(stage)
+
+    def _approval(self, source: pipelines.CodePipelineSource, name: str, env_file: str) -> list[pipelines.Step]:
+        """The plan diff, then the manual approval that waits for a person to read it."""
+        diff = self._plan_diff(source, name, env_file)
+        approval = pipelines.ManualApprovalStep(
+            f"Approve-{name}",
+            comment=f"Promote this release to {name}? Step PlanDiff-{name} shows what it changes in "
+            "the plan (instance type, count, engine flags, KV tokens, $/h); the deploy actions' change sets "
+            "show what it changes in CloudFormation.",
+        )
+        approval.add_step_dependency(diff)
+        self.diffs[name], self.approvals[name] = diff, approval
+        return [diff, approval]
 
     def _plan_diff(self, source: pipelines.CodePipelineSource, name: str, env_file: str) -> pipelines.CodeBuildStep:
         key = f"{PLANS_PREFIX}/{name}.json"
@@ -320,7 +359,6 @@ class PipelineStack(Stack):
     def _acknowledge(self) -> None:
         """What cdk-nag finds in the roles CDK Pipelines generates, each with the reason it stands. They are
         acknowledged on the pipeline construct only, so nothing here covers a finding in a stage's stacks."""
-        scope = self.pipeline
         artifacts = self.pipeline.pipeline.artifact_bucket
         assert isinstance(artifacts, Construct)
         acknowledge(
@@ -328,11 +366,22 @@ class PipelineStack(Stack):
             "AwsSolutions-S1",
             "the pipeline's artifact bucket: CDK Pipelines writes and reads it, encrypted with the pipeline's KMS key",
         )
-        bucket = logical_id(artifacts)
         # CDK writes the CodeBuild grants with the stack's partition: a literal where the region names it
         # (@aws-cdk/core:enablePartitionLiterals), else the pseudo parameter, as cdk-nag then quotes it.
         part = "<AWS::Partition>" if cdk.Token.is_unresolved(self.partition) else self.partition
-        for finding, reason in (
+        for finding, reason in self._generated_grants(logical_id(artifacts), part):
+            acknowledge(self.pipeline, f"AwsSolutions-IAM5[{finding}]", reason)
+        self._acknowledge_projects(part)
+        for account in sorted({e.environment.account or "" for e in self._loaded.environments}):
+            acknowledge(
+                self.pipeline,
+                f"AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:iam::{account}:role{CHECK_ROLE_PATH}*]",
+                "the check step assumes the live-check role of its stage, whose name is generated, under its path",
+            )
+
+    def _generated_grants(self, bucket: str, part: str) -> list[tuple[str, str]]:
+        """The wildcards of the grants CDK Pipelines writes for its artifacts, self-mutation and asset steps."""
+        return [
             (
                 "Action::s3:GetObject*",
                 "CDK Pipelines' grants on its own artifact bucket (read, write, delete of artifacts)",
@@ -362,29 +411,25 @@ class PipelineStack(Stack):
                 f"Resource::arn:{part}:codebuild:{self.region}:{self.account}:report-group/*",
                 "the same projects' report groups",
             ),
-        ):
-            acknowledge(scope, f"AwsSolutions-IAM5[{finding}]", reason)
+        ]
+
+    def _acknowledge_projects(self, part: str) -> None:
+        """Each CodeBuild project's grants on its own log streams and report groups."""
         for project in self.pipeline.node.find_all():
             if isinstance(project, codebuild.CfnProject):
                 name = condition_id(project)
                 acknowledge(
-                    scope,
+                    self.pipeline,
                     f"AwsSolutions-IAM5[Resource::arn:{part}:logs:{self.region}:{self.account}:log-group:"
                     f"/aws/codebuild/<{name}>:*]",
                     "a CodeBuild project's own log streams",
                 )
                 acknowledge(
-                    scope,
+                    self.pipeline,
                     f"AwsSolutions-IAM5[Resource::arn:{part}:codebuild:{self.region}:{self.account}:"
                     f"report-group/<{name}>-*]",
                     "a CodeBuild project's own report groups",
                 )
-        for account in sorted({e.environment.account or "" for e in self._loaded.environments}):
-            acknowledge(
-                scope,
-                f"AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:iam::{account}:role{CHECK_ROLE_PATH}*]",
-                "the check step assumes the live-check role of its stage, whose name is generated, under its path",
-            )
 
 
 def build_pipeline(loaded: LoadedPipeline, *, app: cdk.App) -> PipelineStack:

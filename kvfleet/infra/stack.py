@@ -57,13 +57,7 @@ class DeploymentStack(Stack):
                 f"{r.deployment.engine.version}"
             ),
         )
-        for key, value in (
-            ("kvfleet:environment", env_cfg.name),
-            ("kvfleet:deployment", r.deployment.name),
-            ("kvfleet:model", r.model_id),
-        ):
-            Tags.of(self).add(key, value)
-
+        self._tag(r)
         spec = TARGET_CONSTRUCTS[r.deployment.target.platform]
         zones_context(self, env_cfg.network, env_cfg.region if explicit else None)
         self.network = ServingNetwork(
@@ -74,15 +68,7 @@ class DeploymentStack(Stack):
             fleet=spec.fleet_endpoints,
         )
         # The signal alarms come first: a SageMaker endpoint's update rolls back on them.
-        self.monitoring = ServingMonitoring(
-            self,
-            "Monitoring",
-            deployment_id=r.deployment_id,
-            scaling=r.deployment.scaling,
-            signals_published=r.deployment.image.source != "dlc",
-            max_num_seqs=r.engine_args.max_num_seqs,
-            slots_bind=r.candidate.limited_by != "kv-cache",
-        )
+        self.monitoring = self._signal_alarms(r)
         context = ServingContext(
             resolved=r,
             network=self.network,
@@ -93,11 +79,32 @@ class DeploymentStack(Stack):
         for name, value in self.target.outputs.items():
             CfnOutput(self, name, value=value)
         dashboard = self.monitoring.add_dashboard(self.target.platform_metrics)
-        topic_arn = env_cfg.notifications.topic_arn
-        if topic_arn is not None:
-            topic: sns.ITopic = sns.Topic.from_topic_arn(self, "AlarmTopic", topic_arn)
-        else:
-            assert alerts is not None, "the environment's alerts stack creates the topic"
-            topic = alerts.topic
-        notify(self.monitoring.alarms, topic)
+        notify(self.monitoring.alarms, self._alarm_topic(r, alerts))
         CfnOutput(self, "Dashboard", value=dashboard.dashboard_name)
+
+    def _tag(self, r: ResolvedDeployment) -> None:
+        for key, value in (
+            ("kvfleet:environment", r.environment.name),
+            ("kvfleet:deployment", r.deployment.name),
+            ("kvfleet:model", r.model_id),
+        ):
+            Tags.of(self).add(key, value)
+
+    def _signal_alarms(self, r: ResolvedDeployment) -> ServingMonitoring:
+        return ServingMonitoring(
+            self,
+            "Monitoring",
+            deployment_id=r.deployment_id,
+            scaling=r.deployment.scaling,
+            signals_published=r.deployment.image.source != "dlc",
+            max_num_seqs=r.engine_args.max_num_seqs,
+            slots_bind=r.candidate.limited_by != "kv-cache",
+        )
+
+    def _alarm_topic(self, r: ResolvedDeployment, alerts: AlertsStack | None) -> sns.ITopic:
+        """The file's existing topic, else the one the environment's alerts stack creates."""
+        topic_arn = r.environment.notifications.topic_arn
+        if topic_arn is not None:
+            return sns.Topic.from_topic_arn(self, "AlarmTopic", topic_arn)
+        assert alerts is not None, "the environment's alerts stack creates the topic"
+        return alerts.topic
