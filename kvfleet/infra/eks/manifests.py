@@ -222,30 +222,35 @@ def _model_sync(r: ResolvedDeployment, opts: WorkloadOptions) -> dict[str, Any] 
     }
 
 
-def deployment(r: ResolvedDeployment, opts: WorkloadOptions) -> Manifest:
-    gpus = _gpus(r)
+def _resources(r: ResolvedDeployment, opts: WorkloadOptions) -> dict[str, Any]:
+    gpus = str(_gpus(r))
     cpu, memory = _cpu_memory(r, opts)
-    requests: dict[str, str] = {"cpu": cpu, "memory": memory, opts.gpu_resource: str(gpus)}
+    requests: dict[str, str] = {"cpu": cpu, "memory": memory, opts.gpu_resource: gpus}
     if not opts.model_cache_host_path:
         requests["ephemeral-storage"] = f"{model_cache_gib(r)}Gi"  # schedules onto a node with room for the weights
-    sync = _model_sync(r, opts)
+    # Extended resources need limits equal to requests; cpu and memory get no limits: a CPU limit
+    # throttles tokenization and scheduling on the token path, and a memory limit counts the page
+    # cache of memory-mapped weights and /dev/shm against the engine.
+    return {"requests": requests, "limits": {opts.gpu_resource: gpus}}
+
+
+def _serving_container(r: ResolvedDeployment, opts: WorkloadOptions, *, synced: bool) -> dict[str, Any]:
+    """The agent and its engine: ports, resources, probes, the drain hook and the model cache (read-only where the
+    init container synced the model into it)."""
     model_mount = (
         {"name": "model-cache", "mountPath": SAGEMAKER_MODEL_DIR, "readOnly": True}
-        if sync
+        if synced
         else {"name": "model-cache", "mountPath": HF_CACHE_DIR}
     )
     period = STARTUP_PERIOD_S
-    container: dict[str, Any] = {
+    return {
         "name": CONTAINER_NAME,
         "image": opts.image,
         "imagePullPolicy": opts.image_pull_policy,
         "args": [SERVE_ARG],
         "env": _env(r, opts),
         "ports": [{"name": PORT_NAME, "containerPort": SERVING_PORT, "protocol": "TCP"}],
-        # Extended resources need limits equal to requests; cpu and memory get no limits: a CPU limit
-        # throttles tokenization and scheduling on the token path, and a memory limit counts the page
-        # cache of memory-mapped weights and /dev/shm against the engine.
-        "resources": {"requests": requests, "limits": {opts.gpu_resource: str(gpus)}},
+        "resources": _resources(r, opts),
         # Startup covers the model load: it runs until /ping first answers 200, and liveness and readiness
         # only start after it.
         "startupProbe": _http_probe(HEALTH_ROUTE, period=period, failures=startup_window_s(r) // period, timeout=5),
@@ -266,11 +271,19 @@ def deployment(r: ResolvedDeployment, opts: WorkloadOptions) -> Manifest:
         "securityContext": _security_context(),
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, model_mount],
     }
+
+
+def _node_selector(r: ResolvedDeployment, opts: WorkloadOptions) -> dict[str, str]:
     node_selector = dict(opts.node_selector)
     if opts.deployment_node_label:
         node_selector[opts.deployment_node_label] = r.deployment_id
     if opts.pin_instance_type:
         node_selector["node.kubernetes.io/instance-type"] = r.candidate.instance.name
+    return node_selector
+
+
+def _pod_spec(r: ResolvedDeployment, opts: WorkloadOptions) -> dict[str, Any]:
+    sync = _model_sync(r, opts)
     pod_spec: dict[str, Any] = {
         # The agent does not call the Kubernetes API; IRSA and Pod Identity mount their own tokens.
         "automountServiceAccountToken": False,
@@ -283,7 +296,7 @@ def deployment(r: ResolvedDeployment, opts: WorkloadOptions) -> Manifest:
             "fsGroup": AGENT_UID,  # emptyDir volumes writable by the agent
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "nodeSelector": node_selector,
+        "nodeSelector": _node_selector(r, opts),
         "tolerations": [
             {"key": opts.taint_key, "operator": "Equal", "value": opts.taint_value, "effect": opts.taint_effect}
         ],
@@ -297,7 +310,7 @@ def deployment(r: ResolvedDeployment, opts: WorkloadOptions) -> Manifest:
                 "matchLabelKeys": ["pod-template-hash"],  # spread each rollout revision on its own
             }
         ],
-        "containers": [container],
+        "containers": [_serving_container(r, opts, synced=sync is not None)],
         "volumes": [
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{opts.shm_size_gib}Gi"}},
             _model_volume(r, opts),
@@ -307,6 +320,10 @@ def deployment(r: ResolvedDeployment, opts: WorkloadOptions) -> Manifest:
         pod_spec["initContainers"] = [sync]
     if opts.service_account_name:
         pod_spec["serviceAccountName"] = opts.service_account_name
+    return pod_spec
+
+
+def deployment(r: ResolvedDeployment, opts: WorkloadOptions) -> Manifest:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -335,7 +352,7 @@ def deployment(r: ResolvedDeployment, opts: WorkloadOptions) -> Manifest:
                         "prometheus.io/path": METRICS_ROUTE,
                     },
                 },
-                "spec": pod_spec,
+                "spec": _pod_spec(r, opts),
             },
         },
     }
