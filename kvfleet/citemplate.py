@@ -53,50 +53,50 @@ def _diff(env_file: str, name: str, base: str) -> dict[str, Any]:
     }
 
 
-def workflow(loaded: LoadedPipeline) -> dict[str, Any]:
-    p = loaded.pipeline
-    branch = p.source.branch
-    stages = list(zip(p.stages, loaded.environments, loaded.relative_paths, strict=True))
-    jobs: dict[str, Any] = {
-        "test": {
-            "if": "github.event_name == 'pull_request'",
-            "runs-on": RUNNER,
-            "timeout-minutes": 60,
-            "steps": [
-                *_setup(full_history=True),
-                {"name": "Tests", "run": "make test"},
-                *(_diff(f, s.environment, "origin/${{ github.base_ref }}") for s, _, f in stages),
-                *(
-                    {"name": f"Synth: {s.environment}", "run": f".venv/bin/kvfleet synth {f} -- --quiet"}
-                    for s, _, f in stages
-                ),
-            ],
-        }
+def _test_job(stages: list[tuple[str, str]]) -> dict[str, Any]:
+    """On a pull request: the tests, then each environment's plan diff against the base branch and its synth."""
+    return {
+        "if": "github.event_name == 'pull_request'",
+        "runs-on": RUNNER,
+        "timeout-minutes": 60,
+        "steps": [
+            *_setup(full_history=True),
+            {"name": "Tests", "run": "make test"},
+            *(_diff(f, name, "origin/${{ github.base_ref }}") for name, f in stages),
+            *({"name": f"Synth: {name}", "run": f".venv/bin/kvfleet synth {f} -- --quiet"} for name, f in stages),
+        ],
     }
-    previous: str | None = None
-    for i, (stage, env, env_file) in enumerate(stages):
-        name = stage.environment
-        job = f"deploy-{name}"
-        needs: list[str] = [previous] if previous else []
-        if p.approval_before(i):
-            diff_job = f"plan-{name}"
-            jobs[diff_job] = {
-                "if": "github.event_name == 'push'",
-                "needs": needs or None,
-                "runs-on": RUNNER,
-                "timeout-minutes": 30,
-                "steps": [
-                    *_setup(full_history=True),
-                    {"name": "Install", "run": "make venv"},
-                    # Against the commit the branch was at before this push: what this release changes.
-                    _diff(env_file, name, "${{ github.event.before }}"),
-                ],
-            }
-            if not needs:
-                del jobs[diff_job]["needs"]
-            needs = [*needs, diff_job]
-        region = env.environment.region
-        steps = [
+
+
+def _plan_job(name: str, env_file: str, needs: list[str]) -> dict[str, Any]:
+    """Before an approved stage: what this release changes in its plan, in the job summary the reviewer reads."""
+    job: dict[str, Any] = {"if": "github.event_name == 'push'"}
+    if needs:
+        job["needs"] = needs
+    return {
+        **job,
+        "runs-on": RUNNER,
+        "timeout-minutes": 30,
+        "steps": [
+            *_setup(full_history=True),
+            {"name": "Install", "run": "make venv"},
+            # Against the commit the branch was at before this push: what this release changes.
+            _diff(env_file, name, "${{ github.event.before }}"),
+        ],
+    }
+
+
+def _deploy_job(name: str, env_file: str, region: str | None, needs: list[str]) -> dict[str, Any]:
+    """One stage: synth, deploy with the environment's OIDC role, then the live check."""
+    job: dict[str, Any] = {
+        "if": "github.event_name == 'push'",
+        "runs-on": RUNNER,
+        "timeout-minutes": 120,
+        "environment": name,
+        # One deployment of an environment at a time; a newer push waits rather than cancelling one mid-way.
+        "concurrency": {"group": f"deploy-{name}", "cancel-in-progress": False},
+        "permissions": {"id-token": "write", "contents": "read"},
+        "steps": [
             *_setup(),
             {"name": "Install", "run": "make venv && npm ci --no-audit --no-fund --loglevel=error"},
             {
@@ -110,20 +110,27 @@ def workflow(loaded: LoadedPipeline) -> dict[str, Any]:
                 "run": "node_modules/.bin/cdk deploy --app cdk.out --all --require-approval never",
             },
             {"name": "Live check", "run": f".venv/bin/kvfleet check {env_file}"},
-        ]
-        jobs[job] = {
-            "if": "github.event_name == 'push'",
-            "runs-on": RUNNER,
-            "timeout-minutes": 120,
-            "environment": name,
-            # One deployment of an environment at a time; a newer push waits rather than cancelling one mid-way.
-            "concurrency": {"group": f"deploy-{name}", "cancel-in-progress": False},
-            "permissions": {"id-token": "write", "contents": "read"},
-            "steps": steps,
-        }
-        if needs:
-            jobs[job]["needs"] = needs
-        previous = job
+        ],
+    }
+    if needs:
+        job["needs"] = needs
+    return job
+
+
+def workflow(loaded: LoadedPipeline) -> dict[str, Any]:
+    p = loaded.pipeline
+    branch = p.source.branch
+    stages = list(zip(p.stages, loaded.environments, loaded.relative_paths, strict=True))
+    jobs: dict[str, Any] = {"test": _test_job([(s.environment, f) for s, _, f in stages])}
+    previous: str | None = None
+    for i, (stage, env, env_file) in enumerate(stages):
+        name = stage.environment
+        needs: list[str] = [previous] if previous else []
+        if p.approval_before(i):
+            jobs[f"plan-{name}"] = _plan_job(name, env_file, needs)
+            needs = [*needs, f"plan-{name}"]
+        previous = f"deploy-{name}"
+        jobs[previous] = _deploy_job(name, env_file, env.environment.region, needs)
     return {
         "name": f"kvfleet release {p.name}",
         "on": {"pull_request": {"branches": [branch]}, "push": {"branches": [branch]}},

@@ -163,12 +163,8 @@ def _ms(p: dict[str, float] | None, key: str) -> str:
     return "-" if p is None or not math.isfinite(p[key]) else f"{p[key] * 1e3:,.1f}"
 
 
-def render_html(report: dict[str, Any], levels: Sequence[Level]) -> str:
-    rows = report["levels"]
-    head = (
-        f"{report['url']}: {report['model']}, {report['input_tokens']} prompt + {report['output_tokens']} "
-        "generated tokens per request"
-    )
+def _levels_table(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """One row a level: what it completed and failed, its latency percentiles and throughput, and the plan's."""
     table = [
         "<table><tr><th>level</th><th>ok</th><th>failed</th><th>TTFT p50 / p95 / p99 ms</th>"
         "<th>ITL p50 / p95 / p99 ms</th><th>TPOT p50 ms</th><th>req/s</th><th>out tok/s</th>"
@@ -197,24 +193,34 @@ def render_html(report: dict[str, Any], levels: Sequence[Level]) -> str:
             + "</tr>"
         )
     table.append("</table>")
+    return table
+
+
+def _kv_line(report: dict[str, Any]) -> str:
+    kv = report.get("kv_cache")
+    if not kv:
+        return "engine KV cache: not reported by this endpoint"
+    return f"engine KV cache: {kv['blocks']:,} blocks of {kv['block_tokens']} = {kv['tokens']:,} tokens per replica"
+
+
+def render_html(report: dict[str, Any], levels: Sequence[Level]) -> str:
+    rows = report["levels"]
+    head = (
+        f"{report['url']}: {report['model']}, {report['input_tokens']} prompt + {report['output_tokens']} "
+        "generated tokens per request"
+    )
     ttft = [(lv.spec.label, [t for r in lv.results if r.ok and (t := r.ttft_s) is not None]) for lv in levels]
     itl = [(lv.spec.label, [g for r in lv.results if r.ok for g in r.itl_s]) for lv in levels]
     checks = [x for x in (report.get("drift"), report.get("slo_miss")) if x]
     checks += (report.get("limits") or {}).get("lines", [])
-    kv = report.get("kv_cache")
-    kv_line = (
-        f"engine KV cache: {kv['blocks']:,} blocks of {kv['block_tokens']} = {kv['tokens']:,} tokens per replica"
-        if kv
-        else "engine KV cache: not reported by this endpoint"
-    )
     return "\n".join(
         [
             "<!doctype html><html><head><meta charset='utf-8'><title>kvfleet bench</title><style>"
             "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
             "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}svg{margin:8px}</style></head><body>",
             f"<h1>kvfleet bench</h1><p>{html.escape(head)}</p>",
-            *table,
-            f"<p>{html.escape(kv_line)}</p>",
+            *_levels_table(rows),
+            f"<p>{html.escape(_kv_line(report))}</p>",
             *(f"<p><b>{html.escape(c)}</b></p>" for c in checks),
             "<div>",
             _cdf_svg("TTFT, cumulative share of requests", ttft, "ms"),

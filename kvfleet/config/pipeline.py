@@ -162,15 +162,7 @@ def load_pipeline(path: str | Path, *, environments_dir: str | Path | None = Non
     """The pipeline file and every environment file it names, each checked as ``make synth`` checks it, and each
     with the account and region its stage deploys into."""
     p = Path(path)
-    if not p.is_file():
-        raise KvfleetError(
-            f"no pipeline file at {p}; write one (see the README's 'Release pipelines')", field="pipeline"
-        )
-    try:
-        raw = p.read_bytes()
-    except OSError as err:
-        raise KvfleetError(f"cannot read {p}: {err.strerror}", field="pipeline") from None
-    pipeline, lines = parse_pipeline(raw, source=str(path))
+    pipeline, lines = parse_pipeline(_read_pipeline_file(p), source=str(path))
     base = Path(environments_dir) if environments_dir is not None else p.parent / "environments"
     loaded: list[LoadedEnvironment] = []
     paths: list[str] = []
@@ -181,28 +173,14 @@ def load_pipeline(path: str | Path, *, environments_dir: str | Path | None = Non
         at = f"{where}: stages[{i}].environment"
         env_path = environment_path(stage.environment, environments_dir=base)
         if not env_path.is_file():
-            found = sorted(x.stem for x in base.glob("*.yaml") if x.stem != "schema") if base.is_dir() else []
-            problems.append(
-                f"{at}: no environment file {env_path}"
-                + (f"; found: {', '.join(found)}" if found else "; write it, or name one that exists")
-            )
+            problems.append(_missing_environment(at, env_path, base))
             continue
         try:
             env = load_located(env_path)
         except ConfigError as err:
             problems.extend(err.lines)
             continue
-        if env.environment.name != stage.environment:
-            problems.append(
-                f"{env_path}:{env.line('name')}: name: the file is named {stage.environment} by {where} "
-                f"but calls itself {env.environment.name}; its stacks are named after its name: make them agree"
-            )
-        for key in ("account", "region"):
-            if getattr(env.environment, key) is None:
-                problems.append(
-                    f"{env_path}:1: {key}: a pipeline deploys each stage into the account and region its file names "
-                    f"(with that account's bootstrap roles); set {key} in this file ({where} names it)"
-                )
+        problems.extend(_stage_environment_problems(env, stage, env_path, where))
         try:
             paths.append(env_path.resolve().relative_to(root).as_posix())
         except ValueError:
@@ -221,3 +199,38 @@ def load_pipeline(path: str | Path, *, environments_dir: str | Path | None = Non
         relative_source=p.name,
         relative_paths=tuple(paths),
     )
+
+
+def _read_pipeline_file(p: Path) -> bytes:
+    if not p.is_file():
+        raise KvfleetError(
+            f"no pipeline file at {p}; write one (see the README's 'Release pipelines')", field="pipeline"
+        )
+    try:
+        return p.read_bytes()
+    except OSError as err:
+        raise KvfleetError(f"cannot read {p}: {err.strerror}", field="pipeline") from None
+
+
+def _missing_environment(at: str, env_path: Path, base: Path) -> str:
+    found = sorted(x.stem for x in base.glob("*.yaml") if x.stem != "schema") if base.is_dir() else []
+    return f"{at}: no environment file {env_path}" + (
+        f"; found: {', '.join(found)}" if found else "; write it, or name one that exists"
+    )
+
+
+def _stage_environment_problems(env: LoadedEnvironment, stage: PipelineStage, env_path: Path, where: str) -> list[str]:
+    """A stage's file must call itself what the stage calls it, and name the account and region it deploys into."""
+    problems = []
+    if env.environment.name != stage.environment:
+        problems.append(
+            f"{env_path}:{env.line('name')}: name: the file is named {stage.environment} by {where} "
+            f"but calls itself {env.environment.name}; its stacks are named after its name: make them agree"
+        )
+    for key in ("account", "region"):
+        if getattr(env.environment, key) is None:
+            problems.append(
+                f"{env_path}:1: {key}: a pipeline deploys each stage into the account and region its file names "
+                f"(with that account's bootstrap roles); set {key} in this file ({where} names it)"
+            )
+    return problems

@@ -676,6 +676,28 @@ class Deployment(Frozen):
     @model_validator(mode="after")
     def _consistent(self) -> Deployment:
         # Each problem starts with the field to change; the loader points at that field's line.
+        problems = [*self._target_problems(), *self._derive_problems()]
+        if (tag_problem := self._image_tag_problem()) is not None:
+            problems.append(tag_problem)
+        if self.image.source == "dlc":
+            problems += self._dlc_problems()
+        if self.scaling.admission_queue is not None and not self.admits:
+            why = "image.source dlc has no agent" if self.serving.admission else "serving.admission is false"
+            problems.append(
+                f"scaling.admission_queue: nothing admits requests here ({why}); remove it, or admit with the agent"
+            )
+        t = self.target
+        if self.serving.isolated and isinstance(t, SageMakerTarget) and t.network_isolation:
+            problems.append(
+                "serving.tenant_secret: target.network_isolation leaves the container no network to read it from "
+                "Secrets Manager; turn network_isolation off to isolate tenants"
+            )
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    def _target_problems(self) -> list[str]:
+        """What the target's platform cannot do with this deployment's scaling and model source."""
         problems = []
         t = self.target
         if isinstance(t, SageMakerTarget):
@@ -693,6 +715,11 @@ class Deployment(Frozen):
                 "scaling.min_replicas: on EKS KEDA scales on the pods' own signals, and with no pod there is none to "
                 "wake the deployment; set 1 or more (scale to zero is for target.platform ec2)"
             )
+        return problems
+
+    def _derive_problems(self) -> list[str]:
+        """Derived scaling thresholds need a TTFT target and a load to replay."""
+        problems = []
         if self.scaling.derive and self.workload.ttft_ms is None:
             problems.append(
                 "scaling.derive: the thresholds are derived for a TTFT target; set workload.ttft_ms, or derive: false"
@@ -702,54 +729,44 @@ class Deployment(Frozen):
                 "scaling.derive: nothing to replay; set workload.trace or workload.peak_requests_per_s, or "
                 "derive: false"
             )
-        if (tag_problem := self._image_tag_problem()) is not None:
-            problems.append(tag_problem)
-        if self.image.source == "dlc":
-            try:  # the rule synth applies to the SDK's table (kvfleet/infra/images.py), on kvfleet's copy of it
-                dlc.dlc_release(self.engine.name, self.engine.version, dlc.published(self.engine.name))
-            except KvfleetError as err:
-                problems.append(f"{err.field}: {err.message}")
-            if isinstance(t, EksTarget):
-                problems.append(
-                    "image.source: dlc runs the engine without the kvfleet agent, and on EKS the pod's drain hook "
-                    "and KEDA's triggers need it; use source kvfleet (or uri with a kvfleet image)"
-                )
-            if self.scaling.min_replicas != self.scaling.max_replicas:
-                problems.append(
-                    "image.source: dlc runs the engine without the kvfleet agent, so nothing publishes the KV-cache "
-                    "and queue signals to scale on; use source kvfleet, or set scaling.max_replicas equal to "
-                    "min_replicas"
-                )
-            if self.model.hf_token_secret and self.model.s3_uri is None:
-                problems.append(
-                    "model.hf_token_secret: image.source dlc cannot read it at start-up; set model.s3_uri, or use "
-                    "image.source kvfleet"
-                )
-            if self.serving.isolated:
-                problems.append(
-                    "serving.tenant_header: image.source dlc runs the engine without the kvfleet agent, which "
-                    "isolates tenants; use image.source kvfleet"
-                )
-            # Without the agent nothing admits: a file that asks for admission (or an admission queue) is refused,
-            # one that leaves the default gets none, as Deployment.admits says.
-            if "admission" in self.serving.model_fields_set and self.serving.admission:
-                problems.append(
-                    "serving.admission: image.source dlc runs the engine without the kvfleet agent, which admits "
-                    "requests; set admission: false, or use image.source kvfleet"
-                )
-        if self.scaling.admission_queue is not None and not self.admits:
-            why = "image.source dlc has no agent" if self.serving.admission else "serving.admission is false"
+        return problems
+
+    def _dlc_problems(self) -> list[str]:
+        """What an AWS container (image.source dlc) cannot do: it runs the engine without the kvfleet agent."""
+        problems = []
+        try:  # the rule synth applies to the SDK's table (kvfleet/infra/images.py), on kvfleet's copy of it
+            dlc.dlc_release(self.engine.name, self.engine.version, dlc.published(self.engine.name))
+        except KvfleetError as err:
+            problems.append(f"{err.field}: {err.message}")
+        if isinstance(self.target, EksTarget):
             problems.append(
-                f"scaling.admission_queue: nothing admits requests here ({why}); remove it, or admit with the agent"
+                "image.source: dlc runs the engine without the kvfleet agent, and on EKS the pod's drain hook "
+                "and KEDA's triggers need it; use source kvfleet (or uri with a kvfleet image)"
             )
-        if self.serving.isolated and isinstance(t, SageMakerTarget) and t.network_isolation:
+        if self.scaling.min_replicas != self.scaling.max_replicas:
             problems.append(
-                "serving.tenant_secret: target.network_isolation leaves the container no network to read it from "
-                "Secrets Manager; turn network_isolation off to isolate tenants"
+                "image.source: dlc runs the engine without the kvfleet agent, so nothing publishes the KV-cache "
+                "and queue signals to scale on; use source kvfleet, or set scaling.max_replicas equal to "
+                "min_replicas"
             )
-        if problems:
-            raise ValueError("\n".join(problems))
-        return self
+        if self.model.hf_token_secret and self.model.s3_uri is None:
+            problems.append(
+                "model.hf_token_secret: image.source dlc cannot read it at start-up; set model.s3_uri, or use "
+                "image.source kvfleet"
+            )
+        if self.serving.isolated:
+            problems.append(
+                "serving.tenant_header: image.source dlc runs the engine without the kvfleet agent, which "
+                "isolates tenants; use image.source kvfleet"
+            )
+        # Without the agent nothing admits: a file that asks for admission (or an admission queue) is refused,
+        # one that leaves the default gets none, as Deployment.admits says.
+        if "admission" in self.serving.model_fields_set and self.serving.admission:
+            problems.append(
+                "serving.admission: image.source dlc runs the engine without the kvfleet agent, which admits "
+                "requests; set admission: false, or use image.source kvfleet"
+            )
+        return problems
 
     @property
     def admits(self) -> bool:
