@@ -44,3 +44,8 @@ class ConfigError(KvfleetError):
     def __init__(self, lines: list[str]) -> None:
         self.lines = lines
         super().__init__("\n".join(lines))
+
+
+class MissingExtraError(KvfleetError):
+    """A command whose packages come with an install extra this installation lacks (kvfleet/extras.py raises it);
+    the message names the extra to install."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvfleet.extras import require_extra
 from kvfleet.sim.fleet import FleetResult, FleetSpec
 from kvfleet.workload.traces import Trace
 
@@ -126,7 +127,9 @@ def _steps(
 
 
 def render_png(tl: Timeline, path: str | Path, *, title: str) -> None:
-    """Write the four panels as a PNG; ``OSError`` if the file cannot be written."""
+    """Write the four panels as a PNG; ``OSError`` if the file cannot be written, ``MissingExtraError`` without
+    matplotlib (the plot extra)."""
+    require_extra("plot", "simulate --png")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
