@@ -38,7 +38,9 @@ from kvfleet.sizing.engines import (
     vllm_batch_defaults,
 )
 from kvfleet.sizing.memory import (
+    KvGroup,
     KvLayout,
+    StateLayout,
     WeightBreakdown,
     kv_layout,
     rope_cache_bytes,
@@ -202,39 +204,12 @@ class Capacity:
             "max_model_len_limit": self.max_model_len_limit,
             "max_model_len_source": self.max_model_len_source,
             "hf_overrides": None if self.hf_overrides is None else json.loads(self.hf_overrides),
-            "kv_groups": [
-                {
-                    "attention": grp.attention.value,
-                    "window_tokens": grp.window_tokens,
-                    "layers": grp.num_layers,
-                    "bytes_per_token_per_layer": grp.bytes_per_token_per_layer,
-                    **({"draft": True} if grp.draft else {}),
-                }
-                for grp in self.kv.groups
-            ],
+            "kv_groups": [_kv_group_dict(grp) for grp in self.kv.groups],
             "state_layers": (
-                {
-                    "kind": self.kv.state.kind.value,
-                    "layers": self.kv.state.num_layers,
-                    "bytes_per_layer": self.kv.state.bytes_per_layer,
-                    "pages_per_request": self.state_pages_per_request,
-                }
-                if self.kv.state is not None
-                else None
+                _state_dict(self.kv.state, self.state_pages_per_request) if self.kv.state is not None else None
             ),
             "weights_by_part_gib": {p.value: round(b / g, 3) for p, b in self.weights.bytes_by_part},
-            "encoder": None
-            if self.encoder is None
-            else {
-                "modality": self.encoder.modality,
-                "tokens_per_item": self.encoder.tokens_per_item,
-                "items": self.encoder.items,
-                "budget_tokens": self.encoder.budget_tokens,
-                "data_parallel": self.encoder.data_parallel,
-                "encoder_activation_gib": round(self.encoder.encoder_activation_bytes / g, 3),
-                "encoder_output_gib": round(self.encoder.encoder_output_bytes / g, 3),
-                "buffer_gib": round(self.encoder.buffer_bytes / g, 3),
-            },
+            "encoder": None if self.encoder is None else _encoder_dict(self.encoder),
             "speculative": None if self.drafter is None else _drafter_dict(self.drafter),
             "problems": list(self.problems),
             "notes": list(self.notes),
@@ -283,6 +258,38 @@ def _vision_weights(
             full = round(model.vision_params * scheme.bytes_per_param(Part.VISION, unquantized_bytes=2.0))
             parts.append((part, full if replicated else b))
     return replace(weights, bytes_by_part=tuple(parts))
+
+
+def _kv_group_dict(grp: KvGroup) -> dict[str, object]:
+    return {
+        "attention": grp.attention.value,
+        "window_tokens": grp.window_tokens,
+        "layers": grp.num_layers,
+        "bytes_per_token_per_layer": grp.bytes_per_token_per_layer,
+        **({"draft": True} if grp.draft else {}),
+    }
+
+
+def _state_dict(state: StateLayout, pages_per_request: int) -> dict[str, object]:
+    return {
+        "kind": state.kind.value,
+        "layers": state.num_layers,
+        "bytes_per_layer": state.bytes_per_layer,
+        "pages_per_request": pages_per_request,
+    }
+
+
+def _encoder_dict(e: EncoderProfile) -> dict[str, object]:
+    return {
+        "modality": e.modality,
+        "tokens_per_item": e.tokens_per_item,
+        "items": e.items,
+        "budget_tokens": e.budget_tokens,
+        "data_parallel": e.data_parallel,
+        "encoder_activation_gib": round(e.encoder_activation_bytes / GiB, 3),
+        "encoder_output_gib": round(e.encoder_output_bytes / GiB, 3),
+        "buffer_gib": round(e.buffer_bytes / GiB, 3),
+    }
 
 
 def _drafter_dict(d: Drafter) -> dict[str, object]:
@@ -581,87 +588,103 @@ class _Budget:
 def _kv_budget(
     s: EngineSettings,
     profile: EngineProfile,
-    k: _Knobs,
+    mem: _StageMemory,
     *,
     gpu_memory_bytes: int,
-    weights_bytes: int,
-    act: int,
-    non_torch: int,
-    graphs: int,
-    graphs_counted: bool,
-    kv_bytes_per_token: int,
     sizing_transient: int = 0,
 ) -> _Budget:
     """The bytes the engine gives the KV cache: vLLM's requested share minus what is not cache (or, with the
     extensible cache, what warm-up leaves free less a margin), or TensorRT-LLM's fraction of what is free after
     profiling."""
+    if profile.engine is EngineName.VLLM and profile.extensible_kv_cache and s.kv_cache_memory_bytes is None:
+        return _extensible_budget(s, mem, gpu_memory_bytes=gpu_memory_bytes, sizing_transient=sizing_transient)
+    if profile.engine is EngineName.VLLM:
+        return _vllm_budget(s, mem, gpu_memory_bytes=gpu_memory_bytes)
+    return _trtllm_budget(s, mem, gpu_memory_bytes=gpu_memory_bytes)
+
+
+def _extensible_budget(
+    s: EngineSettings, mem: _StageMemory, *, gpu_memory_bytes: int, sizing_transient: int
+) -> _Budget:
+    """vLLM 0.34 on: the cache is sized after warm-up from measured free memory."""
+    util = mem.knobs.util
+    requested = int(gpu_memory_bytes * util)
+    transient = max(mem.activation_bytes, sizing_transient)
+    ext = extensible_kv_bytes(
+        gpu_memory_bytes=gpu_memory_bytes,
+        gpu_memory_utilization=util,
+        used_bytes=mem.loaded_bytes + mem.non_torch_bytes + mem.graph_bytes,
+        transient_bytes=transient,
+    )
+    notes = [
+        f"the KV cache is sized after warm-up and CUDA-graph capture from measured free memory: less the CUDA "
+        f"context ({ACTIVATIONS.cuda_context_bytes / GiB:.2f} GiB), a margin of {ext.margin_bytes / GiB:.2f} GiB "
+        f"(max of 1 GiB and 0.75 x the transient) and the transient peak ({transient / GiB:.2f} GiB)"
+    ]
+    if s.gpu_memory_utilization is not None and ext.withheld_bytes >= GiB:
+        notes.append(
+            f"gpu_memory_utilization {util} keeps {ext.withheld_bytes / GiB:.2f} GiB of free memory out of the "
+            "cache (vLLM warns); leave it unset unless something else shares the GPU"
+        )
+    return _Budget(
+        requested=requested,
+        kv_bytes=ext.kv_bytes,
+        problems=(),
+        notes=tuple(notes),
+        extensible=True,
+        context=ACTIVATIONS.cuda_context_bytes,
+        margin=ext.margin_bytes,
+        transient=transient,
+    )
+
+
+def _vllm_budget(s: EngineSettings, mem: _StageMemory, *, gpu_memory_bytes: int) -> _Budget:
+    """vLLM before the extensible cache, or with a fixed cache size: the requested share less what is not cache."""
     notes: list[str] = []
     problems: list[str] = []
-    if profile.engine is EngineName.VLLM and profile.extensible_kv_cache and s.kv_cache_memory_bytes is None:
-        requested = int(gpu_memory_bytes * k.util)
-        transient = max(act, sizing_transient)
-        ext = extensible_kv_bytes(
-            gpu_memory_bytes=gpu_memory_bytes,
-            gpu_memory_utilization=k.util,
-            used_bytes=weights_bytes + non_torch + graphs,
-            transient_bytes=transient,
-        )
-        notes.append(
-            f"the KV cache is sized after warm-up and CUDA-graph capture from measured free memory: less the CUDA "
-            f"context ({ACTIVATIONS.cuda_context_bytes / GiB:.2f} GiB), a margin of {ext.margin_bytes / GiB:.2f} GiB "
-            f"(max of 1 GiB and 0.75 x the transient) and the transient peak ({transient / GiB:.2f} GiB)"
-        )
-        if s.gpu_memory_utilization is not None and ext.withheld_bytes >= GiB:
-            notes.append(
-                f"gpu_memory_utilization {k.util} keeps {ext.withheld_bytes / GiB:.2f} GiB of free memory out of the "
-                "cache (vLLM warns); leave it unset unless something else shares the GPU"
+    requested = int(gpu_memory_bytes * mem.knobs.util)
+    graphs = mem.graph_bytes
+    non_kv = mem.loaded_bytes + mem.activation_bytes + mem.non_torch_bytes + (graphs if mem.graphs_counted else 0)
+    if s.kv_cache_memory_bytes is not None:
+        kv_bytes = s.kv_cache_memory_bytes
+        notes.append("kv_cache_memory_bytes set: the cache size is fixed and profiling is skipped")
+        if kv_bytes + non_kv > gpu_memory_bytes:
+            problems.append(
+                f"kv_cache_memory_bytes {kv_bytes / GiB:.2f} GiB plus {non_kv / GiB:.2f} GiB of weights and "
+                f"runtime exceed the GPU's {gpu_memory_bytes / GiB:.2f} GiB; at most "
+                f"{max(0, gpu_memory_bytes - non_kv) / GiB:.2f} GiB fits"
             )
-        return _Budget(
-            requested=requested,
-            kv_bytes=ext.kv_bytes,
-            problems=(),
-            notes=tuple(notes),
-            extensible=True,
-            context=ACTIVATIONS.cuda_context_bytes,
-            margin=ext.margin_bytes,
-            transient=transient,
-        )
-    if profile.engine is EngineName.VLLM:
-        requested = int(gpu_memory_bytes * k.util)
-        non_kv = weights_bytes + act + non_torch + (graphs if graphs_counted else 0)
-        if s.kv_cache_memory_bytes is not None:
-            kv_bytes = s.kv_cache_memory_bytes
-            notes.append("kv_cache_memory_bytes set: the cache size is fixed and profiling is skipped")
-            if kv_bytes + non_kv > gpu_memory_bytes:
-                problems.append(
-                    f"kv_cache_memory_bytes {kv_bytes / GiB:.2f} GiB plus {non_kv / GiB:.2f} GiB of weights and "
-                    f"runtime exceed the GPU's {gpu_memory_bytes / GiB:.2f} GiB; at most "
-                    f"{max(0, gpu_memory_bytes - non_kv) / GiB:.2f} GiB fits"
-                )
-        else:
-            kv_bytes = requested - non_kv
-        if not graphs_counted and graphs:
-            notes.append("CUDA graphs are captured after the cache is sized, from the 1 - utilization headroom")
     else:
-        requested = gpu_memory_bytes
-        used = weights_bytes + act + non_torch + graphs + ACTIVATIONS.cuda_context_bytes
-        kv_bytes = int((gpu_memory_bytes - used) * k.util)
-        context = ACTIVATIONS.cuda_context_bytes
-        if kv_bytes > 0 and kv_bytes_per_token > 0:
-            # _cal_max_tokens floors to whole tokens and KvCacheConfig.max_tokens caps them; calculate_max_num_blocks
-            # then rounds the tokens up to whole blocks (ceil), so a cap that is not a block multiple gains a block.
-            tokens = kv_bytes // kv_bytes_per_token
-            if s.max_tokens is not None:
-                tokens = min(tokens, s.max_tokens)
-            kv_bytes = cdiv(tokens, k.block) * k.block * kv_bytes_per_token
-        runs = trtllm_profiling_requests(max_num_tokens=k.batched, max_seq_len=k.max_len)
-        notes.append(
-            f"profiled with {runs} dummy context request(s) filling max_num_tokens {k.batched}, one sampled row each"
-        )
-        return _Budget(
-            requested=requested, kv_bytes=kv_bytes, problems=tuple(problems), notes=tuple(notes), context=context
-        )
+        kv_bytes = requested - non_kv
+    if not mem.graphs_counted and graphs:
+        notes.append("CUDA graphs are captured after the cache is sized, from the 1 - utilization headroom")
     return _Budget(requested=requested, kv_bytes=kv_bytes, problems=tuple(problems), notes=tuple(notes))
+
+
+def _trtllm_budget(s: EngineSettings, mem: _StageMemory, *, gpu_memory_bytes: int) -> _Budget:
+    """TensorRT-LLM: its fraction of what profiling leaves free, in whole blocks."""
+    k = mem.knobs
+    used = (
+        mem.loaded_bytes + mem.activation_bytes + mem.non_torch_bytes + mem.graph_bytes + ACTIVATIONS.cuda_context_bytes
+    )
+    kv_bytes = int((gpu_memory_bytes - used) * k.util)
+    kv_bytes_per_token = mem.kv.kv_bytes_per_token_per_gpu
+    if kv_bytes > 0 and kv_bytes_per_token > 0:
+        # _cal_max_tokens floors to whole tokens and KvCacheConfig.max_tokens caps them; calculate_max_num_blocks
+        # then rounds the tokens up to whole blocks (ceil), so a cap that is not a block multiple gains a block.
+        tokens = kv_bytes // kv_bytes_per_token
+        if s.max_tokens is not None:
+            tokens = min(tokens, s.max_tokens)
+        kv_bytes = cdiv(tokens, k.block) * k.block * kv_bytes_per_token
+    runs = trtllm_profiling_requests(max_num_tokens=k.batched, max_seq_len=k.max_len)
+    note = f"profiled with {runs} dummy context request(s) filling max_num_tokens {k.batched}, one sampled row each"
+    return _Budget(
+        requested=gpu_memory_bytes,
+        kv_bytes=kv_bytes,
+        problems=(),
+        notes=(note,),
+        context=ACTIVATIONS.cuda_context_bytes,
+    )
 
 
 def _state_pages(model: ModelSpec, s: EngineSettings, profile: EngineProfile) -> int:
@@ -733,16 +756,8 @@ def capacity(
     s = settings
     version = s.version or DEFAULT_VERSIONS[s.engine]
     engine_profile(s.engine, s.version)
-    pp = s.pipeline_parallel_size
-    if pp < 1:
-        raise SizingError(f"must be at least 1, got {pp}", field="pipeline_parallel_size")
-    if pp > 1 and s.speculative is not None:
-        raise SizingError(
-            "a drafter with pipeline parallelism is not modelled (where its layers and lookahead slots sit across "
-            "stages); plan speculative decoding with tensor parallelism only (pipeline_parallel_size 1)",
-            field="speculative",
-        )
-    layout = Layout(tp=s.tensor_parallel_size, pp=pp, ep=s.enable_expert_parallel)
+    _check_pipeline_size(s)
+    layout = Layout(tp=s.tensor_parallel_size, pp=s.pipeline_parallel_size, ep=s.enable_expert_parallel)
     layout_notes = check_layout(
         model,
         layout,
@@ -750,7 +765,7 @@ def capacity(
         version=version,
         scheme=resolve_scheme(model, s.quantization, engine=s.engine, version=version),
     )
-    if pp == 1:
+    if layout.pp == 1:
         cap = _stage_capacity(
             model,
             model,
@@ -761,25 +776,53 @@ def capacity(
             measured_kv_cache_tokens=measured_kv_cache_tokens,
         )
         return replace(cap, expert_parallel=layout.ep, notes=cap.notes + layout_notes)
+    return _pipeline_capacity(
+        model,
+        layout,
+        layout_notes,
+        gpu_memory_bytes=gpu_memory_bytes,
+        s=s,
+        accelerator_name=accelerator_name,
+        measured_kv_cache_tokens=measured_kv_cache_tokens,
+    )
+
+
+def _check_pipeline_size(s: EngineSettings) -> None:
+    pp = s.pipeline_parallel_size
+    if pp < 1:
+        raise SizingError(f"must be at least 1, got {pp}", field="pipeline_parallel_size")
+    if pp > 1 and s.speculative is not None:
+        raise SizingError(
+            "a drafter with pipeline parallelism is not modelled (where its layers and lookahead slots sit across "
+            "stages); plan speculative decoding with tensor parallelism only (pipeline_parallel_size 1)",
+            field="speculative",
+        )
+
+
+def _pipeline_capacity(
+    model: ModelSpec,
+    layout: Layout,
+    layout_notes: tuple[str, ...],
+    *,
+    gpu_memory_bytes: int,
+    s: EngineSettings,
+    accelerator_name: str,
+    measured_kv_cache_tokens: int | None,
+) -> Capacity:
+    """Each stage sized on its own layers; the replica is the stage with the fewest blocks, which every stage gets."""
+    pp = layout.pp
     stages = []
     first = 0
     split = pp_partition(model.num_layers, pp, engine=s.engine.value)
     for i, n in enumerate(split):
         layers = model.layers[first : first + n]
         first += n
-        without: set[Part] = set()
-        if i > 0 and not (model.tie_word_embeddings and i == pp - 1):
-            without.add(Part.EMBEDDING)
-        if i < pp - 1:
-            without.add(Part.LM_HEAD)
-        if i > 0:
-            without.add(Part.VISION)  # the vision tower runs where the embeddings are merged, on the first stage
         stage = replace(model, layers=layers, num_layers=n)
         stages.append(
             _stage_capacity(
                 stage,
                 model,
-                without=frozenset(without),
+                without=_left_out_of_stage(model, i, pp),
                 gpu_memory_bytes=gpu_memory_bytes,
                 s=s,
                 accelerator_name=accelerator_name,
@@ -805,6 +848,18 @@ def capacity(
     )
 
 
+def _left_out_of_stage(model: ModelSpec, i: int, pp: int) -> frozenset[Part]:
+    """The parts pipeline stage ``i`` of ``pp`` does not hold."""
+    without: set[Part] = set()
+    if i > 0 and not (model.tie_word_embeddings and i == pp - 1):
+        without.add(Part.EMBEDDING)
+    if i < pp - 1:
+        without.add(Part.LM_HEAD)
+    if i > 0:
+        without.add(Part.VISION)  # the vision tower runs where the embeddings are merged, on the first stage
+    return frozenset(without)
+
+
 def _sampler_rows(profile: EngineProfile, k: _Knobs) -> int:
     """Rows of logits the profiling run samples. vLLM's dummy sampler run takes max_num_seqs rows. TensorRT-LLM 1.0
     samples its dummy context requests (_util.py KvCacheCreator._create_dummy_context_requests, max_tokens=1), and
@@ -813,6 +868,30 @@ def _sampler_rows(profile: EngineProfile, k: _Knobs) -> int:
     if profile.engine is EngineName.TRTLLM:
         return trtllm_profiling_requests(max_num_tokens=k.batched, max_seq_len=k.max_len)
     return k.max_seqs
+
+
+@dataclass(frozen=True, kw_only=True)
+class _StageMemory:
+    """What one GPU of a stage holds beside its KV cache, and the cache's layout."""
+
+    knobs: _Knobs  # the block size raised where a hybrid model's state page needs it
+    weights: WeightBreakdown
+    kv: KvLayout  # the drafter's layers included
+    state_pages: int
+    drafter: Drafter | None
+    activation_bytes: int  # the profile run's peak: the encoder's and the drafter's included
+    encoder: EncoderProfile | None
+    mm_notes: tuple[str, ...]
+    non_torch_bytes: int
+    graph_bytes: int  # the drafter's included
+    graphs_counted: bool
+    runner_buffer_bytes: int
+
+    @property
+    def loaded_bytes(self) -> int:
+        """The target's weights, the drafter's and the runner's resident buffers."""
+        drafter = self.drafter.weights_bytes_per_gpu if self.drafter is not None else 0
+        return self.weights.weights_bytes_per_gpu + drafter + self.runner_buffer_bytes
 
 
 def _stage_capacity(
@@ -828,10 +907,58 @@ def _stage_capacity(
     """One GPU's start-up: ``model`` holds the layers it serves (a pipeline stage's, or all), ``full`` the rest."""
     profile = engine_profile(s.engine, s.version)
     version = s.version or DEFAULT_VERSIONS[s.engine]
-    tp = s.tensor_parallel_size
     k = _knobs(full, s, profile, gpu_memory_bytes=gpu_memory_bytes, accelerator_name=accelerator_name)
-
     scheme = resolve_scheme(full, s.quantization, engine=profile.engine, version=version)
+    mem = _stage_memory(model, full, s, profile, k, without=without, scheme=scheme)
+    k = mem.knobs
+    budget = _kv_budget(
+        s,
+        profile,
+        mem,
+        gpu_memory_bytes=gpu_memory_bytes,
+        sizing_transient=sizing_step_transient_bytes(model, max_num_batched_tokens=k.batched, max_model_len=k.max_len)
+        if profile.extensible_kv_cache
+        else 0,
+    )
+    notes = [profile.note, *budget.notes, *mem.mm_notes]
+    notes.extend(_start_notes(model, full, s, profile, mem, scheme=scheme, version=version))
+    problems = list(budget.problems)
+    kv_bytes = budget.kv_bytes
+    if kv_bytes <= 0:
+        problems.append(_no_room_problem(full, s, mem, budget, scheme=scheme))
+        kv_bytes = 0
+    blocks = _blocks(model, full, s, profile, mem, kv_bytes=kv_bytes, measured_kv_cache_tokens=measured_kv_cache_tokens)
+    notes.extend(blocks.notes)
+    if not problems and blocks.concurrency < 1:
+        problems.append(_too_short_problem(k, blocks, extensible=budget.extensible))
+    return _stage_record(
+        model,
+        full,
+        s,
+        profile,
+        version=version,
+        gpu_memory_bytes=gpu_memory_bytes,
+        mem=mem,
+        budget=budget,
+        blocks=blocks,
+        problems=tuple(problems),
+        notes=tuple(notes),
+    )
+
+
+def _stage_memory(
+    model: ModelSpec,
+    full: ModelSpec,
+    s: EngineSettings,
+    profile: EngineProfile,
+    k: _Knobs,
+    *,
+    without: frozenset[Part],
+    scheme: WeightScheme,
+) -> _StageMemory:
+    """What one GPU of the stage holds beside its cache: weights, KV layout, drafter, activation peak, vision
+    encoder, CUDA graphs and resident buffers (the block size raised where a state page needs it)."""
+    tp = s.tensor_parallel_size
     limits = mm_limits(s)
     weights = weight_bytes(model, tp=tp, scheme=scheme, ep=s.enable_expert_parallel, without=without)
     if profile.engine is EngineName.VLLM:
@@ -848,6 +975,46 @@ def _stage_capacity(
         k = replace(k, block=hybrid_block_size(kv, block_size=k.block))
     _check_kv_dtype(full, s, profile)
     drafter = _drafter(model, s, k, profile, tp=tp, scheme=scheme)
+    act = _activation_bytes(model, full, profile, k, without=without, tp=tp, drafter=drafter)
+    encoder, weights, act, mm_notes = _vision_encoder(
+        model, s, profile, k, without=without, limits=limits, weights=weights, scheme=scheme, act=act
+    )
+    non_torch = non_torch_bytes(tp=tp)
+    graphs = 0 if s.enforce_eager else cuda_graph_bytes(model)
+    graphs_counted = cuda_graphs_counted(profile, full, enforce_eager=s.enforce_eager)
+    if drafter is not None:
+        # Its layers join the target's pool; its forward follows the target's in the profile run, reading the
+        # target's hidden states (see sizing/speculative.py).
+        kv = replace(kv, groups=kv.groups + drafter.kv_groups)
+        act = max(act, drafter.activation_peak_bytes + ACTIVATIONS.workspace_bytes) + drafter.hidden_state_bytes
+        graphs += 0 if s.enforce_eager else drafter.cuda_graph_bytes
+    return _StageMemory(
+        knobs=k,
+        weights=weights,
+        kv=kv,
+        state_pages=state_pages,
+        drafter=drafter,
+        activation_bytes=act,
+        encoder=encoder,
+        mm_notes=tuple(mm_notes),
+        non_torch_bytes=non_torch,
+        graph_bytes=graphs,
+        graphs_counted=graphs_counted,
+        runner_buffer_bytes=_runner_buffer_bytes(full, profile, k, without=without),
+    )
+
+
+def _activation_bytes(
+    model: ModelSpec,
+    full: ModelSpec,
+    profile: EngineProfile,
+    k: _Knobs,
+    *,
+    without: frozenset[Part],
+    tp: int,
+    drafter: Drafter | None,
+) -> int:
+    """The language model's activation peak in the profile run, its sampler's rows included."""
     # The non-sorting sampler's bytes per logit on the runner this model takes (Model Runner V2 or the V1 runner).
     constants = replace(ACTIVATIONS, sampler_bytes_per_logit=sampler_bytes_per_logit(profile, full, ACTIVATIONS))
     if drafter is not None:
@@ -859,7 +1026,7 @@ def _stage_capacity(
             sampler_bytes_per_logit=constants.sampler_bytes_per_logit + 4,
             sampler_sort_bytes_per_logit=constants.sampler_sort_bytes_per_logit + 4,
         )
-    act = activation_peak_bytes(
+    return activation_peak_bytes(
         model,
         tp=tp,
         max_num_batched_tokens=k.batched,
@@ -868,88 +1035,96 @@ def _stage_capacity(
         sort_sampler=profile.sort_sampler,
         constants=constants,
     )
-    encoder: EncoderProfile | None = None
-    mm_notes: list[str] = []
-    # With pipeline parallelism the vision tower runs on the first stage only (its weights are left out of the
-    # others by ``without``).
-    if model.vision is not None and profile.engine is EngineName.VLLM and Part.VISION not in without:
-        encoder = encoder_profile(
-            model,
-            tp=tp,
-            max_model_len=k.max_len,
-            max_num_batched_tokens=k.batched,
-            max_num_seqs=k.max_seqs,
-            limits=limits,
-            encoder_tp_mode=s.mm_encoder_tp_mode,
-            max_pixels=s.mm_max_pixels,
+
+
+def _vision_encoder(
+    model: ModelSpec,
+    s: EngineSettings,
+    profile: EngineProfile,
+    k: _Knobs,
+    *,
+    without: frozenset[Part],
+    limits: dict[str, int],
+    weights: WeightBreakdown,
+    scheme: WeightScheme,
+    act: int,
+) -> tuple[EncoderProfile | None, WeightBreakdown, int, list[str]]:
+    """vLLM's multimodal profiling: the encoder's run, the vision tower's weights as loaded, and the activation peak
+    with the encoder's outputs in it. With pipeline parallelism the tower runs on the first stage only (its weights
+    are left out of the others by ``without``)."""
+    if model.vision is None or Part.VISION in without:
+        return None, weights, act, []
+    if profile.engine is not EngineName.VLLM:
+        return None, weights, act, ["TensorRT-LLM's vision encoder memory beyond its weights is not modelled"]
+    tp = s.tensor_parallel_size
+    notes: list[str] = []
+    encoder = encoder_profile(
+        model,
+        tp=tp,
+        max_model_len=k.max_len,
+        max_num_batched_tokens=k.batched,
+        max_num_seqs=k.max_seqs,
+        limits=limits,
+        encoder_tp_mode=s.mm_encoder_tp_mode,
+        max_pixels=s.mm_max_pixels,
+    )
+    if encoder is not None and s.mm_encoder_tp_mode == "data" and not encoder.data_parallel and tp > 1:
+        notes.append("this vision tower has no data-parallel mode in vLLM; it stays sharded (weights)")
+    if s.mm_max_pixels is not None and not model.vision.pixel_unit:
+        notes.append("mm_max_pixels sizes Qwen-VL images only; this model's images have a fixed size")
+    weights = _vision_weights(
+        model,
+        weights,
+        loaded=encoder is not None,  # encoder_profile is None only when every tower modality is at 0
+        replicated=encoder is not None and encoder.data_parallel,
+        scheme=scheme,
+    )
+    if encoder is None:
+        notes.append("every modality is limited to 0: vLLM loads no vision tower and profiles no encoder")
+    else:
+        # The encoder runs first; its outputs stay in the encoder cache through the language model's dummy run.
+        act = max(encoder.encoder_activation_bytes, encoder.encoder_output_bytes + act) + encoder.buffer_bytes
+        notes.append(
+            f"encoder profiled with {encoder.items} {encoder.modality} item(s) of {encoder.tokens_per_item:,} "
+            f"tokens (budget {encoder.budget_tokens:,} tokens); lower it with limit_mm_per_prompt"
         )
-        if encoder is not None and s.mm_encoder_tp_mode == "data" and not encoder.data_parallel and tp > 1:
-            mm_notes.append("this vision tower has no data-parallel mode in vLLM; it stays sharded (weights)")
-        if s.mm_max_pixels is not None and not model.vision.pixel_unit:
-            mm_notes.append("mm_max_pixels sizes Qwen-VL images only; this model's images have a fixed size")
-        weights = _vision_weights(
-            model,
-            weights,
-            loaded=encoder is not None,  # encoder_profile is None only when every tower modality is at 0
-            replicated=encoder is not None and encoder.data_parallel,
-            scheme=scheme,
-        )
-        if encoder is None:
-            mm_notes.append("every modality is limited to 0: vLLM loads no vision tower and profiles no encoder")
-        else:
-            # The encoder runs first; its outputs stay in the encoder cache through the language model's dummy run.
-            act = max(encoder.encoder_activation_bytes, encoder.encoder_output_bytes + act) + encoder.buffer_bytes
-            mm_notes.append(
-                f"encoder profiled with {encoder.items} {encoder.modality} item(s) of {encoder.tokens_per_item:,} "
-                f"tokens (budget {encoder.budget_tokens:,} tokens); lower it with limit_mm_per_prompt"
-            )
-    elif model.vision is not None and Part.VISION not in without:
-        mm_notes.append("TensorRT-LLM's vision encoder memory beyond its weights is not modelled")
-    non_torch = non_torch_bytes(tp=tp)
-    graphs = 0 if s.enforce_eager else cuda_graph_bytes(model)
-    graphs_counted = cuda_graphs_counted(profile, full, enforce_eager=s.enforce_eager)
-    drafter_weights = 0
-    if drafter is not None:
-        # Its layers join the target's pool; its forward follows the target's in the profile run, reading the
-        # target's hidden states (see sizing/speculative.py).
-        kv = replace(kv, groups=kv.groups + drafter.kv_groups)
-        act = max(act, drafter.activation_peak_bytes + ACTIVATIONS.workspace_bytes) + drafter.hidden_state_bytes
-        graphs += 0 if s.enforce_eager else drafter.cuda_graph_bytes
-        drafter_weights = drafter.weights_bytes_per_gpu
-    # Model Runner V2's penalty state on the last stage: resident, and counted from the release that subtracts what
-    # is resident (before, the engine's budget leaves it out and the cache is sized as if it were not there).
-    runner_buffers = 0
+    return encoder, weights, act, notes
+
+
+def _runner_buffer_bytes(full: ModelSpec, profile: EngineProfile, k: _Knobs, *, without: frozenset[Part]) -> int:
+    """Model Runner V2's penalty state on the last stage: resident, and counted from the release that subtracts what
+    is resident (before, the engine's budget leaves it out and the cache is sized as if it were not there)."""
     if (
         profile.engine is EngineName.VLLM
         and Part.LM_HEAD not in without
         and runs_v2_runner(profile, full)
         and profile.persistent_buffers_counted
     ):
-        runner_buffers = v2_penalty_buffer_bytes(max_num_seqs=k.max_seqs, vocab_size=full.vocab_size)
-    budget = _kv_budget(
-        s,
-        profile,
-        k,
-        gpu_memory_bytes=gpu_memory_bytes,
-        weights_bytes=weights.weights_bytes_per_gpu + drafter_weights + runner_buffers,
-        act=act,
-        non_torch=non_torch,
-        graphs=graphs,
-        graphs_counted=graphs_counted,
-        kv_bytes_per_token=kv.kv_bytes_per_token_per_gpu,
-        sizing_transient=sizing_step_transient_bytes(model, max_num_batched_tokens=k.batched, max_model_len=k.max_len)
-        if profile.extensible_kv_cache
-        else 0,
-    )
-    notes = [profile.note, *budget.notes, *mm_notes]
-    if weights.buffer_bytes >= _ROPE_NOTE_BYTES:
+        return v2_penalty_buffer_bytes(max_num_seqs=k.max_seqs, vocab_size=full.vocab_size)
+    return 0
+
+
+def _start_notes(
+    model: ModelSpec,
+    full: ModelSpec,
+    s: EngineSettings,
+    profile: EngineProfile,
+    mem: _StageMemory,
+    *,
+    scheme: WeightScheme,
+    version: str,
+) -> list[str]:
+    """What a start-up holds that its budget does not say: the RoPE cache, the drafter, the compile cache, the
+    checkpoint's precision as loaded, and whether a public log of the release was checked."""
+    notes = []
+    if mem.weights.buffer_bytes >= _ROPE_NOTE_BYTES:
         notes.append(
-            f"vLLM's RoPE cos/sin cache takes {weights.buffer_bytes / GiB:.2f} GiB per GPU (in the weights): it covers "
-            f"the model's {rope_cache_positions(full):,} positions whatever max_model_len is"
+            f"vLLM's RoPE cos/sin cache takes {mem.weights.buffer_bytes / GiB:.2f} GiB per GPU (in the weights): it "
+            f"covers the model's {rope_cache_positions(full):,} positions whatever max_model_len is"
         )
-    if drafter is not None:
+    if mem.drafter is not None:
         assert s.speculative is not None
-        notes.extend(_drafter_notes(drafter, acceptance(s.speculative, drafter.num_speculative_tokens)))
+        notes.extend(_drafter_notes(mem.drafter, acceptance(s.speculative, mem.drafter.num_speculative_tokens)))
     if profile.engine is EngineName.VLLM and profile.since >= (0, 8, 0) and not s.enforce_eager:
         # Public pair (tests/sizing/data/engine_logs.json, coldstart-qwen3-8b-rtx4090-warm): vLLM 0.27.1, Qwen3-8B on
         # an RTX 4090, the first boot compiling for 39 s printed 1.18 GiB of peak activation, the second 0.19 GiB.
@@ -964,56 +1139,61 @@ def _stage_capacity(
         notes.append(as_checkpoint)
     if unchecked := unchecked_note(s.engine.value, version):
         notes.append(unchecked)
-    problems = list(budget.problems)
-    kv_bytes = budget.kv_bytes
-    if kv_bytes <= 0:
-        runtime = (
-            max(act, budget.transient) + budget.margin + budget.context + non_torch + (graphs if graphs_counted else 0)
-        )
-        need = (weights.weights_bytes_per_gpu + drafter_weights + runner_buffers + runtime) / GiB
-        problems.append(
-            f"no memory left for the KV cache: weights + activations + runtime need {need:.2f} GiB per GPU, "
-            f"{budget.requested / GiB:.2f} GiB available; "
-            f"{_memory_hint(full, tp, scheme, budget.requested, runtime, buffer=weights.buffer_bytes)}"
-        )
-        kv_bytes = 0
+    return notes
 
-    hybrid = profile.hybrid_kv_cache and profile.engine is EngineName.VLLM
-    pool = _pool(
-        kv,
-        block_size=k.block,
-        hybrid=hybrid,
-        group_ratio=profile.hybrid_group_ratio,
-        state_pages=state_pages,
-        chunked_local=profile.hybrid_chunked_local,
+
+def _no_room_problem(
+    full: ModelSpec, s: EngineSettings, mem: _StageMemory, budget: _Budget, *, scheme: WeightScheme
+) -> str:
+    """Nothing is left for the cache: what the rest needs, and the nearest change that leaves room."""
+    graphs = mem.graph_bytes if mem.graphs_counted else 0
+    runtime = (
+        max(mem.activation_bytes, budget.transient) + budget.margin + budget.context + mem.non_torch_bytes + graphs
     )
-    if model.is_hybrid and not hybrid:
-        notes.append("this engine version gives sliding-window layers the full context (no hybrid allocator)")
-    elif hybrid and not profile.hybrid_chunked_local and any(g.attention is AttentionKind.CHUNKED for g in kv.groups):
-        notes.append("this engine version gives chunked local attention layers the full context (no chunk spec)")
-    if kv.state is not None:
-        notes.append(
-            f"{kv.state.num_layers} {kv.state.kind.value} layers hold {kv.state.bytes_per_layer:,} bytes of state per "
-            f"sequence each, padded to a {pool.page_bytes:,}-byte page of {k.block} attention tokens; "
-            f"{state_pages} page(s) per request (mamba_cache_mode {'align' if state_pages > 1 else 'none'})"
-        )
+    need = (mem.loaded_bytes + runtime) / GiB
+    hint = _memory_hint(
+        full, s.tensor_parallel_size, scheme, budget.requested, runtime, buffer=mem.weights.buffer_bytes
+    )
+    return (
+        f"no memory left for the KV cache: weights + activations + runtime need {need:.2f} GiB per GPU, "
+        f"{budget.requested / GiB:.2f} GiB available; {hint}"
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Blocks:
+    """The cache cut into the engine's blocks, and what they hold."""
+
+    kv_bytes: int  # scaled to a measured cache where one is given
+    num_blocks: int
+    concurrency: float  # requests of max_model_len the blocks hold
+    per_request: int  # blocks one request of max_model_len needs
+    tokens: int  # as the engine reports them
+    fits_len: int  # the longest request the blocks hold
+    notes: tuple[str, ...]
+
+
+def _blocks(
+    model: ModelSpec,
+    full: ModelSpec,
+    s: EngineSettings,
+    profile: EngineProfile,
+    mem: _StageMemory,
+    *,
+    kv_bytes: int,
+    measured_kv_cache_tokens: int | None,
+) -> _Blocks:
+    """The stage's pool as the release groups it, its blocks, and a measured cache's scale where one is given."""
+    k = mem.knobs
+    pool, notes = _stage_pool(model, profile, mem)
     in_flight = in_flight_batches(profile, full, pipeline_parallel_size=s.pipeline_parallel_size)
-    blocks_per_request = sum(
-        _blocks_per_request(
-            kind,
-            w,
-            max_model_len=k.max_len,
-            block_size=k.block,
-            max_num_batched_tokens=k.batched,
-            in_flight_batches=in_flight,
-            state_pages=state_pages,
-        )
-        for kind, w in pool.groups
+    per_request = _request_blocks(
+        pool, k.max_len, block_size=k.block, max_num_batched_tokens=k.batched, in_flight_batches=in_flight
     )
 
     def blocks_for(kv_bytes: int) -> tuple[int, float]:
         num_blocks = kv_bytes // (pool.page_bytes * pool.group_size)
-        return num_blocks, num_blocks / blocks_per_request if blocks_per_request else 0.0
+        return num_blocks, num_blocks / per_request if per_request else 0.0
 
     num_blocks, concurrency = blocks_for(kv_bytes)
     if measured_kv_cache_tokens is not None and kv_bytes > 0:
@@ -1025,7 +1205,6 @@ def _stage_capacity(
                 f"KV cache as measured: {measured_kv_cache_tokens:,} tokens per replica (this model predicts "
                 f"{predicted:,})"
             )
-    overrides = config_overrides(model)
     fits_len = _longest_request(
         pool,
         num_blocks=num_blocks,
@@ -1034,52 +1213,109 @@ def _stage_capacity(
         limit=k.max_len,
         in_flight_batches=in_flight,
     )
-    if not problems and concurrency < 1:
-        problems.append(
-            f"one request of max_model_len {k.max_len} needs {blocks_per_request} KV blocks but only {num_blocks} "
-            f"fit; the largest max_model_len that fits is {fits_len} (lower max_model_len, use kv_cache_dtype fp8, "
-            + (
-                "or spread the model over more GPUs)"
-                if budget.extensible and k.util == 1.0
-                else "or raise gpu_memory_utilization)"
-            )
+    return _Blocks(
+        kv_bytes=kv_bytes,
+        num_blocks=num_blocks,
+        concurrency=concurrency,
+        per_request=per_request,
+        tokens=_tokens(pool, num_blocks=num_blocks, concurrency=concurrency, k=k, profile=profile),
+        fits_len=fits_len,
+        notes=tuple(notes),
+    )
+
+
+def _stage_pool(model: ModelSpec, profile: EngineProfile, mem: _StageMemory) -> tuple[_Pool, list[str]]:
+    """The block pool this release builds from the stage's layers, and what it does with their kinds."""
+    k, kv = mem.knobs, mem.kv
+    hybrid = profile.hybrid_kv_cache and profile.engine is EngineName.VLLM
+    pool = _pool(
+        kv,
+        block_size=k.block,
+        hybrid=hybrid,
+        group_ratio=profile.hybrid_group_ratio,
+        state_pages=mem.state_pages,
+        chunked_local=profile.hybrid_chunked_local,
+    )
+    notes = []
+    if model.is_hybrid and not hybrid:
+        notes.append("this engine version gives sliding-window layers the full context (no hybrid allocator)")
+    elif hybrid and not profile.hybrid_chunked_local and any(g.attention is AttentionKind.CHUNKED for g in kv.groups):
+        notes.append("this engine version gives chunked local attention layers the full context (no chunk spec)")
+    if kv.state is not None:
+        notes.append(
+            f"{kv.state.num_layers} {kv.state.kind.value} layers hold {kv.state.bytes_per_layer:,} bytes of state per "
+            f"sequence each, padded to a {pool.page_bytes:,}-byte page of {k.block} attention tokens; "
+            f"{mem.state_pages} page(s) per request (mamba_cache_mode {'align' if mem.state_pages > 1 else 'none'})"
         )
+    return pool, notes
+
+
+def _too_short_problem(k: _Knobs, blocks: _Blocks, *, extensible: bool) -> str:
+    """One request of max_model_len does not fit the blocks."""
+    return (
+        f"one request of max_model_len {k.max_len} needs {blocks.per_request} KV blocks but only {blocks.num_blocks} "
+        f"fit; the largest max_model_len that fits is {blocks.fits_len} (lower max_model_len, use kv_cache_dtype fp8, "
+        + (
+            "or spread the model over more GPUs)"
+            if extensible and k.util == 1.0
+            else "or raise gpu_memory_utilization)"
+        )
+    )
+
+
+def _stage_record(
+    model: ModelSpec,
+    full: ModelSpec,
+    s: EngineSettings,
+    profile: EngineProfile,
+    *,
+    version: str,
+    gpu_memory_bytes: int,
+    mem: _StageMemory,
+    budget: _Budget,
+    blocks: _Blocks,
+    problems: tuple[str, ...],
+    notes: tuple[str, ...],
+) -> Capacity:
+    """The stage's figures as ``capacity()`` reports them."""
+    k, kv = mem.knobs, mem.kv
+    overrides = config_overrides(model)
     return Capacity(
         model_id=full.model_id,
         engine=profile.engine,
         engine_version=version,
         profile=profile,
-        tensor_parallel_size=tp,
+        tensor_parallel_size=s.tensor_parallel_size,
         gpu_memory_bytes=gpu_memory_bytes,
         gpu_memory_utilization=k.util,
         requested_bytes=budget.requested,
-        weights=weights,
-        activation_peak_bytes=act,
-        non_torch_bytes=non_torch,
-        cuda_graph_bytes=graphs,
-        cuda_graph_counted=graphs_counted if profile.engine is EngineName.VLLM else not s.enforce_eager,
-        kv_cache_bytes_per_gpu=kv_bytes,
+        weights=mem.weights,
+        activation_peak_bytes=mem.activation_bytes,
+        non_torch_bytes=mem.non_torch_bytes,
+        cuda_graph_bytes=mem.graph_bytes,
+        cuda_graph_counted=mem.graphs_counted if profile.engine is EngineName.VLLM else not s.enforce_eager,
+        kv_cache_bytes_per_gpu=blocks.kv_bytes,
         kv=kv,
         block_size=k.block,
-        num_blocks=num_blocks,
-        kv_cache_tokens=_tokens(pool, num_blocks=num_blocks, concurrency=concurrency, k=k, profile=profile),
+        num_blocks=blocks.num_blocks,
+        kv_cache_tokens=blocks.tokens,
         max_model_len=k.max_len,
         max_num_seqs=k.max_seqs,
         max_num_batched_tokens=k.batched,
-        blocks_per_max_len_request=blocks_per_request,
-        max_concurrency=concurrency,
-        max_model_len_that_fits=fits_len,
-        state_pages_per_request=state_pages if kv.state is not None else 0,
+        blocks_per_max_len_request=blocks.per_request,
+        max_concurrency=blocks.concurrency,
+        max_model_len_that_fits=blocks.fits_len,
+        state_pages_per_request=mem.state_pages if kv.state is not None else 0,
         prefix_caching=prefix_caching(full, s),
-        encoder=encoder,
+        encoder=mem.encoder,
         max_model_len_limit=k.limit.max_len_tokens,
         max_model_len_source=k.limit.source,
         hf_overrides=None if overrides is None else json.dumps(overrides, sort_keys=True),
-        problems=tuple(problems),
-        notes=tuple(notes),
-        drafter=drafter,
+        problems=problems,
+        notes=notes,
+        drafter=mem.drafter,
         extensible_kv_cache=budget.extensible,
-        runner_buffer_bytes=runner_buffers,
+        runner_buffer_bytes=mem.runner_buffer_bytes,
         cuda_context_bytes=budget.context,
         kv_margin_bytes=budget.margin,
         transient_bytes=budget.transient,
@@ -1173,17 +1409,12 @@ def _longest_request(
     """Largest max_model_len (multiple of block_size, at most ``limit``) whose one request fits."""
 
     def blocks(length: int) -> int:
-        return sum(
-            _blocks_per_request(
-                k,
-                w,
-                max_model_len=length,
-                block_size=block_size,
-                max_num_batched_tokens=max_num_batched_tokens,
-                in_flight_batches=in_flight_batches,
-                state_pages=pool.state_pages,
-            )
-            for k, w in pool.groups
+        return _request_blocks(
+            pool,
+            length,
+            block_size=block_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+            in_flight_batches=in_flight_batches,
         )
 
     if blocks(limit) <= num_blocks:
@@ -1196,3 +1427,21 @@ def _longest_request(
         else:
             hi = mid - 1
     return lo // block_size * block_size
+
+
+def _request_blocks(
+    pool: _Pool, length: int, *, block_size: int, max_num_batched_tokens: int, in_flight_batches: int
+) -> int:
+    """Blocks one request of ``length`` tokens holds in every group of the pool."""
+    return sum(
+        _blocks_per_request(
+            kind,
+            window,
+            max_model_len=length,
+            block_size=block_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+            in_flight_batches=in_flight_batches,
+            state_pages=pool.state_pages,
+        )
+        for kind, window in pool.groups
+    )
