@@ -398,49 +398,77 @@ def _text_config(cfg: Mapping[str, Any]) -> tuple[Mapping[str, Any], str]:
 
 
 def _layer_kinds(model_type: str, t: Mapping[str, Any], n_layers: int, where: str) -> list[LayerSpec]:
-    window = t.get("sliding_window")
     layer_types = t.get("layer_types")
     if isinstance(layer_types, list):
-        if len(layer_types) != n_layers:
-            raise ModelConfigError(
-                f"has {len(layer_types)} entries but num_hidden_layers is {n_layers}",
-                field=where + "layer_types",
-            )
-        out = []
-        for kind in layer_types:
-            if kind == "full_attention":
-                out.append(LayerSpec(attention=AttentionKind.FULL))
-            elif kind == "sliding_attention":
-                if not window:
-                    raise ModelConfigError(
-                        "layer_types has sliding_attention but sliding_window is not set",
-                        field=where + "sliding_window",
-                    )
-                out.append(LayerSpec(attention=AttentionKind.SLIDING, window_tokens=int(window)))
-            elif kind == "chunked_attention":
-                chunk = _int(t, "attention_chunk_size", where=where)
-                out.append(LayerSpec(attention=AttentionKind.CHUNKED, window_tokens=chunk))
-            elif kind == "linear_attention" and model_type in GDN_MODEL_TYPES:
-                out.append(LayerSpec(attention=AttentionKind.STATE))
-            elif kind in ("linear_attention", "mamba", "conv"):
-                raise ModelConfigError(
-                    f"layer type {kind!r} of model type {model_type!r} is not modelled (its state shape is "
-                    "unknown here); supported hybrids with state layers: qwen3_next, nemotron_h",
-                    field=where + "layer_types",
-                )
-            else:
-                raise ModelConfigError(f"unknown layer type {kind!r}", field=where + "layer_types")
-        return out
-
-    full = [LayerSpec(attention=AttentionKind.FULL) for _ in range(n_layers)]
+        return _listed_layers(model_type, t, layer_types, n_layers, where)
     if model_type in GDN_MODEL_TYPES:
         # transformers Qwen3NextConfig: layer i is full attention when (i + 1) % full_attention_interval == 0.
         interval = _int(t, "full_attention_interval", where=where, default=4) or 1
-        return [
-            full[i] if (i + 1) % interval == 0 else LayerSpec(attention=AttentionKind.STATE) for i in range(n_layers)
-        ]
+        full = LayerSpec(attention=AttentionKind.FULL)
+        return [full if (i + 1) % interval == 0 else LayerSpec(attention=AttentionKind.STATE) for i in range(n_layers)]
     if model_type == "nemotron_h":
         return _nemotron_h_layers(t, n_layers, where)
+    if model_type in ("llama4", "llama4_text") and t.get("attention_chunk_size"):
+        return _llama4_layers(t, n_layers)
+    return _windowed_layers(model_type, t, n_layers)
+
+
+def _listed_layers(
+    model_type: str, t: Mapping[str, Any], layer_types: list[Any], n_layers: int, where: str
+) -> list[LayerSpec]:
+    """Layers as the config's ``layer_types`` lists them, one entry a layer."""
+    window = t.get("sliding_window")
+    if len(layer_types) != n_layers:
+        raise ModelConfigError(
+            f"has {len(layer_types)} entries but num_hidden_layers is {n_layers}",
+            field=where + "layer_types",
+        )
+    out = []
+    for kind in layer_types:
+        if kind == "full_attention":
+            out.append(LayerSpec(attention=AttentionKind.FULL))
+        elif kind == "sliding_attention":
+            if not window:
+                raise ModelConfigError(
+                    "layer_types has sliding_attention but sliding_window is not set",
+                    field=where + "sliding_window",
+                )
+            out.append(LayerSpec(attention=AttentionKind.SLIDING, window_tokens=int(window)))
+        elif kind == "chunked_attention":
+            chunk = _int(t, "attention_chunk_size", where=where)
+            out.append(LayerSpec(attention=AttentionKind.CHUNKED, window_tokens=chunk))
+        elif kind == "linear_attention" and model_type in GDN_MODEL_TYPES:
+            out.append(LayerSpec(attention=AttentionKind.STATE))
+        elif kind in ("linear_attention", "mamba", "conv"):
+            raise ModelConfigError(
+                f"layer type {kind!r} of model type {model_type!r} is not modelled (its state shape is "
+                "unknown here); supported hybrids with state layers: qwen3_next, nemotron_h",
+                field=where + "layer_types",
+            )
+        else:
+            raise ModelConfigError(f"unknown layer type {kind!r}", field=where + "layer_types")
+    return out
+
+
+def _llama4_layers(t: Mapping[str, Any], n_layers: int) -> list[LayerSpec]:
+    """Llama 4: chunked local attention on its RoPE layers, full attention on the NoPE ones."""
+    chunk = int(t["attention_chunk_size"])
+    nope = t.get("no_rope_layers")
+    if not isinstance(nope, list) or len(nope) != n_layers:
+        interval = int(t.get("no_rope_layer_interval") or 4)
+        nope = [int((i + 1) % interval != 0) for i in range(n_layers)]
+    full = LayerSpec(attention=AttentionKind.FULL)
+    # no_rope_layers[i] == 1: RoPE layer with chunked local attention; 0: NoPE global layer.
+    return [
+        LayerSpec(attention=AttentionKind.CHUNKED, window_tokens=chunk) if nope[i] else full for i in range(n_layers)
+    ]
+
+
+def _windowed_layers(model_type: str, t: Mapping[str, Any], n_layers: int) -> list[LayerSpec]:
+    """Sliding-window layers where the family's pattern puts them, full attention elsewhere (and everywhere without
+    a window)."""
+    window = t.get("sliding_window")
+    full = [LayerSpec(attention=AttentionKind.FULL) for _ in range(n_layers)]
     if model_type in ("gemma2",) and window:
         # HF Gemma2DecoderLayer: even layers are sliding (is_sliding = not bool(layer_idx % 2)).
         return [
@@ -458,17 +486,6 @@ def _layer_kinds(model_type: str, t: Mapping[str, Any], n_layers: int, where: st
         # gpt-oss alternates sliding (even layers) and full attention.
         return [
             LayerSpec(attention=AttentionKind.SLIDING, window_tokens=int(window)) if i % 2 == 0 else full[i]
-            for i in range(n_layers)
-        ]
-    if model_type in ("llama4", "llama4_text") and t.get("attention_chunk_size"):
-        chunk = int(t["attention_chunk_size"])
-        nope = t.get("no_rope_layers")
-        if not isinstance(nope, list) or len(nope) != n_layers:
-            interval = int(t.get("no_rope_layer_interval") or 4)
-            nope = [int((i + 1) % interval != 0) for i in range(n_layers)]
-        # no_rope_layers[i] == 1: RoPE layer with chunked local attention; 0: NoPE global layer.
-        return [
-            LayerSpec(attention=AttentionKind.CHUNKED, window_tokens=chunk) if nope[i] else full[i]
             for i in range(n_layers)
         ]
     if model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen2_vl", "qwen2_5_vl") or model_type in (
@@ -854,63 +871,75 @@ def _vision(cfg: Mapping[str, Any], *, text_hidden: int) -> VisionSpec | None:
             norm_bias=True,
         )
     if vtype in ("siglip_vision_model", "clip_vision_model"):
-        h, i, n = _vint(v, "hidden_size"), _vint(v, "intermediate_size"), _vint(v, "num_hidden_layers")
-        p, size = _vint(v, "patch_size"), _vint(v, "image_size")
-        c = _vint(v, "num_channels", 3)
-        grid = (size // p) ** 2
-        layers = n * _vit_layer(h, i, bias=True, gated=False, norm_bias=True)
-        if vtype == "siglip_vision_model":
-            tower = c * p * p * h + h + grid * h + layers + 2 * h  # post_layernorm; vision_use_head false
-        else:
-            tower = h + c * p * p * h + (grid + 1) * h + 2 * h + layers + 2 * h  # class token, pre/post LayerNorm
-        if outer == "gemma3":
-            tokens = _int(cfg, "mm_tokens_per_image", where="", default=256)
-            projector = h * text_hidden + h
-            kind = "siglip"
-        elif outer in ("llava", "llava_next"):
-            # "default" feature selection drops the class token, "full" keeps it.
-            tokens = grid + (1 if cfg.get("vision_feature_select_strategy") == "full" else 0)
-            projector = h * text_hidden + text_hidden + text_hidden * text_hidden + text_hidden
-            if outer == "llava_next":
-                projector += text_hidden  # image_newline
-                tokens = _llava_next_tokens(cfg, base=tokens, tile=size, side=size // p)
-            kind = "clip" if vtype == "clip_vision_model" else "siglip"
-        else:
-            return _rough_vision(v, text_hidden)
-        return VisionSpec(
-            kind=kind,
-            hidden_size=h,
-            intermediate_size=i,
-            num_layers=n,
-            num_heads=_vint(v, "num_attention_heads", 16),
-            gated_mlp=False,
-            patches_per_token=max(1, grid // tokens),
-            image_tokens=tokens,
-            params=tower + projector,
-        )
+        return _siglip_clip_vision(cfg, v, text_hidden, vtype=vtype, outer=outer)
     if vtype == "pixtral" and outer == "mistral3":
-        h, i, n = _vint(v, "hidden_size"), _vint(v, "intermediate_size"), _vint(v, "num_hidden_layers")
-        p, size = _vint(v, "patch_size"), _vint(v, "image_size")
-        c = _vint(v, "num_channels", 3)
-        m = _int(cfg, "spatial_merge_size", where="", default=2)
-        bias = bool(cfg.get("multimodal_projector_bias", False))
-        tower = c * p * p * h + h + n * _vit_layer(h, i, bias=False, gated=True, norm_bias=False)
-        projector = h + h * m * m * h + h * text_hidden + text_hidden * text_hidden + (2 * text_hidden if bias else 0)
-        side = size // (p * m)
-        return VisionSpec(
-            kind="pixtral",
-            hidden_size=h,
-            intermediate_size=i,
-            num_layers=n,
-            num_heads=_vint(v, "num_attention_heads", 16),
-            gated_mlp=True,
-            patches_per_token=m * m,
-            image_tokens=side * side,  # vLLM pixtral.py PixtralHFEncoderInfo: ncols x nrows
-            params=tower + projector,
-        )
+        return _pixtral_vision(cfg, v, text_hidden)
     if vtype == "llama4_vision_model":
         return _llama4_vision(v, text_hidden)
     return _rough_vision(v, text_hidden)
+
+
+def _siglip_clip_vision(
+    cfg: Mapping[str, Any], v: Mapping[str, Any], text_hidden: int, *, vtype: str, outer: str
+) -> VisionSpec | None:
+    """A SigLIP or CLIP tower with Gemma 3's or LLaVA's projector (other models' projectors: ``_rough_vision``)."""
+    h, i, n = _vint(v, "hidden_size"), _vint(v, "intermediate_size"), _vint(v, "num_hidden_layers")
+    p, size = _vint(v, "patch_size"), _vint(v, "image_size")
+    c = _vint(v, "num_channels", 3)
+    grid = (size // p) ** 2
+    layers = n * _vit_layer(h, i, bias=True, gated=False, norm_bias=True)
+    if vtype == "siglip_vision_model":
+        tower = c * p * p * h + h + grid * h + layers + 2 * h  # post_layernorm; vision_use_head false
+    else:
+        tower = h + c * p * p * h + (grid + 1) * h + 2 * h + layers + 2 * h  # class token, pre/post LayerNorm
+    if outer == "gemma3":
+        tokens = _int(cfg, "mm_tokens_per_image", where="", default=256)
+        projector = h * text_hidden + h
+        kind = "siglip"
+    elif outer in ("llava", "llava_next"):
+        # "default" feature selection drops the class token, "full" keeps it.
+        tokens = grid + (1 if cfg.get("vision_feature_select_strategy") == "full" else 0)
+        projector = h * text_hidden + text_hidden + text_hidden * text_hidden + text_hidden
+        if outer == "llava_next":
+            projector += text_hidden  # image_newline
+            tokens = _llava_next_tokens(cfg, base=tokens, tile=size, side=size // p)
+        kind = "clip" if vtype == "clip_vision_model" else "siglip"
+    else:
+        return _rough_vision(v, text_hidden)
+    return VisionSpec(
+        kind=kind,
+        hidden_size=h,
+        intermediate_size=i,
+        num_layers=n,
+        num_heads=_vint(v, "num_attention_heads", 16),
+        gated_mlp=False,
+        patches_per_token=max(1, grid // tokens),
+        image_tokens=tokens,
+        params=tower + projector,
+    )
+
+
+def _pixtral_vision(cfg: Mapping[str, Any], v: Mapping[str, Any], text_hidden: int) -> VisionSpec:
+    """Mistral 3's Pixtral tower, its patch merger and projector."""
+    h, i, n = _vint(v, "hidden_size"), _vint(v, "intermediate_size"), _vint(v, "num_hidden_layers")
+    p, size = _vint(v, "patch_size"), _vint(v, "image_size")
+    c = _vint(v, "num_channels", 3)
+    m = _int(cfg, "spatial_merge_size", where="", default=2)
+    bias = bool(cfg.get("multimodal_projector_bias", False))
+    tower = c * p * p * h + h + n * _vit_layer(h, i, bias=False, gated=True, norm_bias=False)
+    projector = h + h * m * m * h + h * text_hidden + text_hidden * text_hidden + (2 * text_hidden if bias else 0)
+    side = size // (p * m)
+    return VisionSpec(
+        kind="pixtral",
+        hidden_size=h,
+        intermediate_size=i,
+        num_layers=n,
+        num_heads=_vint(v, "num_attention_heads", 16),
+        gated_mlp=True,
+        patches_per_token=m * m,
+        image_tokens=side * side,  # vLLM pixtral.py PixtralHFEncoderInfo: ncols x nrows
+        params=tower + projector,
+    )
 
 
 # transformers' Llama4ImageProcessorFast: max_patches 16 tiles of image_size; vLLM profiles the 16:1 image that
@@ -996,6 +1025,56 @@ def parse_hf_config(
     """Turn a config.json mapping into a ModelSpec, or raise ModelConfigError naming the field."""
     if not isinstance(cfg, Mapping):
         raise ModelConfigError("config.json must hold a JSON object")
+    t, where, model_type = _language_config(cfg)
+    dims = _text_dims(cfg, t, model_type, where)
+    mla, moe, layers = _decoder_layers(model_type, t, dims.num_layers, where)
+    intermediate = _dense_intermediate(model_type, t, dims.intermediate_size)
+    vision = _vision(cfg, text_hidden=dims.hidden_size)
+    return ModelSpec(
+        model_id=model_id,
+        model_type=model_type,
+        num_layers=dims.num_layers,
+        hidden_size=dims.hidden_size,
+        num_attention_heads=dims.num_attention_heads,
+        num_kv_heads=dims.num_kv_heads,
+        head_dim=dims.head_dim,
+        intermediate_size=intermediate,
+        vocab_size=dims.vocab_size,
+        max_position_embeddings=dims.max_position_embeddings,
+        tie_word_embeddings=dims.tie_word_embeddings,
+        torch_dtype=dims.torch_dtype,
+        layers=layers,
+        moe=moe,
+        mla=mla,
+        state=_state(model_type, t, where),
+        quantization=_quantization(cfg, ""),
+        attention_bias=dims.attention_bias,
+        # Nemotron-H's MLP is up_proj -> relu2 -> down_proj (nemotron_h.py NemotronHMLP).
+        gated_mlp=model_type not in ("phi", "nemotron_h"),
+        norms_per_layer=_NORMS_PER_LAYER.get(model_type, 2),
+        vision_params=vision.params if vision is not None else 0,
+        vision=vision,
+        mtp_layers=_int(t, "num_nextn_predict_layers", where=where, default=int(t.get("mtp_num_hidden_layers") or 0)),
+        draft_vocab_size=_int(cfg, "draft_vocab_size", where="") if cfg.get("draft_vocab_size") else None,
+        architectures=_architectures(cfg),
+        source=source,
+        family=family,
+        aliases=aliases,
+        rope_scaling=_rope_scaling(t, where),
+        original_max_position_embeddings=(
+            _int(t, "original_max_position_embeddings", where=where)
+            if t.get("original_max_position_embeddings")
+            else None
+        ),
+        max_position_embeddings_key=where + dims.max_position_embeddings_key,
+        rope_theta=_theta(t.get("rope_theta")),
+        partial_rotary_factor=_partial_rotary(t),
+    )
+
+
+def _language_config(cfg: Mapping[str, Any]) -> tuple[Mapping[str, Any], str, str]:
+    """The language model's config with its class defaults filled in, the prefix of its keys (``text_config.`` where
+    it is nested) and its model type; ModelConfigError for a type that is not modelled."""
     t, where = _text_config(cfg)
     model_type = str(t.get("model_type") or cfg.get("model_type") or "")
     model_type = _VL_TEXT_TYPES.get(model_type, model_type)
@@ -1013,6 +1092,28 @@ def parse_hf_config(
         )
     if model_type in _CLASS_DEFAULTS:
         t = {**_CLASS_DEFAULTS[model_type], **{k: v for k, v in t.items() if v is not None}}
+    return t, where, model_type
+
+
+@dataclass(frozen=True, kw_only=True)
+class _TextDims:
+    """The language model's sizes as its config gives them (defaults filled in), checked."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # the experts' in Llama 4, whose dense layers have intermediate_size_mlp
+    vocab_size: int
+    max_position_embeddings: int
+    max_position_embeddings_key: str  # the key the length was read from
+    tie_word_embeddings: bool
+    torch_dtype: str
+    attention_bias: bool
+
+
+def _text_dims(cfg: Mapping[str, Any], t: Mapping[str, Any], model_type: str, where: str) -> _TextDims:
     n_layers = _int(t, "num_hidden_layers", where=where)
     hidden = _int(t, "hidden_size", where=where)
     heads = _int(t, "num_attention_heads", where=where)
@@ -1035,9 +1136,30 @@ def parse_hf_config(
     )
     max_pos = int(t.get(max_pos_key) or 4096)
     tied_default = model_type in _TIED_BY_DEFAULT
-    tied = bool(t.get("tie_word_embeddings", cfg.get("tie_word_embeddings", tied_default)))
-    dtype = str(t.get("torch_dtype") or t.get("dtype") or cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+    return _TextDims(
+        num_layers=n_layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate,
+        vocab_size=vocab,
+        max_position_embeddings=max_pos,
+        max_position_embeddings_key=max_pos_key,
+        tie_word_embeddings=bool(t.get("tie_word_embeddings", cfg.get("tie_word_embeddings", tied_default))),
+        torch_dtype=str(
+            t.get("torch_dtype") or t.get("dtype") or cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+        ),
+        attention_bias=bool(
+            t.get("attention_bias", model_type in ("qwen2", "qwen2_moe", "gpt_oss", "phi", "qwen2_vl", "qwen2_5_vl"))
+        ),
+    )
 
+
+def _decoder_layers(
+    model_type: str, t: Mapping[str, Any], n_layers: int, where: str
+) -> tuple[MLASpec | None, MoESpec | None, tuple[LayerSpec, ...]]:
+    """Each decoder layer's attention kind and whether its MLP is a mixture of experts; MLA and MoE shapes."""
     mla: MLASpec | None = None
     if model_type in ("deepseek_v2", "deepseek_v3"):
         mla = MLASpec(
@@ -1050,61 +1172,18 @@ def parse_hf_config(
         kinds = [LayerSpec(attention=AttentionKind.MLA) for _ in range(n_layers)]
     else:
         kinds = _layer_kinds(model_type, t, n_layers, where)
-
     moe = None if model_type == "nemotron_h" else _moe(model_type, t, where)
     moe_flags = _moe_layers(model_type, t, n_layers) if moe else [False] * n_layers
     layers = tuple(
         LayerSpec(attention=k.attention, window_tokens=k.window_tokens, moe=m and k.mlp, mlp=k.mlp)
         for k, m in zip(kinds, moe_flags, strict=True)
     )
-    # Dense layers of Llama 4 use intermediate_size_mlp; MoE experts use intermediate_size.
-    dense_inter = (
-        int(t.get("intermediate_size_mlp") or intermediate) if model_type.startswith("llama4") else intermediate
-    )
-    bias = bool(
-        t.get("attention_bias", model_type in ("qwen2", "qwen2_moe", "gpt_oss", "phi", "qwen2_vl", "qwen2_5_vl"))
-    )
-    vision = _vision(cfg, text_hidden=hidden)
-    return ModelSpec(
-        model_id=model_id,
-        model_type=model_type,
-        num_layers=n_layers,
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        intermediate_size=dense_inter,
-        vocab_size=vocab,
-        max_position_embeddings=max_pos,
-        tie_word_embeddings=tied,
-        torch_dtype=dtype,
-        layers=layers,
-        moe=moe,
-        mla=mla,
-        state=_state(model_type, t, where),
-        quantization=_quantization(cfg, ""),
-        attention_bias=bias,
-        # Nemotron-H's MLP is up_proj -> relu2 -> down_proj (nemotron_h.py NemotronHMLP).
-        gated_mlp=model_type not in ("phi", "nemotron_h"),
-        norms_per_layer=_NORMS_PER_LAYER.get(model_type, 2),
-        vision_params=vision.params if vision is not None else 0,
-        vision=vision,
-        mtp_layers=_int(t, "num_nextn_predict_layers", where=where, default=int(t.get("mtp_num_hidden_layers") or 0)),
-        draft_vocab_size=_int(cfg, "draft_vocab_size", where="") if cfg.get("draft_vocab_size") else None,
-        architectures=_architectures(cfg),
-        source=source,
-        family=family,
-        aliases=aliases,
-        rope_scaling=_rope_scaling(t, where),
-        original_max_position_embeddings=(
-            _int(t, "original_max_position_embeddings", where=where)
-            if t.get("original_max_position_embeddings")
-            else None
-        ),
-        max_position_embeddings_key=where + max_pos_key,
-        rope_theta=_theta(t.get("rope_theta")),
-        partial_rotary_factor=_partial_rotary(t),
-    )
+    return mla, moe, layers
+
+
+def _dense_intermediate(model_type: str, t: Mapping[str, Any], intermediate: int) -> int:
+    """Dense layers of Llama 4 use intermediate_size_mlp; MoE experts use intermediate_size."""
+    return int(t.get("intermediate_size_mlp") or intermediate) if model_type.startswith("llama4") else intermediate
 
 
 def _partial_rotary(t: Mapping[str, Any]) -> float:
