@@ -271,79 +271,103 @@ def resolve_drafter(
     if method is SpecMethod.NGRAM:
         if spec.draft_model:
             raise SizingError("ngram needs no draft model; drop draft_model", field=_FIELD + ".draft_model")
-        return Drafter(
-            method=method,
-            num_speculative_tokens=k,
-            draft_ref=None,
-            model=None,
-            weights_bytes_per_gpu=0,
-            shares=(),
-            kv_groups=(),
-            lookahead_tokens=0,
-            new_slots_for_drafting=0,
-            activation_peak_bytes=0,
-            hidden_state_bytes=0,
-            cuda_graph_bytes=0,
-            notes=("ngram drafts from the prompt: no weights, no KV cache",),
-        )
-    notes: list[str] = []
-    hidden_copies = 1
-    if method is SpecMethod.MTP:
-        draft, weights = _mtp_layers(target, target_scheme, tp)
-        shares: tuple[str, ...] = ("embedding", "lm_head")
-        if k > target.mtp_layers:
-            notes.append(f"{k} drafts rerun {target.mtp_layers} MTP layer(s); acceptance drops past them")
-    else:
-        draft = _resolve_draft(spec)
-        try:
-            validate_tp(draft, tp, field=_FIELD + ".draft_model")
-        except SizingError as err:
-            raise SizingError(
-                f"the drafter runs at the target's tensor_parallel_size {tp}, which {err.message}",
-                field=_FIELD + ".draft_model",
-            ) from None
-        if method is SpecMethod.DRAFT_MODEL:
-            if draft.vocab_size != target.vocab_size:
-                # SpeculativeConfig.verify_equal_vocab_size_if_draft_model
-                raise SizingError(
-                    f"the draft model's vocabulary ({draft.vocab_size}) differs from the target's "
-                    f"({target.vocab_size}); vLLM needs one tokenizer: pick a draft of the same family",
-                    field=_FIELD + ".draft_model",
-                )
-            weights = weight_bytes(draft, tp=tp, scheme=draft.native_scheme).weights_bytes_per_gpu
-            shares = ()
-            hidden_copies = 0
-            if draft.max_position_embeddings < target.max_position_embeddings:
-                notes.append(
-                    f"the draft model stops drafting past {draft.max_position_embeddings:,} tokens "
-                    "(its max_position_embeddings)"
-                )
-        else:
-            weights, shares, eagle_notes = _eagle(target, draft, method, tp)
-            notes.extend(eagle_notes)
-            if method is SpecMethod.EAGLE3:
-                hidden_copies = EAGLE3_AUX_HIDDEN_STATES
-    kv = kv_layout(draft, tp=tp, kv_dtype=kv_dtype)
+        return _ngram_drafter(k)
+    d = _mtp_draft(target, k, target_scheme, tp) if method is SpecMethod.MTP else _checkpoint_draft(target, spec, tp)
+    kv = kv_layout(d.model, tp=tp, kv_dtype=kv_dtype)
     groups = tuple(replace(g, draft=True) for g in kv.groups)
     a = _UNQUANTIZED_BYTES
-    forward = activation_peak_bytes(draft, tp=tp, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=1)
+    forward = activation_peak_bytes(d.model, tp=tp, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=1)
     c = ACTIVATIONS
-    moe = c.cuda_graph_moe_factor if draft.moe is not None else 1.0
+    moe = c.cuda_graph_moe_factor if d.model.moe is not None else 1.0
     return Drafter(
         method=method,
         num_speculative_tokens=k,
         draft_ref=spec.draft_model,
-        model=draft,
-        weights_bytes_per_gpu=weights,
-        shares=shares,
+        model=d.model,
+        weights_bytes_per_gpu=d.weights_bytes_per_gpu,
+        shares=d.shares,
         kv_groups=groups,
         lookahead_tokens=_lookahead(method, k, engine),
         new_slots_for_drafting=1 if method is SpecMethod.DRAFT_MODEL else 0,
         activation_peak_bytes=max(0, forward - c.workspace_bytes),
-        hidden_state_bytes=hidden_copies * max_num_batched_tokens * target.hidden_size * a,
-        cuda_graph_bytes=int(draft.num_layers * c.cuda_graph_per_layer_bytes * moe),
-        notes=tuple(notes),
+        hidden_state_bytes=d.hidden_copies * max_num_batched_tokens * target.hidden_size * a,
+        cuda_graph_bytes=int(d.model.num_layers * c.cuda_graph_per_layer_bytes * moe),
+        notes=d.notes,
     )
+
+
+def _ngram_drafter(k: int) -> Drafter:
+    return Drafter(
+        method=SpecMethod.NGRAM,
+        num_speculative_tokens=k,
+        draft_ref=None,
+        model=None,
+        weights_bytes_per_gpu=0,
+        shares=(),
+        kv_groups=(),
+        lookahead_tokens=0,
+        new_slots_for_drafting=0,
+        activation_peak_bytes=0,
+        hidden_state_bytes=0,
+        cuda_graph_bytes=0,
+        notes=("ngram drafts from the prompt: no weights, no KV cache",),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Draft:
+    """A drafter's own layers and what they add to the target's weights."""
+
+    model: ModelSpec
+    weights_bytes_per_gpu: int
+    shares: tuple[str, ...]  # the target's weights it reads instead of its own
+    hidden_copies: int  # the target's hidden states it reads per token (EAGLE-3: several layers' worth)
+    notes: tuple[str, ...] = ()
+
+
+def _mtp_draft(target: ModelSpec, k: int, scheme: WeightScheme, tp: int) -> _Draft:
+    """The model's own MTP layers, reading the target's embedding and lm_head."""
+    draft, weights = _mtp_layers(target, scheme, tp)
+    notes: tuple[str, ...] = ()
+    if k > target.mtp_layers:
+        notes = (f"{k} drafts rerun {target.mtp_layers} MTP layer(s); acceptance drops past them",)
+    return _Draft(
+        model=draft, weights_bytes_per_gpu=weights, shares=("embedding", "lm_head"), hidden_copies=1, notes=notes
+    )
+
+
+def _checkpoint_draft(target: ModelSpec, spec: Speculative, tp: int) -> _Draft:
+    """An EAGLE head or a draft model of its own checkpoint, run at the target's tensor parallelism."""
+    method = spec.method
+    draft = _resolve_draft(spec)
+    try:
+        validate_tp(draft, tp, field=_FIELD + ".draft_model")
+    except SizingError as err:
+        raise SizingError(
+            f"the drafter runs at the target's tensor_parallel_size {tp}, which {err.message}",
+            field=_FIELD + ".draft_model",
+        ) from None
+    if method is not SpecMethod.DRAFT_MODEL:
+        weights, shares, notes = _eagle(target, draft, method, tp)
+        copies = EAGLE3_AUX_HIDDEN_STATES if method is SpecMethod.EAGLE3 else 1
+        return _Draft(
+            model=draft, weights_bytes_per_gpu=weights, shares=shares, hidden_copies=copies, notes=tuple(notes)
+        )
+    if draft.vocab_size != target.vocab_size:
+        # SpeculativeConfig.verify_equal_vocab_size_if_draft_model
+        raise SizingError(
+            f"the draft model's vocabulary ({draft.vocab_size}) differs from the target's "
+            f"({target.vocab_size}); vLLM needs one tokenizer: pick a draft of the same family",
+            field=_FIELD + ".draft_model",
+        )
+    weights = weight_bytes(draft, tp=tp, scheme=draft.native_scheme).weights_bytes_per_gpu
+    notes = []
+    if draft.max_position_embeddings < target.max_position_embeddings:
+        notes.append(
+            f"the draft model stops drafting past {draft.max_position_embeddings:,} tokens "
+            "(its max_position_embeddings)"
+        )
+    return _Draft(model=draft, weights_bytes_per_gpu=weights, shares=(), hidden_copies=0, notes=tuple(notes))
 
 
 @cache
