@@ -112,3 +112,10 @@ def test_the_plan_diff_step_runs_in_a_checkout(tmp_path: Path, rendered: dict[st
     assert table.startswith("### Plan changes: `environments/.base-dev.yaml` -> `environments/dev.yaml`"), table
     assert "| instances | 2 |" in table  # 2 -> 22 requests/s at peak: more replicas
     assert not (repo / "environments" / ".base-dev.yaml").exists()
+
+
+def test_the_json_form_is_the_same_workflow(capsys: pytest.CaptureFixture[str], rendered: dict[str, Any]) -> None:
+    from kvfleet.cli import main
+
+    assert main(["ci-template", str(REPO / "pipeline.yaml"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == rendered

@@ -934,3 +934,108 @@ def test_plan_writes_gpu_memory_utilization_only_where_it_sizes_the_cache(
         assert "--gpu-memory-utilization" not in best["engine_settings"]["command"]
     else:
         assert str(settings["gpu-memory-utilization"]) == written
+
+
+def test_version_names_the_installed_release(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"kvfleet {version('kvfleet')}"
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh"])
+def test_completion_covers_every_command_and_its_flags(capsys: pytest.CaptureFixture[str], shell: str) -> None:
+    from kvfleet.cli import COMMANDS
+
+    assert main(["completion", shell]) == 0
+    script = capsys.readouterr().out
+    for command in COMMANDS:
+        assert command in script
+    assert "--max-num-batched-tokens" in script and "--concurrency" in script
+
+
+def test_the_bash_completion_completes_in_bash(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The script, sourced by a real bash, completes `kvfleet pla` to plan and a flag of plan."""
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    assert main(["completion", "bash"]) == 0
+    script = tmp_path / "kvfleet.bash"
+    script.write_text(capsys.readouterr().out, encoding="utf-8")
+    probe = f"""
+source {script}
+complete -p kvfleet >/dev/null || exit 3
+fn=$(complete -p kvfleet | sed -E 's/.*-F ([^ ]+).*/\\1/')
+COMP_WORDS=(kvfleet pla); COMP_CWORD=1; COMP_LINE="kvfleet pla"; COMP_POINT=${{#COMP_LINE}}
+$fn kvfleet pla kvfleet; echo "${{COMPREPLY[@]}}"
+COMP_WORDS=(kvfleet plan --max-in); COMP_CWORD=2; COMP_LINE="kvfleet plan --max-in"; COMP_POINT=${{#COMP_LINE}}
+$fn kvfleet --max-in plan; echo "${{COMPREPLY[@]}}"
+"""
+    done = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, check=False, timeout=30)
+    assert done.returncode == 0, done.stderr
+    first, second = done.stdout.splitlines()[:2]
+    assert first.split() == ["plan"]
+    assert "--max-input-tokens" in second.split()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        "capacity",
+        "plan",
+        "simulate",
+        "bench",
+        "synth",
+        "check",
+        "diff",
+        "ci-template",
+        "workload",
+        "models",
+        "instances",
+        "schema",
+    ],
+)
+def test_every_command_takes_json(command: str) -> None:
+    from kvfleet.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    parser = sub.choices[command]  # type: ignore[index]
+    assert any("--json" in a.option_strings for a in parser._actions), command
+
+
+@pytest.mark.parametrize("subject", [["dev"], ["--pipeline", "pipeline.yaml"]])
+def test_synth_gives_cdk_everything_after_the_double_dash(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], subject: list[str]
+) -> None:
+    """Whatever sits before `--` (a positional, --pipeline, --json), what follows reaches cdk synth whole, and --json
+    reports the stacks of the assembly the CDK wrote there."""
+    out = tmp_path / "out"
+    seen = tmp_path / "argv"
+    fake = tmp_path / "cdk"
+    manifest = {"artifacts": {"s1": {"type": "aws:cloudformation:stack", "properties": {"templateFile": "s1.json"}}}}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+    script = f"#!/bin/sh\nprintf '%s\\n' \"$@\" > {seen}\nmkdir -p {out}\ncp {tmp_path}/manifest.json {out}/\n"
+    fake.write_text(script, encoding="utf-8")
+    fake.chmod(0o755)
+    repo = Path(__file__).resolve().parents[1]
+    import os
+
+    cwd = os.getcwd()
+    os.chdir(repo)
+    try:
+        code = main(["synth", *subject, "--cdk", str(fake), "--json", "--", "--quiet", "-o", str(out)])
+    finally:
+        os.chdir(cwd)
+    assert code == 0
+    argv = seen.read_text(encoding="utf-8").split()
+    assert argv[:2] == ["synth", "-c"] and argv[3:] == ["--quiet", "-o", str(out)]
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["stacks"] == [{"stack": "s1", "template": str(out / "s1.json")}] and doc["output_dir"] == str(out)
+
+
+def test_a_command_that_runs_no_tool_refuses_a_double_dash(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["models", "--", "--quiet"])
+    assert done.value.code == 2
+    assert "takes nothing after --" in capsys.readouterr().err

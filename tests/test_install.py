@@ -215,7 +215,6 @@ def test_no_extra_a_command_needing_one_says_which(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="kvfleet synth does not yet call require_extra('cdk', 'synth') before it plans")
 def test_no_extra_synth_says_install_the_cdk(venv: Callable[[str], Venv]) -> None:
     done = venv("").kvfleet("synth", DEV_ENV)
     _one_line_refusal(done, "cdk")

@@ -48,6 +48,12 @@ def test_a_longer_context_moves_the_instance_and_the_price(tmp_path: Path, capsy
     assert main(["diff", str(saved), str(longer), "--markdown"]) == 0
     md = capsys.readouterr().out
     assert "| --max-model-len | 5,120 | 17,408 |" in md and md.startswith("### Plan changes:")
+    assert main(["diff", str(saved), str(longer), "--json"]) == 0
+    [doc] = json.loads(capsys.readouterr().out)
+    assert doc["deployment"] == "chat" and doc["status"] == "changed"
+    assert {"what": "--max-model-len", "before": "5,120", "after": "17,408"} in doc["changes"]
+    assert main(["diff", str(saved), str(longer), "--json", "--markdown"]) == 2
+    assert "give one" in capsys.readouterr().err
 
 
 def test_the_same_plan_is_unchanged_and_added_and_removed_deployments_say_so(

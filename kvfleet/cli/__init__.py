@@ -57,7 +57,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    # Everything after the first `--` is for the tool the command runs (synth: cdk synth), wherever the command's
+    # own flags and positionals sit; argparse alone would give it to a positional that already took its value.
+    after: list[str] = []
+    if "--" in words:
+        cut = words.index("--")
+        words, after = words[:cut], words[cut + 1 :]
+    parser = build_parser()
+    args = parser.parse_args(words)
+    if after and getattr(args, "passthrough_to", None) is None:
+        parser.error(f"kvfleet {args.command} takes nothing after --")
+    args.passthrough = after
     try:
         code: int = command_module(args.command).run(args)
         return code

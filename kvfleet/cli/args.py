@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 EXIT_USAGE = 2
@@ -94,3 +95,17 @@ def printable(text: str) -> str:
         else "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in line)
         for line in text.split("\n")
     )
+
+
+def progress() -> Callable[..., None]:
+    """A status line on stderr for work that takes seconds, shown only on a terminal (logs and pipes get nothing):
+    say("what now") replaces the line; say(None) clears it; say("what", keep=True) leaves it as a line of its own
+    (before a child process writes to the terminal)."""
+    shown = sys.stderr.isatty()
+
+    def say(what: str | None, *, keep: bool = False) -> None:
+        if shown:
+            text = "\r\033[K" + (f"kvfleet: {what}..." if what else "")
+            print(text, end="\n" if keep else "", file=sys.stderr, flush=True)
+
+    return say

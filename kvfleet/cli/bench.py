@@ -9,6 +9,13 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from kvfleet import contract
+from kvfleet.cli.args import (
+    _float_list,
+    _fraction,
+    _int_list,
+    _positive_float,
+    _positive_int,
+)
 from kvfleet.cli.bench_checks import (
     bench_limits,
     limits_fill,
@@ -19,20 +26,12 @@ from kvfleet.cli.bench_checks import (
 )
 from kvfleet.cli.bench_output import print_bench, progress_line, what_ran
 from kvfleet.cli.calibrate import write_calibration
-from kvfleet.cli.endpoint import deployed_url, planned_deployment
+from kvfleet.cli.endpoint import bench_target, deployed_url, planned_deployment
 from kvfleet.errors import KvfleetError
 
 if TYPE_CHECKING:
-    from kvfleet.bench.client import LevelSpec
+    from kvfleet.bench.client import KvCapacity, LevelSpec
     from kvfleet.deployments import ResolvedDeployment
-
-from kvfleet.cli.args import (
-    _float_list,
-    _fraction,
-    _int_list,
-    _positive_float,
-    _positive_int,
-)
 
 
 def add_parser(sub: Any) -> None:
@@ -54,6 +53,12 @@ def add_parser(sub: Any) -> None:
     be.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (default: $KVFLEET_BENCH_API_KEY)")
     be.add_argument("--header", action="append", default=[], help="extra request header NAME:VALUE (repeatable)")
     be.add_argument("--concurrency", type=_int_list, default=[1, 4, 16], help="comma-separated levels (default 1,4,16)")
+    _load_flags(be)
+    _plan_flags(be)
+
+
+def _load_flags(be: argparse.ArgumentParser) -> None:
+    """What each level sends: closed loop, rate sweep, trace or the limits, and the requests' lengths."""
     be.add_argument(
         "--rate",
         type=_float_list,
@@ -92,6 +97,10 @@ def add_parser(sub: Any) -> None:
     be.add_argument("--input-tokens", type=_positive_int, default=512, help="prompt length in tokens (default 512)")
     be.add_argument("--output-tokens", type=_positive_int, default=128, help="tokens to generate (default 128)")
     be.add_argument("--timeout-s", type=_positive_float, default=600.0, help="per request (default 600)")
+
+
+def _plan_flags(be: argparse.ArgumentParser) -> None:
+    """What a run is checked against: the plan of --env, a calibration, the KV cache; and where results go."""
     be.add_argument(
         "--expect-kv-tokens",
         type=_positive_int,
@@ -132,142 +141,172 @@ def add_parser(sub: Any) -> None:
 
 def run(a: argparse.Namespace) -> int:
     import asyncio
-    import os
-    import re
-    from pathlib import Path
-    from urllib.parse import urlsplit
 
-    from kvfleet.bench.client import Endpoint, kv_drift, poisson_level, run_levels, run_levels_sagemaker, summarize
+    from kvfleet.extras import require_extra
+
+    require_extra("bench", "bench")
+    from kvfleet.bench.client import run_levels, run_levels_sagemaker, summarize
 
     planned = planned_deployment(a.env, a.deployment) if a.env is not None else None
     if a.url is None:
         if planned is None:
             raise KvfleetError("give the endpoint's URL, or --env FILE [--deployment NAME] to read it", field="url")
         a.url = deployed_url(planned)
-    sagemaker = None
-    if a.url.startswith("sagemaker:"):
-        from kvfleet.bench.sagemaker import SageMakerTarget
-
-        name = a.url.removeprefix("sagemaker:")
-        # SageMaker's EndpointName pattern (CreateEndpoint API reference).
-        if not re.fullmatch(r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}", name):
-            raise KvfleetError(
-                f"{name!r} is not a SageMaker endpoint name (letters, digits, '-', 63 at most)", field="url"
-            )
-        region = a.region or (planned.environment.region if planned is not None else None)
-        sagemaker = SageMakerTarget(endpoint_name=name, region=region, endpoint_url=a.endpoint_url)
+    ep, sagemaker = bench_target(a, planned)
+    expected, kv_required = _expected_kv(a, planned)
+    limits = bench_limits(a, planned) if a.limits else None
+    specs = _levels(a, planned, limits)
+    _check_writable(a)
+    progress = progress_line() if not a.json and sys.stderr.isatty() else None
+    if sagemaker is not None:
+        measuring = run_levels_sagemaker(sagemaker, specs, model=a.model, timeout_s=a.timeout_s, progress=progress)
     else:
-        parts = urlsplit(a.url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise KvfleetError(
-                f"{a.url!r} is not an http(s) URL or sagemaker:<endpoint name>; e.g. http://127.0.0.1:8080", field="url"
-            )
-    headers = []
-    for h in a.header:
-        name, sep, value = h.partition(":")
-        if not sep or not name.strip():
-            raise KvfleetError(f"{h!r} is not NAME:VALUE", field="header")
-        headers.append((name.strip(), value.strip()))
-    ep = Endpoint(
-        url=a.url,
-        model=a.model,
-        api_key=a.api_key or os.environ.get("KVFLEET_BENCH_API_KEY"),
-        headers=tuple(headers),
+        measuring = run_levels(ep, specs, timeout_s=a.timeout_s, progress=progress)
+    model, levels, capacity = asyncio.run(measuring)
+    if progress is not None:
+        print("\r\033[K", end="", file=sys.stderr)  # clear the live line before the report
+    ttft_ms = a.ttft_ms or (planned.deployment.workload.ttft_ms if planned is not None else None)
+    rows = [summarize(level, ttft_slo_s=ttft_ms / 1000 if ttft_ms else None) for level in levels]
+    speed_drift = _against_plan(a, planned, specs, rows)
+    prediction_source = _predict_levels(a, planned, specs, rows) if a.predict else None
+    if capacity is None and expected is not None and not kv_required:
+        print(
+            "note: KV check skipped: the endpoint reports no KV-cache size on its /metrics (a load balancer or "
+            f"SageMaker hides it); run it against a replica's agent, or pass --expect-kv-tokens {expected} to "
+            "require it",
+            file=sys.stderr,
+        )
+        expected = None
+    report = _report(
+        a,
+        model=model,
+        rows=rows,
+        capacity=capacity,
+        expected=expected,
+        ttft_ms=ttft_ms,
+        limits=limits,
+        speed_drift=speed_drift,
     )
-    expected = a.expect_kv_tokens
-    # Asked for (--expect-kv-tokens), the KV check fails where the endpoint reports no cache; implied by --env, it
-    # is skipped with a note there (a load balancer and SageMaker expose no /metrics).
+    _write_outputs(a, planned=planned, report=report, levels=levels, rows=rows, capacity=capacity)
+    if a.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_bench(a.url, model, what_ran(a, limits, specs), rows)
+        _print_checks(a, report, capacity, ttft_ms, prediction_source)
+    return _exit_code(a, report)
+
+
+def _expected_kv(a: argparse.Namespace, planned: ResolvedDeployment | None) -> tuple[int | None, bool]:
+    """The KV tokens the endpoint must report, and whether it must report them at all: asked for
+    (--expect-kv-tokens), the check fails where the endpoint reports no cache; implied by --env, it is skipped with a
+    note there (a load balancer and SageMaker expose no /metrics)."""
+    expected: int | None = a.expect_kv_tokens
     kv_required = expected is not None
     if planned is not None:
         expected = expected or planned.candidate.capacity.kv_cache_tokens
     elif a.deployment is not None:
         raise KvfleetError("--deployment names a deployment of --env; give --env FILE too", field="deployment")
-    limits = bench_limits(a, planned) if a.limits else None
+    if a.calibration is not None and not a.predict:
+        raise KvfleetError("--calibration is what --predict simulates with; add --predict", field="calibration")
+    return expected, kv_required
+
+
+def _levels(
+    a: argparse.Namespace, planned: ResolvedDeployment | None, limits: tuple[int, int, int] | None
+) -> list[LevelSpec]:
+    """The levels to run: the plan's own load, the limits test, or the flags' levels, refusing flags they ignore."""
+    from kvfleet.bench.client import poisson_level
+
     if a.trace is not None and a.rate is not None:
         raise KvfleetError("--trace replays the trace's own arrivals; drop --rate (or use --rate-scale)", field="rate")
+    if a.trace is None:
+        for flag in ("trace_format", "duration_s"):
+            if getattr(a, flag) is not None:
+                raise KvfleetError(f"--{flag.replace('_', '-')} applies to --trace only; drop it", field=flag)
+        if a.start_s or a.rate_scale != 1.0:
+            flag = "start_s" if a.start_s else "rate_scale"
+            raise KvfleetError(f"--{flag.replace('_', '-')} applies to --trace only; drop it", field=flag)
     if limits is not None and (a.trace is not None or a.rate is not None):
         raise KvfleetError("--limits runs its own two levels; drop --trace and --rate", field="limits")
-    if a.planned_load:
-        if planned is None:
-            raise KvfleetError("--planned-load replays the plan of --env; give --env FILE", field="planned_load")
-        if a.trace is not None or a.rate is not None or limits is not None:
-            raise KvfleetError(
-                "--planned-load is its own level; drop --trace, --rate and --limits", field="planned_load"
-            )
-        w = planned.deployment.workload
-        if w.peak_requests_per_s is None:
-            raise KvfleetError(
-                "the plan has no arrival rate; set workload.peak_requests_per_s (or workload.trace)",
-                field="planned_load",
-            )
-        specs = [
-            poisson_level(
-                w.peak_requests_per_s,
-                requests=a.requests,
-                prompt_tokens=w.avg_input_tokens or w.max_input_tokens,
-                output_tokens=w.avg_output_tokens or w.max_output_tokens,
-            )
-        ]
-    else:
-        specs = limits_levels(*limits) if limits is not None else _bench_levels(a)
     if a.calibrate and planned is None:
         raise KvfleetError(
             "--calibrate measures a planned deployment; give --env FILE [--deployment NAME]", field="calibrate"
         )
-    for out_file in (a.calibrate,):
+    if not a.planned_load:
+        return limits_levels(*limits) if limits is not None else _bench_levels(a)
+    if planned is None:
+        raise KvfleetError("--planned-load replays the plan of --env; give --env FILE", field="planned_load")
+    if a.trace is not None or a.rate is not None or limits is not None:
+        raise KvfleetError("--planned-load is its own level; drop --trace, --rate and --limits", field="planned_load")
+    w = planned.deployment.workload
+    if w.peak_requests_per_s is None:
+        raise KvfleetError(
+            "the plan has no arrival rate; set workload.peak_requests_per_s (or workload.trace)", field="planned_load"
+        )
+    return [
+        poisson_level(
+            w.peak_requests_per_s,
+            requests=a.requests,
+            prompt_tokens=w.avg_input_tokens or w.max_input_tokens,
+            output_tokens=w.avg_output_tokens or w.max_output_tokens,
+        )
+    ]
+
+
+def _check_writable(a: argparse.Namespace) -> None:
+    """Before the run, which may take long: a report or calibration that cannot be written should not cost it."""
+    import os
+    from pathlib import Path
+
+    for out_file, field, tail in ((a.calibrate, "calibrate", ""), (a.html, "html", " to put it in")):
         if out_file:
             folder = Path(out_file).parent
             if Path(out_file).is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
-                raise KvfleetError(f"cannot write {out_file}: no writable directory {folder}", field="calibrate")
-    if a.html:  # before the run, which may take long: a report that cannot be written should not cost it
-        folder = Path(a.html).parent
-        if Path(a.html).is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
-            raise KvfleetError(f"cannot write {a.html}: no writable directory {folder} to put it in", field="html")
-    progress = progress_line() if not a.json and sys.stderr.isatty() else None
-    if sagemaker is not None:
-        run = run_levels_sagemaker(sagemaker, specs, model=a.model, timeout_s=a.timeout_s, progress=progress)
-    else:
-        run = run_levels(ep, specs, timeout_s=a.timeout_s, progress=progress)
-    model, levels, capacity = asyncio.run(run)
-    if progress is not None:
-        print("\r\033[K", end="", file=sys.stderr)  # clear the live line before the report
-    ttft_ms = a.ttft_ms or (planned.deployment.workload.ttft_ms if planned is not None else None)
-    slo = ttft_ms / 1000 if ttft_ms else None
-    rows = [summarize(level, ttft_slo_s=slo) for level in levels]
+                raise KvfleetError(f"cannot write {out_file}: no writable directory {folder}{tail}", field=field)
+
+
+def _against_plan(
+    a: argparse.Namespace, planned: ResolvedDeployment | None, specs: list[LevelSpec], rows: list[dict[str, Any]]
+) -> list[str]:
+    """Each closed-loop level of one length beside what the plan's step model predicts for it (row["planned"]);
+    the levels slower than the plan by more than --speed-tolerance."""
     speed_drift: list[str] = []
-    if planned is not None:
-        for row, spec in zip(rows, specs, strict=True):
-            if spec.concurrency is not None and len(set(spec.lengths)) == 1:
-                (n_in, n_out) = spec.lengths[0]
-                row["planned"] = predicted_speed(planned, n_in, n_out, spec.concurrency)
-                row["input_tokens"], row["output_tokens_each"] = n_in, n_out
-                speed_drift += speed_drift_lines(row, a.speed_tolerance)
-    prediction_source = _predict_levels(a, planned, specs, rows) if a.predict else None
-    failed = sum(r["requests"] - r["completed"] for r in rows)
-    kv_note = None
-    if capacity is None and expected is not None and not kv_required:
-        kv_note = (
-            "note: KV check skipped: the endpoint reports no KV-cache size on its /metrics (a load balancer or "
-            f"SageMaker hides it); run it against a replica's agent, or pass --expect-kv-tokens {expected} to "
-            "require it"
-        )
-        print(kv_note, file=sys.stderr)
-        expected = None
-    drift = kv_drift(capacity, expected, a.tolerance)
+    if planned is None:
+        return speed_drift
+    for row, spec in zip(rows, specs, strict=True):
+        if spec.concurrency is not None and len(set(spec.lengths)) == 1:
+            (n_in, n_out) = spec.lengths[0]
+            row["planned"] = predicted_speed(planned, n_in, n_out, spec.concurrency)
+            row["input_tokens"], row["output_tokens_each"] = n_in, n_out
+            speed_drift += speed_drift_lines(row, a.speed_tolerance)
+    return speed_drift
+
+
+def _report(
+    a: argparse.Namespace,
+    *,
+    model: str,
+    rows: list[dict[str, Any]],
+    capacity: KvCapacity | None,
+    expected: int | None,
+    ttft_ms: float | None,
+    limits: tuple[int, int, int] | None,
+    speed_drift: list[str],
+) -> dict[str, Any]:
+    """The run as the JSON prints it: levels, the KV check, the TTFT target's verdict, the limits test's."""
+    from kvfleet.bench.client import kv_drift
+
     meeting = [r for r in rows if r["ttft_attainment"] is not None and r["ttft_attainment"] >= a.slo_attainment]
-    best_rate = max((r["rate_per_s"] or 0.0 for r in meeting if r["rate_per_s"]), default=None)
-    slo_miss = None
     verdict = limits_verdict(rows, a.slo_attainment) if limits is not None else None
     if verdict is not None and limits is not None:
         verdict["lines"].append(limits_fill(limits, capacity))
-    if limits is not None:
-        slo = None  # --limits judges the planned level alone (below), not every level
-    if slo is not None and not meeting:
+    slo_miss = None
+    if ttft_ms and limits is None and not meeting:  # --limits judges the planned level alone, not every level
         slo_miss = (
             f"no level got {a.slo_attainment:.0%} of its requests a first token within {ttft_ms:g} ms "
             f"(best {max(r['ttft_attainment'] or 0.0 for r in rows):.1%})"
         )
-    report: dict[str, Any] = {
+    return {
         "url": a.url,
         "model": model,
         "input_tokens": a.input_tokens,
@@ -277,13 +316,27 @@ def run(a: argparse.Namespace) -> int:
         if capacity is None
         else {"blocks": capacity.blocks, "block_tokens": capacity.block_tokens, "tokens": capacity.tokens},
         "expected_kv_tokens": expected,
-        "drift": drift,
-        "ttft_target_s": slo,
-        "best_rate_per_s": best_rate,
+        "drift": kv_drift(capacity, expected, a.tolerance),
+        "ttft_target_s": ttft_ms / 1000 if ttft_ms and limits is None else None,
+        "best_rate_per_s": max((r["rate_per_s"] or 0.0 for r in meeting if r["rate_per_s"]), default=None),
         "slo_miss": slo_miss,
         "limits": verdict,
         "speed_drift": speed_drift,
     }
+
+
+def _write_outputs(
+    a: argparse.Namespace,
+    *,
+    planned: ResolvedDeployment | None,
+    report: dict[str, Any],
+    levels: list[Any],
+    rows: list[dict[str, Any]],
+    capacity: KvCapacity | None,
+) -> None:
+    """The HTML report and the calibration file, where asked for."""
+    from pathlib import Path
+
     if a.html:
         from kvfleet.bench.report import render_html
 
@@ -293,50 +346,65 @@ def run(a: argparse.Namespace) -> int:
             print(f"kvfleet: cannot write {a.html}: {err.strerror or err}", file=sys.stderr)
     if a.calibrate and planned is not None:
         write_calibration(a.calibrate, planned, rows, capacity)
-    if a.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print_bench(a.url, model, what_ran(a, limits, specs), rows)
-        if capacity is not None:
-            print(
-                f"engine KV cache: {capacity.blocks:,} blocks of {capacity.block_tokens} tokens = "
-                f"{capacity.tokens:,} tokens per replica ({capacity.source})"
-            )
-        for row in rows:
-            if p := row.get("planned"):
-                itl = row["itl_s"]
-                measured = f"{itl['mean'] * 1e3:.1f} ms" if itl else "-"
-                print(
-                    f"plan ({p['instance_type']}, one replica) at {row['level']}: ITL {p['itl_s'] * 1e3:.1f} ms "
-                    f"(measured {measured}), {p['output_tokens_per_s']:,.0f} output tokens/s (measured "
-                    f"{row['output_tokens_per_s']:,.0f}), TTFT {p['ttft_s'] * 1e3:,.0f} ms"
-                )
-        if prediction_source is not None:
-            from kvfleet.cli.predict import prediction_lines
 
-            print("\n".join(prediction_lines(rows, prediction_source)))
-        if best_rate is not None:
-            top = max(a.rate or [0.0])
-            if a.rate and best_rate >= top:  # the sweep never found where it stops
-                print(
-                    f"every rate up to {top:g} req/s got {a.slo_attainment:.0%} of first tokens within {ttft_ms:g} "
-                    f"ms: the limit lies above {top:g} req/s (add higher rates to find it)"
-                )
-            else:
-                print(
-                    f"highest rate with {a.slo_attainment:.0%} of first tokens within {ttft_ms:g} ms: "
-                    f"{best_rate:g} req/s"
-                )
-        if expected is not None and drift is None:
-            print(f"plan check: {expected:,} KV tokens expected; the engine has them (tolerance {a.tolerance:.0%})")
+
+def _print_checks(
+    a: argparse.Namespace,
+    report: dict[str, Any],
+    capacity: KvCapacity | None,
+    ttft_ms: float | None,
+    prediction_source: str | None,
+) -> None:
+    """Below the table, for people: the engine's cache, the plan's and the simulator's figures, the best rate."""
+    rows = report["levels"]
+    if capacity is not None:
+        print(
+            f"engine KV cache: {capacity.blocks:,} blocks of {capacity.block_tokens} tokens = "
+            f"{capacity.tokens:,} tokens per replica ({capacity.source})"
+        )
+    for row in rows:
+        if p := row.get("planned"):
+            itl = row["itl_s"]
+            measured = f"{itl['mean'] * 1e3:.1f} ms" if itl else "-"
+            print(
+                f"plan ({p['instance_type']}, one replica) at {row['level']}: ITL {p['itl_s'] * 1e3:.1f} ms "
+                f"(measured {measured}), {p['output_tokens_per_s']:,.0f} output tokens/s (measured "
+                f"{row['output_tokens_per_s']:,.0f}), TTFT {p['ttft_s'] * 1e3:,.0f} ms"
+            )
+    if prediction_source is not None:
+        from kvfleet.cli.predict import prediction_lines
+
+        print("\n".join(prediction_lines(rows, prediction_source)))
+    _print_best_rate(a, report["best_rate_per_s"], ttft_ms)
+    expected = report["expected_kv_tokens"]
+    if expected is not None and report["drift"] is None:
+        print(f"plan check: {expected:,} KV tokens expected; the engine has them (tolerance {a.tolerance:.0%})")
+
+
+def _print_best_rate(a: argparse.Namespace, best_rate: float | None, ttft_ms: float | None) -> None:
+    if best_rate is None or ttft_ms is None:
+        return
+    top = max(a.rate or [0.0])
+    if a.rate and best_rate >= top:  # the sweep never found where it stops
+        print(
+            f"every rate up to {top:g} req/s got {a.slo_attainment:.0%} of first tokens within {ttft_ms:g} "
+            f"ms: the limit lies above {top:g} req/s (add higher rates to find it)"
+        )
+    else:
+        print(f"highest rate with {a.slo_attainment:.0%} of first tokens within {ttft_ms:g} ms: {best_rate:g} req/s")
+
+
+def _exit_code(a: argparse.Namespace, report: dict[str, Any]) -> int:
+    """Problems on stderr, one line each; 1 when a request failed or a check did not pass."""
+    drift = report["drift"]
     if drift is not None:
         print(f"kvfleet: plan check: {drift}", file=sys.stderr)
-    for line in speed_drift:
+    for line in report["speed_drift"]:
         print(f"kvfleet: plan check: {line}", file=sys.stderr)
-    if speed_drift:
-        drift = drift or speed_drift[0]
-    if slo_miss is not None:
-        print(f"kvfleet: TTFT target: {slo_miss}", file=sys.stderr)
+    drift = drift or (report["speed_drift"][0] if report["speed_drift"] else None)
+    if report["slo_miss"] is not None:
+        print(f"kvfleet: TTFT target: {report['slo_miss']}", file=sys.stderr)
+    verdict = report["limits"]
     if verdict is not None:
         for line in verdict["lines"]:
             if line.startswith("kvfleet: "):
@@ -344,7 +412,8 @@ def run(a: argparse.Namespace) -> int:
             elif not a.json:
                 print(line)
         return 0 if verdict["passed"] and drift is None else 1
-    return 1 if failed or drift is not None or slo_miss is not None else 0
+    failed = sum(r["requests"] - r["completed"] for r in report["levels"])
+    return 1 if failed or drift is not None or report["slo_miss"] is not None else 0
 
 
 def _bench_levels(a: argparse.Namespace) -> list[LevelSpec]:

@@ -7,12 +7,12 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from kvfleet.bench.client import LevelSpec
-
 from kvfleet.cli.args import (
     _console,
 )
+
+if TYPE_CHECKING:
+    from kvfleet.bench.client import LevelSpec
 
 
 def what_ran(a: argparse.Namespace, limits: tuple[int, int, int] | None, specs: list[LevelSpec]) -> str:

@@ -7,6 +7,13 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
+from kvfleet.cli.args import (
+    EXIT_USAGE,
+    _console,
+    _fraction,
+    _positive_float,
+    _positive_int,
+)
 from kvfleet.cli.engine_flags import (
     engine_setting_flags,
     engine_settings,
@@ -19,14 +26,6 @@ from kvfleet.errors import KvfleetError
 
 if TYPE_CHECKING:
     from kvfleet.sizing.capacity import Capacity
-
-from kvfleet.cli.args import (
-    EXIT_USAGE,
-    _console,
-    _fraction,
-    _positive_float,
-    _positive_int,
-)
 
 
 def add_parser(sub: Any) -> None:
@@ -133,6 +132,20 @@ def _print_capacity(cap: Capacity) -> None:
     t.add_column("term")
     t.add_column("per GPU", justify="right")
     t.add_column("how")
+    _budget_rows(t, cap)
+    _cache_rows(t, cap)
+    console = _console()
+    console.print(t)
+    for n in cap.notes:
+        console.print(f"  note: {n}")
+    if cap.hf_overrides is not None:
+        console.print(f"  note: the engine starts with --hf-overrides '{cap.hf_overrides}'")
+
+
+def _budget_rows(t: Any, cap: Capacity) -> None:
+    """What the engine is given and what comes off it before the cache: weights, sampler state, activations."""
+    from kvfleet.sizing.units import GiB
+
     util = cap.gpu_memory_utilization
     t.add_row("GPU memory", f"{cap.gpu_memory_bytes / GiB:.2f} GiB", "as the engine sees it")
     if cap.extensible_kv_cache:
@@ -174,6 +187,12 @@ def _print_capacity(cap: Capacity) -> None:
         t.add_row(
             "  encoder cache", f"{e.encoder_output_bytes / GiB:.2f} GiB", "outputs held through the LM's dummy run"
         )
+
+
+def _cache_rows(t: Any, cap: Capacity) -> None:
+    """What is left for the KV cache, and what it holds."""
+    from kvfleet.sizing.units import GiB
+
     t.add_row("non-torch", f"{cap.non_torch_bytes / GiB:.2f} GiB", "CUDA / NCCL allocations")
     t.add_row(
         "CUDA graphs",
@@ -213,9 +232,3 @@ def _print_capacity(cap: Capacity) -> None:
         f"{cap.max_model_len:,}",
         f"the engine accepts up to {cap.max_model_len_limit:,}: {cap.max_model_len_source}",
     )
-    console = _console()
-    console.print(t)
-    for n in cap.notes:
-        console.print(f"  note: {n}")
-    if cap.hf_overrides is not None:
-        console.print(f"  note: the engine starts with --hf-overrides '{cap.hf_overrides}'")

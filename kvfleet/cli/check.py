@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Any
+import json
+from typing import Any
 
 from kvfleet import contract
-from kvfleet.errors import KvfleetError
-
-if TYPE_CHECKING:
-    pass
-
 from kvfleet.cli.args import (
     _fraction,
 )
+from kvfleet.errors import KvfleetError
 
 
 def add_parser(sub: Any) -> None:
@@ -33,10 +30,14 @@ def add_parser(sub: Any) -> None:
         default=contract.KV_SHORTFALL_TOLERANCE,
         help=f"allowed shortfall of the KV cache (default {contract.KV_SHORTFALL_TOLERANCE})",
     )
+    ck.add_argument("--json", action="store_true", help="each deployment's checks and verdict as JSON")
 
 
 def run(a: argparse.Namespace) -> int:
     """Live checks of every deployment of a deployed environment (kvfleet.bench.live)."""
+    from kvfleet.extras import require_extra
+
+    require_extra("bench", "check")
     from kvfleet.bench.live import assumed_session, check_deployment
     from kvfleet.config.loader import environment_path, load_located
     from kvfleet.deployments import config_error, plan_requests, resolve
@@ -60,15 +61,25 @@ def run(a: argparse.Namespace) -> int:
         except KvfleetError as err:
             raise loaded.problem(config_error(err, dr.index)) from None
     session = assumed_session(a.role_arn, env.region)
-    failed = 0
+    rows = []
     for r in resolved:
         check = check_deployment(r, session=session, generation=not a.no_generation, kv_tolerance=a.kv_tolerance)
-        print(f"{r.deployment_id} ({r.deployment.target.platform}, stack {r.stack_name}):")
-        for line in check.lines:
-            print(f"  {line}")
-        failed += not check.passed
-    print(
-        f"{len(resolved) - failed} of {len(resolved)} deployment(s) passed"
-        + ("" if not failed else "; promotion stops")
-    )
+        rows.append(
+            {
+                "deployment": r.deployment_id,
+                "platform": r.deployment.target.platform,
+                "stack": r.stack_name,
+                "passed": check.passed,
+                "checks": list(check.lines),
+            }
+        )
+        if not a.json:
+            print(f"{r.deployment_id} ({r.deployment.target.platform}, stack {r.stack_name}):")
+            for line in check.lines:
+                print(f"  {line}")
+    failed = sum(not row["passed"] for row in rows)
+    if a.json:
+        print(json.dumps({"passed": not failed, "deployments": rows}, indent=2))
+    else:
+        print(f"{len(rows) - failed} of {len(rows)} deployment(s) passed" + ("" if not failed else "; promotion stops"))
     return 1 if failed else 0

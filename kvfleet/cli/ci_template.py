@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Any
+import json
+from typing import Any
 
 from kvfleet.errors import KvfleetError
-
-if TYPE_CHECKING:
-    pass
 
 
 def add_parser(sub: Any) -> None:
@@ -19,15 +17,17 @@ def add_parser(sub: Any) -> None:
     )
     ct.add_argument("pipeline", nargs="?", default="pipeline.yaml", help="the pipeline file (default pipeline.yaml)")
     ct.add_argument("-o", "--output", help="write it here (e.g. .github/workflows/release.yml) instead of stdout")
+    ct.add_argument("--json", action="store_true", help="the workflow as JSON (the same document; YAML is the default)")
 
 
 def run(a: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from kvfleet.citemplate import render
+    from kvfleet.citemplate import render, workflow
     from kvfleet.config.pipeline import load_pipeline
 
-    text = render(load_pipeline(a.pipeline))
+    loaded = load_pipeline(a.pipeline)
+    text = json.dumps(workflow(loaded), indent=2) + "\n" if a.json else render(loaded)
     if a.output is None:
         print(text, end="")
         return 0

@@ -11,7 +11,7 @@ from kvfleet.cli.plan_output import plan_json
 from kvfleet.errors import KvfleetError
 
 if TYPE_CHECKING:
-    pass
+    from kvfleet.plandiff import Change
 
 
 def add_parser(sub: Any) -> None:
@@ -24,6 +24,7 @@ def add_parser(sub: Any) -> None:
     di.add_argument("new", help="the plan after")
     di.add_argument("--markdown", action="store_true", help="a Markdown table per deployment (a job summary)")
     di.add_argument("--exit-code", action="store_true", help="exit 1 when the plan changed (as git diff does)")
+    di.add_argument("--json", action="store_true", help="each deployment's status and changes as JSON")
 
 
 def run(a: argparse.Namespace) -> int:
@@ -48,5 +49,18 @@ def run(a: argparse.Namespace) -> int:
             ]
         sides.append((src, rows))
     changes = diff_plans(sides[0][1], sides[1][1], old_source=sides[0][0], new_source=sides[1][0])
-    print(markdown(changes, sides[0][0], sides[1][0]) if a.markdown else describe(changes))
+    if a.json and a.markdown:
+        raise KvfleetError("--json and --markdown are two formats of the same changes; give one", field="json")
+    if a.json:
+        print(json.dumps([_change_json(c) for c in changes], indent=2))
+    else:
+        print(markdown(changes, sides[0][0], sides[1][0]) if a.markdown else describe(changes))
     return 1 if a.exit_code and any(c.lines for c in changes) else 0
+
+
+def _change_json(c: Change) -> dict[str, Any]:
+    return {
+        "deployment": c.deployment,
+        "status": c.status,
+        "changes": [{"what": what, "before": before, "after": after} for what, before, after in c.lines],
+    }

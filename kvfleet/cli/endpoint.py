@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 from typing import TYPE_CHECKING
 
 from kvfleet.errors import KvfleetError
 from kvfleet.targets import TARGETS
 
 if TYPE_CHECKING:
+    from kvfleet.bench.client import Endpoint
+    from kvfleet.bench.sagemaker import SageMakerTarget
     from kvfleet.deployments import ResolvedDeployment
 
 
@@ -56,3 +59,44 @@ def planned_deployment(env_file: str, deployment: str | None) -> ResolvedDeploym
         return resolve(loaded.environment, matching[0])
     except KvfleetError as err:
         raise loaded.problem(config_error(err, matching[0].index)) from None
+
+
+def bench_target(a: argparse.Namespace, planned: ResolvedDeployment | None) -> tuple[Endpoint, SageMakerTarget | None]:
+    """The endpoint `kvfleet bench` sends to: an http(s) URL with its headers, or a SageMaker endpoint by name."""
+    import os
+    import re
+    from urllib.parse import urlsplit
+
+    from kvfleet.bench.client import Endpoint
+
+    sagemaker = None
+    if a.url.startswith("sagemaker:"):
+        from kvfleet.bench.sagemaker import SageMakerTarget
+
+        name = a.url.removeprefix("sagemaker:")
+        # SageMaker's EndpointName pattern (CreateEndpoint API reference).
+        if not re.fullmatch(r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}", name):
+            raise KvfleetError(
+                f"{name!r} is not a SageMaker endpoint name (letters, digits, '-', 63 at most)", field="url"
+            )
+        region = a.region or (planned.environment.region if planned is not None else None)
+        sagemaker = SageMakerTarget(endpoint_name=name, region=region, endpoint_url=a.endpoint_url)
+    else:
+        parts = urlsplit(a.url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise KvfleetError(
+                f"{a.url!r} is not an http(s) URL or sagemaker:<endpoint name>; e.g. http://127.0.0.1:8080", field="url"
+            )
+        for flag in ("region", "endpoint_url"):
+            if getattr(a, flag) is not None:
+                raise KvfleetError(
+                    f"--{flag.replace('_', '-')} is for a SageMaker endpoint (sagemaker:<name>); drop it", field=flag
+                )
+    headers = []
+    for h in a.header:
+        name, sep, value = h.partition(":")
+        if not sep or not name.strip():
+            raise KvfleetError(f"{h!r} is not NAME:VALUE", field="header")
+        headers.append((name.strip(), value.strip()))
+    api_key = a.api_key or os.environ.get("KVFLEET_BENCH_API_KEY")
+    return Endpoint(url=a.url, model=a.model, api_key=api_key, headers=tuple(headers)), sagemaker

@@ -6,16 +6,15 @@ import argparse
 import json
 from typing import TYPE_CHECKING, Any
 
+from kvfleet.cli.args import (
+    _mm_limits,
+    _positive_int,
+)
 from kvfleet.errors import KvfleetError
 
 if TYPE_CHECKING:
     from kvfleet.sizing.models import ModelSpec
     from kvfleet.sizing.speculative import Speculative
-
-from kvfleet.cli.args import (
-    _mm_limits,
-    _positive_int,
-)
 
 
 def engine_setting_flags(p: argparse.ArgumentParser) -> None:

@@ -8,6 +8,11 @@ import sys
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from kvfleet.cli.args import (
+    _positive_float,
+    _positive_int,
+    progress,
+)
 from kvfleet.cli.engine_flags import (
     engine_setting_flags,
     engine_settings,
@@ -23,11 +28,6 @@ from kvfleet.targets import TARGETS
 
 if TYPE_CHECKING:
     from kvfleet.sizing.planner import Measured, Plan, PlanRequest
-
-from kvfleet.cli.args import (
-    _positive_float,
-    _positive_int,
-)
 
 
 def add_parser(sub: Any) -> None:
@@ -146,10 +146,16 @@ def plan_environment(
         drs = tuple(replace(dr, request=replace(dr.request, measured=measured)) for dr in drs)
     results: list[tuple[str, str, Plan]] = []
     scalings: list[dict[str, Any] | None] = []
+    say = progress()
     for dr in drs:
+        name = dr.deployment.name
         try:
-            results.append((dr.deployment.name, dr.deployment.target.platform, plan(dr.request)))
+            say(f"planning {name}")
+            results.append((name, dr.deployment.target.platform, plan(dr.request)))
+            if derive or dr.deployment.scaling.derive:
+                say(f"deriving {name}'s scaling thresholds on replays of its workload")
             section = scaling_section(loaded, dr, derive=derive)
+            say(f"comparing standby options for {name}" if standby else None)
             waiting = standby_section(loaded, dr, force=standby)
             if waiting is not None:
                 section = section or {"lines": []}
@@ -159,6 +165,8 @@ def plan_environment(
         except KvfleetError as err:
             # The file's line and key path of what to change, not the planner's own field names.
             raise loaded.problem(config_error(err, dr.index)) from None
+        finally:
+            say(None)
     return results, scalings
 
 

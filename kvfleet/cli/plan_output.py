@@ -5,15 +5,14 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from kvfleet.cli.args import (
+    _console,
+)
 from kvfleet.engines import ENGINES
 
 if TYPE_CHECKING:
     from kvfleet.sim.report import SimReport
     from kvfleet.sizing.planner import Candidate, Plan, Workload
-
-from kvfleet.cli.args import (
-    _console,
-)
 
 
 def _engine_line(c: Candidate) -> tuple[str, dict[str, Any]]:
@@ -148,13 +147,20 @@ def plan_json(name: str, target: str, p: Plan, top: int) -> dict[str, Any]:
 
 
 def print_plan(name: str, target: str, p: Plan, top: int, all_rejections: bool) -> None:
+    console = _console()
+    console.print(_candidates_table(name, target, p, top))
+    _print_chosen(console, p)
+    _print_limits(console, p)
+    _print_rejections(console, p, all_rejections)
+
+
+def _candidates_table(name: str, target: str, p: Plan, top: int) -> Any:
+    """The ranked candidates, one row each."""
     from rich.table import Table
 
-    from kvfleet.sizing.planner import admission, binding
     from kvfleet.sizing.step import latency_percentiles
     from kvfleet.sizing.units import GiB
 
-    console = _console()
     wl = p.request.workload
     t = Table(
         title=f"{name}: {p.request.model.model_id} on {target} ({wl.max_input_tokens}+{wl.max_output_tokens} tokens)"
@@ -197,7 +203,14 @@ def print_plan(name: str, target: str, p: Plan, top: int, all_rejections: bool) 
             f"{cap.weights_bytes_per_gpu / GiB:.2f}",
             f"{cap.kv_cache_bytes_per_gpu / GiB:.2f}",
         )
-    console.print(t)
+    return t
+
+
+def _print_chosen(console: Any, p: Plan) -> None:
+    """The chosen candidate's cache and speed: the batch step model, the planned load, the simulator's run."""
+    from kvfleet.sizing.step import latency_percentiles
+
+    wl = p.request.workload
     best = p.best
     console.print(
         f"chosen: {best.label()} - {best.capacity.kv_cache_tokens:,} KV tokens per replica, "
@@ -234,6 +247,13 @@ def print_plan(name: str, target: str, p: Plan, top: int, all_rejections: bool) 
             f"{_ms(sim.itl_s.p90, 1)} / p99 {_ms(sim.itl_s.p99, 1)} ms, {sim.output_tokens_per_s:,.0f} output tokens/s",
             markup=False,
         )
+
+
+def _print_limits(console: Any, p: Plan) -> None:
+    """What binds the chosen candidate, what the agent admits, its engine settings and notes."""
+    from kvfleet.sizing.planner import admission, binding
+
+    best, wl = p.best, p.request.workload
     bound = binding(best, wl)
     console.print(f"binding limit at the planned load: {bound.limit} ({bound.reason})", markup=False)
     adm = admission(best, wl)
@@ -245,6 +265,9 @@ def print_plan(name: str, target: str, p: Plan, top: int, all_rejections: bool) 
     console.print(_engine_line(best)[0], markup=False)
     for note in best.notes:
         console.print(f"  note: {note}", markup=False)
+
+
+def _print_rejections(console: Any, p: Plan, all_rejections: bool) -> None:
     if all_rejections:
         shown = list(p.rejections)
     else:  # one per family, for a spread of reasons

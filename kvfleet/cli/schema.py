@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvfleet.errors import KvfleetError
-
-if TYPE_CHECKING:
-    pass
 
 
 def add_parser(sub: Any) -> None:
     sc = sub.add_parser("schema", help="JSON Schema of environment files (committed as environments/schema.json)")
     sc.add_argument("--output", "-o", help="write to this file instead of stdout")
+    sc.add_argument("--json", action="store_true", help="JSON Schema is its only format; accepted like every command's")
 
 
 def run(a: argparse.Namespace) -> int:

@@ -244,6 +244,9 @@ def _load_row(
 def _png_paths(png: str, names: list[str]) -> dict[str, str]:
     """Each deployment's timeline file: FILE for one, FILE-<name>.png for several. Checked before the replay, so a
     path that cannot be written costs no simulation."""
+    from kvfleet.extras import require_extra
+
+    require_extra("plot", "simulate --png")
     import os
     from pathlib import Path
 

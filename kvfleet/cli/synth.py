@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Any
+import json
+from typing import Any
 
+from kvfleet.cli.args import progress
 from kvfleet.errors import KvfleetError
-
-if TYPE_CHECKING:
-    pass
 
 
 def add_parser(sub: Any) -> None:
     sy = sub.add_parser(
         "synth",
         help="check and plan an environment file (exit 2 with file:line for each problem), then run cdk synth",
+        usage="kvfleet synth [-h] [--json] [--cdk CDK] [--pipeline FILE] [environment] [-- CDK_ARGS ...]",
+        epilog="Arguments after -- go to cdk synth, e.g. kvfleet synth dev -- --quiet -o out.",
     )
     sy.add_argument("environment", nargs="?", default="dev", help="environments/<name>.yaml or a path (default dev)")
-    sy.add_argument("cdk_args", nargs="*", help="for cdk synth, after --: e.g. -- --quiet -o out")
+    sy.set_defaults(passthrough_to="cdk synth")  # kvfleet synth dev -- --quiet -o out
+    sy.add_argument("--json", action="store_true", help="a summary as JSON: the stacks and their templates")
     sy.add_argument("--cdk", help="the CDK CLI (default: node_modules/.bin/cdk here, else cdk on PATH)")
     sy.add_argument(
         "--pipeline",
@@ -30,15 +32,24 @@ def run(a: argparse.Namespace) -> int:
     """The supported way to synthesize: the CDK CLI exits 1 for every failure of its app, so a bad file is found
     here first (exit 2), and a problem only the stacks find (exit 2 from the app) is read back from the status
     file the app writes, instead of the CLI's 1."""
-    import os
-    import shutil
-    import subprocess
-    import tempfile
-    from pathlib import Path
+    from kvfleet.extras import require_extra
 
+    require_extra("cdk", "synth")
+    say = progress()
+    say(f"planning {a.pipeline or a.environment}")
+    context = _checked_context(a)
+    cdk = _cdk_cli(a.cdk)
+    say("synthesizing with the CDK (about half a minute)", keep=True)
+    code = _synth(cdk, context, a.passthrough, quiet_stdout=a.json)
+    if a.json:
+        print(json.dumps(_summary(a, context, code), indent=2))
+    return code
+
+
+def _checked_context(a: argparse.Namespace) -> str:
+    """The environment file (or every stage's of a pipeline) loaded and planned as synth will: the CDK app's context."""
     from kvfleet.config.loader import environment_path, load_located
     from kvfleet.deployments import resolve_environment
-    from kvfleet.errors import SYNTH_STATUS_ENV
 
     if a.pipeline is not None:
         from kvfleet.config.pipeline import load_pipeline
@@ -48,24 +59,71 @@ def run(a: argparse.Namespace) -> int:
                 resolve_environment(stage_env.environment)
             except KvfleetError as err:
                 raise stage_env.problem(err) from None
-        context = f"pipeline={a.pipeline}"
-    else:
-        loaded = load_located(environment_path(a.environment))
-        try:
-            resolve_environment(loaded.environment)
-        except KvfleetError as err:
-            raise loaded.problem(err) from None
-        context = f"env={a.environment}"
+        return f"pipeline={a.pipeline}"
+    loaded = load_located(environment_path(a.environment))
+    try:
+        resolve_environment(loaded.environment)
+    except KvfleetError as err:
+        raise loaded.problem(err) from None
+    return f"env={a.environment}"
+
+
+def _cdk_cli(given: str | None) -> str:
+    import shutil
+    from pathlib import Path
+
     local = Path("node_modules") / ".bin" / "cdk"
-    cdk = a.cdk or (str(local) if local.exists() else shutil.which("cdk"))
+    cdk = given or (str(local) if local.exists() else shutil.which("cdk"))
     if cdk is None:
         raise KvfleetError("no CDK CLI: run `npm ci` here (package.json pins it) or give --cdk", field="cdk")
+    return cdk
+
+
+def _synth(cdk: str, context: str, cdk_args: list[str], *, quiet_stdout: bool) -> int:
+    """cdk synth's exit status, or the app's own (2 for a problem the stacks found) where it wrote one."""
+    import os
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from kvfleet.errors import SYNTH_STATUS_ENV
+
     with tempfile.TemporaryDirectory(prefix="kvfleet-synth-") as tmp:
         status = Path(tmp) / "status"
         env = {**os.environ, SYNTH_STATUS_ENV: str(status)}
         try:
-            rc = subprocess.run([cdk, "synth", "-c", context, *a.cdk_args], env=env, check=False)
+            # With --json, stdout is the summary alone: what the CDK prints goes to stderr.
+            out = 2 if quiet_stdout else None  # file descriptor 2: stderr, whatever sys.stderr is
+            rc = subprocess.run([cdk, "synth", "-c", context, *cdk_args], env=env, check=False, stdout=out)
         except OSError as err:
             raise KvfleetError(f"cannot run {cdk}: {err.strerror}", field="cdk") from None
         app_status = status.read_text(encoding="utf-8").strip() if status.exists() else ""
     return int(app_status) if app_status.isdigit() else rc.returncode
+
+
+def _summary(a: argparse.Namespace, context: str, code: int) -> dict[str, Any]:
+    """What was synthesized, from the cloud assembly's manifest: each stack and its template."""
+    from pathlib import Path
+
+    out_dir = _output_dir(a.passthrough)
+    stacks = []
+    try:
+        manifest = json.loads((Path(out_dir) / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        manifest = {}
+    for name, art in (manifest.get("artifacts") or {}).items():
+        if art.get("type") == "aws:cloudformation:stack":
+            props = art.get("properties") or {}
+            template = str(Path(out_dir) / props["templateFile"]) if "templateFile" in props else None
+            stacks.append({"stack": name, "template": template})
+    return {"context": context, "exit_code": code, "output_dir": out_dir, "stacks": stacks}
+
+
+def _output_dir(cdk_args: list[str]) -> str:
+    """Where cdk synth writes the assembly: its -o/--output argument, else cdk.out."""
+    for i, arg in enumerate(cdk_args):
+        if arg in ("-o", "--output") and i + 1 < len(cdk_args):
+            return cdk_args[i + 1]
+        if arg.startswith("--output="):
+            return arg.split("=", 1)[1]
+    return "cdk.out"

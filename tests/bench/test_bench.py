@@ -93,6 +93,28 @@ def test_not_a_url_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert "is not an http(s) URL" in line
 
 
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--start-s", "30"], "--start-s applies to --trace only"),
+        (["--duration-s", "60"], "--duration-s applies to --trace only"),
+        (["--rate-scale", "2"], "--rate-scale applies to --trace only"),
+        (["--trace-format", "azure"], "--trace-format applies to --trace only"),
+        (["--region", "us-east-1"], "--region is for a SageMaker endpoint"),
+        (["--endpoint-url", "https://runtime.example"], "--endpoint-url is for a SageMaker endpoint"),
+        (["--calibration", "cal.json"], "--calibration is what --predict simulates with"),
+    ],
+)
+def test_a_flag_the_run_would_ignore_is_refused(
+    capsys: pytest.CaptureFixture[str], args: list[str], expected: str
+) -> None:
+    """Nothing is sent: a flag that would change nothing is an exit 2 with one line, before any request."""
+    code, out, err = one_line(capsys, f"http://127.0.0.1:{free_port()}", *args)
+    assert code == 2 and out == ""
+    [line] = err.strip().splitlines()
+    assert expected in line and "cannot reach" not in line
+
+
 def test_refused_credentials_say_so(capsys: pytest.CaptureFixture[str]) -> None:
     async def handler(_: web.Request) -> web.Response:
         return web.json_response({"error": "no"}, status=401)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import json
 from typing import Any
 
 import boto3
@@ -281,6 +282,14 @@ def test_kvfleet_check_prints_each_deployment_and_exits_1_on_a_failure(
     assert out[0] == f"{r.deployment_id} (ec2, stack {r.stack_name}):"
     assert out[1].startswith("  FAIL  no instance of asg-1 is InService and Healthy")
     assert out[-1] == "0 of 1 deployment(s) passed; promotion stops"
+    # The same checks for a machine: the verdict, and each deployment's lines.
+    _ec2(session, r, "", healthy=False)
+    code = cli.main(["check", str(REPO / "environments" / "staging.yaml"), "--role-arn", role, "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 1 and doc["passed"] is False
+    [dep] = doc["deployments"]
+    assert dep["deployment"] == r.deployment_id and dep["platform"] == "ec2" and dep["passed"] is False
+    assert dep["checks"][0].startswith("FAIL  no instance of asg-1 is InService and Healthy")
 
 
 def test_kvfleet_check_of_an_unknown_deployment_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
