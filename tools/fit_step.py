@@ -10,6 +10,9 @@ small-model step among the FIT cases). Then ``draft_pass_overhead_s`` alone, on 
 TPOTs with an EAGLE-3 head at K = 2, 4 and 6 (FIT); K = 3, 5 and 7 are CHECKs (tests/sizing/test_spec_speed.py
 bounds them).
 
+The cases themselves (``cases``, ``predict_case``, ``case_errors``) are read and predicted here, beside the fit;
+tests/sizing/test_step.py bounds the CHECK cases through this file.
+
     .venv/bin/python tools/fit_step.py [--write]
 """
 
@@ -20,6 +23,8 @@ import json
 import math
 import statistics
 import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -27,10 +32,13 @@ from typing import Any
 # This checkout's kvfleet (and its data file), not another one installed in the environment.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvfleet.sizing import step
+from kvfleet.errors import SizingError
+from kvfleet.sizing import step, trtllm_bench
+from kvfleet.sizing.capacity import EngineSettings, capacity
 from kvfleet.sizing.catalog import catalog_model
+from kvfleet.sizing.engines import EngineName
 from kvfleet.sizing.hardware import accelerator
-from kvfleet.sizing.precision import KvDtype
+from kvfleet.sizing.precision import KvDtype, kv_dtype, weight_scheme
 from kvfleet.sizing.speculative import SpecMethod, Speculative, acceptance_data, resolve_drafter
 
 DATA = Path(step.__file__).parent / "data" / "step_calibration.json"
@@ -52,6 +60,160 @@ DRAFT_CHECK_K = (3, 5, 7)
 MULTIPLIERS = (0.5, 0.7, 0.85, 0.95, 1.05, 1.18, 1.4, 2.0)
 
 
+# ---------------------------------------------------------------------------------------------
+# The calibration cases of kvfleet/sizing/data/step_calibration.json, shared with tests/sizing/test_step.py
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    cid: str
+    split: str  # "fit" or "check"
+    source: str
+    engine: str
+    accelerator: str
+    model: str
+    weights: str
+    kv_cache_dtype: str
+    tp: int
+    nvlink: bool
+    input_tokens: int
+    output_tokens: int
+    concurrency: float | None  # None: offline, every request queued at once (max throughput)
+    max_num_tokens: int
+    max_running: int | None  # None: from the KV cache and max_batch_size
+    # The cache the case's engine had, where its source states it (a published table's saturated batch); None: what
+    # capacity() predicts for these settings. A stated cache keeps the case independent of the memory model.
+    kv_cache_tokens: int | None
+    max_batch_size: int
+    gpu_memory_fraction: float
+    measured: Mapping[str, float]  # ttft_ms, itl_ms, output_tokens_per_s (any subset)
+
+
+def cases() -> tuple[Case, ...]:
+    out = []
+    for raw in step.calibration()["cases"]:
+        out.append(
+            Case(
+                cid=raw["id"],
+                split=raw["split"],
+                source=raw["source"],
+                engine=raw["engine"],
+                accelerator=raw["accelerator"],
+                model=raw["model"],
+                weights=raw["weights"],
+                kv_cache_dtype=raw["kv_cache_dtype"],
+                tp=int(raw["tp"]),
+                nvlink=bool(raw["nvlink"]),
+                input_tokens=int(raw["isl"]),
+                output_tokens=int(raw["osl"]),
+                concurrency=raw.get("concurrency"),
+                # trtllm-bench cases get theirs from the tool's rule below; every other case states it.
+                max_num_tokens=0 if raw.get("settings") == "trtllm-bench" else int(raw["max_num_tokens"]),
+                max_running=raw.get("max_running"),
+                kv_cache_tokens=raw.get("kv_cache_tokens"),
+                max_batch_size=int(raw.get("max_batch_size", 2048)),
+                gpu_memory_fraction=float(raw.get("gpu_memory_fraction", 0.9)),
+                measured={k: float(v) for k, v in raw["measured"].items()},
+            )
+        )
+        if raw.get("settings") == "trtllm-bench":
+            out[-1] = _with_bench_settings(out[-1], device_memory_mib=int(raw["device_memory_mib"]))
+    return tuple(out)
+
+
+def _with_bench_settings(case: Case, *, device_memory_mib: int) -> Case:
+    """The batch and token limits ``trtllm-bench throughput`` derived for the case's dataset (uniform lengths), where
+    its source ran trtllm-bench without setting them (``trtllm_bench.engine_settings``)."""
+    model = catalog_model(case.model)
+    bench = trtllm_bench.engine_settings(
+        param_count=model.total_params,
+        weight_bytes=trtllm_bench.bytes_per_elem(case.weights),
+        kv_bytes_per_elem=trtllm_bench.bytes_per_elem(case.kv_cache_dtype),
+        attention_layers=model.num_layers,  # num_attention_layers defaults to num_hidden_layers
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        device_memory_bytes=device_memory_mib * 1024 * 1024,
+        avg_isl=case.input_tokens,
+        avg_osl=case.output_tokens,
+        max_isl=case.input_tokens,
+        tp=case.tp,
+        kv_cache_fraction=case.gpu_memory_fraction,
+    )
+    return replace(case, max_num_tokens=bench.max_num_tokens, max_batch_size=bench.max_batch_size)
+
+
+_RUNNING_LIMITS: dict[str, int] = {}
+
+
+def case_running_limit(case: Case) -> int:
+    """Sequences the case's engine runs at once: its stated limit, else what its KV cache holds.
+
+    TRT-LLM's default GUARANTEED_NO_EVICT reserves prompt + output per request, so the cache holds
+    ``kv_cache_tokens // (ISL + OSL)`` requests, capped by max_batch_size. The cache is the case's stated one
+    (``Case.kv_cache_tokens``), else the one capacity() predicts."""
+    if case.max_running is not None:
+        return int(case.max_running)
+    if case.cid in _RUNNING_LIMITS:
+        return _RUNNING_LIMITS[case.cid]
+    per_request = case.input_tokens + case.output_tokens
+    tokens = case.kv_cache_tokens if case.kv_cache_tokens is not None else _predicted_kv_cache_tokens(case)
+    limit = max(1, min(case.max_batch_size, tokens // per_request))
+    _RUNNING_LIMITS[case.cid] = limit
+    return limit
+
+
+def _predicted_kv_cache_tokens(case: Case) -> int:
+    model = catalog_model(case.model)
+    acc = accelerator(case.accelerator)
+    quant = None if case.weights == model.native_scheme.name else case.weights
+    settings = EngineSettings(
+        engine=EngineName(case.engine),
+        tensor_parallel_size=case.tp,
+        gpu_memory_utilization=case.gpu_memory_fraction,
+        max_model_len=case.input_tokens + case.output_tokens,
+        kv_cache_dtype=kv_dtype(case.kv_cache_dtype),
+        quantization=quant,
+        max_num_seqs=case.max_batch_size,
+        max_num_batched_tokens=case.max_num_tokens,
+    )
+    if acc.usable_memory_bytes is None:
+        raise SizingError(f"the catalog has no memory size for {acc.model}", field="gpu")
+    return capacity(model, gpu_memory_bytes=acc.usable_memory_bytes, settings=settings).kv_cache_tokens
+
+
+def predict_case(case: Case, constants: step.StepConstants | None = None) -> step.SteadyState:
+    c = constants or step.default_constants()
+    model = catalog_model(case.model)
+    rep = step.replica(
+        model=model,
+        accelerator=accelerator(case.accelerator),
+        tp=case.tp,
+        nvlink=case.nvlink,
+        scheme=weight_scheme(case.weights),
+        kv_dtype=kv_dtype(case.kv_cache_dtype),
+        constants=c,
+    )
+    cap = case_running_limit(case)
+    conc = float(cap) if case.concurrency is None else float(case.concurrency)
+    wl = step.Workload(input_tokens=case.input_tokens, output_tokens=case.output_tokens, concurrency=conc)
+    return step.steady_state(
+        rep, wl, limits=step.Limits(max_num_batched_tokens=case.max_num_tokens, max_running=cap), constants=c
+    )
+
+
+def case_errors(case: Case, constants: step.StepConstants | None = None) -> dict[str, float]:
+    """Signed relative error (predicted / measured - 1) of each measured metric."""
+    est = predict_case(case, constants)
+    pred = {"ttft_ms": est.ttft_s * 1e3, "itl_ms": est.itl_s * 1e3, "output_tokens_per_s": est.output_tokens_per_s}
+    return {k: pred[k] / v - 1.0 for k, v in case.measured.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# The fit
+# ---------------------------------------------------------------------------------------------
+
+
 def _get(raw: dict[str, Any], name: str) -> float:
     if name == "gemm_eff.fp8":
         return float(raw["gemm_eff"]["value"]["fp8"])
@@ -69,10 +231,10 @@ def _set(raw: dict[str, Any], name: str, value: float) -> None:
 def _errors(raw: dict[str, Any], split: str) -> list[tuple[str, str, float]]:
     consts = step.constants_from(raw)
     out = []
-    for case in step.cases():
+    for case in cases():
         if case.split != split:
             continue
-        for metric, err in step.case_errors(case, consts).items():
+        for metric, err in case_errors(case, consts).items():
             out.append((case.cid, metric, err))
     return out
 

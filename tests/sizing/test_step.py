@@ -1,7 +1,8 @@
 """Batch-level step time, the engines' scheduler rules, and the steady state, against published numbers.
 
-The calibration cases live in kvfleet/sizing/data/step_calibration.json, each with its source. FIT cases
-set the constants (tools/fit_step.py); CHECK cases are held apart and bound here on their own.
+The calibration cases live in kvfleet/sizing/data/step_calibration.json, each with its source, and are read and
+predicted by tools/fit_step.py. FIT cases set the constants there; CHECK cases are held apart and bound here on their
+own.
 """
 
 from __future__ import annotations
@@ -23,13 +24,16 @@ from kvfleet.sizing.step import (
     steady_state,
     step_time,
 )
+from tests.sizing.conftest import load_tool
+
+FIT = load_tool("fit_step")
 
 
 def _errors(split: str) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {"itl_ms": [], "ttft_ms": [], "output_tokens_per_s": []}
-    for case in step.cases():
+    for case in FIT.cases():
         if case.split == split:
-            for metric, err in step.case_errors(case).items():
+            for metric, err in FIT.case_errors(case).items():
                 out[metric].append(err)
     return out
 
@@ -47,7 +51,7 @@ def _summary(errs: dict[str, list[float]]) -> str:
 
 
 def test_cases_have_sources_and_both_splits() -> None:
-    cs = step.cases()
+    cs = FIT.cases()
     assert {c.split for c in cs} == {"fit", "check"}
     assert all(c.source and c.measured for c in cs)
     assert len({c.cid for c in cs}) == len(cs)
@@ -87,18 +91,18 @@ def test_check_errors() -> None:
 def test_nim_cases_carry_the_cache_their_table_implies() -> None:
     # The NIM tables' engine backend is not kvfleet's PyTorch-backend memory model: each case states its cache, and
     # at saturation the running batch it gives is what the table shows (output tokens/s x ITL).
-    nim = [c for c in step.cases() if c.cid.startswith("nim-")]
+    nim = [c for c in FIT.cases() if c.cid.startswith("nim-")]
     assert nim and all(c.kv_cache_tokens is not None for c in nim)
     saturated = [c for c in nim if c.input_tokens == 5000 and (c.concurrency or 0) >= 150]
     for c in saturated:
         running = c.measured["output_tokens_per_s"] * c.measured["itl_ms"] / 1e3
-        assert abs(step.case_running_limit(c) - running) < 1, c.cid
+        assert abs(FIT.case_running_limit(c) - running) < 1, c.cid
 
 
 def test_queueing_ttft_is_not_optimistic_at_saturation() -> None:
     # NIM 70B at concurrency 150 measured 34.8 s TTFT: requests wait for a slot, not for prefill.
-    case = next(c for c in step.cases() if c.cid.endswith("5000-500-c150") and "1.8.0" in c.cid)
-    est = step.predict_case(case)
+    case = next(c for c in FIT.cases() if c.cid.endswith("5000-500-c150") and "1.8.0" in c.cid)
+    est = FIT.predict_case(case)
     assert est.queue_wait_s > 10 * est.ttft_service_s
     assert est.ttft_s * 1e3 == pytest.approx(case.measured["ttft_ms"], rel=0.5)
 

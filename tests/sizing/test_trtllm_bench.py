@@ -9,6 +9,7 @@ import pytest
 from kvfleet.sizing import step
 from kvfleet.sizing.catalog import catalog_model
 from kvfleet.sizing.trtllm_bench import bytes_per_elem, engine_settings, finetune
+from tests.sizing.conftest import load_tool
 
 H100_NVML_BYTES = 81559 * 1024 * 1024  # nvidia-smi's total for an H100 80GB HBM3
 
@@ -98,7 +99,7 @@ def test_kv_heads_are_raised_to_the_tensor_parallel_degree() -> None:
 
 
 def test_the_perf_overview_cases_run_under_trtllm_bench_settings() -> None:
-    rows = [c for c in step.cases() if c.cid.startswith("trtllm-1.0-")]
+    rows = [c for c in load_tool("fit_step").cases() if c.cid.startswith("trtllm-1.0-")]
     raw = {r["id"]: r for r in step.calibration()["cases"]}
     assert rows and all(raw[c.cid]["settings"] == "trtllm-bench" for c in rows)
     by_id = {c.cid: c for c in rows}
