@@ -650,17 +650,14 @@ def _erlang_c(servers: int, offered: float) -> float:
     return b / (1.0 - rho * (1.0 - b))
 
 
-def _service(rep: Replica, wl: Workload, lim: Limits, b: float, c: StepConstants) -> SteadyState:
-    isl, osl = wl.input_tokens, max(1, wl.output_tokens)
-    n = lim.max_num_batched_tokens
-    # With speculation a decoding sequence takes K + 1 tokens of the budget a step and moves tau tokens on, so its
-    # answer spans (OSL - 1) / tau steps.
-    spec = rep.spec
-    tau = spec.acceptance_length if spec else 1.0
-    per_dec = spec.num_speculative_tokens + 1 if spec else 1
-    dec_steps = (osl - 1) / tau
-    # Requests finishing per step, X: b / (k + OSL - 1) while the token budget keeps up; at most
-    # n / (ISL + OSL - 1) when it does not (the budget then bounds the batch, the rest wait).
+def _flow(
+    b: float, *, budget_tokens: int, isl: int, dec_steps: float, per_dec: int
+) -> tuple[float, float, float, float]:
+    """Prefill steps per prompt k, requests finishing per step X, decodes and prefill tokens per step.
+
+    X is b / (k + OSL - 1) while the token budget keeps up; at most n / (ISL + OSL - 1) when it does not (the budget
+    then bounds the batch, the rest wait)."""
+    n = budget_tokens
     k = 1.0
     x = d = p = 0.0
     for _ in range(30):  # fixed point on k (prefill steps per prompt); converges in a few rounds
@@ -671,12 +668,32 @@ def _service(rep: Replica, wl: Workload, lim: Limits, b: float, c: StepConstants
         if abs(k_new - k) < 1e-6:
             break
         k = k_new
-    room = max(1.0, n - d * per_dec)
-    ctx = isl + (osl - 1) / 2  # mean KV a decoding sequence reads
-    dec_kv = int(d * ctx)
-    pure = engine_step_s(rep, StepBatch(decode_seqs=round(d), decode_kv_tokens=dec_kv), c)
-    # A prompt goes in chunks of what the budget leaves (``room``): whole ones and a remainder, each priced as the
-    # step it rides (3,000 tokens with 2,048 of room are a 2,048-token step and a 952-token one, not two of 2,048).
+    return k, x, d, p
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Chunks:
+    """How one prompt's prefill rides the steps."""
+
+    steps: tuple[tuple[float, float], ...]  # (step time, chunks of a prompt that take it)
+    together: float  # prompts that share one prefill step
+    at_once: float  # prompts the budget queue serves at a time
+
+    @property
+    def per_prompt(self) -> float:
+        return sum(n for _, n in self.steps)
+
+    @property
+    def own_s(self) -> float:
+        """This prompt's own chunk steps."""
+        return sum(t * n for t, n in self.steps)
+
+
+def _prefill_chunks(
+    rep: Replica, c: StepConstants, *, isl: int, room: float, x: float, decodes: float, dec_kv: int
+) -> _Chunks:
+    """A prompt goes in chunks of what the budget leaves (``room``): whole ones and a remainder, each priced as the
+    step it rides (3,000 tokens with 2,048 of room are a 2,048-token step and a 952-token one, not two of 2,048)."""
     whole = int(isl // room)
     rest = isl - whole * room
     if rest < 1:
@@ -688,7 +705,7 @@ def _service(rep: Replica, wl: Workload, lim: Limits, b: float, c: StepConstants
 
     def mixed_at(tokens: float, start: float, count: int = 1) -> float:
         chunk = PrefillChunk(tokens=max(1, round(tokens)), start=round(start))
-        batch = StepBatch(prefill=(chunk,) * count, decode_seqs=round(d), decode_kv_tokens=dec_kv)
+        batch = StepBatch(prefill=(chunk,) * count, decode_seqs=round(decodes), decode_kv_tokens=dec_kv)
         return engine_step_s(rep, batch, c)
 
     def shared_at(tokens: float) -> float:
@@ -698,24 +715,25 @@ def _service(rep: Replica, wl: Workload, lim: Limits, b: float, c: StepConstants
         t_lo = mixed_at(tokens, 0, lo)
         return t_lo if w < 1e-9 else (1 - w) * t_lo + w * mixed_at(tokens, 0, lo + 1)
 
-    chunk_steps: list[tuple[float, float]] = []  # (step time, chunks of a prompt that take it)
+    chunk_steps: list[tuple[float, float]] = []
     if whole:
         chunk_steps.append((mixed_at(room, (whole - 1) * room / 2), float(whole)))  # at the whole chunks' mean start
     if rest:
         chunk_steps.append((mixed_at(rest, whole * room) if whole else shared_at(rest), 1.0))
-    per_prompt = sum(n for _, n in chunk_steps)
-    own = sum(t * n for t, n in chunk_steps)  # this prompt's own chunk steps
-    mixed = own / per_prompt
-    # A step carries a chunk with probability f (x prompts start per step, each over per_prompt steps, `together`
-    # to a step).
-    f = min(1.0, x * per_prompt / together)
-    step = (1 - f) * pure + f * mixed  # mean step time
-    req_per_s = x / step if step > 0 else 0.0
-    # TTFT with a slot free: the rest of the step in flight, the prompts queued ahead for the budget, then the
-    # steps that carry this prompt's chunks.
+    # Prompts that fit the room m at a time are served m at a time by the budget queue.
+    at_once = max(1.0, float(room // isl)) if whole == 0 else 1.0
+    return _Chunks(steps=tuple(chunk_steps), together=together, at_once=at_once)
+
+
+def _prefill_waits(
+    chunks: _Chunks, *, f: float, pure: float, step: float, req_per_s: float
+) -> tuple[float, float, float]:
+    """What a prompt waits for before its own chunk steps, with a slot free: the rest of the step in flight and the
+    prompts queued ahead for the budget; and the budget's utilization. Returns (residual, budget wait, utilization)."""
+    per_prompt, own = chunks.per_prompt, chunks.own_s
     # What is left of the step in flight: an arrival lands in a long (mixed) step more often than its share of the
     # steps (the inspection paradox), so the mean residual is E[step^2] / (2 E[step]), not half the mean step.
-    prefill_second = f * sum(t * t * n for t, n in chunk_steps) / per_prompt
+    prefill_second = f * sum(t * t * n for t, n in chunks.steps) / per_prompt
     second = (1 - f) * pure * pure + prefill_second
     residual = second / (2 * step) if step > 0 else 0.0
     # The budget queue is M/D/1 in time, not in tokens: a prompt holds the budget for its own chunk steps, which are
@@ -723,13 +741,41 @@ def _service(rep: Replica, wl: Workload, lim: Limits, b: float, c: StepConstants
     # the room m at a time are served m at a time. Mean wait (lambda / m) S^2 / (2 (1 - rho)), less what `residual`
     # already holds (the prefill step in flight). Token shares priced it at the mean step's length: a tenth of the
     # wait NIM's 70B runs show at 25-50 clients with 5,000-token prompts, and a third of the simulator's p95 at 6,000.
-    m = max(1.0, float(room // isl)) if whole == 0 else 1.0
+    m = chunks.at_once
     u = min(0.95, req_per_s * own / m)
     in_flight = prefill_second / (2 * step) if step > 0 else 0.0
     budget_wait = max(0.0, req_per_s / m * own * own / (2 * (1 - u)) - in_flight)
+    return residual, budget_wait, u
+
+
+def _service(rep: Replica, wl: Workload, lim: Limits, b: float, c: StepConstants) -> SteadyState:
+    isl, osl = wl.input_tokens, max(1, wl.output_tokens)
+    n = lim.max_num_batched_tokens
+    # With speculation a decoding sequence takes K + 1 tokens of the budget a step and moves tau tokens on, so its
+    # answer spans (OSL - 1) / tau steps.
+    spec = rep.spec
+    tau = spec.acceptance_length if spec else 1.0
+    per_dec = spec.num_speculative_tokens + 1 if spec else 1
+    dec_steps = (osl - 1) / tau
+    k, x, d, p = _flow(b, budget_tokens=n, isl=isl, dec_steps=dec_steps, per_dec=per_dec)
+    room = max(1.0, n - d * per_dec)
+    ctx = isl + (osl - 1) / 2  # mean KV a decoding sequence reads
+    dec_kv = int(d * ctx)
+    pure = engine_step_s(rep, StepBatch(decode_seqs=round(d), decode_kv_tokens=dec_kv), c)
+    chunks = _prefill_chunks(rep, c, isl=isl, room=room, x=x, decodes=d, dec_kv=dec_kv)
+    per_prompt, own = chunks.per_prompt, chunks.own_s
+    mixed = own / per_prompt
+    # A step carries a chunk with probability f (x prompts start per step, each over per_prompt steps, `together`
+    # to a step).
+    f = min(1.0, x * per_prompt / chunks.together)
+    step = (1 - f) * pure + f * mixed  # mean step time
+    req_per_s = x / step if step > 0 else 0.0
+    # TTFT with a slot free: the rest of the step in flight, the prompts queued ahead for the budget, then the
+    # steps that carry this prompt's chunks.
+    residual, budget_wait, u = _prefill_waits(chunks, f=f, pure=pure, step=step, req_per_s=req_per_s)
     ttft_service = residual + budget_wait + own
     return SteadyState(
-        prefill_chunk_steps=tuple((t, n / per_prompt) for t, n in chunk_steps),
+        prefill_chunk_steps=tuple((t, n / per_prompt) for t, n in chunks.steps),
         own_chunks_s=own,
         prefill_step_share=f,
         # An arrival finds a prompt queued ahead about rho^2 of the time (M/M/1's P(Lq >= 1)).
@@ -755,24 +801,35 @@ def steady_state(rep: Replica, wl: Workload, *, limits: Limits, constants: StepC
     c = constants or default_constants()
     cap = max(1, limits.max_running)
     if wl.concurrency is not None:
-        s = _service(rep, wl, limits, float(min(wl.concurrency, cap)), c)
-        if wl.concurrency <= s.running + 1e-9:
-            return s
-        # Closed loop, more clients than run at once (slots or token budget): Little's law,
-        # B = X (W + R) with X = running / R, so W = (B - running) x R / running. A queued client enters as a
-        # sequence ends, so prompts reach the budget paced by the completions, not in Poisson bursts: no queue
-        # for the budget beyond the step in flight (NIM 70B at 100-250 clients: +9% without it, +17% with).
-        s = replace(s, ttft_service_s=s.ttft_service_s - s.budget_wait_s, budget_wait_s=0.0, budget_busy=0.0)
-        r = s.ttft_service_s + max(0, wl.output_tokens - 1) * s.itl_s
-        queued = wl.concurrency - s.running
-        wait = queued * r / s.running
-        return replace(
-            s,
-            queue_wait_s=wait,
-            slot_wait_probability=1.0,
-            slot_wait_fixed=True,
-            notes=(f"{queued:.0f} requests queue for a slot",),
-        )
+        return _closed_loop(rep, wl, limits, cap, c)
+    return _open_loop(rep, wl, limits, cap, c)
+
+
+def _closed_loop(rep: Replica, wl: Workload, limits: Limits, cap: int, c: StepConstants) -> SteadyState:
+    """``wl.concurrency`` clients, each sending its next request when its answer ends."""
+    assert wl.concurrency is not None
+    s = _service(rep, wl, limits, float(min(wl.concurrency, cap)), c)
+    if wl.concurrency <= s.running + 1e-9:
+        return s
+    # Closed loop, more clients than run at once (slots or token budget): Little's law,
+    # B = X (W + R) with X = running / R, so W = (B - running) x R / running. A queued client enters as a
+    # sequence ends, so prompts reach the budget paced by the completions, not in Poisson bursts: no queue
+    # for the budget beyond the step in flight (NIM 70B at 100-250 clients: +9% without it, +17% with).
+    s = replace(s, ttft_service_s=s.ttft_service_s - s.budget_wait_s, budget_wait_s=0.0, budget_busy=0.0)
+    r = s.ttft_service_s + max(0, wl.output_tokens - 1) * s.itl_s
+    queued = wl.concurrency - s.running
+    wait = queued * r / s.running
+    return replace(
+        s,
+        queue_wait_s=wait,
+        slot_wait_probability=1.0,
+        slot_wait_fixed=True,
+        notes=(f"{queued:.0f} requests queue for a slot",),
+    )
+
+
+def _open_loop(rep: Replica, wl: Workload, limits: Limits, cap: int, c: StepConstants) -> SteadyState:
+    """Poisson arrivals at ``wl.arrival_rate_per_s``; a request that finds every slot busy waits for one."""
     lam = wl.arrival_rate_per_s or 0.0
     # Open loop: the batch size is what the arrivals keep running, b = lambda x R(b) (fixed point).
     b = 1.0
