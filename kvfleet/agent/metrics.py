@@ -484,6 +484,41 @@ class SignalCollector:
         self, scrape: _Scrape, stats: IterationStats | None = None
     ) -> tuple[bool, dict[str, float], dict[str, float], dict[str, Distribution]]:
         """Reads every mapped signal, then commits the new state; raises (changing nothing) on bad data."""
+        gauges, counters, histograms = self._collect(scrape)
+        capacity = self._capacity(scrape)
+        if stats is not None:
+            # The engine's own gauges win where it has them; the iteration statistics fill what it lacks.
+            gauges = {**stats.gauges, **gauges}
+            capacity = capacity or stats.capacity
+        saturation = self._saturation(gauges)
+        if saturation is not None:
+            gauges[contract.REPLICA_SATURATION.name] = saturation
+        primed = self._primed
+
+        deltas: dict[str, float] = {}
+        for name, series in counters.items():
+            previous = self._counters.get(name, {})
+            deltas[name] = math.fsum(_increase(previous.get(k), v, primed=primed) for k, v in series.items())
+
+        distributions, histogram_totals = self._distributions(histograms, primed=primed)
+
+        # Commit. Signals absent from this scrape keep their last state for when they come back.
+        for name, series in counters.items():
+            self._counters[name] = series
+            self._totals[name] = self._totals.get(name, 0.0) + deltas[name]
+        for name, hists in histograms.items():
+            self._histograms[name] = hists
+        self._histogram_totals = histogram_totals
+        if capacity is not None:
+            self.kv_capacity = capacity
+        found = bool(gauges or counters or histograms)
+        self._primed = self._primed or found
+        return found, gauges, deltas, distributions
+
+    def _collect(
+        self, scrape: _Scrape
+    ) -> tuple[dict[str, float], dict[str, dict[_SeriesKey, float]], dict[str, dict[_SeriesKey, _Histogram]]]:
+        """Every mapped signal this scrape has: gauges combined, counters and histograms per series."""
         gauges: dict[str, float] = {}
         counters: dict[str, dict[_SeriesKey, float]] = {}
         histograms: dict[str, dict[_SeriesKey, _Histogram]] = {}
@@ -503,21 +538,12 @@ class SignalCollector:
                 hist = scrape.histogram(names)
                 if hist is not None:
                     histograms[sig.name] = hist
-        capacity = self._capacity(scrape)
-        if stats is not None:
-            # The engine's own gauges win where it has them; the iteration statistics fill what it lacks.
-            gauges = {**stats.gauges, **gauges}
-            capacity = capacity or stats.capacity
-        saturation = self._saturation(gauges)
-        if saturation is not None:
-            gauges[contract.REPLICA_SATURATION.name] = saturation
-        primed = self._primed
+        return gauges, counters, histograms
 
-        deltas: dict[str, float] = {}
-        for name, series in counters.items():
-            previous = self._counters.get(name, {})
-            deltas[name] = math.fsum(_increase(previous.get(k), v, primed=primed) for k, v in series.items())
-
+    def _distributions(
+        self, histograms: dict[str, dict[_SeriesKey, _Histogram]], *, primed: bool
+    ) -> tuple[dict[str, Distribution], dict[str, HistogramTotals]]:
+        """Each histogram's observations since the last scrape, and its running totals (not committed here)."""
         distributions: dict[str, Distribution] = {}
         histogram_totals = dict(self._histogram_totals)
         for name, hists in histograms.items():
@@ -538,19 +564,7 @@ class SignalCollector:
             pairs = _coarsen(sorted(by_value.items()))
             if pairs:
                 distributions[name] = (tuple(v for v, _ in pairs), tuple(c for _, c in pairs))
-
-        # Commit. Signals absent from this scrape keep their last state for when they come back.
-        for name, series in counters.items():
-            self._counters[name] = series
-            self._totals[name] = self._totals.get(name, 0.0) + deltas[name]
-        for name, hists in histograms.items():
-            self._histograms[name] = hists
-        self._histogram_totals = histogram_totals
-        if capacity is not None:
-            self.kv_capacity = capacity
-        found = bool(gauges or counters or histograms)
-        self._primed = self._primed or found
-        return found, gauges, deltas, distributions
+        return distributions, histogram_totals
 
     def _capacity(self, scrape: _Scrape) -> tuple[int, int] | None:
         """The engine's KV cache from its info metric's labels; with several engines (data parallel) the smallest,

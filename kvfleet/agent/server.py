@@ -507,11 +507,7 @@ class Agent:
         assert self._pool is not None
         ex = request[_EXCHANGE]
         flight = self._enter()
-        # Only what the engine needs, and only as printable ASCII: the request goes out as one ASCII write.
-        headers = {"Content-Type": _header_value(request.headers.get("Content-Type")) or "application/json"}
-        accept = _header_value(request.headers.get("Accept"))
-        if accept:
-            headers["Accept"] = accept
+        headers = _engine_headers(request)
         conn: upstream.Connection | None = None
         resp: web.StreamResponse | None = None
         pipe: _Pipe | None = None
@@ -521,12 +517,7 @@ class Agent:
             assert conn.head is not None
             status, ctype = conn.head.status, conn.head.headers.get("content-type", "application/json")
             if "text/event-stream" not in ctype or method == "HEAD" or status in (204, 304):
-                body = await conn.read()
-                ex.first_byte_s = time.monotonic()
-                logged = self.settings.request_log and status == 200 and b'"usage"' in body
-                if logged and (usage := _usage_of(body)) is not None:
-                    ex.usage = usage
-                return web.Response(status=status, body=body, headers={"Content-Type": ctype})
+                return await self._whole(conn, ex, status, ctype)
             resp = web.StreamResponse(status=status, headers={"Content-Type": ctype, "Cache-Control": "no-cache"})
             resp.headers[REQUEST_ID_HEADER] = ex.request_id
             framed = request.version >= aiohttp.HttpVersion11
@@ -542,11 +533,7 @@ class Agent:
             await conn.finished()
             await _to_client(resp.write_eof())
             if self.settings.request_log:
-                # Events with a token (the [DONE] line and a usage event are not); the engine's usage wins when
-                # the client asked for it (stream_options.include_usage): under load one event can hold several.
-                ex.events = max(0, pipe.events - 1)
-                if b'"usage"' in pipe.last and (usage := _usage_of(pipe.last)) is not None:
-                    ex.usage = usage
+                _log_stream(ex, pipe)
             return resp
         except _ClientGone:
             # The client went away mid-response; the engine's connection is closed, which ends its request too.
@@ -566,20 +553,34 @@ class Agent:
             await _end_stream(resp, pipe, msg, "server_shutdown", 503)
             return resp
         except upstream.EngineError as err:
-            # The engine went away mid-request (it died, or it is restarting): 503 and Retry-After, counted as
-            # a server error by the middleware; a stream already under way ends with an error event.
-            if pipe is not None:
-                pipe.detach()
-            msg = f"the engine failed during this request ({err}); retry it"
-            if resp is None:
-                return _json_error(503, msg, "engine_error", retry_after=self.settings.retry_after_s)
-            ex.failed = True
-            await _end_stream(resp, pipe, msg, "engine_error", 502)
-            return resp
+            return await self._engine_failed(err, ex, resp, pipe)
         finally:
             if conn is not None:
                 self._pool.release(conn)  # closed unless its exchange completed: the engine drops that request
             self._leave(flight)
+
+    async def _engine_failed(
+        self, err: upstream.EngineError, ex: _Exchange, resp: web.StreamResponse | None, pipe: _Pipe | None
+    ) -> web.StreamResponse:
+        """The engine went away mid-request (it died, or it is restarting): 503 and Retry-After, counted as a server
+        error by the middleware; a stream already under way ends with an error event."""
+        if pipe is not None:
+            pipe.detach()
+        msg = f"the engine failed during this request ({err}); retry it"
+        if resp is None:
+            return _json_error(503, msg, "engine_error", retry_after=self.settings.retry_after_s)
+        ex.failed = True
+        await _end_stream(resp, pipe, msg, "engine_error", 502)
+        return resp
+
+    async def _whole(self, conn: upstream.Connection, ex: _Exchange, status: int, ctype: str) -> web.Response:
+        """A response that is not a stream (an error, a buffered answer, HEAD), read whole and passed on."""
+        body = await conn.read()
+        ex.first_byte_s = time.monotonic()
+        logged = self.settings.request_log and status == 200 and b'"usage"' in body
+        if logged and (usage := _usage_of(body)) is not None:
+            ex.usage = usage
+        return web.Response(status=status, body=body, headers={"Content-Type": ctype})
 
     # ---- signals -----------------------------------------------------------------------------------
 
@@ -762,6 +763,23 @@ def _utf8(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def _engine_headers(request: web.BaseRequest) -> dict[str, str]:
+    """Only what the engine needs, and only as printable ASCII: the request goes out as one ASCII write."""
+    headers = {"Content-Type": _header_value(request.headers.get("Content-Type")) or "application/json"}
+    accept = _header_value(request.headers.get("Accept"))
+    if accept:
+        headers["Accept"] = accept
+    return headers
+
+
+def _log_stream(ex: _Exchange, pipe: _Pipe) -> None:
+    """Events with a token (the [DONE] line and a usage event are not); the engine's usage wins when the client asked
+    for it (stream_options.include_usage): under load one event can hold several."""
+    ex.events = max(0, pipe.events - 1)
+    if b'"usage"' in pipe.last and (usage := _usage_of(pipe.last)) is not None:
+        ex.usage = usage
 
 
 def _header_value(value: str | None) -> str | None:
