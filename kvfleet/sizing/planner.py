@@ -784,6 +784,38 @@ def _evaluate(
     reason = _layout_reason(o)
     if reason:
         return o.reject(reason)
+    sized = _size(o)
+    if isinstance(sized, Rejection):
+        return sized
+    price = _price(it, req.hosting)
+    if price is None:
+        return o.reject("the catalog has no on-demand price for this type; pin it to plan anyway")
+    cand = _candidate(o, layout, sized, price, version=version)
+    if req.max_fleet_usd_per_hour is not None and cand.fleet_usd_per_hour > req.max_fleet_usd_per_hour:
+        return o.reject(
+            f"fleet costs ${cand.fleet_usd_per_hour:.2f}/h, above the ${req.max_fleet_usd_per_hour:.2f}/h ceiling",
+        )
+    return cand
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Sized:
+    """An option that passed every gate."""
+
+    cap: Capacity
+    batch: int
+    limited: str  # what capped the batch
+    perf: PerfEstimate
+    load: SteadyState  # under load at ``batch``
+    answer: tuple[str, ...]  # notes on the answer's time where the host bounds a buffered request
+    rps: float  # requests per second per replica
+    replicas: int
+    planned: SteadyState  # the planned load on each replica
+
+
+def _size(o: _Option) -> _Sized | Rejection:
+    """The gates in turn: the engine starts, a batch fits, it meets the latency targets, the answer fits the host's
+    limit, and enough replicas carry the peak rate."""
     cap = _startup_capacity(o)
     if isinstance(cap, Rejection):
         return cap
@@ -802,55 +834,64 @@ def _evaluate(
     if isinstance(sized_fleet, Rejection):
         return sized_fleet
     replicas, planned = sized_fleet
-    price = _price(it, req.hosting)
-    if price is None:
-        return o.reject("the catalog has no on-demand price for this type; pin it to plan anyway")
+    return _Sized(
+        cap=cap,
+        batch=batch,
+        limited=limited,
+        perf=perf,
+        load=load,
+        answer=answer,
+        rps=rps,
+        replicas=replicas,
+        planned=planned,
+    )
+
+
+def _candidate(
+    o: _Option, layout: Layout, s: _Sized, price: tuple[float, str, str, tuple[str, ...]], *, version: str
+) -> Candidate:
+    req, it, cap, batch = o.req, o.it, s.cap, s.batch
     per_instance = 1 if req.hosting.one_engine_per_instance else it.accelerator_count // layout.gpus
-    rate = req.workload.peak_requests_per_s / replicas if req.workload.peak_requests_per_s else None
-    cand = Candidate(
+    rate = req.workload.peak_requests_per_s / s.replicas if req.workload.peak_requests_per_s else None
+    return Candidate(
         instance=it,
         hosting=req.hosting,
-        tensor_parallel_size=tp,
-        weight_scheme=scheme,
-        online_quantization=online_quantization(scheme, req.model),
-        kv_cache_dtype=kv,
+        tensor_parallel_size=o.tp,
+        weight_scheme=o.scheme,
+        online_quantization=online_quantization(o.scheme, req.model),
+        kv_cache_dtype=o.kv,
         # The engine settings admit exactly `batch` sequences: the breakdown shown is the one the engine prints
         # (the same as at start-up when the batch is the engine's own max_num_seqs).
         capacity=cap if batch == cap.max_num_seqs else o.capacity(max_num_seqs=batch),
         concurrency_per_replica=batch,
         cache_concurrency=cap.concurrent_sequences,
-        perf=perf,
-        under_load=load,
-        planned_load=planned,
+        perf=s.perf,
+        under_load=s.load,
+        planned_load=s.planned,
         planned_requests_per_s=rate,
         alone=o.under_load(cap, 1),
-        requests_per_s_per_replica=rps,
-        output_tokens_per_s_per_replica=rps * req.workload.output_tokens,
-        replicas=replicas,
+        requests_per_s_per_replica=s.rps,
+        output_tokens_per_s_per_replica=s.rps * req.workload.output_tokens,
+        replicas=s.replicas,
         engines_per_instance=per_instance,
-        instance_count=math.ceil(replicas / per_instance),
+        instance_count=math.ceil(s.replicas / per_instance),
         usd_per_hour_per_instance=price[0],
         price_as_of=price[1],
         price_source=price[2],
-        limited_by=limited,
+        limited_by=s.limited,
         notes=price[3]
-        + answer
-        + _precision_notes(it, kv, req)
-        + _release_notes(scheme, req)
-        + _coverage_notes(req, version, measured)
-        + _measured_notes(measured)
+        + s.answer
+        + _precision_notes(it, o.kv, req)
+        + _release_notes(o.scheme, req)
+        + _coverage_notes(req, version, o.measured)
+        + _measured_notes(o.measured)
         + _layout_notes(layout)
-        + _speculative_notes(o, cap, batch, load),
-        measured=measured,
+        + _speculative_notes(o, cap, batch, s.load),
+        measured=o.measured,
         pipeline_parallel_size=layout.pp,
         expert_parallel=layout.ep,
         settings=o.settings(max_num_seqs=batch),
     )
-    if req.max_fleet_usd_per_hour is not None and cand.fleet_usd_per_hour > req.max_fleet_usd_per_hour:
-        return o.reject(
-            f"fleet costs ${cand.fleet_usd_per_hour:.2f}/h, above the ${req.max_fleet_usd_per_hour:.2f}/h ceiling",
-        )
-    return cand
 
 
 def _layout_notes(layout: Layout) -> tuple[str, ...]:
@@ -1007,6 +1048,20 @@ def _longest_fitting_context(req: PlanRequest, best: Rejection) -> str | None:
 
 def _what_would_fit(req: PlanRequest) -> list[str]:
     """Re-plan with one relaxation at a time and name each that yields a candidate."""
+    trials = _relaxations(req)
+    out = []
+    for label, trial in trials:
+        found = enumerate_candidates(trial).candidates
+        if found:
+            out.append(f"{label} -> {found[0].label()}")
+    if out:
+        return out
+    # No single change is enough: try them together, then with the context halved until it fits.
+    return _all_relaxed(req, trials)
+
+
+def _relaxations(req: PlanRequest) -> list[tuple[str, PlanRequest]]:
+    """Each change of the request that could let a candidate fit, with its label."""
     trials: list[tuple[str, PlanRequest]] = []
     if KvDtype.FP8 not in req.kv_cache_dtypes:
         trials.append(("fp8 KV cache (kv_cache_dtypes: [fp8])", replace(req, kv_cache_dtypes=(KvDtype.FP8,))))
@@ -1038,14 +1093,12 @@ def _what_would_fit(req: PlanRequest) -> list[str]:
                 replace(req, workload=replace(wl, concurrency_per_replica=1)),
             )
         )
-    out = []
-    for label, trial in trials:
-        found = enumerate_candidates(trial).candidates
-        if found:
-            out.append(f"{label} -> {found[0].label()}")
-    if out:
-        return out
-    # No single change is enough: try them together, then with the context halved until it fits.
+    return trials
+
+
+def _all_relaxed(req: PlanRequest, trials: list[tuple[str, PlanRequest]]) -> list[str]:
+    """Every relaxation at once, then with the context halved (six times at most) until a candidate fits."""
+    wl = req.workload
     combined = replace(
         req,
         kv_cache_dtypes=(KvDtype.FP8,),
@@ -1079,4 +1132,4 @@ def _what_would_fit(req: PlanRequest) -> list[str]:
                 avg_output_tokens=None if w.avg_output_tokens is None else min(w.avg_output_tokens, max_out),
             ),
         )
-    return out
+    return []
