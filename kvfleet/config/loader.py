@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -240,63 +240,72 @@ _RENAMED = {
 }
 
 
+# pydantic error types whose sentence needs nothing from the error.
+_PLAIN = {
+    "int_type": "expected a whole number, e.g. 4 (not true/false, a quoted string or a decimal)",
+    "float_type": "expected a number, e.g. 0.75 (not true/false or a quoted string)",
+    "bool_type": "expected true or false",
+    "finite_number": "expected a finite number (not .inf or .nan)",
+    "string_type": "expected text; quote a value that YAML would read as a number, date, true/false or null",
+    "tuple_type": "expected a list, e.g. [a, b] or one '- item' per line",
+    "list_type": "expected a list, e.g. [a, b] or one '- item' per line",
+    "model_type": "expected a mapping: 'key: value' lines indented below this key",
+    "model_attributes_type": "expected a mapping: 'key: value' lines indented below this key",
+    "dict_type": "expected a mapping: 'key: value' lines indented below this key",
+    "dict_keys": "keys must be text",
+}
+_BOUND_WORDS = {"greater_than": "greater than", "greater_than_equal": "at least", "less_than": "less than"}
+
+
 def _allowed(err: Any) -> str:
     """One plain sentence per pydantic error type that a file can cause: no regular expressions, no pydantic
     type words (tuple, dictionary, instance of)."""
     kind = err["type"]
     ctx = err.get("ctx", {})
     field = next((p for p in reversed(err["loc"]) if isinstance(p, str)), "")
+    if kind in _PLAIN:
+        return _PLAIN[kind]
     if kind == "extra_forbidden":
-        if field in _RENAMED:
-            return _RENAMED[field]
-        return "unknown key; remove it or check its spelling"
+        return _RENAMED.get(field, "unknown key; remove it or check its spelling")
     if kind == "missing":
         if field in ("max_input_tokens", "max_output_tokens"):
             return "required field is missing; give it, or a workload.trace to read it from"
         return "required field is missing"
     if kind == "string_pattern_mismatch":
-        pattern = str(ctx.get("pattern", ""))
-        if pattern in _PATTERN_WORDS:
-            return _PATTERN_WORDS[pattern]
-        form = _PATTERN_FIELDS.get(field)
-        return f"expected {form}" if form else "not in the form this field takes; see its description in schema.json"
-    if kind == "int_type":
-        return "expected a whole number, e.g. 4 (not true/false, a quoted string or a decimal)"
-    if kind == "float_type":
-        return "expected a number, e.g. 0.75 (not true/false or a quoted string)"
-    if kind == "bool_type":
-        return "expected true or false"
-    if kind == "finite_number":
-        return "expected a finite number (not .inf or .nan)"
-    if kind == "string_type":
-        return "expected text; quote a value that YAML would read as a number, date, true/false or null"
-    if kind in ("tuple_type", "list_type"):
-        return "expected a list, e.g. [a, b] or one '- item' per line"
-    if kind in ("model_type", "model_attributes_type", "dict_type"):
-        return "expected a mapping: 'key: value' lines indented below this key"
-    if kind == "too_short":
-        n = ctx.get("min_length", 1)
-        return f"give at least {n} {'entry' if n == 1 else 'entries'}"
-    if kind == "too_long":
-        return f"at most {ctx.get('max_length')} entries; this has {ctx.get('actual_length')}"
-    if kind == "string_too_short":
-        return f"at least {ctx.get('min_length')} characters"
-    if kind == "string_too_long":
-        return f"at most {ctx.get('max_length')} characters"
-    if kind == "union_tag_invalid":
-        return f"platform {ctx.get('tag')!r} is not a target; use one of: {', '.join(TARGETS)}"
-    if kind == "union_tag_not_found":
-        return f"needs `platform`, one of: {', '.join(TARGETS)}"
-    if kind == "literal_error":
-        return f"use {ctx.get('expected')}"
+        return _pattern_words(str(ctx.get("pattern", "")), field)
+    if kind in _SIZED:
+        return _SIZED[kind](ctx)
     if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
-        words = {"greater_than": "greater than", "greater_than_equal": "at least", "less_than": "less than"}
         bound = next(v for k, v in ctx.items() if k in ("gt", "ge", "lt", "le"))
-        return f"must be {words.get(kind, 'at most')} {bound}"
-    if kind == "dict_keys" or "Keys should be strings" in str(err.get("msg", "")):
+        return f"must be {_BOUND_WORDS.get(kind, 'at most')} {bound}"
+    if "Keys should be strings" in str(err.get("msg", "")):
         return "keys must be text"
     msg = str(err["msg"]).removeprefix("Value error, ")  # ours, and anything pydantic adds later
     return "expected " + msg.removeprefix("Input should be ") if msg.startswith("Input should be ") else msg
+
+
+def _pattern_words(pattern: str, field: str) -> str:
+    if pattern in _PATTERN_WORDS:
+        return _PATTERN_WORDS[pattern]
+    form = _PATTERN_FIELDS.get(field)
+    return f"expected {form}" if form else "not in the form this field takes; see its description in schema.json"
+
+
+def _at_least(ctx: dict[str, Any]) -> str:
+    n = ctx.get("min_length", 1)
+    return f"give at least {n} {'entry' if n == 1 else 'entries'}"
+
+
+# pydantic error types whose sentence reads the error's context: lengths, the target tag, the literal's values.
+_SIZED: dict[str, Callable[[dict[str, Any]], str]] = {
+    "too_short": _at_least,
+    "too_long": lambda ctx: f"at most {ctx.get('max_length')} entries; this has {ctx.get('actual_length')}",
+    "string_too_short": lambda ctx: f"at least {ctx.get('min_length')} characters",
+    "string_too_long": lambda ctx: f"at most {ctx.get('max_length')} characters",
+    "union_tag_invalid": lambda ctx: f"platform {ctx.get('tag')!r} is not a target; use one of: {', '.join(TARGETS)}",
+    "union_tag_not_found": lambda ctx: f"needs `platform`, one of: {', '.join(TARGETS)}",
+    "literal_error": lambda ctx: f"use {ctx.get('expected')}",
+}
 
 
 def _yaml_problem(err: yaml.YAMLError) -> tuple[int | None, str]:

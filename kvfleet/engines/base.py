@@ -72,6 +72,12 @@ class EngineArgs:
     hf_overrides: str | None = None
 
     def __post_init__(self) -> None:
+        self._check_numbers()
+        self._check_words()
+        self._check_multimodal()
+        self._check_speculative()
+
+    def _check_numbers(self) -> None:
         for f in (
             "tensor_parallel_size",
             "pipeline_parallel_size",
@@ -88,13 +94,15 @@ class EngineArgs:
         u = self.gpu_memory_utilization
         if u is not None and (isinstance(u, bool) or not isinstance(u, int | float) or not (0 < u <= 1)):
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {u!r}")
+        for f in ("enable_prefix_caching", "enforce_eager", "enable_expert_parallel"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"{f}: must be true or false, got {getattr(self, f)!r}")
+
+    def _check_words(self) -> None:
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
             )
-        for f in ("enable_prefix_caching", "enforce_eager", "enable_expert_parallel"):
-            if not isinstance(getattr(self, f), bool):
-                raise ValueError(f"{f}: must be true or false, got {getattr(self, f)!r}")
         for f in ("quantization", "served_model_name", "speculative_model", "hf_overrides"):
             v = getattr(self, f)
             if v is not None and (not isinstance(v, str) or not v):
@@ -106,16 +114,17 @@ class EngineArgs:
                 overrides = None
             if not isinstance(overrides, dict) or not overrides:
                 raise ValueError(f"hf_overrides: must be a JSON object of config.json keys, got {self.hf_overrides!r}")
+        for f in ("mamba_cache_dtype", "mamba_ssm_cache_dtype"):
+            if getattr(self, f) not in (None, *MAMBA_DTYPES):
+                raise ValueError(f"{f}: must be one of {', '.join(MAMBA_DTYPES)}, got {getattr(self, f)!r}")
+
+    def _check_multimodal(self) -> None:
         for pair in self.limit_mm_per_prompt:
             ok = isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
             if not ok or isinstance(pair[1], bool) or not isinstance(pair[1], int) or pair[1] < 0:
                 raise ValueError(f"limit_mm_per_prompt: expected modality: count (count >= 0), got {pair!r}")
         if self.mm_encoder_tp_mode not in (None, "weights", "data"):
             raise ValueError(f"mm_encoder_tp_mode: must be weights or data, got {self.mm_encoder_tp_mode!r}")
-        for f in ("mamba_cache_dtype", "mamba_ssm_cache_dtype"):
-            if getattr(self, f) not in (None, *MAMBA_DTYPES):
-                raise ValueError(f"{f}: must be one of {', '.join(MAMBA_DTYPES)}, got {getattr(self, f)!r}")
-        self._check_speculative()
 
     def _check_speculative(self) -> None:
         method = self.speculative_method

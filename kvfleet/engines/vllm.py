@@ -91,30 +91,7 @@ class Vllm(EngineAdapter):
         elif q is not None:
             out["quantization"] = _QUANTIZATION.get(q, q)
         out["enable-prefix-caching" if args.enable_prefix_caching else "no-enable-prefix-caching"] = True
-        if args.enable_expert_parallel:
-            out["enable-expert-parallel"] = True  # vllm/engine/arg_utils.py (vLLM 0.32.0)
-        if args.enforce_eager:
-            out["enforce-eager"] = True
-        if args.kv_cache_memory_bytes is not None:
-            out["kv-cache-memory-bytes"] = args.kv_cache_memory_bytes
-        if args.served_model_name is not None:
-            out["served-model-name"] = args.served_model_name
-        if args.limit_mm_per_prompt:
-            # vllm/engine/arg_utils.py: --limit-mm-per-prompt takes a JSON object, e.g. {"image": 0, "video": 0}.
-            out["limit-mm-per-prompt"] = json.dumps(dict(args.limit_mm_per_prompt), sort_keys=True)
-        if args.mm_encoder_tp_mode is not None:
-            out["mm-encoder-tp-mode"] = args.mm_encoder_tp_mode
-        if args.mm_max_pixels is not None:
-            out["mm-processor-kwargs"] = json.dumps({"max_pixels": args.mm_max_pixels})
-        # vllm/engine/arg_utils.py --mamba-cache-dtype, --mamba-ssm-cache-dtype (vLLM 0.32.0)
-        if args.mamba_cache_dtype is not None:
-            out["mamba-cache-dtype"] = args.mamba_cache_dtype
-        if args.mamba_ssm_cache_dtype is not None:
-            out["mamba-ssm-cache-dtype"] = args.mamba_ssm_cache_dtype
-        if args.speculative_method is not None:
-            out["speculative-config"] = json.dumps(speculative_config(args), separators=(",", ":"))
-        if args.hf_overrides is not None:
-            out["hf-overrides"] = args.hf_overrides
+        out.update(_switches(args))
         return out
 
     def server_environment(self, version: Version) -> dict[str, str]:
@@ -162,3 +139,34 @@ class Vllm(EngineAdapter):
     def scheduler(self, args: EngineArgs) -> VllmScheduler:
         # A plan sets no long_prefill_token_threshold, so vLLM's default (off) is what runs.
         return VllmScheduler()
+
+
+def _switches(args: EngineArgs) -> dict[str, Any]:
+    """The flags set only when their setting is: expert parallelism, eager mode, a fixed cache, the served name,
+    multimodal limits, Mamba state dtypes, speculative decoding and config overrides."""
+    out: dict[str, Any] = {}
+    if args.enable_expert_parallel:
+        out["enable-expert-parallel"] = True  # vllm/engine/arg_utils.py (vLLM 0.32.0)
+    if args.enforce_eager:
+        out["enforce-eager"] = True
+    if args.kv_cache_memory_bytes is not None:
+        out["kv-cache-memory-bytes"] = args.kv_cache_memory_bytes
+    if args.served_model_name is not None:
+        out["served-model-name"] = args.served_model_name
+    if args.limit_mm_per_prompt:
+        # vllm/engine/arg_utils.py: --limit-mm-per-prompt takes a JSON object, e.g. {"image": 0, "video": 0}.
+        out["limit-mm-per-prompt"] = json.dumps(dict(args.limit_mm_per_prompt), sort_keys=True)
+    if args.mm_encoder_tp_mode is not None:
+        out["mm-encoder-tp-mode"] = args.mm_encoder_tp_mode
+    if args.mm_max_pixels is not None:
+        out["mm-processor-kwargs"] = json.dumps({"max_pixels": args.mm_max_pixels})
+    # vllm/engine/arg_utils.py --mamba-cache-dtype, --mamba-ssm-cache-dtype (vLLM 0.32.0)
+    if args.mamba_cache_dtype is not None:
+        out["mamba-cache-dtype"] = args.mamba_cache_dtype
+    if args.mamba_ssm_cache_dtype is not None:
+        out["mamba-ssm-cache-dtype"] = args.mamba_ssm_cache_dtype
+    if args.speculative_method is not None:
+        out["speculative-config"] = json.dumps(speculative_config(args), separators=(",", ":"))
+    if args.hf_overrides is not None:
+        out["hf-overrides"] = args.hf_overrides
+    return out
