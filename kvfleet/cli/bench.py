@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from kvfleet import contract
@@ -19,12 +18,12 @@ from kvfleet.cli.args import (
 from kvfleet.cli.bench_checks import (
     bench_limits,
     limits_fill,
-    limits_levels,
     limits_verdict,
     predicted_speed,
     speed_drift_lines,
 )
-from kvfleet.cli.bench_output import print_bench, progress_line, what_ran
+from kvfleet.cli.bench_levels import bench_levels
+from kvfleet.cli.bench_output import print_bench, print_checks, progress_line, what_ran
 from kvfleet.cli.calibrate import write_calibration
 from kvfleet.cli.endpoint import bench_target, deployed_url, planned_deployment
 from kvfleet.errors import KvfleetError
@@ -155,7 +154,7 @@ def run(a: argparse.Namespace) -> int:
     ep, sagemaker = bench_target(a, planned)
     expected, kv_required = _expected_kv(a, planned)
     limits = bench_limits(a, planned) if a.limits else None
-    specs = _levels(a, planned, limits)
+    specs = bench_levels(a, planned, limits)
     _check_writable(a)
     progress = progress_line() if not a.json and sys.stderr.isatty() else None
     if sagemaker is not None:
@@ -192,7 +191,7 @@ def run(a: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
     else:
         print_bench(a.url, model, what_ran(a, limits, specs), rows)
-        _print_checks(a, report, capacity, ttft_ms, prediction_source)
+        print_checks(a, report, capacity, ttft_ms, prediction_source)
     return _exit_code(a, report)
 
 
@@ -209,48 +208,6 @@ def _expected_kv(a: argparse.Namespace, planned: ResolvedDeployment | None) -> t
     if a.calibration is not None and not a.predict:
         raise KvfleetError("--calibration is what --predict simulates with; add --predict", field="calibration")
     return expected, kv_required
-
-
-def _levels(
-    a: argparse.Namespace, planned: ResolvedDeployment | None, limits: tuple[int, int, int] | None
-) -> list[LevelSpec]:
-    """The levels to run: the plan's own load, the limits test, or the flags' levels, refusing flags they ignore."""
-    from kvfleet.bench.client import poisson_level
-
-    if a.trace is not None and a.rate is not None:
-        raise KvfleetError("--trace replays the trace's own arrivals; drop --rate (or use --rate-scale)", field="rate")
-    if a.trace is None:
-        for flag in ("trace_format", "duration_s"):
-            if getattr(a, flag) is not None:
-                raise KvfleetError(f"--{flag.replace('_', '-')} applies to --trace only; drop it", field=flag)
-        if a.start_s or a.rate_scale != 1.0:
-            flag = "start_s" if a.start_s else "rate_scale"
-            raise KvfleetError(f"--{flag.replace('_', '-')} applies to --trace only; drop it", field=flag)
-    if limits is not None and (a.trace is not None or a.rate is not None):
-        raise KvfleetError("--limits runs its own two levels; drop --trace and --rate", field="limits")
-    if a.calibrate and planned is None:
-        raise KvfleetError(
-            "--calibrate measures a planned deployment; give --env FILE [--deployment NAME]", field="calibrate"
-        )
-    if not a.planned_load:
-        return limits_levels(*limits) if limits is not None else _bench_levels(a)
-    if planned is None:
-        raise KvfleetError("--planned-load replays the plan of --env; give --env FILE", field="planned_load")
-    if a.trace is not None or a.rate is not None or limits is not None:
-        raise KvfleetError("--planned-load is its own level; drop --trace, --rate and --limits", field="planned_load")
-    w = planned.deployment.workload
-    if w.peak_requests_per_s is None:
-        raise KvfleetError(
-            "the plan has no arrival rate; set workload.peak_requests_per_s (or workload.trace)", field="planned_load"
-        )
-    return [
-        poisson_level(
-            w.peak_requests_per_s,
-            requests=a.requests,
-            prompt_tokens=w.avg_input_tokens or w.max_input_tokens,
-            output_tokens=w.avg_output_tokens or w.max_output_tokens,
-        )
-    ]
 
 
 def _check_writable(a: argparse.Namespace) -> None:
@@ -348,52 +305,6 @@ def _write_outputs(
         write_calibration(a.calibrate, planned, rows, capacity)
 
 
-def _print_checks(
-    a: argparse.Namespace,
-    report: dict[str, Any],
-    capacity: KvCapacity | None,
-    ttft_ms: float | None,
-    prediction_source: str | None,
-) -> None:
-    """Below the table, for people: the engine's cache, the plan's and the simulator's figures, the best rate."""
-    rows = report["levels"]
-    if capacity is not None:
-        print(
-            f"engine KV cache: {capacity.blocks:,} blocks of {capacity.block_tokens} tokens = "
-            f"{capacity.tokens:,} tokens per replica ({capacity.source})"
-        )
-    for row in rows:
-        if p := row.get("planned"):
-            itl = row["itl_s"]
-            measured = f"{itl['mean'] * 1e3:.1f} ms" if itl else "-"
-            print(
-                f"plan ({p['instance_type']}, one replica) at {row['level']}: ITL {p['itl_s'] * 1e3:.1f} ms "
-                f"(measured {measured}), {p['output_tokens_per_s']:,.0f} output tokens/s (measured "
-                f"{row['output_tokens_per_s']:,.0f}), TTFT {p['ttft_s'] * 1e3:,.0f} ms"
-            )
-    if prediction_source is not None:
-        from kvfleet.cli.predict import prediction_lines
-
-        print("\n".join(prediction_lines(rows, prediction_source)))
-    _print_best_rate(a, report["best_rate_per_s"], ttft_ms)
-    expected = report["expected_kv_tokens"]
-    if expected is not None and report["drift"] is None:
-        print(f"plan check: {expected:,} KV tokens expected; the engine has them (tolerance {a.tolerance:.0%})")
-
-
-def _print_best_rate(a: argparse.Namespace, best_rate: float | None, ttft_ms: float | None) -> None:
-    if best_rate is None or ttft_ms is None:
-        return
-    top = max(a.rate or [0.0])
-    if a.rate and best_rate >= top:  # the sweep never found where it stops
-        print(
-            f"every rate up to {top:g} req/s got {a.slo_attainment:.0%} of first tokens within {ttft_ms:g} "
-            f"ms: the limit lies above {top:g} req/s (add higher rates to find it)"
-        )
-    else:
-        print(f"highest rate with {a.slo_attainment:.0%} of first tokens within {ttft_ms:g} ms: {best_rate:g} req/s")
-
-
 def _exit_code(a: argparse.Namespace, report: dict[str, Any]) -> int:
     """Problems on stderr, one line each; 1 when a request failed or a check did not pass."""
     drift = report["drift"]
@@ -414,44 +325,6 @@ def _exit_code(a: argparse.Namespace, report: dict[str, Any]) -> int:
         return 0 if verdict["passed"] and drift is None else 1
     failed = sum(r["requests"] - r["completed"] for r in report["levels"])
     return 1 if failed or drift is not None or report["slo_miss"] is not None else 0
-
-
-def _bench_levels(a: argparse.Namespace) -> list[LevelSpec]:
-    from kvfleet.bench.client import LevelSpec, concurrency_levels, poisson_level
-
-    if a.trace is not None:
-        from kvfleet.workload.traces import read_trace
-
-        t = read_trace(a.trace, fmt=a.trace_format, start_s=a.start_s, duration_s=a.duration_s, rate_scale=a.rate_scale)
-        return [
-            LevelSpec(
-                label=f"trace x{a.rate_scale:g}",
-                arrivals_s=tuple(t.arrival_s),
-                lengths=tuple(zip(t.input_tokens, (max(1, o) for o in t.output_tokens), strict=True)),
-                rate_per_s=len(t) / t.duration_s if t.duration_s > 0 else None,
-            )
-        ]
-    if a.rate is not None:
-        return [
-            poisson_level(r, requests=a.requests, prompt_tokens=a.input_tokens, output_tokens=a.output_tokens)
-            for r in a.rate
-        ]
-    levels = concurrency_levels(
-        a.concurrency, requests=a.requests, prompt_tokens=a.input_tokens, output_tokens=a.output_tokens
-    )
-    if a.calibrate:
-        # Enough levels to fit each term of the step model: the batch sizes asked for (and one request alone), each
-        # with the prompt asked for and a short one (per prefill token against per step and per request).
-        short = max(16, a.input_tokens // 8)
-        sizes = sorted({1, *a.concurrency})
-        levels = [
-            *concurrency_levels(
-                sizes, requests=a.requests, prompt_tokens=a.input_tokens, output_tokens=a.output_tokens
-            ),
-            *concurrency_levels(sizes, requests=a.requests, prompt_tokens=short, output_tokens=a.output_tokens),
-        ]
-        levels = [replace(lv, label=f"{lv.label}, {lv.lengths[0][0]} in") for lv in levels]
-    return levels
 
 
 def _predict_levels(

@@ -12,7 +12,7 @@ from kvfleet.cli.args import (
 )
 
 if TYPE_CHECKING:
-    from kvfleet.bench.client import LevelSpec
+    from kvfleet.bench.client import KvCapacity, LevelSpec
 
 
 def what_ran(a: argparse.Namespace, limits: tuple[int, int, int] | None, specs: list[LevelSpec]) -> str:
@@ -101,3 +101,49 @@ def progress_line() -> Callable[[LevelSpec, list[Any]], None]:
         )
 
     return show
+
+
+def print_checks(
+    a: argparse.Namespace,
+    report: dict[str, Any],
+    capacity: KvCapacity | None,
+    ttft_ms: float | None,
+    prediction_source: str | None,
+) -> None:
+    """Below the table, for people: the engine's cache, the plan's and the simulator's figures, the best rate."""
+    rows = report["levels"]
+    if capacity is not None:
+        print(
+            f"engine KV cache: {capacity.blocks:,} blocks of {capacity.block_tokens} tokens = "
+            f"{capacity.tokens:,} tokens per replica ({capacity.source})"
+        )
+    for row in rows:
+        if p := row.get("planned"):
+            itl = row["itl_s"]
+            measured = f"{itl['mean'] * 1e3:.1f} ms" if itl else "-"
+            print(
+                f"plan ({p['instance_type']}, one replica) at {row['level']}: ITL {p['itl_s'] * 1e3:.1f} ms "
+                f"(measured {measured}), {p['output_tokens_per_s']:,.0f} output tokens/s (measured "
+                f"{row['output_tokens_per_s']:,.0f}), TTFT {p['ttft_s'] * 1e3:,.0f} ms"
+            )
+    if prediction_source is not None:
+        from kvfleet.cli.predict import prediction_lines
+
+        print("\n".join(prediction_lines(rows, prediction_source)))
+    _print_best_rate(a, report["best_rate_per_s"], ttft_ms)
+    expected = report["expected_kv_tokens"]
+    if expected is not None and report["drift"] is None:
+        print(f"plan check: {expected:,} KV tokens expected; the engine has them (tolerance {a.tolerance:.0%})")
+
+
+def _print_best_rate(a: argparse.Namespace, best_rate: float | None, ttft_ms: float | None) -> None:
+    if best_rate is None or ttft_ms is None:
+        return
+    top = max(a.rate or [0.0])
+    if a.rate and best_rate >= top:  # the sweep never found where it stops
+        print(
+            f"every rate up to {top:g} req/s got {a.slo_attainment:.0%} of first tokens within {ttft_ms:g} "
+            f"ms: the limit lies above {top:g} req/s (add higher rates to find it)"
+        )
+    else:
+        print(f"highest rate with {a.slo_attainment:.0%} of first tokens within {ttft_ms:g} ms: {best_rate:g} req/s")
