@@ -17,7 +17,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvfleet.extras import require_extra
 from kvfleet.sim.fleet import FleetResult, FleetSpec
@@ -132,7 +132,6 @@ def render_png(tl: Timeline, path: str | Path, *, title: str) -> None:
     require_extra("plot", "simulate --png")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
 
     # A Figure on the Agg canvas, not pyplot: no GUI backend, no global figure state.
     fig = Figure(figsize=FIGURE_INCHES, dpi=DPI, layout="constrained")
@@ -140,6 +139,24 @@ def render_png(tl: Timeline, path: str | Path, *, title: str) -> None:
     req, queue, kv, reps = fig.subplots(4, 1, sharex=True)
     minutes = [t / 60 for t in tl.t_s]
 
+    _requests_panel(req, minutes, tl)
+    _queue_panel(queue, minutes, tl)
+    _saturation_panel(kv, minutes, tl)
+    _replicas_panel(reps, minutes, tl)
+
+    for axes in (req, queue, kv, reps):
+        axes.grid(True, alpha=0.3)
+        if axes.get_legend_handles_labels()[0]:
+            # Beside the panel, where it hides no data.
+            axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    queue.set_ylim(bottom=0)
+    req.set_ylim(bottom=0)
+    fig.suptitle(title)
+    fig.savefig(path, format="png")
+
+
+def _requests_panel(req: Any, minutes: list[float], tl: Timeline) -> None:
+    """Arrivals and completions per second, and what was refused (429) or found no replica (503)."""
     _steps(req, minutes, _rate(tl.arrivals, tl.interval_s), label="arriving", color="tab:blue")
     _steps(req, minutes, _rate(tl.completed, tl.interval_s), label="completed", color="tab:green", width=1.0)
     _marks(req, minutes, _rate(tl.rejected_429, tl.interval_s), marker="x", color="tab:red", label="429 (refused)")
@@ -147,6 +164,9 @@ def render_png(tl: Timeline, path: str | Path, *, title: str) -> None:
     req.set_ylabel("requests/s")
     req.set_title("requests")
 
+
+def _queue_panel(queue: Any, minutes: list[float], tl: Timeline) -> None:
+    """Requests waiting, over the fleet and per serving replica, against the scaling target."""
     _steps(queue, minutes, tl.waiting, label="waiting, all serving replicas", color="tab:orange")
     per_replica = [w / n if n else 0.0 for w, n in zip(tl.waiting, tl.replicas, strict=True)]
     _steps(queue, minutes, per_replica, label="waiting per serving replica", color="tab:brown", width=1.0)
@@ -155,6 +175,9 @@ def render_png(tl: Timeline, path: str | Path, *, title: str) -> None:
     queue.set_ylabel("requests")
     queue.set_title("queue depth")
 
+
+def _saturation_panel(kv: Any, minutes: list[float], tl: Timeline) -> None:
+    """Saturation and KV-cache use against the autoscaler target."""
     _steps(kv, minutes, tl.saturation, label="saturation, mean of serving replicas", color="tab:purple")
     _steps(kv, minutes, tl.kv_mean, label="KV-cache use, mean", color="tab:cyan", width=1.0)
     _steps(kv, minutes, tl.kv_max, label="KV-cache use, fullest replica", color="tab:pink", width=1.0)
@@ -163,6 +186,11 @@ def render_png(tl: Timeline, path: str | Path, *, title: str) -> None:
     kv.set_ylim(0, 1.05)
     kv.set_ylabel("fraction")
     kv.set_title("saturation (KV blocks or sequence slots) and KV-cache use")
+
+
+def _replicas_panel(reps: Any, minutes: list[float], tl: Timeline) -> None:
+    """Replicas in service, starting and draining, and each scale event."""
+    from matplotlib.ticker import MaxNLocator
 
     _steps(reps, minutes, tl.replicas, label="in service", color="tab:blue")
     _steps(reps, minutes, tl.starting, label="starting", color="tab:gray", width=1.0)
@@ -178,13 +206,3 @@ def render_png(tl: Timeline, path: str | Path, *, title: str) -> None:
     reps.set_ylabel("replicas")
     reps.set_title("replicas")
     reps.set_xlabel("simulated time (min)")
-
-    for axes in (req, queue, kv, reps):
-        axes.grid(True, alpha=0.3)
-        if axes.get_legend_handles_labels()[0]:
-            # Beside the panel, where it hides no data.
-            axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
-    queue.set_ylim(bottom=0)
-    req.set_ylim(bottom=0)
-    fig.suptitle(title)
-    fig.savefig(path, format="png")
