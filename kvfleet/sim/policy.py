@@ -317,6 +317,33 @@ def _cheaper(setting: Setting, grid: tuple[float, ...], current: float) -> list[
     return sorted(v for v in grid if v > current)
 
 
+@dataclass(kw_only=True)
+class _Search:
+    """One derivation's state: the replays (cached), each setting's grid, what the file pins, and why each setting
+    ended where it did."""
+
+    ev: _Evaluator
+    grids: dict[Setting, tuple[float, ...]]
+    pins: dict[Setting, float]
+    settings: tuple[Setting, ...]
+    ttft_slo_s: float
+    goal: float
+    floor_min: int
+    searched_admission: bool
+    reasons: dict[Setting, str]
+
+    def admitted_differently(self, p: Policy) -> Policy:
+        """Where ``p`` misses the goal, the admission queue nearest the plan's that meets it (``p`` if none): under
+        an overload the fleet cannot outgrow, what the agent lets wait decides who is served in time."""
+        if self.ev(p).meets or not self.searched_admission:
+            return p
+        planned = p.value("admission_queue")
+        for v in sorted(self.grids["admission_queue"], key=lambda v: (abs(v - planned), v)):
+            if self.ev(q := p.with_("admission_queue", v)).meets:
+                return q
+        return p
+
+
 def derive(
     trace: Trace,
     base: FleetSpec,
@@ -341,99 +368,114 @@ def derive(
     settings = tuple(s for s in SETTINGS if s != "admission_queue" or admission is not None)
     if admission is None:
         pins.pop("admission_queue", None)  # nothing to hold: the agent admits what the base spec says
-    grids = {s: _grid(s, floor_min, max_r, wait_floor, admission) for s in settings}
-    start = {s: pins.get(s, grids[s][0]) for s in settings}
-    if admission is not None and "admission_queue" not in pins:
-        start["admission_queue"] = float(admission.effective(admission.planned_queue))  # the plan's, while walking
-    cur = Policy(
-        saturation_target=start["saturation_target"],
-        queue_target=start["queue_target"],
-        min_replicas=int(start["min_replicas"]),
-        scale_in_wait_s=start["scale_in_wait_s"],
-        admission_queue=start.get("admission_queue"),
+    search = _Search(
+        ev=ev,
+        grids={s: _grid(s, floor_min, max_r, wait_floor, admission) for s in settings},
+        pins=pins,
+        settings=settings,
+        ttft_slo_s=ttft_slo_s,
+        goal=goal,
+        floor_min=floor_min,
+        searched_admission=admission is not None and "admission_queue" not in pins,
+        reasons={},
     )
-    reasons: dict[Setting, str] = {}
-    searched_admission = admission is not None and "admission_queue" not in pins
-
-    def admitted_differently(p: Policy) -> Policy:
-        """Where ``p`` misses the goal, the admission queue nearest the plan's that meets it (``p`` if none): under
-        an overload the fleet cannot outgrow, what the agent lets wait decides who is served in time."""
-        if ev(p).meets or not searched_admission:
-            return p
-        planned = p.value("admission_queue")
-        for v in sorted(grids["admission_queue"], key=lambda v: (abs(v - planned), v)):
-            if ev(q := p.with_("admission_queue", v)).meets:
-                return q
-        return p
-
-    # Most eager first; where even that misses, another admission queue, then a larger minimum (the fleet cannot
-    # grow in time on its own).
-    cur = admitted_differently(cur)
-    if not ev(cur).meets and "min_replicas" not in pins:
-        first_fail = ev(cur)
-        for m in range(cur.min_replicas + 1, max_r + 1):
-            cur = admitted_differently(cur.with_("min_replicas", m))
-            if ev(cur).meets:
-                reasons["min_replicas"] = f"at {m - 1} {first_fail.describe(ttft_slo_s, goal)}"
-                break
-            first_fail = ev(cur)
+    cur = _most_eager(search, _start(search, admission), max_r)
     feasible = ev(cur).meets
-    walk: tuple[Setting, ...] = ("saturation_target", "queue_target", "min_replicas")
     if feasible:
-        for setting in walk:
-            if setting in pins:
-                continue
-            best = ev(cur)
-            why = None
-            for v in _cheaper(setting, grids[setting], cur.value(setting)):
-                o = ev(best.policy.with_(setting, v))
-                if not o.meets:
-                    why = f"at {_fmt(setting, v)} {o.describe(ttft_slo_s, goal)}"
-                    break
-                if o.cost < best.cost - 1e-9:
-                    best = o
-            cur = best.policy
-            if setting not in reasons or why is not None:
-                reasons[setting] = why or _no_cheaper(setting, cur, grids[setting], floor_min)
-        if admission is not None and searched_admission:
-            cur, reasons["admission_queue"] = _best_admission(ev, cur, admission, ttft_slo_s, goal)
-        if "scale_in_wait_s" not in pins:
-            cur, reasons["scale_in_wait_s"] = _best_wait(ev, cur, grids["scale_in_wait_s"], ttft_slo_s, goal)
+        cur = _cheapest(search, cur, admission)
     else:
         for setting in settings:
-            if setting not in pins and setting not in reasons:
-                reasons[setting] = "the most eager value tried: no policy meets the goal"
+            if setting not in pins and setting not in search.reasons:
+                search.reasons[setting] = "the most eager value tried: no policy meets the goal"
     choices = tuple(
         Choice(
             setting=s,
             value=cur.value(s),
             pinned=s in pins,
-            reason="pinned in the file" if s in pins else reasons.get(s, ""),
+            reason="pinned in the file" if s in pins else search.reasons.get(s, ""),
         )
         for s in settings
     )
     # Where the search failed, a pinned admission queue still says which queue would meet the goal.
     pin_costs = tuple(
-        _pin_cost(ev, cur, s, grids[s]) for s in settings if s in pins and (feasible or s == "admission_queue")
+        _pin_cost(ev, cur, s, search.grids[s]) for s in settings if s in pins and (feasible or s == "admission_queue")
     )
-    compared = None
-    if compare is not None:
-        # Replayed in full: a comparison reports the attainment, not just that it falls short.
-        ev.stop_after = len(trace)
-        if (hit := ev.cache.get(compare)) is not None and hit.stopped_s is not None:
-            del ev.cache[compare]
-        compared = ev(compare)
     return Derivation(
         policy=cur,
         outcome=ev(cur),
         feasible=feasible,
         choices=choices,
         pin_costs=pin_costs,
-        compared=compared,
+        compared=None if compare is None else _replayed_in_full(ev, trace, compare),
         evaluated=len(ev.cache),
         ttft_slo_s=ttft_slo_s,
         goal=goal,
     )
+
+
+def _start(search: _Search, admission: AdmissionSpace | None) -> Policy:
+    """The most eager policy of the grids, with the file's pins (and the plan's admission queue while walking)."""
+    start = {s: search.pins.get(s, search.grids[s][0]) for s in search.settings}
+    if admission is not None and "admission_queue" not in search.pins:
+        start["admission_queue"] = float(admission.effective(admission.planned_queue))
+    return Policy(
+        saturation_target=start["saturation_target"],
+        queue_target=start["queue_target"],
+        min_replicas=int(start["min_replicas"]),
+        scale_in_wait_s=start["scale_in_wait_s"],
+        admission_queue=start.get("admission_queue"),
+    )
+
+
+def _most_eager(search: _Search, cur: Policy, max_r: int) -> Policy:
+    """Most eager first; where even that misses, another admission queue, then a larger minimum (the fleet cannot
+    grow in time on its own)."""
+    ev = search.ev
+    cur = search.admitted_differently(cur)
+    if not ev(cur).meets and "min_replicas" not in search.pins:
+        first_fail = ev(cur)
+        for m in range(cur.min_replicas + 1, max_r + 1):
+            cur = search.admitted_differently(cur.with_("min_replicas", m))
+            if ev(cur).meets:
+                search.reasons["min_replicas"] = f"at {m - 1} {first_fail.describe(search.ttft_slo_s, search.goal)}"
+                break
+            first_fail = ev(cur)
+    return cur
+
+
+def _cheapest(search: _Search, cur: Policy, admission: AdmissionSpace | None) -> Policy:
+    """From a policy that meets the goal, each setting walked towards cheaper values while the goal holds."""
+    ev, pins, reasons = search.ev, search.pins, search.reasons
+    for setting in ("saturation_target", "queue_target", "min_replicas"):
+        if setting in pins:
+            continue
+        best = ev(cur)
+        why = None
+        for v in _cheaper(setting, search.grids[setting], cur.value(setting)):
+            o = ev(best.policy.with_(setting, v))
+            if not o.meets:
+                why = f"at {_fmt(setting, v)} {o.describe(search.ttft_slo_s, search.goal)}"
+                break
+            if o.cost < best.cost - 1e-9:
+                best = o
+        cur = best.policy
+        if setting not in reasons or why is not None:
+            reasons[setting] = why or _no_cheaper(setting, cur, search.grids[setting], search.floor_min)
+    if admission is not None and search.searched_admission:
+        cur, reasons["admission_queue"] = _best_admission(ev, cur, admission, search.ttft_slo_s, search.goal)
+    if "scale_in_wait_s" not in pins:
+        cur, reasons["scale_in_wait_s"] = _best_wait(
+            ev, cur, search.grids["scale_in_wait_s"], search.ttft_slo_s, search.goal
+        )
+    return cur
+
+
+def _replayed_in_full(ev: _Evaluator, trace: Trace, compare: Policy) -> Outcome:
+    """A comparison reports the attainment, not just that it falls short: replayed to the end."""
+    ev.stop_after = len(trace)
+    if (hit := ev.cache.get(compare)) is not None and hit.stopped_s is not None:
+        del ev.cache[compare]
+    return ev(compare)
 
 
 def _best_wait(
