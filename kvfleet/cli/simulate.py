@@ -105,11 +105,12 @@ def _refuse_ignored(a: argparse.Namespace) -> None:
     shape = a.concurrency is not None or a.rate is not None
 
     def refuse(flags: list[str], why: str, field: str) -> None:
-        if flags:
-            raise KvfleetError(f"{', '.join(flags)} {why}", field=field)
+        if flags:  # "--x applies", "--x, --y apply"
+            verb = "applies" if len(flags) == 1 else "apply"
+            raise KvfleetError(f"{', '.join(flags)} {why.format(applies=verb)}", field=field)
 
-    refuse(_given(a, _TRACE_ONLY) if not a.trace else [], "only apply to --trace", "trace")
-    refuse(_given(a, _SHAPE_ONLY) if not shape else [], "only apply to --concurrency or --rate", "concurrency")
+    refuse(_given(a, _TRACE_ONLY) if not a.trace else [], "only {applies} to --trace", "trace")
+    refuse(_given(a, _SHAPE_ONLY) if not shape else [], "only {applies} to --concurrency or --rate", "concurrency")
     refuse(["--concurrency"] if a.concurrency and a.rate else [], "and --rate are two loads; give one", "rate")
     refuse(["--trace"] if a.trace and shape else [], "and a benchmark shape are two loads; give one", "trace")
     refuse(["--replicas"] if a.replicas and not shape else [], "only applies to --concurrency or --rate", "replicas")

@@ -87,9 +87,9 @@ def test_a_deployments_planned_fleet_runs_a_benchmark_shape(capsys: pytest.Captu
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        (["dev", "--duration-s", "60"], "--duration-s only apply to --trace"),
-        (["dev", "--rate-scale", "2"], "--rate-scale only apply to --trace"),
-        (["dev", "--requests", "10"], "only apply to --concurrency or --rate"),
+        (["dev", "--duration-s", "60"], "--duration-s only applies to --trace"),
+        (["dev", "--rate-scale", "2"], "--rate-scale only applies to --trace"),
+        (["dev", "--requests", "10"], "only applies to --concurrency or --rate"),
         (["dev", "--concurrency", "4", "--rate", "2"], "two loads"),
         (["dev", "--concurrency", "4", "--png", "x.png"], "a closed loop has none"),
         (["dev", "--rate", "1,2", "--png", "x.png"], "give one --rate"),
