@@ -2,8 +2,10 @@
 
 Everything a stack builds from is decided here, once: the model (resolved once per deployment), the plan's
 candidate, the engine settings as typed ``EngineArgs``, the container environment of the stack <-> image
-contract, disk and timeouts. The CDK app, the tests and the manifests of every target read the same
-``ResolvedDeployment``, so the instance type, the engine flags and the timeouts cannot drift apart.
+contract, disk and timeouts, and the scaling it deploys (``kvfleet.scaling.ScalingPolicy``: the file's values, or
+with ``scaling.derive`` those a ``Deriver`` chooses; the file's own objects are never rewritten). The CDK app, the
+tests and the manifests of every target read the same ``ResolvedDeployment``, so the instance type, the engine flags,
+the timeouts and the scaling thresholds cannot drift apart.
 
 Pure Python (no aws_cdk); the config schema is only a type here, so ``kvfleet plan`` with flags stays fast.
 """
@@ -11,12 +13,14 @@ Pure Python (no aws_cdk); the config schema is only a type here, so ``kvfleet pl
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from kvfleet import contract
 from kvfleet.engines import EngineAdapter, EngineArgs, adapter
 from kvfleet.errors import KvfleetError
+from kvfleet.scaling import ScalingPolicy
 from kvfleet.sizing.catalog import resolve_model
 from kvfleet.sizing.engines import EngineName
 from kvfleet.sizing.memory import weight_bytes
@@ -26,6 +30,7 @@ from kvfleet.sizing.precision import KvDtype, kv_dtype
 from kvfleet.sizing.speculative import SpecMethod, Speculative, resolve_drafter
 from kvfleet.sizing.startup import StartupEstimate, startup_estimate
 from kvfleet.sizing.units import GiB
+from kvfleet.targets import TARGETS
 
 if TYPE_CHECKING:
     from kvfleet.config.schema import Deployment, Environment
@@ -282,6 +287,9 @@ class ResolvedDeployment:
     checkpoint_bytes: int  # the checkpoint as stored (what is downloaded and read from disk)
     startup: StartupEstimate
     workload: Workload  # what the plan was made for (averages and targets in the planner's units)
+    # The scaling it deploys, decided once: the file's values, or with scaling.derive the replay's where the file
+    # leaves them. Stacks, manifests, the plan and the simulator read this, never the file's scaling section.
+    scaling: ScalingPolicy
 
     @property
     def model_id(self) -> str:
@@ -309,7 +317,7 @@ class ResolvedDeployment:
 
     @property
     def initial_instance_count(self) -> int:
-        s = self.deployment.scaling
+        s = self.scaling
         return min(max(self.candidate.instance_count, s.min_replicas, 1), s.max_replicas)
 
     @property
@@ -319,8 +327,8 @@ class ResolvedDeployment:
     @property
     def admission(self) -> Admission:
         """The agent's token budget: what runs plus the file's admission queue, or the plan's (what can start within
-        the TTFT target) where the file leaves it (scaling.derive writes the one it chose)."""
-        return admission(self.candidate, self.workload, queued=self.deployment.scaling.admission_queue)
+        the TTFT target) where the scaling leaves it (scaling.derive decides the one it chose)."""
+        return admission(self.candidate, self.workload, queued=self.scaling.admission_queue)
 
     @property
     def admission_factor(self) -> float:
@@ -358,7 +366,7 @@ class ResolvedDeployment:
         """With scaling.min_replicas 0, the time without requests before the fleet goes to zero: the scale-in wait,
         and never shorter than the ready window, so the replica a request woke can come up and serve it (and the
         client's retries) before the idle rule can remove it."""
-        return max(self.deployment.scaling.scale_in_wait_s, self.ready_window_s)
+        return max(self.scaling.scale_in_wait_s, self.ready_window_s)
 
     def container_environment(self, *, isolated: bool = False) -> dict[str, str]:
         """Environment of the serving container. AWS's own engine images take their engine's variables."""
@@ -379,7 +387,7 @@ class ResolvedDeployment:
             contract.ENV_PORT: str(contract.SERVING_PORT),
             contract.ENV_DEPLOYMENT: self.deployment_id,
             contract.ENV_NAMESPACE: contract.NAMESPACE,
-            contract.ENV_DRAIN_BUDGET_S: str(self.deployment.scaling.drain_budget_s),
+            contract.ENV_DRAIN_BUDGET_S: str(self.scaling.drain_budget_s),
             contract.ENV_TOKEN_BUDGET: str(self.kv_cache_tokens),
             contract.ENV_ADMISSION_FACTOR: f"{self.admission_factor:.6f}",
             # EMF lines on stdout become metrics through the container's log stream, which also works with
@@ -413,8 +421,31 @@ def _alternatives(candidates: tuple[Candidate, ...]) -> tuple[Candidate, ...]:
     return tuple(out)
 
 
-def resolve(env: Environment, dr: DeploymentRequest) -> ResolvedDeployment:
-    """Plan one deployment. A deployment that cannot be planned is the user's error (one line)."""
+# How a file's scaling.derive is decided: the thresholds for a deployment as planned (with the file's values) and its
+# index in the file. kvfleet.tuning.deriver replays it through the fleet simulator, which reads the
+# ResolvedDeployment built here (so this module cannot call it).
+Deriver = Callable[["ResolvedDeployment", int], ScalingPolicy]
+
+
+def file_scaling(d: Deployment) -> ScalingPolicy:
+    """The scaling the file writes (its defaults where it leaves a value), on its target's autoscaler."""
+    s = d.scaling
+    return ScalingPolicy(
+        kind=TARGETS[d.target.platform].autoscaler,
+        min_replicas=s.min_replicas,
+        max_replicas=s.max_replicas,
+        saturation_target=s.saturation_target,
+        queue_depth_target=s.queue_depth_target,
+        scale_in_wait_s=s.scale_in_wait_s,
+        drain_budget_s=s.drain_budget_s,
+        admission_queue=s.admission_queue,
+    )
+
+
+def resolve(env: Environment, dr: DeploymentRequest, *, derive: Deriver | None = None) -> ResolvedDeployment:
+    """Plan one deployment and decide its scaling: the file's values, or with scaling.derive what ``derive`` chooses
+    for the planned deployment (without ``derive``, the values as written). A deployment that cannot be planned is
+    the user's error (one line)."""
     d = dr.deployment
     try:
         result = plan(dr.request)
@@ -438,17 +469,7 @@ def resolve(env: Environment, dr: DeploymentRequest) -> ResolvedDeployment:
             f"{d.model.id!r} is not a Hugging Face id, so the engine cannot download it: set model.s3_uri",
             field=f"deployments[{dr.index}].model.id",
         )
-    ckpt = weight_bytes(dr.model, tp=1, scheme=dr.model.native_scheme).weights_bytes_per_gpu
-    drafter = result.best.capacity.drafter
-    if drafter is not None and drafter.draft_ref is not None and drafter.model is not None:
-        # An EAGLE head or draft model is a checkpoint of its own: downloaded by its id and read at start-up.
-        if "/" not in drafter.model.model_id:  # as for model.id: a local config.json without _name_or_path
-            raise KvfleetError(
-                f"{drafter.draft_ref!r} names no Hugging Face id, so the engine cannot download it: use a catalog id, "
-                "or a config.json whose _name_or_path is the checkpoint's id",
-                field=f"deployments[{dr.index}].speculative.draft_model",
-            )
-        ckpt += weight_bytes(drafter.model, tp=1, scheme=drafter.model.native_scheme).weights_bytes_per_gpu
+    ckpt = _checkpoint_bytes(dr, result.best)
     r = ResolvedDeployment(
         environment=env,
         deployment=d,
@@ -459,13 +480,32 @@ def resolve(env: Environment, dr: DeploymentRequest) -> ResolvedDeployment:
         checkpoint_bytes=ckpt,
         startup=startup_estimate(checkpoint_bytes=ckpt),
         workload=dr.request.workload,
+        scaling=file_scaling(d),
     )
     _check_disk(r, dr.index)
+    if d.scaling.derive and derive is not None:
+        r = replace(r, scaling=derive(r, dr.index))
     return r
 
 
-def resolve_environment(env: Environment) -> tuple[ResolvedDeployment, ...]:
-    return tuple(resolve(env, dr) for dr in plan_requests(env))
+def _checkpoint_bytes(dr: DeploymentRequest, best: Candidate) -> int:
+    """The checkpoints the engine downloads and reads at start-up: the model's, and a drafter's of its own."""
+    ckpt = weight_bytes(dr.model, tp=1, scheme=dr.model.native_scheme).weights_bytes_per_gpu
+    drafter = best.capacity.drafter
+    if drafter is not None and drafter.draft_ref is not None and drafter.model is not None:
+        # An EAGLE head or draft model is a checkpoint of its own: downloaded by its id and read at start-up.
+        if "/" not in drafter.model.model_id:  # as for model.id: a local config.json without _name_or_path
+            raise KvfleetError(
+                f"{drafter.draft_ref!r} names no Hugging Face id, so the engine cannot download it: use a catalog id, "
+                "or a config.json whose _name_or_path is the checkpoint's id",
+                field=f"deployments[{dr.index}].speculative.draft_model",
+            )
+        ckpt += weight_bytes(drafter.model, tp=1, scheme=drafter.model.native_scheme).weights_bytes_per_gpu
+    return ckpt
+
+
+def resolve_environment(env: Environment, *, derive: Deriver | None = None) -> tuple[ResolvedDeployment, ...]:
+    return tuple(resolve(env, dr, derive=derive) for dr in plan_requests(env))
 
 
 def _check_disk(r: ResolvedDeployment, index: int) -> None:

@@ -1,7 +1,7 @@
 """The deployment targets kvfleet knows: name -> hosting shape. The one registry of target names.
 
-Standard library and the pure sizing core only, so the ``kvfleet`` command reads it without loading the
-config schema or CDK. Each name here has a config class in ``kvfleet.config.targets`` and a construct in
+Standard library, the pure sizing core and the autoscaler kinds only, so the ``kvfleet`` command reads it without
+loading the config schema or CDK. Each name here has a config class in ``kvfleet.config.targets`` and a construct in
 ``kvfleet.infra`` (tests check that the three agree).
 """
 
@@ -9,11 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
 
+from kvfleet.scaling.kinds import AutoscalerKind
 from kvfleet.sizing.hosting import Hosting, PriceList, Routing
-
-Autoscaler = Literal["target_tracking", "ec2", "hpa"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,9 +19,9 @@ class Target:
     name: str
     summary: str
     hosting: Hosting
-    # The autoscaler the target's stacks deploy (kvfleet.infra.scaling), as the fleet simulator models it:
-    # Application Auto Scaling target tracking (SageMaker), EC2 Auto Scaling policies (EC2), KEDA's HPA (EKS).
-    autoscaler: Autoscaler
+    # The autoscaler the target's stacks render and the fleet simulator runs (kvfleet.scaling): Application Auto
+    # Scaling target tracking (SageMaker), EC2 Auto Scaling policies (EC2), KEDA's HPA (EKS).
+    autoscaler: AutoscalerKind
     # The stack output that says where clients reach the deployment (the construct's ``outputs`` key; `kvfleet
     # bench --env` reads it back from CloudFormation): SageMaker's endpoint name, the EC2 load balancer's DNS name.
     # None: no address outside the cluster (EKS's Service is ClusterIP).
@@ -64,7 +62,7 @@ TARGETS: Mapping[str, Target] = {
                 wider=_FLEET,
                 wider_label="platform ec2 or eks (more instance types)",
             ),
-            autoscaler="target_tracking",
+            autoscaler=AutoscalerKind.TARGET_TRACKING,
             address_output="EndpointName",
             # Application Auto Scaling takes a variant to zero only for endpoints built from inference components
             # (SageMaker Developer Guide, "Scale an endpoint to zero instances"); kvfleet deploys variants.
@@ -74,7 +72,7 @@ TARGETS: Mapping[str, Target] = {
             name="ec2",
             summary="an EC2 GPU Auto Scaling group behind a load balancer",
             hosting=_EC2,
-            autoscaler="ec2",
+            autoscaler=AutoscalerKind.EC2,
             address_output="LoadBalancerDns",
             group_output="AutoScalingGroupName",
         ),
@@ -82,7 +80,7 @@ TARGETS: Mapping[str, Target] = {
             name="eks",
             summary="a GPU node group and Deployment on EKS",
             hosting=_FLEET,
-            autoscaler="hpa",
+            autoscaler=AutoscalerKind.HPA,
             group_output="NodegroupName",
             no_scale_to_zero="KEDA scales on the pods' own signals, and with no pod there is none to wake on",
         ),

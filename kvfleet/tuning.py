@@ -1,29 +1,32 @@
 """From a resolved deployment to the fleet simulator: its fleet, the replay, and the scaling thresholds derived on it.
 
-`kvfleet simulate`, `kvfleet plan` and synth all build the simulated fleet here, so the policy the plan prints is
-the one synth deploys (``scaling.derive``) and the one `kvfleet simulate` replays.
+`kvfleet simulate`, `kvfleet plan` and synth all build the simulated fleet here (``fleet_spec``, from the scaling the
+resolved deployment carries), and ``deriver`` is how ``kvfleet.deployments.resolve`` decides a file's
+``scaling.derive``: the policy the plan prints is the one synth deploys and the one the simulator replays. Nothing
+here rewrites the environment file's objects: a decision is a ``kvfleet.scaling.ScalingPolicy``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Literal, cast
+from typing import Literal
 
 from kvfleet.calibration import Calibration
-from kvfleet.config.schema import ScalingConfig
 from kvfleet.config.targets import Ec2Target
-from kvfleet.deployments import ResolvedDeployment
+from kvfleet.deployments import Deriver, ResolvedDeployment, file_scaling
 from kvfleet.engines import adapter
 from kvfleet.errors import KvfleetError
+from kvfleet.scaling import ScalingPolicy
 from kvfleet.sim.fit import linear_model
-from kvfleet.sim.fleet import FleetSpec, Router, Scaling, WarmPool
-from kvfleet.sim.policy import INTEGER_SETTINGS, AdmissionSpace, Derivation, Outcome, Setting, derive
+from kvfleet.sim.fleet import FleetSpec, Scaling, WarmPool
+from kvfleet.sim.policy import AdmissionSpace, Derivation, Outcome, Setting, derive
 from kvfleet.sim.policy import replay as replay_policy
 from kvfleet.sim.replica import EngineLimits, StepModel
 from kvfleet.sim.steps import RooflineSteps
+from kvfleet.sizing.hosting import Routing
 from kvfleet.sizing.planner import admission
 from kvfleet.sizing.step import request_overhead_s
 from kvfleet.targets import TARGETS
@@ -95,31 +98,12 @@ class ScaledSteps:
 def fleet_spec(
     r: ResolvedDeployment, router: str | None = None, *, calibration: Calibration | None = None
 ) -> FleetSpec:
-    """The deployment as the simulator's fleet: the plan's engine limits and step times, the target's autoscaler.
-    A calibration measured on this deployment replaces the planned KV cache with the allocated one and scales the
-    step times by what was measured."""
+    """The deployment as the simulator's fleet: the plan's engine limits and step times, the scaling it deploys on
+    its target's autoscaler. A calibration measured on this deployment replaces the planned KV cache with the
+    allocated one and scales the step times by what was measured."""
     c = r.candidate
     cap = c.capacity
-    s = r.deployment.scaling
-    blocks = cap.num_blocks
-    model: StepModel = RooflineSteps.for_candidate(c, r.model)
-    overhead = request_overhead_s(r.engine)  # the engine's, where no calibration measured this deployment's
-    if calibration is not None:
-        calibration.check_matches(
-            instance_type=c.name,
-            engine=r.engine,
-            engine_version=r.deployment.engine.version,
-            model=r.model_id,
-            tp=c.tensor_parallel_size,
-        )
-        if calibration.kv_cache_tokens is not None:
-            blocks = max(1, calibration.kv_cache_tokens // cap.block_size)
-        fitted = calibration.steps
-        if fitted is not None:  # the step model fitted on the measured levels replaces the plan's
-            model = linear_model(asdict(fitted))
-            overhead = fitted.request_overhead_s
-        elif c.measured is None:  # a version 1 file: one scale (a candidate priced with it has it already)
-            model = ScaledSteps(model, calibration.step_time_scale)
+    model, blocks, overhead = _steps(r, calibration)
     limits = EngineLimits(
         max_num_seqs=r.engine_args.max_num_seqs or cap.max_num_seqs,
         max_num_batched_tokens=r.engine_args.max_num_batched_tokens or cap.max_num_batched_tokens,
@@ -129,8 +113,54 @@ def fleet_spec(
         admission_tokens=r.admission.tokens if r.deployment.admits else None,
     )
     target = TARGETS[r.deployment.target.platform]
-    sim_scaling = Scaling(
-        kind=target.autoscaler,
+    return FleetSpec(
+        limits=limits,
+        model=model,
+        scheduler=adapter(r.engine).scheduler(r.engine_args),
+        scaling=sim_scaling(r),
+        initial_replicas=r.initial_instance_count * c.engines_per_instance,
+        cold_start_s=cold_start_s(r),
+        warm_pool=warm_pool(r),
+        usd_per_replica_hour=c.usd_per_hour_per_instance / c.engines_per_instance,
+        router=Routing(router) if router else target.hosting.routing,
+        standby_usd_per_hour=standby_usd_per_hour(r),
+        request_overhead_s=overhead,
+    )
+
+
+def _steps(r: ResolvedDeployment, calibration: Calibration | None) -> tuple[StepModel, int, float]:
+    """The step model, the KV blocks and the per-request overhead: the plan's, or what a calibration measured."""
+    c = r.candidate
+    cap = c.capacity
+    blocks = cap.num_blocks
+    model: StepModel = RooflineSteps.for_candidate(c, r.model)
+    overhead = request_overhead_s(r.engine)  # the engine's, where no calibration measured this deployment's
+    if calibration is None:
+        return model, blocks, overhead
+    calibration.check_matches(
+        instance_type=c.name,
+        engine=r.engine,
+        engine_version=r.deployment.engine.version,
+        model=r.model_id,
+        tp=c.tensor_parallel_size,
+    )
+    if calibration.kv_cache_tokens is not None:
+        blocks = max(1, calibration.kv_cache_tokens // cap.block_size)
+    fitted = calibration.steps
+    if fitted is not None:  # the step model fitted on the measured levels replaces the plan's
+        model = linear_model(asdict(fitted))
+        overhead = fitted.request_overhead_s
+    elif c.measured is None:  # a version 1 file: one scale (a candidate priced with it has it already)
+        model = ScaledSteps(model, calibration.step_time_scale)
+    return model, blocks, overhead
+
+
+def sim_scaling(r: ResolvedDeployment) -> Scaling:
+    """The scaling ``r`` deploys as the simulator runs it."""
+    s = r.scaling
+    target = TARGETS[r.deployment.target.platform]
+    return Scaling(
+        kind=s.kind,
         # The config refuses 0 where the target cannot wake from zero; floored anyway, as its stacks would be.
         min_replicas=s.min_replicas if target.no_scale_to_zero is None else max(1, s.min_replicas),
         max_replicas=s.max_replicas,
@@ -141,31 +171,31 @@ def fleet_spec(
         drain_budget_s=s.drain_budget_s,
         idle_to_zero_s=float(r.idle_to_zero_s),
     )
-    return FleetSpec(
-        limits=limits,
-        model=model,
-        scheduler=adapter(r.engine).scheduler(r.engine_args),
-        scaling=sim_scaling,
-        initial_replicas=r.initial_instance_count * c.engines_per_instance,
-        cold_start_s=cold_start_s(r),
-        warm_pool=warm_pool(r),
-        usd_per_replica_hour=c.usd_per_hour_per_instance / c.engines_per_instance,
-        router=cast("Router", router or target.hosting.routing.value),
-        standby_usd_per_hour=standby_usd_per_hour(r),
-        request_overhead_s=overhead,
-    )
 
 
-def standby_usd_per_hour(r: ResolvedDeployment) -> float:
-    """What an EC2 warm pool costs while its instances wait: a Stopped pool its root volumes, a Running one its
-    instances (the serving replicas' own volumes are not counted anywhere in the simulator's dollars)."""
+# An EC2 warm pool: its state and its instances; None: no pool.
+Pool = tuple[Literal["Stopped", "Running", "Hibernated"], int] | None
+
+
+def file_pool(r: ResolvedDeployment) -> Pool:
+    """The warm pool the file keeps (EC2 only)."""
     target = r.deployment.target
     if not isinstance(target, Ec2Target) or not target.warm_pool.enabled:
+        return None
+    return target.warm_pool.state, target.warm_pool.min_size
+
+
+def standby_usd_per_hour(r: ResolvedDeployment, pool: Pool | Literal["file"] = "file") -> float:
+    """What an EC2 warm pool costs while its instances wait (``pool``: the file's by default): a Stopped pool its
+    root volumes, a Running one its instances (the serving replicas' own volumes are not counted anywhere in the
+    simulator's dollars)."""
+    pool = file_pool(r) if pool == "file" else pool
+    if pool is None:
         return 0.0
-    pool = target.warm_pool
-    if pool.state == "Running":
-        return pool.min_size * r.candidate.usd_per_hour_per_instance
-    return pool.min_size * volume_usd_per_hour(root_volume(r, nvme=False))
+    state, size = pool
+    if state == "Running":
+        return size * r.candidate.usd_per_hour_per_instance
+    return size * volume_usd_per_hour(root_volume(r, nvme=False))
 
 
 def cold_start_s(r: ResolvedDeployment) -> float:
@@ -173,16 +203,17 @@ def cold_start_s(r: ResolvedDeployment) -> float:
     return r.startup.ready_s
 
 
-def warm_pool(r: ResolvedDeployment) -> WarmPool | None:
-    """An EC2 warm pool as the simulator's: its instances have the image and the weights on disk, so a launch
-    from it boots (a Stopped one) and starts the engine; the pool prepares a replacement in a whole cold start."""
-    target = r.deployment.target
-    if not isinstance(target, Ec2Target) or not target.warm_pool.enabled:
+def warm_pool(r: ResolvedDeployment, pool: Pool | Literal["file"] = "file") -> WarmPool | None:
+    """An EC2 warm pool (``pool``: the file's by default) as the simulator's: its instances have the image and the
+    weights on disk, so a launch from it boots (a Stopped one) and starts the engine; the pool prepares a replacement
+    in a whole cold start."""
+    pool = file_pool(r) if pool == "file" else pool
+    if pool is None:
         return None
-    pool = target.warm_pool
+    state, size = pool
     return WarmPool(
-        size=pool.min_size,
-        start_s=WARM_BOOT_S[pool.state] + r.startup.container_start_s,
+        size=size,
+        start_s=WARM_BOOT_S[state] + r.startup.container_start_s,
         refill_s=r.startup.ready_s,
     )
 
@@ -226,7 +257,7 @@ def step_trace(r: ResolvedDeployment) -> Trace:
 class ScalingDecision:
     """The scaling a deployment deploys, and the derivation behind it (None: the file's values as written)."""
 
-    scaling: ScalingConfig
+    scaling: ScalingPolicy
     derivation: Derivation | None
     replay: str | None  # what was replayed
 
@@ -242,9 +273,16 @@ def _fingerprint(trace: Trace) -> str:
 _CACHE: dict[tuple[str, ...], Derivation] = {}
 
 
+def _as_filed(r: ResolvedDeployment) -> ResolvedDeployment:
+    """``r`` with the scaling its file writes: what a derivation starts from, whatever ``r`` was decided with."""
+    filed = file_scaling(r.deployment)
+    return r if r.scaling == filed else replace(r, scaling=filed)
+
+
 def derivation(r: ResolvedDeployment, trace: Trace | None = None, *, pin_all: bool = False) -> tuple[Derivation, str]:
     """The thresholds derived for ``r`` on ``trace`` (or the step replay), holding what the file sets (every
     setting with ``pin_all``: what the file's values cost against the derived ones)."""
+    r = _as_filed(r)
     d = r.deployment
     w = d.workload
     if w.ttft_ms is None:
@@ -287,26 +325,49 @@ def derivation(r: ResolvedDeployment, trace: Trace | None = None, *, pin_all: bo
 
 
 def decide(r: ResolvedDeployment, trace: Trace | None = None) -> ScalingDecision:
-    """What synth deploys: with ``scaling.derive``, the derived thresholds for what the file does not set."""
+    """The scaling ``r``'s file deploys: its values, and with ``scaling.derive`` the derived thresholds for what it
+    does not set."""
     s = r.deployment.scaling
+    filed = file_scaling(r.deployment)
     if not s.derive:
-        return ScalingDecision(scaling=s, derivation=None, replay=None)
+        return ScalingDecision(scaling=filed, derivation=None, replay=None)
     found, replay = derivation(r, trace)
     p = found.policy
-    update: dict[str, object] = {}
-    for k, setting in SETTINGS_BY_FIELD.items():
-        if k in s.pinned or (setting == "admission_queue" and p.admission_queue is None):
-            continue
-        v = p.value(setting)
-        update[k] = int(v) if setting in INTEGER_SETTINGS else v
-    return ScalingDecision(scaling=s.model_copy(update=update), derivation=found, replay=replay)
+
+    def chosen(field: str) -> float | None:
+        """The replay's value of a file setting; None where the file sets it (or nothing admits)."""
+        setting = SETTINGS_BY_FIELD[field]
+        if field in s.pinned or (setting == "admission_queue" and p.admission_queue is None):
+            return None
+        return p.value(setting)
+
+    sat, queue = chosen("saturation_target"), chosen("queue_depth_target")
+    low, wait, queued = chosen("min_replicas"), chosen("scale_in_after_s"), chosen("admission_queue")
+    scaling = replace(
+        filed,
+        saturation_target=filed.saturation_target if sat is None else sat,
+        queue_depth_target=filed.queue_depth_target if queue is None else queue,
+        min_replicas=filed.min_replicas if low is None else int(low),
+        # Never under the floor, as ScalingConfig.scale_in_wait_s.
+        scale_in_wait_s=filed.scale_in_wait_s if wait is None else max(s.scale_in_floor_s, int(wait)),
+        admission_queue=filed.admission_queue if queued is None else int(queued),
+    )
+    return ScalingDecision(scaling=scaling, derivation=found, replay=replay)
+
+
+def deriver(traces: Mapping[int, Trace] | None = None) -> Deriver:
+    """How ``kvfleet.deployments.resolve`` decides a file's ``scaling.derive``: each deployment's trace (by its
+    index in the file) replayed, the step replay where it has none."""
+
+    def derived(r: ResolvedDeployment, index: int) -> ScalingPolicy:
+        return decide(r, (traces or {}).get(index)).scaling
+
+    return derived
 
 
 def with_decision(r: ResolvedDeployment, decision: ScalingDecision) -> ResolvedDeployment:
-    """``r`` deploying the decided scaling (its stacks read ``r.deployment.scaling``)."""
-    if decision.scaling is r.deployment.scaling:
-        return r
-    return replace(r, deployment=r.deployment.model_copy(update={"scaling": decision.scaling}))
+    """``r`` deploying the decided scaling."""
+    return r if decision.scaling == r.scaling else replace(r, scaling=decision.scaling)
 
 
 # ---- standby: a warm minimum, a warm pool or scale to zero, compared on the replay --------------------------------
@@ -395,6 +456,31 @@ def exposed_requests(trace: Trace, wait_s: float, delay_s: float) -> int:
     return exposed
 
 
+def _standby_wanted(r: ResolvedDeployment, min_replicas: int) -> tuple[list[tuple[int, StandbyPool, int]], list[str]]:
+    """(min_replicas, pool, pool size) of each option to replay, the file's first; and those the target cannot
+    deploy, each with why."""
+    target = TARGETS[r.deployment.target.platform]
+    configured = file_pool(r)
+    configured_pool: StandbyPool = "none"
+    configured_size = 0
+    if configured is not None:
+        state, size = configured
+        if state != "Hibernated":  # the config refuses it
+            configured_pool, configured_size = state, size
+    warm = max(1, min_replicas)
+    wanted: list[tuple[int, StandbyPool, int]] = [(min_replicas, configured_pool, configured_size), (warm, "none", 0)]
+    unavailable: list[str] = []
+    if isinstance(r.deployment.target, Ec2Target):
+        wanted.append((warm, "Stopped", max(1, configured_size)))
+    else:
+        unavailable.append(f"warm pools: EC2 Auto Scaling only, not {target.name}")
+    if target.no_scale_to_zero is None:
+        wanted += [(0, "none", 0), (0, "Stopped", max(1, configured_size))]
+    else:
+        unavailable.append(f"scale to zero: not on {target.name}: {target.no_scale_to_zero}")
+    return wanted, unavailable
+
+
 def standby_comparison(r: ResolvedDeployment, trace: Trace | None = None) -> StandbyComparison:
     """The deployment's scaling (derived where the file derives it) replayed with each way of waiting for traffic
     its target can deploy: the minimum it keeps warm, an EC2 warm pool, and scale to zero from a cold launch or
@@ -405,27 +491,9 @@ def standby_comparison(r: ResolvedDeployment, trace: Trace | None = None) -> Sta
             "the standby options are compared on a TTFT target; set workload.ttft_ms", field="workload.ttft_ms"
         )
     decided = with_decision(r, decide(r, trace))
-    s = decided.deployment.scaling
+    goal = r.deployment.scaling.slo_attainment
     replay_trace = trace if trace is not None else step_trace(r)
-    target = TARGETS[r.deployment.target.platform]
-    is_ec2 = isinstance(r.deployment.target, Ec2Target)
-    pool_cfg = r.deployment.target.warm_pool if isinstance(r.deployment.target, Ec2Target) else None
-    warm = max(1, s.min_replicas)
-    configured_pool: StandbyPool = "none"
-    configured_size = 0
-    if pool_cfg is not None and pool_cfg.enabled and pool_cfg.state != "Hibernated":  # the config refuses Hibernated
-        configured_pool, configured_size = pool_cfg.state, pool_cfg.min_size
-    wanted: list[tuple[int, StandbyPool, int]] = [(s.min_replicas, configured_pool, configured_size)]
-    unavailable: list[str] = []
-    wanted.append((warm, "none", 0))
-    if is_ec2:
-        wanted.append((warm, "Stopped", max(1, configured_size)))
-    else:
-        unavailable.append(f"warm pools: EC2 Auto Scaling only, not {target.name}")
-    if target.no_scale_to_zero is None:
-        wanted += [(0, "none", 0), (0, "Stopped", max(1, configured_size))]
-    else:
-        unavailable.append(f"scale to zero: not on {target.name}: {target.no_scale_to_zero}")
+    wanted, unavailable = _standby_wanted(r, decided.scaling.min_replicas)
     base = fleet_spec(decided)
     options: list[StandbyOption] = []
     seen: set[tuple[int, StandbyPool, int]] = set()
@@ -434,15 +502,20 @@ def standby_comparison(r: ResolvedDeployment, trace: Trace | None = None) -> Sta
         if (m, pool, size) in seen:
             continue
         seen.add((m, pool, size))
-        variant = _with_standby(decided, m, pool, size)
+        kept: Pool = None if pool == "none" else (pool, size)
         spec = replace(
             base,
             scaling=replace(base.scaling, min_replicas=m),
-            warm_pool=warm_pool(variant),
-            standby_usd_per_hour=standby_usd_per_hour(variant),
+            warm_pool=warm_pool(decided, kept),
+            standby_usd_per_hour=standby_usd_per_hour(decided, kept),
         )
         first_start = spec.warm_pool.start_s if spec.warm_pool is not None else spec.cold_start_s
-        outcome = replay_policy(replay_trace, spec, ttft_slo_s=w.ttft_ms / 1000, goal=s.slo_attainment)
+        # At zero: the requests refused while a woken replica starts, whatever the thresholds.
+        exposed = (
+            exposed_requests(replay_trace, float(r.idle_to_zero_s), spec.scaling.wake_s + first_start)
+            if m == 0
+            else None
+        )
         options.append(
             StandbyOption(
                 min_replicas=m,
@@ -450,13 +523,9 @@ def standby_comparison(r: ResolvedDeployment, trace: Trace | None = None) -> Sta
                 pool_size=size,
                 cold_start_s=first_start,
                 standby_usd_per_hour=spec.standby_usd_per_hour,
-                outcome=outcome,
+                outcome=replay_policy(replay_trace, spec, ttft_slo_s=w.ttft_ms / 1000, goal=goal),
                 configured=i == 0,
-                exposed=(
-                    exposed_requests(replay_trace, float(r.idle_to_zero_s), spec.scaling.wake_s + first_start)
-                    if m == 0
-                    else None
-                ),
+                exposed=exposed,
                 wake_s=spec.scaling.wake_s if m == 0 else 0.0,
             )
         )
@@ -464,22 +533,7 @@ def standby_comparison(r: ResolvedDeployment, trace: Trace | None = None) -> Sta
         options=tuple(options),
         gaps=idle_gaps(replay_trace, float(r.idle_to_zero_s)),
         ttft_slo_s=w.ttft_ms / 1000,
-        goal=s.slo_attainment,
+        goal=goal,
         replay=replay_trace.source,
         unavailable=tuple(unavailable),
     )
-
-
-def _with_standby(r: ResolvedDeployment, min_replicas: int, pool: StandbyPool, size: int) -> ResolvedDeployment:
-    d = r.deployment
-    update: dict[str, object] = {"scaling": d.scaling.model_copy(update={"min_replicas": min_replicas})}
-    target = d.target
-    if isinstance(target, Ec2Target):
-        wp = target.warm_pool
-        new_pool = (
-            wp.model_copy(update={"enabled": False})
-            if pool == "none"
-            else wp.model_copy(update={"enabled": True, "state": pool, "min_size": size})
-        )
-        update["target"] = target.model_copy(update={"warm_pool": new_pool})
-    return replace(r, deployment=d.model_copy(update=update))

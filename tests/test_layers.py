@@ -25,11 +25,13 @@ ALLOWED: dict[str, set[str]] = {
     "extras": {"errors"},
     "sizing": {"errors", "versions"},
     "engines": {"contract", "versions"},
-    "targets": {"sizing"},
+    # Each autoscaler once, on the contract's signals: the simulator runs it, the stacks render it.
+    "scaling": {"contract"},
+    "targets": {"sizing", "scaling"},
     "config": {"sizing", "engines", "targets", "contract", "errors", "versions", "workload"},
-    "deployments": {"config", "sizing", "engines", "targets", "contract", "errors", "versions"},
+    "deployments": {"config", "sizing", "engines", "targets", "contract", "errors", "versions", "scaling"},
     "workload": {"contract", "errors"},
-    "sim": {"sizing", "workload", "contract", "errors", "engines", "versions", "extras"},
+    "sim": {"sizing", "workload", "contract", "errors", "engines", "versions", "extras", "scaling"},
     # The live checks (bench.live) read a resolved deployment: what its stack outputs and its plan say.
     "bench": {"contract", "engines", "errors", "deployments", "targets", "extras"},
     "citemplate": {"config"},
@@ -39,7 +41,7 @@ ALLOWED: dict[str, set[str]] = {
     # The bridge from a resolved deployment to the simulator (fleet, replay, derived thresholds).
     "tuning": {
         *("config", "deployments", "sim", "workload", "sizing", "targets", "errors", "calibration", "volumes"),
-        "engines",
+        *("engines", "scaling"),
     },
     "cli": {
         "config",
@@ -66,6 +68,7 @@ ALLOWED: dict[str, set[str]] = {
         "tuning",
         "workload",
         "sizing",
+        "scaling",
         "engines",
         "targets",
         "contract",
@@ -82,6 +85,7 @@ THIRD_PARTY: dict[str, set[str] | None] = {
     "extras": set(),
     "engines": set(),
     "sizing": set(),
+    "scaling": set(),
     "targets": set(),
     "config": {"pydantic", "yaml"},
     "deployments": set(),

@@ -557,15 +557,6 @@ class ScalingConfig(Frozen):
         """The thresholds this file sets (derive leaves them as written)."""
         return frozenset(self.model_fields_set & DERIVED_SCALING)
 
-    @property
-    def signal_targets(self) -> tuple[tuple[contract.Signal, float], ...]:
-        """Each scaling signal with the per-replica value to hold the fleet at, in the contract's order."""
-        targets = {
-            contract.REPLICA_SATURATION.name: self.saturation_target,
-            contract.REQUESTS_WAITING.name: self.queue_depth_target,
-        }
-        return tuple((s, targets[s.name]) for s in contract.SCALING_SIGNALS)
-
 
 class ServingConfig(Frozen):
     """What the serving agent does with requests: tenant isolation of the prefix cache, token-aware admission."""

@@ -30,7 +30,7 @@ from kvfleet.deployments import resolve_environment
 from kvfleet.errors import EXIT_USER_ERROR, SYNTH_STATUS_ENV, ConfigError, KvfleetError
 from kvfleet.infra.alerts import AlertsStack, alerts_stack_name
 from kvfleet.infra.stack import DeploymentStack
-from kvfleet.tuning import decide, with_decision
+from kvfleet.tuning import deriver
 from kvfleet.workload.traces import Trace
 
 DEFAULT_ENV = "dev"
@@ -61,7 +61,7 @@ def add_environment(
     ``traces`` are the deployments' workload traces as the loader read them (by deployment index):
     ``scaling.derive`` replays them, and without one a step at the workload's peak."""
     # The thresholds the file leaves to scaling.derive are those `kvfleet plan` prints (the same search, cached).
-    resolved = [with_decision(r, decide(r, (traces or {}).get(i))) for i, r in enumerate(resolve_environment(env))]
+    resolved = resolve_environment(env, derive=deriver(traces))
     alerts = (
         None
         if env.notifications.topic_arn is not None

@@ -39,8 +39,8 @@ from aws_cdk import aws_cloudwatch as cw
 from constructs import Construct
 
 from kvfleet import contract
-from kvfleet.config.schema import ScalingConfig
 from kvfleet.infra.metrics import PERIOD, PlatformMetrics, signal_metric
+from kvfleet.scaling import ScalingPolicy
 
 # Saturation above this: the engine preempts (cache full) or queues (every sequence slot taken); scale-out should
 # have prevented it.
@@ -68,7 +68,7 @@ class ServingMonitoring(Construct):
         id: str,
         *,
         deployment_id: str,
-        scaling: ScalingConfig,
+        scaling: ScalingPolicy,
         signals_published: bool = True,
         max_num_seqs: int | None = None,
         slots_bind: bool = False,
@@ -289,7 +289,7 @@ class _Metrics:
         self.cancelled = signal_metric(d, s.CLIENT_CANCELLED, label="cancelled by the client")
 
 
-def error_rate_threshold(scaling: ScalingConfig) -> float:
+def error_rate_threshold(scaling: ScalingPolicy) -> float:
     """The 5xx share the rate alarm fires above (see ERROR_RATE_CEILING)."""
     return min(ERROR_RATE_CEILING, 1 / (2 * scaling.max_replicas))
 

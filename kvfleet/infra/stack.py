@@ -95,7 +95,7 @@ class DeploymentStack(Stack):
             self,
             "Monitoring",
             deployment_id=r.deployment_id,
-            scaling=r.deployment.scaling,
+            scaling=r.scaling,
             signals_published=r.deployment.image.source != "dlc",
             max_num_seqs=r.engine_args.max_num_seqs,
             slots_bind=r.candidate.limited_by != "kv-cache",

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from kvfleet.engines import adapter
 from kvfleet.engines.base import EngineArgs
 from kvfleet.errors import KvfleetError
+from kvfleet.scaling import AutoscalerKind
 from kvfleet.sim.fleet import FleetSpec, Scaling
 from kvfleet.sim.replica import EngineLimits
 from kvfleet.sim.steps import RooflineSteps
@@ -24,6 +25,9 @@ from kvfleet.sizing.planner import Candidate, Workload
 from kvfleet.sizing.precision import kv_dtype, weight_scheme
 from kvfleet.sizing.step import StepConstants, nvlink_bytes_per_s, replica, request_overhead_s
 from kvfleet.workload.shapes import ClosedLoop, Lengths, PoissonLoad
+
+# One replica that nothing scales (the planned fleet's count is its initial_replicas).
+ONE_FIXED = Scaling(kind=AutoscalerKind.NONE, min_replicas=1, max_replicas=1, kv_cache_target=1.0, queue_target=1e9)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,7 +125,7 @@ def start(e: EngineStart, *, longest_request_tokens: int, constants: StepConstan
             ),
             model=RooflineSteps(rep, constants),
             scheduler=adapter(e.engine).scheduler(args),
-            scaling=Scaling(kind="none", min_replicas=1, max_replicas=1, kv_cache_target=1.0, queue_target=1e9),
+            scaling=ONE_FIXED,
             initial_replicas=1,
             cold_start_s=0.0,
             usd_per_replica_hour=price.usd_per_hour * e.tp / it.accelerator_count if price and it else None,
@@ -155,11 +159,11 @@ def planned_fleet(c: Candidate, model: ModelSpec, wl: Workload) -> tuple[FleetSp
         ),
         model=RooflineSteps.for_candidate(c, model),
         scheduler=adapter(cap.engine.value).scheduler(EngineArgs(tensor_parallel_size=c.tensor_parallel_size)),
-        scaling=Scaling(kind="none", min_replicas=1, max_replicas=1, kv_cache_target=1.0, queue_target=1e9),
+        scaling=ONE_FIXED,
         initial_replicas=c.replicas,
         cold_start_s=0.0,
         usd_per_replica_hour=c.usd_per_hour_per_instance / c.engines_per_instance,
-        router=c.hosting.routing.value,
+        router=c.hosting.routing,
         request_overhead_s=request_overhead_s(cap.engine.value),
     )
     lengths = Lengths(input_tokens=wl.input_tokens, output_tokens=wl.output_tokens)

@@ -1,27 +1,14 @@
 """A fleet of replicas behind a router, scaled by the autoscaler its target really has.
 
-Autoscalers (the rules as AWS and Kubernetes document them):
+The autoscalers are ``kvfleet.scaling``'s, the objects the stacks render: the fleet feeds each the signals it
+publishes, asks it at its evaluation period (a minute for CloudWatch's alarms, the HPA's 15 s sync) and launches or
+drains what it decides.
 
-- ``target_tracking`` (SageMaker through Application Auto Scaling; EC2 Auto Scaling): the policy's alarms read
-  1-minute data; the high alarm fires after 3 consecutive minutes above the target and the low alarm after
-  15 consecutive minutes below 90% of it. On a breach the capacity goes to ceil(n x metric / target)
-  (scale-in: at most to that, never below the minimum). Several policies: scale out when any asks, in only
-  when all do. Cooldowns follow the alarm (Application Auto Scaling User Guide, "Target tracking scaling
-  policies" and "How target tracking works"; EC2 Auto Scaling User Guide, "Target tracking scaling policies").
-  New instances count only once they serve (SageMaker InService; EC2 instance warm-up).
-- ``ec2``: what kvfleet deploys on EC2 (kvfleet/infra/scaling.py): target tracking scales out only, and one
-  instance goes when, for every minute of the scale-in wait, max(signal / target) x n / (n - 1) < 1; the next
-  no sooner than one more wait (the simple policy's cooldown).
-- ``hpa`` (EKS through KEDA): the HPA controller syncs every 15 s, desired = ceil(n x metric / target) when the
-  ratio is outside the 10% tolerance; scale-up takes effect at once, scale-down uses the highest
-  recommendation of the stabilization window (kubernetes.io, "Horizontal Pod Autoscaling", algorithm details
-  and `--horizontal-pod-autoscaler-sync-period`, default 15 s).
-
-Scale to zero (``min_replicas`` 0, what kvfleet deploys on EC2: kvfleet/infra/scaling.py ``scale_group_to_zero``):
-the fleet goes to zero once no request has arrived for ``idle_to_zero_s``; at zero every arrival is refused (the
-load balancer answers 503 with no target registered) and the first one wakes the fleet ``wake_s`` later (the 503
-count's one-minute period, the alarm's evaluation, the policy), which then starts one replica with the full cold
-start (or the warm pool's).
+Scale to zero (``min_replicas`` 0, what kvfleet deploys on EC2: ``kvfleet.scaling.ScaleToZero``): the fleet goes to
+zero once no request has arrived for ``idle_to_zero_s``; at zero every arrival is refused (the load balancer answers
+503 with no target registered) and the first one wakes the fleet ``wake_s`` later (the 503 count's one-minute
+period, the alarm's evaluation, the policy), which then starts one replica with the full cold start (or the warm
+pool's).
 
 The metrics are those the agent publishes and the stacks scale on (kvfleet.contract.SCALING_SIGNALS): replica
 saturation and requests waiting, averaged over the serving replicas, sampled every publish interval. A replica's
@@ -33,42 +20,27 @@ sequences than max_num_seqs lets run, so a policy on it would never ask for repl
 from __future__ import annotations
 
 import heapq
-import math
 import random
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
 
 from kvfleet import contract
 from kvfleet.engines.scheduling import Scheduler
+from kvfleet.scaling import WAKE_S, Autoscaler, AutoscalerKind, Controller, ScaleToZero, autoscaler
+from kvfleet.scaling.autoscalers import PERIOD_S, Observation
 from kvfleet.sim.replica import EngineLimits, Replica, Request, Stats, StepModel
+from kvfleet.sizing.hosting import Routing
 from kvfleet.workload.traces import Trace
 
-# The strings of kvfleet.sizing.hosting.Routing (a test checks they agree): least_outstanding sends each arrival to
-# a replica with the fewest requests in flight; random to any serving replica alike (seeded: a replay repeats);
-# round_robin to each in turn.
-Router = Literal["least_outstanding", "random", "round_robin"]
+# A random router is seeded: a replay repeats.
 ROUTER_SEED = 0
-AutoscalerKind = Literal["target_tracking", "ec2", "hpa", "none"]
-
-# Application Auto Scaling / EC2 target tracking: alarm periods and datapoints (see the module docstring).
-TT_PERIOD_S = 60
-TT_OUT_DATAPOINTS = 3
-TT_IN_DATAPOINTS = 15
-TT_IN_FRACTION = 0.9
-# Kubernetes HPA defaults.
-HPA_SYNC_S = 15
-HPA_TOLERANCE = 0.1
-# From the first request refused at zero to the launch: the load balancer's 503 count closes its one-minute period,
-# CloudWatch evaluates the alarm on it (within about a minute of the period's end) and the alarm runs the policy.
-# A planning figure, not a measurement.
-WAKE_S = 120.0
 
 
 @dataclass(frozen=True, kw_only=True)
 class Scaling:
-    kind: AutoscalerKind
+    """The simulated fleet's autoscaler (``kind``) and its parameters, as ``kvfleet.scaling.autoscaler`` takes them."""
+
+    kind: str  # an AutoscalerKind (or its value, as the CLI and the tests write it)
     min_replicas: int
     max_replicas: int
     # The saturation target (ScalingConfig.saturation_target; contract.REPLICA_SATURATION), not a target on raw
@@ -76,13 +48,31 @@ class Scaling:
     kv_cache_target: float
     queue_target: float
     scale_out_cooldown_s: float = 60.0
-    scale_in_cooldown_s: float = 300.0
+    scale_in_cooldown_s: float = 300.0  # the scale-in wait of target tracking and EC2's one-fewer rule
     stabilization_s: float = 300.0  # HPA scale-down window
     drain_budget_s: float = 300.0
     # With min_replicas 0: the time without arrivals after which the fleet goes to zero (None: the scale-in wait),
     # and the delay from the first request refused at zero to the launch that wakes it.
     idle_to_zero_s: float | None = None
     wake_s: float = WAKE_S
+
+    def autoscaler(self) -> Autoscaler | None:
+        kind = AutoscalerKind(self.kind)
+        return autoscaler(
+            kind,
+            min_replicas=self.min_replicas,
+            max_replicas=self.max_replicas,
+            saturation_target=self.kv_cache_target,
+            queue_target=self.queue_target,
+            scale_in_wait_s=self.stabilization_s if kind == AutoscalerKind.HPA else self.scale_in_cooldown_s,
+            scale_out_cooldown_s=self.scale_out_cooldown_s,
+        )
+
+    def to_zero(self) -> ScaleToZero | None:
+        if self.min_replicas != 0:
+            return None
+        idle = self.idle_to_zero_s if self.idle_to_zero_s is not None else self.scale_in_cooldown_s
+        return ScaleToZero(idle_s=idle, wake_s=self.wake_s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,7 +96,7 @@ class FleetSpec:
     initial_replicas: int
     cold_start_s: float
     usd_per_replica_hour: float | None
-    router: Router = "least_outstanding"
+    router: Routing = Routing.LEAST_OUTSTANDING
     exact_steps: bool = False  # simulate every decode step on its own (slow; the check on the leaps)
     # Paid for the whole replay whatever serves: a warm pool's stopped instances (their volumes) or running ones.
     standby_usd_per_hour: float = 0.0
@@ -169,13 +159,12 @@ class Fleet:
         self._rr = 0
         self._random = random.Random(ROUTER_SEED)
         self._next_id = 0
-        self._last_out_s = -math.inf
-        self._last_in_s = -math.inf
-        wait_minutes = math.ceil(spec.scaling.scale_in_cooldown_s / TT_PERIOD_S)
-        keep = max(TT_IN_DATAPOINTS, wait_minutes)
-        self._minutes: deque[tuple[float, float]] = deque(maxlen=keep)  # (saturation, queue) per minute
-        self._window: list[tuple[float, float]] = []  # samples within the current minute
-        self._hpa_recs: deque[tuple[float, int]] = deque()
+        self._autoscaler = spec.scaling.autoscaler()
+        # The fleet was at its planned size before the replay began (the HPA's recommendation history).
+        self._controller: Controller | None = (
+            self._autoscaler.controller(spec.initial_replicas) if self._autoscaler is not None else None
+        )
+        self._to_zero = spec.scaling.to_zero() if self._autoscaler is not None else None
         self._last_arrival_s = 0.0
         self._wake_at: float | None = None  # the first request refused while the fleet was at zero
         pool = spec.warm_pool
@@ -183,8 +172,11 @@ class Fleet:
         self.pool_launches = 0
         for _ in range(spec.initial_replicas):
             self._launch(0.0, ready_now=True)
-        # The fleet was at its planned size before the replay began: that is the HPA's recommendation history.
-        self._hpa_recs.append((0.0, spec.initial_replicas))
+
+    @property
+    def scale_every_s(self) -> int:
+        """How often the autoscaler evaluates: its alarms' period or the HPA's sync."""
+        return self._autoscaler.period_s if self._autoscaler is not None else PERIOD_S
 
     # ---- membership ---------------------------------------------------------------------------------------
 
@@ -234,10 +226,10 @@ class Fleet:
             if self._wake_at is None and self._desired_count() == 0:
                 self._wake_at = t
             return
-        if self.spec.router == "round_robin":
+        if self.spec.router == Routing.ROUND_ROBIN:
             self._rr = (self._rr + 1) % len(serving)
             target = serving[self._rr]
-        elif self.spec.router == "random":
+        elif self.spec.router == Routing.RANDOM:
             target = self._random.choice(serving)
         else:
             target = min(serving, key=lambda r: (r.outstanding, r.rid))
@@ -268,7 +260,8 @@ class Fleet:
         n = len(serving)
         kvs = [r.kv_utilization for r in serving]
         kv = sum(kvs) / n if n else 0.0
-        sat = sum(saturation(r) for r in serving) / n if n else 0.0
+        sat_sum = sum(saturation(r) for r in serving)
+        sat = sat_sum / n if n else 0.0
         waiting = sum(len(r.waiting) for r in serving)
         self.samples.append(
             Sample(
@@ -285,20 +278,20 @@ class Fleet:
                 rejected_503=self.stats.rejected_503,
             )
         )
-        if n:
-            self._window.append((sat, waiting / n))
+        if n and self._autoscaler is not None and self._controller is not None:
+            totals = {contract.REPLICA_SATURATION.name: sat_sum, contract.REQUESTS_WAITING.name: float(waiting)}
+            means = {contract.REPLICA_SATURATION.name: sat, contract.REQUESTS_WAITING.name: waiting / n}
+            names = [x.signal.name for x in self._autoscaler.targets]
+            self._controller.observe(
+                Observation(in_service=n, means=tuple(means[k] for k in names), totals=tuple(totals[k] for k in names))
+            )
 
     def _scale_to(self, t: float, desired: int, why: str) -> None:
-        s = self.spec.scaling
-        # Only the idle rule takes the fleet to zero: the signal policies never ask for fewer than one replica.
-        floor = 0 if why == "to zero" else max(1, s.min_replicas)
-        desired = max(floor, min(s.max_replicas, desired))
+        """Launch or drain to ``desired`` (what a rule decided, within its bounds)."""
         current = self._desired_count()
         if desired > current:
             for _ in range(desired - current):
                 self._launch(t)
-            self._last_out_s = t
-            self.events.append((t, desired, why))
         elif desired < current:
             # Drain the newest serving replicas first (the ones that started last hold the least work).
             candidates = [m for m in self.members if m.gone_s is None and m.drain_started_s is None]
@@ -306,107 +299,36 @@ class Fleet:
             for m in candidates[: current - desired]:
                 m.drain_started_s = t
                 self._maybe_leave(m, t)
-            self._last_in_s = t
-            self.events.append((t, desired, why))
+        else:
+            return
+        self.events.append((t, desired, why))
+        if self._controller is not None:
+            self._controller.moved(t, current, desired)
 
     def autoscale(self, t: float) -> None:
-        s = self.spec.scaling
-        if s.kind == "none":
+        c = self._controller
+        if c is None:
             return
-        if s.min_replicas == 0 and self._zero(t):
+        if self._to_zero is not None and self._zero(t, self._to_zero, c):
             return
-        if s.kind in ("target_tracking", "ec2"):
-            self._target_tracking(t)
-        else:
-            self._hpa(t)
+        decision = c.evaluate(t, in_service=len(self._serving(t)), desired=self._desired_count())
+        if decision is not None:
+            self._scale_to(t, decision.desired, decision.why)
 
-    def _zero(self, t: float) -> bool:
+    def _zero(self, t: float, rule: ScaleToZero, c: Controller) -> bool:
         """Scale to zero and back: True when the fleet is at zero or has just gone there (nothing else to do)."""
-        s = self.spec.scaling
         if self._desired_count() == 0:
-            if self._wake_at is not None and t - self._wake_at >= s.wake_s:
+            if rule.wakes(t, refused_s=self._wake_at):
                 self._wake_at = None
                 self._scale_to(t, 1, "wake")
-                self._minutes.clear()
-                self._window.clear()
+                c.forget()
             return True
-        idle = s.idle_to_zero_s if s.idle_to_zero_s is not None else s.scale_in_cooldown_s
-        if t - self._last_arrival_s >= idle and not any(m.replica.outstanding for m in self._alive()):
+        busy = any(m.replica.outstanding for m in self._alive())
+        if rule.idle(t, last_arrival_s=self._last_arrival_s, busy=busy):
             self._scale_to(t, 0, "to zero")
-            self._minutes.clear()
-            self._window.clear()
+            c.forget()
             return True
         return False
-
-    def _target_tracking(self, t: float) -> None:
-        s = self.spec.scaling
-        if not self._window:
-            return
-        sat = sum(w[0] for w in self._window) / len(self._window)
-        q = sum(w[1] for w in self._window) / len(self._window)
-        self._window.clear()
-        self._minutes.append((sat, q))
-        n = len(self._serving(t)) or 1
-        recent = list(self._minutes)
-        out_votes = []
-        for i, target in ((0, s.kv_cache_target), (1, s.queue_target)):
-            last = recent[-TT_OUT_DATAPOINTS:]
-            if len(last) == TT_OUT_DATAPOINTS and all(m[i] > target for m in last):
-                out_votes.append(math.ceil(n * last[-1][i] / target))
-        if out_votes and t - self._last_out_s >= s.scale_out_cooldown_s:
-            self._scale_to(t, max(out_votes), "scale-out")
-            self._minutes.clear()
-            return
-        if s.kind == "ec2":
-            self._one_fewer(t, n, recent)
-            return
-        recent = recent[-TT_IN_DATAPOINTS:]
-        low_sat, low_q = TT_IN_FRACTION * s.kv_cache_target, TT_IN_FRACTION * s.queue_target
-        if (
-            len(recent) == TT_IN_DATAPOINTS
-            and t - self._last_in_s >= s.scale_in_cooldown_s
-            and all(m[0] < low_sat and m[1] < low_q for m in recent)
-        ):
-            # The capacity that would put the last minute at the target, as the out side computes it.
-            desired = max(
-                math.ceil(n * recent[-1][0] / s.kv_cache_target), math.ceil(n * recent[-1][1] / s.queue_target)
-            )
-            if desired < self._desired_count():
-                self._scale_to(t, desired, "scale-in")
-                self._minutes.clear()
-
-    def _one_fewer(self, t: float, n: int, recent: list[tuple[float, float]]) -> None:
-        s = self.spec.scaling
-        need = math.ceil(s.scale_in_cooldown_s / TT_PERIOD_S)
-        if n < 2 or len(recent) < need or t - self._last_in_s < s.scale_in_cooldown_s:
-            return
-        if all(max(sat / s.kv_cache_target, q / s.queue_target) * n / (n - 1) < 1 for sat, q in recent[-need:]):
-            self._scale_to(t, self._desired_count() - 1, "scale-in")
-            self._minutes.clear()
-
-    def _hpa(self, t: float) -> None:
-        s = self.spec.scaling
-        if not self._window:
-            return
-        sat = self._window[-1][0]
-        q = self._window[-1][1]
-        self._window.clear()
-        n = len(self._serving(t)) or 1
-        recs = []
-        for value, target in ((sat, s.kv_cache_target), (q, s.queue_target)):
-            ratio = value / target
-            recs.append(n if abs(ratio - 1) <= HPA_TOLERANCE else math.ceil(n * ratio))
-        rec = max(recs)
-        self._hpa_recs.append((t, rec))
-        while self._hpa_recs and self._hpa_recs[0][0] < t - s.stabilization_s:
-            self._hpa_recs.popleft()
-        current = self._desired_count()
-        if rec > current:
-            self._scale_to(t, rec, "scale-out")
-        else:
-            stable = max(r for _, r in self._hpa_recs)
-            if stable < current:
-                self._scale_to(t, stable, "scale-in")
 
 
 def simulate(
@@ -422,7 +344,7 @@ def simulate(
     candidate as soon as it has missed more requests than its goal allows); the result then says where."""
     fleet = Fleet(spec, hash_block_tokens=trace.block_tokens)
     publish = float(contract.PUBLISH_INTERVAL_S)
-    scale_every = HPA_SYNC_S if spec.scaling.kind == "hpa" else TT_PERIOD_S
+    scale_every = fleet.scale_every_s
     arrivals = trace.arrival_s
     inputs = trace.input_tokens
     outputs = trace.output_tokens

@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
+from kvfleet.scaling import AutoscalerKind
 from kvfleet.sim.fleet import Fleet, FleetResult, FleetSpec, Scaling, finish, simulate
 from kvfleet.sim.replica import Replica, Request
 from kvfleet.workload.shapes import ClosedLoop, PoissonLoad
@@ -26,7 +27,7 @@ def fixed(spec: FleetSpec, replicas: int) -> FleetSpec:
         spec,
         initial_replicas=replicas,
         scaling=Scaling(
-            kind="none",
+            kind=AutoscalerKind.NONE,
             min_replicas=replicas,
             max_replicas=replicas,
             kv_cache_target=s.kv_cache_target,

@@ -17,7 +17,9 @@ class PriceList(StrEnum):
 
 
 class Routing(StrEnum):
-    """How the host spreads requests over replicas: what the fleet's queueing looks like."""
+    """How the host spreads requests over replicas: what the fleet's queueing looks like. The one spelling of each
+    router: the planner sizes for it, the fleet simulator routes by it (kvfleet.sim.fleet), each target's stack
+    configures it."""
 
     # To the replica with the fewest requests in flight: the fleet queues almost as one (pooled servers).
     LEAST_OUTSTANDING = "least_outstanding"

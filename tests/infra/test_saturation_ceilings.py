@@ -20,7 +20,7 @@ from kvfleet import contract
 from kvfleet.config.loader import load_environment, load_located
 from kvfleet.deployments import ResolvedDeployment, resolve_environment
 from kvfleet.infra.app import build_app
-from kvfleet.tuning import decide, with_decision
+from kvfleet.tuning import deriver
 from tests.infra.helpers import REPO, make_app, props
 
 ENV_FILES = sorted((REPO / "environments").glob("*.yaml"))  # schema.json is not an environment
@@ -73,7 +73,7 @@ def synthesized(env_file: Path) -> tuple[tuple[ResolvedDeployment, ...], dict[st
     env = loaded.environment
     app = build_app(env, app=make_app(), nag=False, traces=loaded.traces)
     stacks = {s.stack_name: Template.from_stack(s) for s in app.node.children if isinstance(s, cdk.Stack)}
-    resolved = tuple(with_decision(r, decide(r, loaded.traces.get(i))) for i, r in enumerate(resolve_environment(env)))
+    resolved = resolve_environment(env, derive=deriver(loaded.traces))
     return resolved, stacks
 
 
@@ -108,7 +108,7 @@ def test_every_saturation_target_is_below_its_ceiling(env_file: Path) -> None:
         assert round(kv, 2) == listed[env_file.stem], (r.deployment_id, kv)
         targets = scaling_targets(stacks[r.stack_name])
         on_saturation = [v for name, v in targets if name == contract.REPLICA_SATURATION.name]
-        assert on_saturation == [r.deployment.scaling.saturation_target], targets
+        assert on_saturation == [r.scaling.saturation_target], targets
         assert all(0 < v < SATURATION_CEILING for v in on_saturation)
         # Nothing scales on raw KV use any more, whose ceiling may sit under the target.
         assert contract.KV_CACHE_UTILIZATION.name not in {name for name, _ in targets}
@@ -120,6 +120,6 @@ def test_the_old_kv_target_was_out_of_reach_where_the_cache_holds_more_than_max_
     below = []
     for env_file in ENV_FILES:
         for r in resolve_environment(load_environment(env_file)):
-            if kv_ceiling(r) < r.deployment.scaling.saturation_target:
+            if kv_ceiling(r) < r.scaling.saturation_target:
                 below.append(r.deployment_id)
     assert {"dev-chat", "prod-chat-70b"} <= set(below)

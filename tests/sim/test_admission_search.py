@@ -81,7 +81,7 @@ def test_synth_deploys_the_chosen_queue(overload: Trace) -> None:
         OVERLOAD.replace("max_replicas: 1\n", "max_replicas: 1\n      derive: true\n      slo_attainment: 0.8\n")
     )
     decided = with_decision(r, decide(r, overload))
-    assert decided.deployment.scaling.admission_queue == 6
+    assert decided.scaling.admission_queue == 6
     assert decided.admission.queued == 6 and decided.admission.tokens == (16 + 6) * (3500 + 1024)
     # The simulator's fleet admits what the agent is told.
     assert fleet_spec(decided).limits.admission_tokens == decided.admission.tokens

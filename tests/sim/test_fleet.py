@@ -6,22 +6,13 @@ import itertools
 import json
 import math
 from pathlib import Path
-from typing import get_args
 
 import pytest
 
 from kvfleet.cli import main
 from kvfleet.engines.vllm_scheduler import VllmScheduler
-from kvfleet.sim.fleet import (
-    TT_OUT_DATAPOINTS,
-    TT_PERIOD_S,
-    FleetResult,
-    FleetSpec,
-    Router,
-    Scaling,
-    saturation,
-    simulate,
-)
+from kvfleet.scaling.autoscalers import OUT_DATAPOINTS, PERIOD_S
+from kvfleet.sim.fleet import FleetResult, FleetSpec, Scaling, saturation, simulate
 from kvfleet.sim.replica import EngineLimits, Replica, Request, Stats
 from kvfleet.sizing.hosting import Routing
 from tests.sim.synthetic import MODEL, steady
@@ -47,7 +38,7 @@ def spec(kind: str, *, initial: int, kv_blocks: int = 2_000, **scaling: float) -
 def test_target_tracking_scales_out_after_three_breaching_minutes_and_new_replicas_serve_after_cold_start() -> None:
     result = simulate(steady(12, 900), spec("target_tracking", initial=1))
     first = result.scale_events[0]
-    assert first[2] == "scale-out" and first[0] == TT_OUT_DATAPOINTS * TT_PERIOD_S
+    assert first[2] == "scale-out" and first[0] == OUT_DATAPOINTS * PERIOD_S
     serving = [x for x in result.samples if x.replicas > 1]
     assert serving and serving[0].t_s >= first[0] + 120  # the cold start
 
@@ -134,19 +125,18 @@ def test_a_cache_larger_than_max_num_seqs_runs_scales_out_on_saturation(kind: st
     assert all(x.kv_utilization <= x.saturation <= 1.0 for x in result.samples)
 
 
-def test_the_routers_are_the_hostings_routing_values() -> None:
-    assert sorted(get_args(Router)) == sorted(r.value for r in Routing)
+def test_every_targets_autoscaler_is_one_the_simulator_runs() -> None:
+    from kvfleet.scaling import AutoscalerKind
+    from kvfleet.targets import TARGETS
+
+    for t in TARGETS.values():
+        assert t.autoscaler != AutoscalerKind.NONE
+        assert Scaling(
+            kind=t.autoscaler, min_replicas=1, max_replicas=2, kv_cache_target=0.5, queue_target=2.0
+        ).autoscaler()
 
 
-def test_every_targets_autoscaler_is_one_the_simulator_models() -> None:
-    from kvfleet.sim.fleet import AutoscalerKind
-    from kvfleet.targets import TARGETS, Autoscaler
-
-    assert set(get_args(Autoscaler)) <= set(get_args(AutoscalerKind))
-    assert {t.autoscaler for t in TARGETS.values()} == set(get_args(Autoscaler))
-
-
-def routed(router: Router) -> FleetResult:
+def routed(router: Routing) -> FleetResult:
     """Four fixed replicas of 4 slots (about 1.8 requests/s each on MODEL at 500 + 200 tokens) at 6 requests/s:
     about 80% of the fleet's slots busy."""
     fixed = FleetSpec(
@@ -170,14 +160,14 @@ def p95_ttft_s(result: FleetResult) -> float:
 def test_random_routing_queues_where_least_outstanding_does_not() -> None:
     # The same arrivals: least outstanding sends each to a free slot while the fleet has one (pooled servers);
     # random leaves each replica an independent queue, so some queue while others have slots free.
-    pooled, random = routed("least_outstanding"), routed("random")
+    pooled, random = routed(Routing.LEAST_OUTSTANDING), routed(Routing.RANDOM)
     assert len(pooled.stats.finished) == len(random.stats.finished) == 1800
     # Requests queued at the replicas, sampled every publish interval: none pooled, more than one on average random.
     assert sum(s.waiting for s in pooled.samples) == 0
     assert sum(s.waiting for s in random.samples) > len(random.samples)
     assert p95_ttft_s(random) > 10 * p95_ttft_s(pooled)
     # Seeded: a replay repeats.
-    again = routed("random")
+    again = routed(Routing.RANDOM)
     assert [s.waiting for s in again.samples] == [s.waiting for s in random.samples]
 
 

@@ -17,7 +17,8 @@ import pytest
 
 from kvfleet.config.loader import parse_environment
 from kvfleet.deployments import ResolvedDeployment, resolve_environment
-from kvfleet.sim.fleet import WAKE_S, simulate
+from kvfleet.scaling import WAKE_S
+from kvfleet.sim.fleet import simulate
 from kvfleet.sim.policy import replay
 from kvfleet.tuning import exposed_requests, fleet_spec, idle_gaps, standby_comparison
 from kvfleet.workload.traces import Trace, poisson_trace

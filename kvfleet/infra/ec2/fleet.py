@@ -28,7 +28,6 @@ from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
 from kvfleet import contract
-from kvfleet.config.schema import ScalingConfig
 from kvfleet.config.targets import Ec2Target
 from kvfleet.deployments import ResolvedDeployment
 from kvfleet.infra.context import ServingContext
@@ -40,6 +39,7 @@ from kvfleet.infra.metrics import PERIOD, PlatformMetrics
 from kvfleet.infra.nag import acknowledge, logical_id
 from kvfleet.infra.network import ServingNetwork
 from kvfleet.infra.scaling import scale_group, scale_group_to_zero
+from kvfleet.scaling import OneFewer, ScalingPolicy
 from kvfleet.sizing.hosting import Routing
 from kvfleet.targets import TARGETS
 from kvfleet.volumes import root_volume
@@ -152,7 +152,7 @@ class Ec2Fleet(Construct):
         self._target = target
         self._rollback_alarms = list(context.rollback_alarms)
         self._network: ServingNetwork = context.network
-        self._scaling: ScalingConfig = context.resolved.deployment.scaling
+        self._scaling: ScalingPolicy = context.resolved.scaling
         # Boot to healthy: health-check grace and instance warm-up get the one padded start-up wait of every target.
         self._warmup = Duration.seconds(context.resolved.ready_window_s)
 
@@ -174,15 +174,13 @@ class Ec2Fleet(Construct):
         self.listener = self._listener(port)
         self.internal_routes_rule = self._refuse_internal_routes(self.listener)
         self.target_group = self._target_group(self.listener)
-        if self._scaling.max_replicas > self._scaling.min_replicas:
-            scale_group(self, self.group, deployment_id=self._resolved.deployment_id, scaling=self._scaling)
-        if self._scaling.min_replicas == 0:
+        if self._scaling.scales:
+            rule = self._scaling.autoscaler
+            assert isinstance(rule, OneFewer)  # kvfleet.targets: EC2's autoscaler
+            scale_group(self, self.group, deployment_id=self._resolved.deployment_id, rule=rule)
+        if (to_zero := self._scaling.to_zero(self._resolved.idle_to_zero_s)) is not None:
             scale_group_to_zero(
-                self,
-                self.group,
-                load_balancer=self.load_balancer,
-                target_group=self.target_group,
-                idle_s=self._resolved.idle_to_zero_s,
+                self, self.group, load_balancer=self.load_balancer, target_group=self.target_group, rule=to_zero
             )
         self.platform_metrics = self._platform_metrics()
         self.outputs: Mapping[str, str] = {

@@ -24,6 +24,7 @@ from kvfleet.contract import AGENT_UID, DRAIN_COMMAND, HEALTH_ROUTE, METRICS_ROU
 from kvfleet.contract import HF_HOME as HF_CACHE_DIR
 from kvfleet.contract import MODEL_DIR as SAGEMAKER_MODEL_DIR
 from kvfleet.deployments import IMAGE_DISK_GIB, LOAD_PADDING, ResolvedDeployment
+from kvfleet.scaling import AutoscalerKind, Hpa, HpaTrigger
 
 Manifest = dict[str, Any]
 
@@ -75,16 +76,9 @@ class WorkloadOptions:
     cpu_request: str | None = None
     memory_request: str | None = None
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
-    # Scaling pace. Up: fast, a queued request is time-to-first-token already spent. Down: slow, a removed
-    # replica takes minutes to come back and first drains its generations.
-    scale_up_pods: int = 2
-    scale_up_percent: int = 100
-    scale_up_period_s: int = 60
+    # A scale-down window longer than the deployment's scale-in wait (the HPA's pace and its other numbers are the
+    # deployment's autoscaler's: kvfleet.scaling.Hpa).
     scale_down_stabilization_s: int = MIN_SCALE_DOWN_STABILIZATION_S
-    scale_down_pods: int = 1
-    scale_down_period_s: int = 300
-    polling_interval_s: int = 15
-    cooldown_period_s: int = 300
     # KEDA authentication for the Prometheus endpoint. For Amazon Managed Service for Prometheus: a
     # TriggerAuthentication with podIdentity provider "aws", and the workspace's region for SigV4.
     trigger_authentication: str | None = None
@@ -103,11 +97,6 @@ class WorkloadOptions:
             )
         if not 0 < self.resource_fraction <= 1:
             raise ValueError(f"resource_fraction must be in (0, 1], not {self.resource_fraction}")
-        if min(self.scale_up_pods, self.scale_up_percent, self.scale_down_pods) < 1:
-            raise ValueError("scaling policy values must be 1 or more")
-        for name in ("scale_up_period_s", "scale_down_period_s"):
-            if not 1 <= getattr(self, name) <= 1800:
-                raise ValueError(f"{name} must be 1..1800 s (HPA's bounds)")
         if self.shm_size_gib < 1:
             raise ValueError("shm_size_gib must be 1 or more")
 
@@ -141,9 +130,16 @@ def termination_grace_s(r: ResolvedDeployment) -> int:
     return r.deployment.scaling.drain_budget_s + ENGINE_STOP_S
 
 
+def hpa(r: ResolvedDeployment) -> Hpa:
+    """The deployment's autoscaler: the HPA its ScaledObject configures."""
+    rule = r.scaling.on(AutoscalerKind.HPA)
+    assert isinstance(rule, Hpa)
+    return rule
+
+
 def scale_down_stabilization_s(r: ResolvedDeployment, opts: WorkloadOptions) -> int:
     # The scale-in wait every target uses (or a longer one from the options); HPA caps the window at an hour.
-    return min(3600, max(opts.scale_down_stabilization_s, r.deployment.scaling.scale_in_wait_s))
+    return max(opts.scale_down_stabilization_s, hpa(r).scale_down_window_s)
 
 
 def _gpus(r: ResolvedDeployment) -> int:
@@ -392,52 +388,68 @@ def _number(x: float) -> str:
     return format(x, "g")  # KEDA's trigger metadata is map[string]string
 
 
+# The PromQL that gives each HPA metric type its number: an average over the pods as a Value, their sum as an
+# AverageValue (the HPA divides it by the replica count).
+AGGREGATIONS = {"Value": "avg", "AverageValue": "sum"}
+TRIGGER_NAMES = {contract.REPLICA_SATURATION.name: TRIGGER_SATURATION, contract.REQUESTS_WAITING.name: TRIGGER_QUEUE}
+
+
+def trigger_query(r: ResolvedDeployment, trigger: HpaTrigger) -> str:
+    """The fleet's figure for one trigger. Saturation is the larger of KV-cache use and running over max_num_seqs,
+    per pod (KV use alone may never reach its target where the cache holds more sequences than max_num_seqs runs)."""
+    name = trigger.target.signal.prometheus_name
+    return f'{AGGREGATIONS[trigger.metric_type]}({name}{{deployment="{r.deployment_id}"}})'
+
+
+def _query(r: ResolvedDeployment, signal: contract.Signal) -> str:
+    [trigger] = [t for t in hpa(r).triggers if t.target.signal == signal]
+    return trigger_query(r, trigger)
+
+
 def saturation_query(r: ResolvedDeployment) -> str:
-    """The fleet's mean saturation: the larger of KV-cache use and running over max_num_seqs, per pod (KV use alone
-    may never reach its target where the cache holds more sequences than max_num_seqs runs)."""
-    return f'avg({contract.REPLICA_SATURATION.prometheus_name}{{deployment="{r.deployment_id}"}})'
+    """The fleet's mean saturation."""
+    return _query(r, contract.REPLICA_SATURATION)
 
 
 def queue_query(r: ResolvedDeployment) -> str:
-    return f'sum({contract.REQUESTS_WAITING.prometheus_name}{{deployment="{r.deployment_id}"}})'
+    """The fleet's queue, summed over the pods."""
+    return _query(r, contract.REQUESTS_WAITING)
+
+
+def _trigger(opts: WorkloadOptions, name: str, query: str, threshold: float, metric_type: str) -> dict[str, Any]:
+    metadata = {
+        "serverAddress": opts.prometheus_server_address,
+        "query": query,
+        "threshold": _number(threshold),
+        # A lost scrape is an error, not a zero: with "true" an empty result reads as an idle fleet and
+        # scales it in; as an error the HPA holds the current count.
+        "ignoreNullValues": "false",
+    }
+    if opts.prometheus_aws_region:
+        metadata["awsRegion"] = opts.prometheus_aws_region
+    t: dict[str, Any] = {"type": "prometheus", "name": name, "metricType": metric_type, "metadata": metadata}
+    if opts.trigger_authentication:
+        t["authenticationRef"] = {"name": opts.trigger_authentication, "kind": opts.trigger_authentication_kind}
+    return t
 
 
 def scaled_object(r: ResolvedDeployment, opts: WorkloadOptions) -> Manifest:
-    s = r.deployment.scaling
-
-    def trigger(trigger_name: str, query: str, threshold: float, metric_type: str) -> dict[str, Any]:
-        metadata = {
-            "serverAddress": opts.prometheus_server_address,
-            "query": query,
-            "threshold": _number(threshold),
-            # A lost scrape is an error, not a zero: with "true" an empty result reads as an idle fleet and
-            # scales it in; as an error the HPA holds the current count.
-            "ignoreNullValues": "false",
-        }
-        if opts.prometheus_aws_region:
-            metadata["awsRegion"] = opts.prometheus_aws_region
-        t: dict[str, Any] = {
-            "type": "prometheus",
-            "name": trigger_name,
-            "metricType": metric_type,
-            "metadata": metadata,
-        }
-        if opts.trigger_authentication:
-            t["authenticationRef"] = {"name": opts.trigger_authentication, "kind": opts.trigger_authentication_kind}
-        return t
-
+    """The KEDA ScaledObject rendering the deployment's HPA (``kvfleet.scaling.Hpa``): its bounds, pace, window and
+    one trigger per signal, compared as the HPA's metric type says."""
+    rule = hpa(r)
+    up, down = rule.scale_up_period_s, rule.scale_down_period_s
     return {
         "apiVersion": "keda.sh/v1alpha1",
         "kind": "ScaledObject",
         "metadata": _metadata(r, opts),
         "spec": {
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name(r)},
-            "pollingInterval": opts.polling_interval_s,
-            "cooldownPeriod": opts.cooldown_period_s,
+            "pollingInterval": rule.polling_interval_s,
+            "cooldownPeriod": rule.cooldown_period_s,
             # Never zero (the config refuses it on EKS): both signals come from the pods themselves, so with no pod
             # there would be no queue to see and nothing would ever scale the deployment back up.
-            "minReplicaCount": s.min_replicas,
-            "maxReplicaCount": s.max_replicas,
+            "minReplicaCount": rule.min_replicas,
+            "maxReplicaCount": rule.max_replicas,
             "advanced": {
                 "horizontalPodAutoscalerConfig": {
                     "behavior": {
@@ -445,36 +457,23 @@ def scaled_object(r: ResolvedDeployment, opts: WorkloadOptions) -> Manifest:
                             "stabilizationWindowSeconds": 0,
                             "selectPolicy": "Max",
                             "policies": [
-                                {"type": "Pods", "value": opts.scale_up_pods, "periodSeconds": opts.scale_up_period_s},
-                                {
-                                    "type": "Percent",
-                                    "value": opts.scale_up_percent,
-                                    "periodSeconds": opts.scale_up_period_s,
-                                },
+                                {"type": "Pods", "value": rule.scale_up_pods, "periodSeconds": up},
+                                {"type": "Percent", "value": rule.scale_up_percent, "periodSeconds": up},
                             ],
                         },
                         "scaleDown": {
                             "stabilizationWindowSeconds": scale_down_stabilization_s(r, opts),
                             "selectPolicy": "Min",
                             "policies": [
-                                {
-                                    "type": "Pods",
-                                    "value": opts.scale_down_pods,
-                                    "periodSeconds": opts.scale_down_period_s,
-                                }
+                                {"type": "Pods", "value": rule.scale_down_pods, "periodSeconds": down},
                             ],
                         },
                     }
                 }
             },
             "triggers": [
-                # The query already averages over the pods, so it is compared as a Value: the HPA scales by
-                # current/target. As an AverageValue KEDA would divide it by the replica count again, and a
-                # fleet 90 % saturated across 4 pods would read as 22 %.
-                trigger(TRIGGER_SATURATION, saturation_query(r), s.saturation_target, "Value"),
-                # The query sums the fleet's queue; AverageValue divides by the replica count, which is the
-                # per-pod queue the target is written in. Desired replicas = ceil(total / target).
-                trigger(TRIGGER_QUEUE, queue_query(r), s.queue_depth_target, "AverageValue"),
+                _trigger(opts, TRIGGER_NAMES[t.target.signal.name], trigger_query(r, t), t.target.value, t.metric_type)
+                for t in rule.triggers
             ],
         },
     }

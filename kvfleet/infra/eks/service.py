@@ -220,7 +220,7 @@ class EksService(Construct):
             if gpu
             else None
         )
-        s = r.deployment.scaling
+        s = r.scaling
         per_node = max(1, r.candidate.instance.accelerator_count // r.candidate.gpus_per_replica)  # replicas
         self.nodegroup = eks.Nodegroup(
             self,

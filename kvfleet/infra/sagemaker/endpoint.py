@@ -20,6 +20,7 @@ from kvfleet.infra.images import serving_image, serving_image_cuda
 from kvfleet.infra.metrics import PERIOD, PlatformMetrics
 from kvfleet.infra.nag import acknowledge
 from kvfleet.infra.scaling import scale_scalable_target
+from kvfleet.scaling import TargetTracking
 from kvfleet.sizing.hosting import Routing
 from kvfleet.targets import TARGETS
 
@@ -259,8 +260,7 @@ class SageMakerEndpoint(Construct):
         )
 
     def _endpoint(self, r: ResolvedDeployment, target: SageMakerTarget, *, rollback_alarms: list[cw.IAlarm]) -> None:
-        scales = _scales(r)
-        retained = RETAINED_WHEN_SCALING if scales else ()
+        retained = RETAINED_WHEN_SCALING if r.scaling.scales else ()
         self.endpoint = sagemaker.CfnEndpoint(
             self,
             "Endpoint",
@@ -282,8 +282,8 @@ class SageMakerEndpoint(Construct):
     def _autoscaling(self, r: ResolvedDeployment) -> None:
         """The variant's instance count tracks the saturation and queue signals (none for a fixed size)."""
         self.scalable_target = None
-        s = r.deployment.scaling
-        if not _scales(r):
+        s = r.scaling
+        if not s.scales:
             return
         self.scalable_target = appscaling.ScalableTarget(
             self,
@@ -294,7 +294,9 @@ class SageMakerEndpoint(Construct):
             min_capacity=s.min_replicas,
             max_capacity=s.max_replicas,
         )
-        scale_scalable_target(self.scalable_target, deployment_id=r.deployment_id, scaling=s)
+        rule = s.autoscaler
+        assert isinstance(rule, TargetTracking)  # kvfleet.targets: SageMaker's autoscaler
+        scale_scalable_target(self.scalable_target, deployment_id=r.deployment_id, rule=rule)
 
     def _endpoint_metric(self, name: str, label: str) -> cw.Metric:
         return cw.Metric(
@@ -313,11 +315,6 @@ def routing_strategy(routing: Routing) -> str:
         return ROUTING_STRATEGIES[routing]
     except KeyError:
         raise ValueError(f"SageMaker cannot route {routing.value}; it routes {', '.join(ROUTING_STRATEGIES)}") from None
-
-
-def _scales(r: ResolvedDeployment) -> bool:
-    s = r.deployment.scaling
-    return s.max_replicas > s.min_replicas
 
 
 def _deployment_config(

@@ -499,7 +499,7 @@ def test_scale_up_is_fast_and_scale_down_stabilized(small: ResolvedDeployment) -
         ("Percent", 100, 60),
     }
     # The wait every target uses: 15 minutes here, since twice the 420 s drain budget is only 840 s.
-    assert down["stabilizationWindowSeconds"] == small.deployment.scaling.scale_in_wait_s == 900
+    assert down["stabilizationWindowSeconds"] == small.scaling.scale_in_wait_s == 900
     assert down["policies"] == [{"type": "Pods", "value": 1, "periodSeconds": 300}]
     assert (spec["pollingInterval"], spec["cooldownPeriod"]) == (15, 300)
     assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "test-chat"}
@@ -507,14 +507,13 @@ def test_scale_up_is_fast_and_scale_down_stabilized(small: ResolvedDeployment) -
     with pytest.raises(ValueError, match="scale_down_stabilization_s"):
         WorkloadOptions(image="i", prometheus_server_address="p", scale_down_stabilization_s=300)
     # A longer wait from the file (or scaling.derive) is the window; the HPA takes at most an hour.
-    scaling = small.deployment.scaling.model_copy(update={"scale_in_after_s": 2700})
-    longer = dataclasses.replace(small, deployment=small.deployment.model_copy(update={"scaling": scaling}))
+    longer = dataclasses.replace(small, scaling=dataclasses.replace(small.scaling, scale_in_wait_s=2700))
     down = by_kind(k8s.manifests(longer, OPTS), "ScaledObject")["spec"]["advanced"]["horizontalPodAutoscalerConfig"]
     assert down["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 2700
 
 
 def test_triggers_use_the_contracts_signals_and_the_configs_targets(small: ResolvedDeployment) -> None:
-    s = small.deployment.scaling
+    s = small.scaling
     ts = triggers(k8s.manifests(small, OPTS))
     assert set(ts) == {k8s.TRIGGER_SATURATION, k8s.TRIGGER_QUEUE}
     sat, queue = ts[k8s.TRIGGER_SATURATION], ts[k8s.TRIGGER_QUEUE]
