@@ -30,17 +30,14 @@ from kvfleet.agent import metrics, routes, upstream
 from kvfleet.agent.admission import Admission, prompt_tokens, request_tokens
 from kvfleet.agent.engine import EngineSupervisor
 from kvfleet.agent.gate import MAX_BODY_BYTES, BadRequest, parse_body
+from kvfleet.agent.request_log import RequestLog
 from kvfleet.agent.settings import AgentSettings
+from kvfleet.agent.signals import SignalLoop
 from kvfleet.agent.tenancy import apply_salt
 
 log = logging.getLogger(__name__)
 
 ABORT_GRACE_S = 5.0  # after the budget: time for aborted streams to write their error event and close
-# Request-log lines are written together, at most this long after the first of them and never more than
-# REQUEST_LOG_MAX_LINES at once: stdout is unbuffered in the image (EMF lines must leave at once), and a write per
-# request was a quarter of the agent's CPU per request.
-REQUEST_LOG_FLUSH_S = 0.25
-REQUEST_LOG_MAX_LINES = 512
 
 
 @dataclass(eq=False)
@@ -150,15 +147,19 @@ class Agent:
         self._idle = asyncio.Event()
         self._idle.set()
         self._drain_task: asyncio.Task[bool] | None = None
-        self._session: aiohttp.ClientSession | None = None  # metrics scrapes
         self._pool: upstream.EnginePool | None = None  # proxied requests
         self._runner: web.ServerRunner | None = None
         self._background: list[asyncio.Task[Any]] = []
-        self._publishing: asyncio.Task[Any] | None = None
-        self._log_lines: list[str] = []  # request-log lines not yet written
-        self._log_flush: asyncio.TimerHandle | None = None
+        self.request_log = RequestLog(self.stdout)
+        self.signals = SignalLoop(
+            settings,
+            engine=self.engine,
+            admission=self.admission,
+            collector=self.collector,
+            publisher=publisher,
+            stdout=self.stdout,
+        )
         self.shutdown_requested = asyncio.Event()
-        self._kv_capacity: tuple[int, int] | None = None  # (blocks, tokens per block) admission was last set from
         # The agent's own routes (HEAD with GET, as HTTP has it); every other path is the engine's route table.
         self._own: dict[str, tuple[frozenset[str], _Handler]] = {
             contract.HEALTH_ROUTE: (frozenset({"GET", "HEAD", "POST"}), self.ping),
@@ -224,7 +225,7 @@ class Agent:
         connector = aiohttp.TCPConnector(limit=0, force_close=False)
         # No cookie jar, no decompression: the engine sets no cookies and the body passes through as is;
         # both cost time on every request otherwise.
-        self._session = aiohttp.ClientSession(
+        self.signals.session = aiohttp.ClientSession(
             connector=connector,
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
             auto_decompress=False,
@@ -234,7 +235,7 @@ class Agent:
         assert engine.hostname is not None and engine.port is not None
         self._pool = upstream.EnginePool(engine.hostname, engine.port, keep_alive_s=self.settings.engine_keep_alive_s)
         self.engine.start()
-        self._background.append(asyncio.create_task(self._metrics_loop(), name="metrics"))
+        self._background.append(asyncio.create_task(self.signals.run(), name="metrics"))
         if serve:
             self._runner = web.ServerRunner(self._make_server(), handle_signals=False)
             await self._runner.setup()
@@ -254,8 +255,8 @@ class Agent:
 
     async def shutdown(self) -> None:
         await self.drain()
-        self.flush_request_log()
-        await self._publish_once()  # the last interval's signals
+        self.request_log.flush()
+        await self.signals.publish_once()  # the last interval's signals
         for t in self._background:
             t.cancel()
         for t in self._background:
@@ -264,8 +265,8 @@ class Agent:
         await self.engine.stop(timeout=30)
         if self._runner is not None:
             await self._runner.cleanup()
-        if self._session is not None:
-            await self._session.close()
+        if self.signals.session is not None:
+            await self.signals.session.close()
         if self._pool is not None:
             self._pool.close()
 
@@ -411,25 +412,7 @@ class Agent:
             f.e2e_s: round(now - started, 4),
             f.status: resp.status,
         }
-        self._log_lines.append(json.dumps(record, separators=(",", ":")) + "\n")
-        if len(self._log_lines) >= REQUEST_LOG_MAX_LINES:
-            self.flush_request_log()
-        elif self._log_flush is None:
-            self._log_flush = asyncio.get_running_loop().call_later(REQUEST_LOG_FLUSH_S, self.flush_request_log)
-
-    def flush_request_log(self) -> None:
-        """Writes the request-log lines held, in one write."""
-        if self._log_flush is not None:
-            self._log_flush.cancel()
-            self._log_flush = None
-        if not self._log_lines:
-            return
-        text, self._log_lines = "".join(self._log_lines), []
-        try:
-            self.stdout.write(text)
-            self.stdout.flush()
-        except (OSError, ValueError) as err:  # stdout gone (a closed pipe): serving goes on without the log
-            log.warning("request log lines lost: %s", err)
+        self.request_log.add(json.dumps(record, separators=(",", ":")) + "\n")
 
     async def _generate(self, request: web.BaseRequest, path: str) -> web.StreamResponse:
         try:
@@ -581,82 +564,6 @@ class Agent:
         if logged and (usage := _usage_of(body)) is not None:
             ex.usage = usage
         return web.Response(status=status, body=body, headers={"Content-Type": ctype})
-
-    # ---- signals -----------------------------------------------------------------------------------
-
-    async def _scrape(self, path: str | None = None) -> str | None:
-        assert self._session is not None
-        if not self.engine.ready:
-            return None
-        try:
-            async with self._session.get(
-                self.settings.engine_url + (path or self.settings.metrics_path), timeout=aiohttp.ClientTimeout(total=5)
-            ) as r:
-                if r.status != 200:
-                    return None
-                return await r.text()
-        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
-            return None
-
-    async def _publish_once(self) -> None:
-        try:
-            text = await self._scrape()
-            stats_path = self.settings.adapter.iteration_stats_path
-            stats = await self._scrape(stats_path) if stats_path is not None else None
-            sample = self.collector.update(text if text is not None else "", stats)
-            self._admit_by_engine_cache()
-            line = metrics.emf_line(
-                sample,
-                namespace=self.settings.namespace,
-                deployment=self.settings.deployment,
-                replica=self.settings.replica,
-                timestamp_ms=int(time.time() * 1000),
-            )
-            self.stdout.write(line + "\n")
-            self.stdout.flush()
-            if self.publisher is not None and (self._publishing is None or self._publishing.done()):
-                # One PutMetricData at a time; a slow or throttled call never delays serving.
-                self._publishing = asyncio.create_task(self.publisher.publish(sample))
-        except Exception:  # a metrics problem must never take the agent down
-            log.exception("publishing signals failed")
-
-    def _admit_by_engine_cache(self) -> None:
-        """Holds admission to the KV cache the engine reports (its adapter's capacity metric) where that is less
-        than the plan's: the engine sizes its cache when it starts, from the memory it finds, so a first boot that
-        compiles, another driver or a different release can leave fewer tokens than planned, and admitting by
-        the plan would queue and preempt in the engine instead of shedding here. Read from each scrape (the
-        first one comes within the publish interval of the engine's start), again after each restart."""
-        capacity = self.collector.kv_capacity
-        if capacity is None or capacity == self._kv_capacity:
-            return
-        self._kv_capacity = capacity
-        s = self.settings
-        tokens = capacity[0] * capacity[1]
-        self.admission.budget_tokens = s.admitted_tokens_for(tokens)
-        planned = s.token_budget
-        if planned is None:
-            return
-        if tokens < planned * (1 - contract.KV_SHORTFALL_TOLERANCE):
-            budget = self.admission.budget_tokens
-            log.warning(
-                "the engine allocated %d KV tokens (%d blocks of %d), %.0f%% fewer than the plan's %d%s; a first "
-                "boot without the engine's compile cache, another driver or engine release, or other processes on "
-                "the accelerator take memory the plan left to the cache: re-plan, or calibrate the plan "
-                "with `kvfleet bench --calibrate`",
-                tokens,
-                capacity[0],
-                capacity[1],
-                (1 - tokens / planned) * 100,
-                planned,
-                f": admission now holds the replica to {budget} tokens" if budget is not None else "",
-            )
-        else:
-            log.info("the engine allocated %d KV tokens; the plan expected %d", tokens, planned)
-
-    async def _metrics_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.publish_interval_s)
-            await self._publish_once()
 
 
 class _Pipe:

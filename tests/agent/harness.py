@@ -118,7 +118,7 @@ class Running:
         return [x for x in lines if "_aws" in x]
 
     def request_log(self) -> list[dict[str, Any]]:
-        self.agent.flush_request_log()  # what a quarter second would have written
+        self.agent.request_log.flush()  # what a quarter second would have written
         lines = [json.loads(line) for line in self.stdout.getvalue().splitlines() if line.startswith("{")]
         return [x for x in lines if x.get(contract.REQUEST_LOG_KIND_KEY) == contract.REQUEST_LOG_KIND]
 

@@ -429,7 +429,7 @@ def test_streams_and_plain_answers_under_uvloop_the_loop_the_image_runs() -> Non
 
 
 def test_request_log_lines_leave_together_and_within_the_flush_interval() -> None:
-    from kvfleet.agent.server import REQUEST_LOG_FLUSH_S
+    from kvfleet.agent.request_log import REQUEST_LOG_FLUSH_S
 
     async def go() -> tuple[int, int, int]:
         async with running(settings(engine_command=fake_engine_command(token_delay=0.0, capacity=32))) as r:
