@@ -3,14 +3,16 @@
 
 - ``TargetTracking`` (SageMaker through Application Auto Scaling; EC2 Auto Scaling's scale-out): the policy's alarms
   read 1-minute data; the high alarm fires after 3 consecutive minutes above the target and the low alarm after
-  15 consecutive minutes below 90% of it. On a breach the capacity goes to ceil(n x metric / target) (scale-in: at
-  most to that, never below the minimum). Several policies: scale out when any asks, in only when all do.
+  15 consecutive minutes below 90% of it. On a breach the capacity goes to ceil(n x metric / target) (scale-out: never
+  below what is already asked for, replicas still starting included; scale-in: at most to that, never below the
+  minimum). Several policies: scale out when any asks, in only when all do.
   Cooldowns follow the alarm (Application Auto Scaling User Guide, "Target tracking scaling policies" and "How
   target tracking works"; EC2 Auto Scaling User Guide, "Target tracking scaling policies").
 - ``OneFewer`` (EC2): target tracking scales out only, and one instance goes when, for every minute of the scale-in
-  wait, max(signal / target) x n / (n - 1) < 1 with n instances in service (a CloudWatch metric-math alarm and a
-  simple policy); the next no sooner than one more wait (the simple policy's cooldown). EC2 target tracking has no
-  scale-in cooldown, and its own scale-in alarm fires after 15 minutes whatever the drain budget.
+  wait, max(signal / target) x n / (n - 1) < 1 with n the instances in service that minute (a CloudWatch
+  metric-math alarm and a simple policy); the next no sooner than one more wait (the simple policy's cooldown). EC2
+  target tracking has no scale-in cooldown, and its own scale-in alarm fires after 15 minutes whatever the drain
+  budget.
 - ``Hpa`` (EKS through a KEDA ScaledObject): the HPA controller syncs every 15 s; each trigger proposes the current
   count while its ratio to the target is within the 10% tolerance, else ceil(ready pods x value / target) for a
   Value and ceil(sum / target) for an AverageValue; the largest proposal wins. Scale-up takes effect at once (no
@@ -158,8 +160,11 @@ class OneFewer(_Bounds):
         )
 
     def holds(self, signals: Sequence[float], in_service: int) -> bool:
-        """One minute of the rule: ``expression`` below the threshold."""
+        """One minute of the rule: ``expression`` below the threshold. With one instance in service there is no
+        data point (n - 1 = 0), which does not breach."""
         n = in_service
+        if n < 2:
+            return False
         return max(v / t.value for v, t in zip(signals, self.targets, strict=True)) * n / (n - 1) < self.THRESHOLD
 
     def controller(self, initial: int) -> Controller:
@@ -219,15 +224,18 @@ class _Tracking:
         self.one_fewer = one_fewer
         keep = max(IN_DATAPOINTS, math.ceil(policy.scale_in_cooldown_s / policy.period_s))
         self.minutes: deque[tuple[float, ...]] = deque(maxlen=keep)  # each signal's average per minute
-        self.window: list[tuple[float, ...]] = []  # the samples within the current minute
+        # The replicas in service each minute (the group's GroupInServiceInstances: one reading a minute, the last).
+        self.in_service: deque[int] = deque(maxlen=keep)
+        self.window: list[Observation] = []  # the samples within the current minute
         self.last_out_s = -math.inf
         self.last_in_s = -math.inf
 
     def observe(self, o: Observation) -> None:
-        self.window.append(o.means)
+        self.window.append(o)
 
     def forget(self) -> None:
         self.minutes.clear()
+        self.in_service.clear()
         self.window.clear()
 
     def moved(self, t_s: float, before: int, after: int) -> None:
@@ -240,7 +248,8 @@ class _Tracking:
         if not self.window:
             return None
         k = len(self.window)
-        self.minutes.append(tuple(sum(w[i] for w in self.window) / k for i in range(len(self.window[0]))))
+        self.minutes.append(tuple(sum(w.means[i] for w in self.window) / k for i in range(len(self.window[0].means))))
+        self.in_service.append(self.window[-1].in_service)
         self.window.clear()
         n = in_service or 1
         p = self.policy
@@ -251,10 +260,12 @@ class _Tracking:
             if len(last) == OUT_DATAPOINTS and all(m[i] > target.value for m in last):
                 votes.append(math.ceil(n * last[-1][i] / target.value))
         if votes and t_s - self.last_out_s >= p.scale_out_cooldown_s:
-            self.minutes.clear()
-            return p._decision(max(votes), desired, "scale-out")
+            self.forget()
+            # The high alarm only ever adds: a count under the one already asked for (replicas still starting are
+            # not in service yet) leaves it.
+            return p._decision(max(votes), desired, "scale-out") if max(votes) > desired else None
         if self.one_fewer is not None:
-            return self._one_fewer(self.one_fewer, t_s, n, desired, recent)
+            return self._one_fewer(self.one_fewer, t_s, desired, recent)
         return self._scale_in(t_s, n, desired, recent) if p.scale_in else None
 
     def _scale_in(self, t_s: float, n: int, desired: int, recent: list[tuple[float, ...]]) -> Decision | None:
@@ -271,18 +282,17 @@ class _Tracking:
         wanted = max(math.ceil(n * recent[-1][i] / t.value) for i, t in enumerate(p.targets))
         if wanted >= desired:
             return None
-        self.minutes.clear()
+        self.forget()
         return p._decision(wanted, desired, "scale-in")
 
-    def _one_fewer(
-        self, rule: OneFewer, t_s: float, n: int, desired: int, recent: list[tuple[float, ...]]
-    ) -> Decision | None:
+    def _one_fewer(self, rule: OneFewer, t_s: float, desired: int, recent: list[tuple[float, ...]]) -> Decision | None:
+        """The alarm on every minute of the wait, each with the replicas in service that minute."""
         need = rule.evaluation_periods
-        if n < 2 or len(recent) < need or t_s - self.last_in_s < rule.wait_s:
+        if len(recent) < need or t_s - self.last_in_s < rule.wait_s:
             return None
-        if not all(rule.holds(m, n) for m in recent[-need:]):
+        if not all(rule.holds(m, n) for m, n in zip(recent[-need:], list(self.in_service)[-need:], strict=True)):
             return None
-        self.minutes.clear()
+        self.forget()
         return rule._decision(desired - 1, desired, "scale-in")
 
 

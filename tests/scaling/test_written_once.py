@@ -75,13 +75,22 @@ def simulated(rule: Autoscaler | None, initial: int) -> Step:
     return step
 
 
-def run(step: Step, loads: list[Load], *, period_s: float, initial: int) -> list[tuple[float, int]]:
-    """The closed loop: (time, desired) at each change."""
+def run(
+    step: Step, loads: list[Load], *, period_s: float, initial: int, cold_periods: int = 0
+) -> list[tuple[float, int]]:
+    """The closed loop: (time, desired) at each change. A replica launched serves ``cold_periods`` later; a scale-in
+    takes the replicas still starting first (as the simulator drains)."""
     desired = initial
+    starting: list[float] = []  # when each replica still starting will serve
     changes = []
     for k, load in enumerate(loads):
         t = (k + 1) * period_s
-        new = step(t, load, desired, desired)
+        starting = sorted(ready for ready in starting if ready > t)
+        new = step(t, load, desired - len(starting), desired)
+        if new > desired:
+            starting += [t + cold_periods * period_s] * (new - desired)
+        elif new < desired:
+            starting = starting[: max(0, len(starting) - (desired - new))]
         if new != desired:
             changes.append((t, new))
             desired = new
@@ -136,9 +145,9 @@ class Ec2AsRendered:
             for name, values in self.since.items()
             if len(values) >= 3 and all(v > self.targets[name] for v in values[-3:])
         ]
-        if votes:
+        if votes:  # the high alarm only ever adds
             self._rescaled()
-            return min(self.max, max(votes))
+            return max(desired, min(self.max, max(votes)))
         last = self.datapoints[-self.periods :]
         breaching = [self.missing_breaches if v is None else v < self.threshold for v in last]
         if len(last) == self.periods and all(breaching) and t - self.last_in_s >= self.cooldown_s:
@@ -183,6 +192,23 @@ def test_ec2_decides_as_its_template_says(ec2: tuple[ResolvedDeployment, Templat
     assert [d for _, d in mine] == [3, 4, 3, 2, 4, 3, 2, 1], mine
 
 
+def test_ec2_counts_each_minute_with_the_instances_in_service_then(ec2: tuple[ResolvedDeployment, Template]) -> None:
+    """New instances serve 5 minutes after launch: the minutes before count the instances then in service (the
+    alarm's GroupInServiceInstances), and a high alarm that asks for fewer than are already launching adds none."""
+    r, template = ec2
+    loads = phases(
+        (3, (1.0, 0.3)),
+        (3, (1.0, 12.0)),  # a queue: out to the maximum, 2 of them still starting for 5 minutes
+        (3, (1.0, 5.0)),  # still above the queue target on the 2 in service: asks for 3 of the 4 launched
+        (30, (0.9, 0.2)),  # what 3 would hold (not 2 with their own load); the first minutes still had 2 in service
+        (30, (0.9, 0.2)),
+    )
+    mine = run(simulated(sim_scaling(r).autoscaler(), 2), loads, period_s=60, initial=2, cold_periods=5)
+    theirs = run(Ec2AsRendered(template).step, loads, period_s=60, initial=2, cold_periods=5)
+    assert mine == theirs
+    assert [d for _, d in mine] == [4, 3, 2], mine
+
+
 # ---- SageMaker: target tracking out and in -------------------------------------------------------------------------
 
 
@@ -214,9 +240,9 @@ class TrackingAsRendered:
             for name, values in self.since.items()
             if len(values) >= self.OUT and all(v > self.targets[name] for v in values[-self.OUT :])
         ]
-        if votes and t - self.last_out_s >= self.out_cooldown_s:
+        if votes and t - self.last_out_s >= self.out_cooldown_s:  # the high alarm only ever adds
             self._rescaled()
-            new = max(self.min, min(self.max, max(votes)))
+            new = max(desired, self.min, min(self.max, max(votes)))
             self.last_out_s = t if new > desired else self.last_out_s
             return new
         low = all(
