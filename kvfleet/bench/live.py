@@ -240,6 +240,17 @@ def _ec2(
     if not generation:
         return
     instance = serving[0]
+    result = _run_probe(r, session, instance, sleep)
+    status = result.get("Status")
+    if status != "Success":
+        detail = (result.get("StandardErrorContent") or result.get("StatusDetails") or "").strip().splitlines()
+        check.fail(f"Run Command on {instance} ended {status}" + (f": {detail[-1][:300]}" if detail else ""))
+        return
+    _judge_probe(r, check, instance, result.get("StandardOutputContent", ""), kv_tolerance)
+
+
+def _run_probe(r: ResolvedDeployment, session: Any, instance: str, sleep: Callable[[float], None]) -> dict[str, Any]:
+    """The probe script run on the instance through Run Command, waited for: the invocation's last state."""
     ssm = session.client("ssm")
     sent = ssm.send_command(
         InstanceIds=[instance],
@@ -261,12 +272,12 @@ def _ec2(
             raise
         if result.get("Status") not in _PENDING:
             break
-    status = result.get("Status")
-    if status != "Success":
-        detail = (result.get("StandardErrorContent") or result.get("StatusDetails") or "").strip().splitlines()
-        check.fail(f"Run Command on {instance} ended {status}" + (f": {detail[-1][:300]}" if detail else ""))
-        return
-    ping, gen, events, metrics = read_probe(result.get("StandardOutputContent", ""))
+    return result
+
+
+def _judge_probe(r: ResolvedDeployment, check: Check, instance: str, output: str, kv_tolerance: float) -> None:
+    """What the probe saw on the instance: the agent's health, one streamed generation, the engine's KV cache."""
+    ping, gen, events, metrics = read_probe(output)
     if ping == 200:
         check.ok(f"{instance}: {contract.HEALTH_ROUTE} answers 200")
     else:
