@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvfleet.config.loader import LoadedEnvironment
     from kvfleet.deployments import DeploymentRequest
-    from kvfleet.sim.policy import Outcome
+    from kvfleet.sim.policy import Derivation, Outcome
+    from kvfleet.tuning import StandbyComparison, StandbyOption
 
 
 def _setting_names() -> dict[str, str]:
@@ -35,30 +37,11 @@ def _outcome_json(o: Outcome) -> dict[str, Any]:
 def scaling_section(loaded: LoadedEnvironment, dr: DeploymentRequest, *, derive: bool) -> dict[str, Any] | None:
     """The thresholds the deployment scales on, and with scaling.derive (or --derive) how the replay chose them."""
     from kvfleet.deployments import resolve
-    from kvfleet.sim.policy import INTEGER_SETTINGS
     from kvfleet.tuning import decide, derivation
 
-    d = dr.deployment
-    s = d.scaling
-    w = d.workload
-    values = (
-        f"saturation_target {s.saturation_target:g}, queue_depth_target {s.queue_depth_target:g}, "
-        + (f"min_replicas {s.min_replicas}, scale_in_after_s {s.scale_in_wait_s}")
-        + ("" if s.admission_queue is None else f", admission_queue {s.admission_queue}")
-    )
-    if not s.derive and not derive:
-        return {
-            "derived": False,
-            "lines": [
-                f"scaling: {values} as the file sets them (or their defaults); scaling.derive: true derives them on "
-                "the workload (kvfleet plan --derive shows what that would choose)"
-            ],
-        }
-    if w.ttft_ms is None or w.peak_requests_per_s is None:
-        return {
-            "derived": False,
-            "lines": [f"scaling: {values}; nothing to derive them on without workload.ttft_ms and an arrival rate"],
-        }
+    s = dr.deployment.scaling
+    if (as_set := _not_derived(dr, derive=derive)) is not None:
+        return as_set
     r = resolve(loaded.environment, dr)
     trace = loaded.traces.get(dr.index)
     if s.derive:
@@ -73,31 +56,8 @@ def scaling_section(loaded: LoadedEnvironment, dr: DeploymentRequest, *, derive:
     slo = found.ttft_slo_s
     names = _setting_names()
     lines = [f"{head}: replaying {replay}, goal TTFT <= {slo:g} s for {goal:.0%} of requests"]
-    for c in found.choices:
-        name = names[c.setting]
-        value = f"{int(c.value)}" if c.setting in INTEGER_SETTINGS else f"{c.value:g}"
-        reason = c.reason
-        if c.pinned:
-            reason = "set in the file" if name in s.pinned else "the default (the file does not set it)"
-        lines.append(f"  {name} {value}: {reason}")
-    for pc in found.pin_costs:
-        name = names[pc.setting]
-        if pc.best is None:
-            lines.append(f"  {name}: no value of it alone meets the goal; raise max_replicas or re-plan")
-        elif pc.best.policy == pc.pinned.policy:
-            lines.append(f"  {name}: no other value of it alone costs less over the replay")
-        elif not pc.pinned.meets:
-            lines.append(
-                f"  {name}: the file's value misses the goal ({pc.pinned.describe(slo, goal)}); "
-                f"{pc.best.policy.value(pc.setting):g} meets it at {pc.best.cost_text()}"
-            )
-        else:
-            delta = pc.pinned.cost - pc.best.cost
-            unit = f"${delta:,.2f}" if pc.best.priced else f"{delta:,.2f} replica-hours"
-            lines.append(
-                f"  {name}: the file's value costs {unit} more over the replay than "
-                f"{pc.best.policy.value(pc.setting):g} ({pc.best.attainment:.1%} in time there)"
-            )
+    lines += _choice_lines(found, names, s.pinned)
+    lines += _pin_cost_lines(found, names)
     o = found.outcome
     verdict = "meets the goal" if found.feasible else "no policy within max_replicas meets the goal"
     lines.append(
@@ -119,6 +79,70 @@ def scaling_section(loaded: LoadedEnvironment, dr: DeploymentRequest, *, derive:
         ],
         "lines": lines,
     }
+
+
+def _not_derived(dr: DeploymentRequest, *, derive: bool) -> dict[str, Any] | None:
+    """The file's values, where nothing derives them (not asked, or no target and arrival rate to derive them on)."""
+    s, w = dr.deployment.scaling, dr.deployment.workload
+    values = (
+        f"saturation_target {s.saturation_target:g}, queue_depth_target {s.queue_depth_target:g}, "
+        + (f"min_replicas {s.min_replicas}, scale_in_after_s {s.scale_in_wait_s}")
+        + ("" if s.admission_queue is None else f", admission_queue {s.admission_queue}")
+    )
+    if not s.derive and not derive:
+        return {
+            "derived": False,
+            "lines": [
+                f"scaling: {values} as the file sets them (or their defaults); scaling.derive: true derives them on "
+                "the workload (kvfleet plan --derive shows what that would choose)"
+            ],
+        }
+    if w.ttft_ms is None or w.peak_requests_per_s is None:
+        return {
+            "derived": False,
+            "lines": [f"scaling: {values}; nothing to derive them on without workload.ttft_ms and an arrival rate"],
+        }
+    return None
+
+
+def _choice_lines(found: Derivation, names: dict[str, str], pinned_in_file: Collection[str]) -> list[str]:
+    """Each setting's value and why: what the search found, or that the file (or its default) pins it."""
+    from kvfleet.sim.policy import INTEGER_SETTINGS
+
+    lines = []
+    for c in found.choices:
+        name = names[c.setting]
+        value = f"{int(c.value)}" if c.setting in INTEGER_SETTINGS else f"{c.value:g}"
+        reason = c.reason
+        if c.pinned:
+            reason = "set in the file" if name in pinned_in_file else "the default (the file does not set it)"
+        lines.append(f"  {name} {value}: {reason}")
+    return lines
+
+
+def _pin_cost_lines(found: Derivation, names: dict[str, str]) -> list[str]:
+    """What each pinned value costs against the best value of that setting alone."""
+    slo, goal = found.ttft_slo_s, found.goal
+    lines = []
+    for pc in found.pin_costs:
+        name = names[pc.setting]
+        if pc.best is None:
+            lines.append(f"  {name}: no value of it alone meets the goal; raise max_replicas or re-plan")
+        elif pc.best.policy == pc.pinned.policy:
+            lines.append(f"  {name}: no other value of it alone costs less over the replay")
+        elif not pc.pinned.meets:
+            lines.append(
+                f"  {name}: the file's value misses the goal ({pc.pinned.describe(slo, goal)}); "
+                f"{pc.best.policy.value(pc.setting):g} meets it at {pc.best.cost_text()}"
+            )
+        else:
+            delta = pc.pinned.cost - pc.best.cost
+            unit = f"${delta:,.2f}" if pc.best.priced else f"{delta:,.2f} replica-hours"
+            lines.append(
+                f"  {name}: the file's value costs {unit} more over the replay than "
+                f"{pc.best.policy.value(pc.setting):g} ({pc.best.attainment:.1%} in time there)"
+            )
+    return lines
 
 
 def standby_section(loaded: LoadedEnvironment, dr: DeploymentRequest, *, force: bool) -> dict[str, Any] | None:
@@ -145,51 +169,13 @@ def standby_section(loaded: LoadedEnvironment, dr: DeploymentRequest, *, force: 
         f"standby: replaying {cmp.replay} with the thresholds above, goal TTFT <= {cmp.ttft_slo_s:g} s for "
         f"{cmp.goal:.0%} of requests"
     ]
-    rows = []
-    for o in cmp.options:
-        extra = f"cold start {o.cold_start_s / 60:.1f} min"
-        if o.standby_usd_per_hour:
-            extra += f", pool ${o.standby_usd_per_hour:,.3f}/h"
-        tag = " (as configured)" if o.configured else ""
-        verdict = "meets the goal" if o.outcome.meets else "misses the goal"
-        lines.append(
-            f"  {o.label}{tag}: TTFT in time for {o.outcome.attainment:.1%}, {o.outcome.cost_text()} ({verdict}; "
-            f"{extra})"
-        )
-        rows.append(
-            {
-                "min_replicas": o.min_replicas,
-                "warm_pool": None if o.pool == "none" else {"state": o.pool, "min_size": o.pool_size},
-                "configured": o.configured,
-                "cold_start_s": round(o.cold_start_s, 1),
-                "standby_usd_per_hour": round(o.standby_usd_per_hour, 4),
-                "meets_goal": o.outcome.meets,
-                "ttft_attainment": round(o.outcome.attainment, 4),
-                "cost": round(o.outcome.cost, 2),
-                "cost_unit": "usd" if o.outcome.priced else "replica_hours",
-            }
-        )
+    rows = [_option_row(o) for o in cmp.options]
+    lines += [_option_line(o) for o in cmp.options]
     best = cmp.best
     lines.append(
         f"  cheapest that meets the goal: {best.label}" if best else "  no option meets the goal on this replay"
     )
-    warm = [o for o in cmp.options if o.min_replicas > 0]
-    for o in cmp.options:
-        if o.ceiling is None or o.exposed is None or not warm or not cmp.gaps.count:
-            continue
-        # The break-even: what scale to zero saves against the cheapest warm option, and the attainment it can
-        # never pass here, so the goal it pays off under.
-        ref = min(warm, key=lambda w: w.outcome.cost)
-        saved = ref.outcome.cost - o.outcome.cost
-        unit = f"${abs(saved):,.2f}" if o.outcome.priced else f"{abs(saved):,.2f} replica-hours"
-        lines.append(
-            f"  {o.label}: {'saves' if saved >= 0 else 'costs'} {unit} {'against' if saved >= 0 else 'more than'} "
-            f"{ref.label} over the replay; {o.exposed:,} of "
-            f"{o.outcome.offered:,} requests arrive between an idle spell's end and the woken replica serving "
-            f"({(o.wake_s + o.cold_start_s) / 60:.1f} min), so it can never serve more than {o.ceiling:.1%} in "
-            "time: it pays off for a goal at or below that"
-        )
-        rows[cmp.options.index(o)]["attainment_ceiling"] = round(o.ceiling, 4)
+    lines += _break_even_lines(cmp, rows)
     g = cmp.gaps
     wait = f"{g.wait_s / 60:.0f} min"
     lines.append(
@@ -210,3 +196,50 @@ def standby_section(loaded: LoadedEnvironment, dr: DeploymentRequest, *, force: 
         "unavailable": list(cmp.unavailable),
         "lines": lines,
     }
+
+
+def _option_line(o: StandbyOption) -> str:
+    extra = f"cold start {o.cold_start_s / 60:.1f} min"
+    if o.standby_usd_per_hour:
+        extra += f", pool ${o.standby_usd_per_hour:,.3f}/h"
+    tag = " (as configured)" if o.configured else ""
+    verdict = "meets the goal" if o.outcome.meets else "misses the goal"
+    return (
+        f"  {o.label}{tag}: TTFT in time for {o.outcome.attainment:.1%}, {o.outcome.cost_text()} ({verdict}; {extra})"
+    )
+
+
+def _option_row(o: StandbyOption) -> dict[str, Any]:
+    return {
+        "min_replicas": o.min_replicas,
+        "warm_pool": None if o.pool == "none" else {"state": o.pool, "min_size": o.pool_size},
+        "configured": o.configured,
+        "cold_start_s": round(o.cold_start_s, 1),
+        "standby_usd_per_hour": round(o.standby_usd_per_hour, 4),
+        "meets_goal": o.outcome.meets,
+        "ttft_attainment": round(o.outcome.attainment, 4),
+        "cost": round(o.outcome.cost, 2),
+        "cost_unit": "usd" if o.outcome.priced else "replica_hours",
+    }
+
+
+def _break_even_lines(cmp: StandbyComparison, rows: list[dict[str, Any]]) -> list[str]:
+    """What scale to zero saves against the cheapest warm option, and the attainment it can never pass here, so the
+    goal it pays off under (each such option's row gets its ceiling)."""
+    lines = []
+    warm = [o for o in cmp.options if o.min_replicas > 0]
+    for o in cmp.options:
+        if o.ceiling is None or o.exposed is None or not warm or not cmp.gaps.count:
+            continue
+        ref = min(warm, key=lambda w: w.outcome.cost)
+        saved = ref.outcome.cost - o.outcome.cost
+        unit = f"${abs(saved):,.2f}" if o.outcome.priced else f"{abs(saved):,.2f} replica-hours"
+        lines.append(
+            f"  {o.label}: {'saves' if saved >= 0 else 'costs'} {unit} {'against' if saved >= 0 else 'more than'} "
+            f"{ref.label} over the replay; {o.exposed:,} of "
+            f"{o.outcome.offered:,} requests arrive between an idle spell's end and the woken replica serving "
+            f"({(o.wake_s + o.cold_start_s) / 60:.1f} min), so it can never serve more than {o.ceiling:.1%} in "
+            "time: it pays off for a goal at or below that"
+        )
+        rows[cmp.options.index(o)]["attainment_ceiling"] = round(o.ceiling, 4)
+    return lines

@@ -387,19 +387,7 @@ def derive(
         for setting in settings:
             if setting not in pins and setting not in search.reasons:
                 search.reasons[setting] = "the most eager value tried: no policy meets the goal"
-    choices = tuple(
-        Choice(
-            setting=s,
-            value=cur.value(s),
-            pinned=s in pins,
-            reason="pinned in the file" if s in pins else search.reasons.get(s, ""),
-        )
-        for s in settings
-    )
-    # Where the search failed, a pinned admission queue still says which queue would meet the goal.
-    pin_costs = tuple(
-        _pin_cost(ev, cur, s, search.grids[s]) for s in settings if s in pins and (feasible or s == "admission_queue")
-    )
+    choices, pin_costs = _outcomes(search, cur, feasible)
     return Derivation(
         policy=cur,
         outcome=ev(cur),
@@ -411,6 +399,27 @@ def derive(
         ttft_slo_s=ttft_slo_s,
         goal=goal,
     )
+
+
+def _outcomes(search: _Search, cur: Policy, feasible: bool) -> tuple[tuple[Choice, ...], tuple[PinCost, ...]]:
+    """Each setting's value and why; what each pinned value costs (where the search failed, a pinned admission queue
+    still says which queue would meet the goal)."""
+    pins = search.pins
+    choices = tuple(
+        Choice(
+            setting=s,
+            value=cur.value(s),
+            pinned=s in pins,
+            reason="pinned in the file" if s in pins else search.reasons.get(s, ""),
+        )
+        for s in search.settings
+    )
+    pin_costs = tuple(
+        _pin_cost(search.ev, cur, s, search.grids[s])
+        for s in search.settings
+        if s in pins and (feasible or s == "admission_queue")
+    )
+    return choices, pin_costs
 
 
 def _start(search: _Search, admission: AdmissionSpace | None) -> Policy:
