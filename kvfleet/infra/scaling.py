@@ -105,7 +105,7 @@ def scale_group_to_zero(
     elb_errors = load_balancer.metrics.http_code_elb(elbv2.HttpCodeElb.ELB_5XX_COUNT, period=period, statistic="Sum")
     served = target_group.metrics.request_count(period=period, statistic="Sum")
 
-    to_zero = _exact_capacity(scope, "ScaleToZero", group, 0, rule.idle_cooldown_s)
+    to_zero = _exact_capacity(scope, "ScaleToZero", group, 0, rule.TO_ZERO_COOLDOWN_S)
     idle = cw.Alarm(
         scope,
         "IdleAlarm",
@@ -119,11 +119,11 @@ def scale_group_to_zero(
         comparison_operator=_cdk(cw.ComparisonOperator, rule.IDLE_COMPARISON),
         evaluation_periods=rule.idle_periods,
         treat_missing_data=_cdk(cw.TreatMissingData, rule.IDLE_MISSING_DATA),
-        alarm_description=f"scale to zero: no request for {rule.idle_cooldown_s // 60} min",
+        alarm_description=rule.description(),
     )
     idle.add_alarm_action(_PolicyAction(to_zero))
 
-    wake = _exact_capacity(scope, "Wake", group, 1, rule.wake_cooldown_s)
+    wake = _exact_capacity(scope, "Wake", group, 1, rule.WAKE_COOLDOWN_S)
     woken = cw.Alarm(
         scope,
         "WakeAlarm",

@@ -43,6 +43,12 @@ class ScaleToZero:
     WAKE_COMPARISON: ClassVar[str] = "GreaterThanOrEqualToThreshold"
     WAKE_MISSING_DATA: ClassVar[str] = "notBreaching"
     WAKE_PERIODS: ClassVar[int] = 1
+    # Each policy's cooldown: one period. A simple policy's cooldown holds back every simple policy of the group
+    # (EC2 Auto Scaling User Guide, "Scaling cooldowns for Amazon EC2 Auto Scaling": after the group launches or
+    # terminates instances, no activity a simple policy starts begins before the cooldown ends), so the idle rule's
+    # must not outlast the moment a request comes to wake the group; its alarm's periods are the idle wait.
+    TO_ZERO_COOLDOWN_S: ClassVar[int] = PERIOD_S
+    WAKE_COOLDOWN_S: ClassVar[int] = PERIOD_S
     idle_s: float
     wake_s: float = WAKE_S
 
@@ -50,13 +56,8 @@ class ScaleToZero:
     def idle_periods(self) -> int:
         return math.ceil(self.idle_s / self.period_s)
 
-    @property
-    def idle_cooldown_s(self) -> int:
-        return math.ceil(self.idle_s)
-
-    @property
-    def wake_cooldown_s(self) -> int:
-        return self.period_s
+    def description(self) -> str:
+        return f"scale to zero: no request for {math.ceil(self.idle_s) // 60} min"
 
     def idle(self, t_s: float, *, last_arrival_s: float, busy: bool) -> bool:
         """Time to go to zero: no request for ``idle_s`` and none still in flight."""

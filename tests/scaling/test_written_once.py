@@ -383,14 +383,14 @@ def test_ec2_goes_to_zero_and_wakes_as_its_alarms_say(ec2: tuple[ResolvedDeploym
     """Arrivals, not signals: the idle alarm counts the requests reaching the load balancer each minute, the wake
     alarm the 503s it answers while no instance is desired. The simulator wakes ``WAKE_S`` after the first refused
     request, a planning figure for the minute's close and the alarm's evaluation: never before the rendered alarm
-    can act, and within that figure of it."""
+    can act, and within that figure of it. A burst comes 11 minutes after the group went to zero, well within the
+    20-minute idle wait: the wake must not wait for the idle rule's own pace."""
     r, template = ec2
     rule = sim_scaling(r).to_zero()
     assert rule is not None
-    alarms = {a["AlarmDescription"].split(":")[0]: a for a in props(template, "AWS::CloudWatch::Alarm")}
-    idle, wake = alarms["scale to zero"], alarms["wake from zero"]
-    idle_periods = idle["EvaluationPeriods"]
-    assert idle_periods * 60 == rule.idle_s == r.idle_to_zero_s
+    idle, to_zero = _alarm_and_policy(template, 0)
+    wake, woken = _alarm_and_policy(template, 1)
+    assert idle["EvaluationPeriods"] * 60 == rule.idle_s == r.idle_to_zero_s
     # Bursts of requests with idle spells between them, longer and shorter than the idle wait.
     arrivals = [
         a
@@ -398,7 +398,7 @@ def test_ec2_goes_to_zero_and_wakes_as_its_alarms_say(ec2: tuple[ResolvedDeploym
         for a in (start + 7.3 * i for i in range(count))
     ]
     mine = _simulated_to_zero(arrivals, 12_000, rule)
-    theirs = _rendered_to_zero(arrivals, 12_000, idle, wake)
+    theirs = _rendered_to_zero(arrivals, 12_000, (idle, int(to_zero["Cooldown"])), (wake, int(woken["Cooldown"])))
     assert [d for _, d in mine] == [d for _, d in theirs] == [0, 1, 0, 1, 0, 1, 0]
     for (t_mine, d), (t_theirs, _) in zip(mine, theirs, strict=True):
         if d == 0:
@@ -407,15 +407,28 @@ def test_ec2_goes_to_zero_and_wakes_as_its_alarms_say(ec2: tuple[ResolvedDeploym
             assert t_theirs <= t_mine <= t_theirs + WAKE_S
 
 
+def _alarm_and_policy(t: Template, capacity: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The simple policy setting the group's exact capacity to ``capacity``, and the alarm that runs it."""
+    found = t.find_resources("AWS::AutoScaling::ScalingPolicy", {"Properties": {"AdjustmentType": "ExactCapacity"}})
+    [(pid, policy)] = [
+        (k, v["Properties"]) for k, v in found.items() if v["Properties"]["ScalingAdjustment"] == capacity
+    ]
+    [alarm] = [a for a in props(t, "AWS::CloudWatch::Alarm") if a.get("AlarmActions") == [{"Ref": pid}]]
+    return alarm, policy
+
+
 def _rendered_to_zero(
-    arrivals: list[float], horizon: int, idle: dict[str, Any], wake: dict[str, Any]
+    arrivals: list[float], horizon: int, idle_rule: tuple[dict[str, Any], int], wake_rule: tuple[dict[str, Any], int]
 ) -> list[tuple[float, int]]:
-    """Each minute: the idle alarm over its periods (missing data breaching), else at zero the wake alarm."""
+    """Each minute: the idle alarm over its periods (missing data breaching), else at zero the wake alarm; each
+    (alarm, its simple policy's cooldown). After a simple policy acts, no simple policy starts another activity
+    until that cooldown has passed (EC2 Auto Scaling User Guide, "Scaling cooldowns for Amazon EC2 Auto Scaling")."""
+    (idle, idle_cooldown), (wake, wake_cooldown) = idle_rule, wake_rule
     [idle_expression] = [m["Expression"] for m in idle["Metrics"] if "Expression" in m]
     [wake_expression] = [m["Expression"] for m in wake["Metrics"] if "Expression" in m]
     assert (idle["ComparisonOperator"], idle["TreatMissingData"]) == ("LessThanThreshold", "breaching")
     assert (wake["ComparisonOperator"], wake["EvaluationPeriods"]) == ("GreaterThanOrEqualToThreshold", 1)
-    desired, changes = 1, []
+    desired, changes, cooling_until = 1, [], -math.inf
     counted: list[float | None] = []  # the idle alarm's datapoints
     for minute in range(1, horizon // 60 + 1):
         t = minute * 60.0
@@ -423,15 +436,17 @@ def _rendered_to_zero(
         served = float(inside) if inside and desired else None  # RequestCount: none while nothing serves
         refused = float(inside) if inside and not desired else None  # the load balancer's own 503s (and 5xx)
         counted.append(evaluate(idle_expression, {"r": served, "e": refused}))
+        if t < cooling_until:
+            continue
         if desired == 0:
             woken = evaluate(wake_expression, {"d": float(desired), "e": refused})
             if woken is not None and woken >= wake["Threshold"]:
-                desired = 1
+                desired, cooling_until = 1, t + wake_cooldown
                 changes.append((t, 1))
             continue
         last = counted[-idle["EvaluationPeriods"] :]
         if len(last) == idle["EvaluationPeriods"] and all(v is None or v < idle["Threshold"] for v in last):
-            desired = 0
+            desired, cooling_until = 0, t + idle_cooldown
             changes.append((t, 0))
     return changes
 
