@@ -17,7 +17,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kvfleet.engines.vllm_scheduler import VllmScheduler  # noqa: E402
+from kvfleet.engines.vllm.scheduler import VllmScheduler  # noqa: E402
 from kvfleet.sim.fleet import FleetSpec, Scaling, simulate  # noqa: E402
 from kvfleet.sim.replica import EngineLimits  # noqa: E402
 from kvfleet.sim.steps import RooflineSteps  # noqa: E402

@@ -868,8 +868,8 @@ def test_plan_without_an_acceptance_length_for_ngram_credits_none_and_names_the_
 def test_precision_the_release_does_not_load_names_the_files_line(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    # vLLM registers no bitsandbytes method from 0.28.0 (data/engine_quantization.json): the plan names the key to
-    # change.
+    # vLLM registers no bitsandbytes method from 0.28.0 (kvfleet/engines/vllm/quantization.py): the plan names the key
+    # to change.
     f, text = _dev_with(tmp_path, "      kv_cache_dtypes: [auto, fp8]", "      weight_precisions: [bnb-4bit]")
     text = text.replace('version: "0.30.0"', 'version: "0.32.0"', 1)
     f.write_text(text, encoding="utf-8")

@@ -15,8 +15,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this checkout's kvfleet, not another one installed
 
+from kvfleet.engines import ENGINES  # noqa: E402
 from kvfleet.sim import ledger  # noqa: E402
-from kvfleet.sizing.engines import DEFAULT_VERSIONS  # noqa: E402
+from kvfleet.sizing.engines import default_version  # noqa: E402
 
 DOC = REPO / "docs" / "accuracy.md"
 LOGS = REPO / "tests" / "sizing" / "data" / "engine_logs.json"
@@ -106,7 +107,7 @@ def capacity_section() -> str:
     for (engine, release), splits in sorted(by_release.items(), key=lambda kv: (kv[0][0], _key(kv[0][1]))):
         lines.append(f"| {engine} | {release} | {splits.count('fit')} / {splits.count('check')} |")
     lines.append("")
-    for engine, default in sorted((e.value, v) for e, v in DEFAULT_VERSIONS.items()):
+    for engine, default in sorted((name, default_version(name)) for name in ENGINES):
         n = len(by_release.get((engine, default), []))
         lines.append(
             f"- Default {engine} release {default}: {n} log(s){'' if n else ', modelled from its source alone'}."

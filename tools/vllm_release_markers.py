@@ -408,7 +408,8 @@ class Marker:
     holds: Predicate
     test: str  # the check, in words
     boundary: str  # what in kvfleet/sizing it pins; "not modelled: ..." for facts kept for the record
-    lists_quantization: bool = False  # record the release's quantization method lists (engine_quantization.json)
+    # Record the release's quantization method lists (kvfleet/engines/vllm/quantization.py).
+    lists_quantization: bool = False
     before: str | None = None  # a fact that held only until another marker's first release: bisect below it
 
 
@@ -810,7 +811,7 @@ MARKERS: tuple[Marker, ...] = (
         paths=(QUANT_INIT,),
         holds=methods_include("nvfp4", "modelopt_fp4"),
         test="QUANTIZATION_METHODS lists nvfp4 or modelopt_fp4",
-        boundary="engine_quantization.json row",
+        boundary="kvfleet/engines/vllm/quantization.py row",
         lists_quantization=True,
     ),
     Marker(
@@ -819,7 +820,7 @@ MARKERS: tuple[Marker, ...] = (
         paths=(QUANT_INIT,),
         holds=methods_include("modelopt_fp4"),
         test="QUANTIZATION_METHODS lists modelopt_fp4",
-        boundary="engine_quantization.json row",
+        boundary="kvfleet/engines/vllm/quantization.py row",
         lists_quantization=True,
     ),
     Marker(
@@ -828,7 +829,7 @@ MARKERS: tuple[Marker, ...] = (
         paths=(QUANT_INIT,),
         holds=methods_include("mxfp4"),
         test="QUANTIZATION_METHODS lists mxfp4",
-        boundary="engine_quantization.json row",
+        boundary="kvfleet/engines/vllm/quantization.py row",
         lists_quantization=True,
     ),
     Marker(
@@ -840,7 +841,7 @@ MARKERS: tuple[Marker, ...] = (
         paths=(QUANT_INIT,),
         holds=line_matching(r"^DEPRECATED_QUANTIZATION_METHODS\b"),
         test="quantization/__init__.py defines DEPRECATED_QUANTIZATION_METHODS",
-        boundary="engine_quantization.json row",
+        boundary="kvfleet/engines/vllm/quantization.py row",
         lists_quantization=True,
     ),
     Marker(
@@ -849,7 +850,7 @@ MARKERS: tuple[Marker, ...] = (
         paths=(QUANT_INIT,),
         holds=methods_exclude("gguf"),
         test="QUANTIZATION_METHODS no longer lists gguf",
-        boundary="engine_quantization.json row",
+        boundary="kvfleet/engines/vllm/quantization.py row",
         lists_quantization=True,
     ),
     Marker(
@@ -858,7 +859,7 @@ MARKERS: tuple[Marker, ...] = (
         paths=(QUANT_INIT,),
         holds=methods_exclude("bitsandbytes"),
         test="QUANTIZATION_METHODS no longer lists bitsandbytes",
-        boundary="engine_quantization.json row",
+        boundary="kvfleet/engines/vllm/quantization.py row",
         lists_quantization=True,
     ),
     Marker(
@@ -871,7 +872,7 @@ MARKERS: tuple[Marker, ...] = (
         # Releases before 0.11.1 do not list it either: only a release that deprecates methods can have dropped it.
         holds=all_of(methods_exclude("fp_quant"), line_matching(r"^DEPRECATED_QUANTIZATION_METHODS\b")),
         test="QUANTIZATION_METHODS no longer lists fp_quant, in a release that defines DEPRECATED_QUANTIZATION_METHODS",
-        boundary="engine_quantization.json row",
+        boundary="kvfleet/engines/vllm/quantization.py row",
         lists_quantization=True,
     ),
 )
@@ -984,7 +985,7 @@ def report(
             f"from {'.'.join(map(str, FLOOR))} to {newest} (sdists where PyPI has them, else the needed members of "
             "the wheel, read by HTTP range requests); 'checked' lists every release read and whether it showed the "
             "marker. 'quantization_lists' holds QUANTIZATION_METHODS and DEPRECATED_QUANTIZATION_METHODS of the "
-            "releases that start a row of engine_quantization.json."
+            "releases that start a row of kvfleet/engines/vllm/quantization.py."
         ),
         "index": index_url,
         "read": dt.date.today().isoformat(),

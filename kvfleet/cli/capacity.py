@@ -144,13 +144,15 @@ def _print_capacity(cap: Capacity) -> None:
 
 def _budget_rows(t: Any, cap: Capacity) -> None:
     """What the engine is given and what comes off it before the cache: weights, sampler state, activations."""
+    from kvfleet.engines.capacity import MemoryBudget
+    from kvfleet.sizing.engines import engine_traits
     from kvfleet.sizing.units import GiB
 
     util = cap.gpu_memory_utilization
     t.add_row("GPU memory", f"{cap.gpu_memory_bytes / GiB:.2f} GiB", "as the engine sees it")
     if cap.extensible_kv_cache:
         how = f"x {util} gpu_memory_utilization (a cap: the cache is sized from what warm-up leaves free)"
-    elif cap.engine.value == "vllm":
+    elif engine_traits(cap.engine).memory_budget is MemoryBudget.SHARE_OF_TOTAL:
         how = f"x {util} gpu_memory_utilization"
     else:
         how = f"fraction {util} of what is free"

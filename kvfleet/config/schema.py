@@ -18,7 +18,7 @@ from kvfleet.config.base import Bool, Float, Frozen, Int
 from kvfleet.config.targets import Ec2Target, EksTarget, SageMakerTarget, Target
 from kvfleet.engines import ENGINES
 from kvfleet.errors import KvfleetError
-from kvfleet.sizing.engines import DEFAULT_VERSIONS, TRTLLM_PROFILES, VLLM_PROFILES, EngineName
+from kvfleet.sizing.engines import default_version, engine_capacity
 from kvfleet.workload.traces import TraceFormat
 
 
@@ -84,8 +84,9 @@ class MmLimits(Frozen):
         return tuple((m, n) for m, n in (("image", self.image), ("video", self.video)) if n is not None)
 
 
-# The engine settings vLLM alone takes (TensorRT-LLM has no such option, or kvfleet does not size it there).
-VLLM_ONLY_SETTINGS = (
+# The engine settings an engine may lack (vLLM's options; an adapter's ``refused_settings`` names those its engine has
+# no option for, or kvfleet does not size there).
+OPTIONAL_SETTINGS = (
     "limit_mm_per_prompt",
     "mm_encoder_tp_mode",
     "mm_max_pixels",
@@ -167,27 +168,27 @@ class EngineRef(Frozen):
 
     @model_validator(mode="after")
     def _modelled(self) -> EngineRef:
-        # The planner sizes memory from a profile of the release; a release newer than every profile would
-        # silently be sized as the newest one.
-        if self.name not in {e.value for e in EngineName}:
+        # The planner sizes memory from a profile of the release (the engine's own rows, through the registry); a
+        # release newer than every profile would silently be sized as the newest one.
+        if self.name not in ENGINES:
             return self
-        engine = EngineName(self.name)
-        table = VLLM_PROFILES if engine is EngineName.VLLM else TRTLLM_PROFILES
+        table = engine_capacity(self.name).profiles
         v = versions.parse_version(self.version)
-        oldest, newest = table[0].since, versions.parse_version(DEFAULT_VERSIONS[engine])
+        oldest, newest = table[0].since, versions.parse_version(default_version(self.name))
         if v < oldest or v[:2] > newest[:2]:
             releases = ", ".join(".".join(map(str, p.since)) for p in table)
             raise ValueError(
-                f"version: kvfleet models {engine.value} releases {'.'.join(map(str, oldest))} to "
+                f"version: kvfleet models {self.name} releases {'.'.join(map(str, oldest))} to "
                 f"{newest[0]}.{newest[1]}.x (profiles from {releases}); pin one of those"
             )
         return self
 
     @model_validator(mode="after")
-    def _vllm_settings(self) -> EngineRef:
-        if self.name == EngineName.VLLM.value:
+    def _settings_the_engine_takes(self) -> EngineRef:
+        if self.name not in ENGINES:
             return self
-        unsupported = [f for f in VLLM_ONLY_SETTINGS if getattr(self, f) not in (None, "auto")]
+        refused = ENGINES[self.name].refused_settings
+        unsupported = [f for f in OPTIONAL_SETTINGS if f in refused and getattr(self, f) not in (None, "auto")]
         if unsupported:
             raise ValueError(
                 "\n".join(

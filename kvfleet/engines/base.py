@@ -16,15 +16,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from kvfleet.engines.capacity import EngineCapacity
 from kvfleet.engines.scheduling import Scheduler
+from kvfleet.engines.vocabulary import DRAFTS_FROM_CHECKPOINT, MM_ENCODER_TP_MODES, KvDtype, SpecMethod
 from kvfleet.versions import Version, parse_version
 
-# kvfleet's KV-cache dtype names (kvfleet.sizing.precision.KvDtype values).
-KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2")
-# kvfleet's speculative-decoding methods (kvfleet.sizing.speculative.SpecMethod values); the first three draft with
-# a checkpoint of their own (an EAGLE head, a smaller model), mtp with the target's own MTP layers.
-SPECULATIVE_METHODS = ("eagle", "eagle3", "draft_model", "mtp", "ngram")
-SPECULATIVE_WITH_MODEL = SPECULATIVE_METHODS[:3]
+KV_CACHE_DTYPES = tuple(d.value for d in KvDtype)
+# The methods that draft with a checkpoint of their own first (an EAGLE head, a smaller model), then mtp (the
+# target's own MTP layers) and ngram: the order the settings' messages list them in.
+SPECULATIVE_WITH_MODEL = tuple(m.value for m in DRAFTS_FROM_CHECKPOINT)
+SPECULATIVE_METHODS = SPECULATIVE_WITH_MODEL + tuple(m.value for m in SpecMethod if m not in DRAFTS_FROM_CHECKPOINT)
 # vLLM's state dtypes for linear-attention / Mamba layers (vllm/config/cache.py MambaDType, vLLM 0.32.0).
 MAMBA_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -123,8 +124,9 @@ class EngineArgs:
             ok = isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
             if not ok or isinstance(pair[1], bool) or not isinstance(pair[1], int) or pair[1] < 0:
                 raise ValueError(f"limit_mm_per_prompt: expected modality: count (count >= 0), got {pair!r}")
-        if self.mm_encoder_tp_mode not in (None, "weights", "data"):
-            raise ValueError(f"mm_encoder_tp_mode: must be weights or data, got {self.mm_encoder_tp_mode!r}")
+        if self.mm_encoder_tp_mode not in (None, *MM_ENCODER_TP_MODES):
+            modes = " or ".join(MM_ENCODER_TP_MODES)
+            raise ValueError(f"mm_encoder_tp_mode: must be {modes}, got {self.mm_encoder_tp_mode!r}")
 
     def _check_speculative(self) -> None:
         method = self.speculative_method
@@ -185,6 +187,21 @@ class EngineArgs:
         return cls(**data)
 
 
+@dataclass(frozen=True, kw_only=True)
+class AwsContainer:
+    """The AWS Deep Learning Container that runs the engine without the kvfleet agent (image.source dlc)."""
+
+    framework: str  # the SageMaker SDK's framework name for it (sagemaker.core.image_uris)
+    # A container that bundles the engine under releases of its own (DJL's LMI): its name for people, and the word
+    # its tags put before the engine release they bundle ("0.33.0-tensorrtllm0.21.0-cu128"). None: the container is
+    # released per engine release, under the engine's own version.
+    bundled_by: str | None = None
+    bundle_tag: str = ""
+    # containers/Dockerfile builds the kvfleet image on this container by default (``default_base_image``), so a
+    # kvfleet image of the same engine release carries its CUDA.
+    kvfleet_image_base: bool = False
+
+
 class EngineAdapter(ABC):
     """One serving engine: how kvfleet starts it, configures it and reads its metrics."""
 
@@ -204,6 +221,15 @@ class EngineAdapter(ABC):
     # below it. Each row lists the release's own name first and other releases' after it, so a wrong or stale
     # version string still finds the metric; the version only decides which name wins when both exist.
     metric_rows: ClassVar[tuple[tuple[str, SignalNames], ...]]
+    # The AWS container that runs the engine alone; None: AWS publishes none (image.source kvfleet only).
+    dlc: ClassVar[AwsContainer | None] = None
+    # What the engine does with GPU memory, for kvfleet.sizing (kvfleet.engines.capacity; the engine's profiles.py).
+    capacity: ClassVar[EngineCapacity]
+    # The speculative-decoding methods it runs (kvfleet.engines.vocabulary.SpecMethod values).
+    speculative_methods: ClassVar[frozenset[str]] = frozenset(SPECULATIVE_METHODS)
+    # EngineArgs fields the engine has no option for, or whose effect kvfleet does not size on it: ``settings``
+    # refuses them set, and an environment file naming one is refused at load.
+    refused_settings: ClassVar[frozenset[str]] = frozenset()
 
     @abstractmethod
     def settings(self, args: EngineArgs) -> dict[str, Any]:

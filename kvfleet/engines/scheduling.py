@@ -1,10 +1,11 @@
 """What every engine's scheduler model works on: a request's progress, one engine's batch and cache, a step.
 
-Each engine adapter owns one scheduler (``EngineAdapter.scheduler``): vLLM's in ``vllm_scheduler.py``, TensorRT-LLM's
-in ``trtllm_scheduler.py``. The fleet simulator (``kvfleet.sim.replica``) holds an engine's state, asks its scheduler
-which requests compute how many tokens in the next step, prices that step on a step-time model and advances it; the
-plan's percentiles, ``kvfleet simulate``, the derived scaling thresholds and a calibration's replay all run through
-it. Nothing else in the package spells an engine's scheduling rules. Standard library only (the image carries it).
+Each engine adapter owns one scheduler (``EngineAdapter.scheduler``), in its engine's folder: vLLM's in
+``vllm/scheduler.py``, TensorRT-LLM's in ``trtllm/scheduler.py``. The fleet simulator (``kvfleet.sim.replica``) holds
+an engine's state, asks its scheduler which requests compute how many tokens in the next step, prices that step on a
+step-time model and advances it; the plan's percentiles, ``kvfleet simulate``, the derived scaling thresholds and a
+calibration's replay all run through it. Nothing else in the package spells an engine's scheduling rules. Standard
+library only (the image carries it).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from aws_cdk import aws_iam as iam
 from constructs import Construct
 
 from kvfleet import contract
-from kvfleet.config.dlc import FRAMEWORKS, dlc_release
+from kvfleet.config.dlc import dlc_framework, dlc_release, kvfleet_image_on_dlc
 from kvfleet.deployments import ResolvedDeployment
 from kvfleet.errors import KvfleetError
 from kvfleet.infra.cuda import CudaVersion, image_cuda
@@ -87,7 +87,7 @@ def _retrieve(framework: str, version: str, region: str, instance_type: str) -> 
 
 def dlc_image(*, engine: str, engine_version: str, instance_type: str) -> DlcImage:
     """The DLC that runs ``engine`` at ``engine_version`` (vLLM DLC, or DJL's TensorRT-LLM image)."""
-    framework = FRAMEWORKS[engine]
+    framework = dlc_framework(engine)
     releases = _releases(framework)
     # The rule the loader applies too (kvfleet.config.dlc), here on the SDK's own table.
     dlc_version = dlc_release(engine, engine_version, {k: str(v.get("tag_prefix", "")) for k, v in releases.items()})
@@ -116,7 +116,7 @@ def serving_image_cuda(r: ResolvedDeployment) -> CudaVersion | None:
         assert img.uri is not None
         if (named := image_cuda(img.uri.split("@")[0])) is not None:
             return named
-    if img.source != "dlc" and r.engine != "vllm":
+    if img.source != "dlc" and not kvfleet_image_on_dlc(r.engine):
         return None
     sm_type = r.instance_type if r.instance_type.startswith("ml.") else f"ml.{r.instance_type}"
     try:

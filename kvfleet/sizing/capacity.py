@@ -10,22 +10,25 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 
+from kvfleet.engines.capacity import EngineProfile, MemoryBudget
+from kvfleet.engines.vocabulary import MM_ENCODER_TP_MODES
 from kvfleet.errors import SizingError
 from kvfleet.sizing.coverage import unchecked_note
 from kvfleet.sizing.engines import (
     ACTIVATIONS,
-    DEFAULT_VERSIONS,
-    MM_ENCODER_TP_MODES,
-    VLLM_ESTIMATED_SIZING_UTILIZATION,
-    VLLM_PROFILES,
     EncoderProfile,
     EngineName,
-    EngineProfile,
     activation_peak_bytes,
+    batch_defaults,
+    context_profiling_requests,
     cuda_graph_bytes,
     cuda_graphs_counted,
+    default_version,
     encoder_profile,
+    engine_capacity,
     engine_profile,
+    engine_title,
+    engine_traits,
     extensible_kv_bytes,
     in_flight_batches,
     non_torch_bytes,
@@ -33,9 +36,7 @@ from kvfleet.sizing.engines import (
     runs_v2_runner,
     sampler_bytes_per_logit,
     sizing_step_transient_bytes,
-    trtllm_profiling_requests,
     v2_penalty_buffer_bytes,
-    vllm_batch_defaults,
 )
 from kvfleet.sizing.memory import (
     KvGroup,
@@ -53,9 +54,6 @@ from kvfleet.sizing.precision import KvDtype, Part, WeightScheme, weight_scheme
 from kvfleet.sizing.quantization import as_loaded, checkpoint_note, checkpoint_refusal, scheme_refusal
 from kvfleet.sizing.speculative import Acceptance, Drafter, Speculative, acceptance, resolve_drafter
 from kvfleet.sizing.units import GiB, MiB, cdiv
-
-# vllm/config/cache.py: BlockSize = Literal[1, 8, 16, 32, 64, 128] on CUDA (hybrid models may pick larger).
-VLLM_BLOCK_SIZES = frozenset({1, 8, 16, 32, 64, 128, 256})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -318,9 +316,9 @@ def resolve_scheme(
     engine: EngineName = EngineName.VLLM,
     version: str | None = None,
 ) -> WeightScheme:
-    """The weights' scheme, refused where the engine release would not load it (``data/engine_quantization.json``):
-    a checkpoint whose quant_method the release does not load (field ``model``), or a scheme it does not apply to
-    an unquantized checkpoint (field ``quantization``). The scheme returned is the one the release holds in memory
+    """The weights' scheme, refused where the engine release would not load it (``EngineCapacity.quantization``): a
+    checkpoint whose quant_method the release does not load (field ``model``), or a scheme it does not apply to an
+    unquantized checkpoint (field ``quantization``). The scheme returned is the one the release holds in memory
     (``quantization.as_loaded``: vLLM's bitsandbytes absmax in fp32 from 0.9.2)."""
     native = model.native_scheme
     q = model.quantization
@@ -348,16 +346,26 @@ _HINT_FILL = 0.8
 
 
 def _memory_hint(
-    model: ModelSpec, tp: int, scheme: WeightScheme, requested: int, runtime: int, *, buffer: int = 0
+    model: ModelSpec,
+    tp: int,
+    scheme: WeightScheme,
+    requested: int,
+    runtime: int,
+    *,
+    buffer: int = 0,
+    engine: str = EngineName.VLLM,
 ) -> str:
     """The nearest change that leaves room: more tensor parallelism, else a 4-bit checkpoint. ``buffer``: what every
-    rank holds whole whatever the parallelism (vLLM's RoPE cache)."""
+    rank holds whole whatever the parallelism (the engine's RoPE cache, ``EngineTraits.holds_rope_cache``)."""
     if buffer + runtime >= requested * _HINT_FILL:
+        positions = (
+            f"{rope_cache_positions(model):,} positions (max_position_embeddings {model.max_position_embeddings:,}"
+        )
         return (
-            f"vLLM's RoPE cache alone takes {buffer / GiB:.2f} GiB on every GPU whatever the parallelism: it covers "
-            f"{rope_cache_positions(model):,} positions (max_position_embeddings {model.max_position_embeddings:,} "
-            "and the rope scaling); correct those values in the model's config or --rope-scaling, or, if they are "
-            f"right, use a GPU with more than {(buffer + runtime) / _HINT_FILL / GiB:.0f} GiB"
+            f"{engine_title(engine)}'s RoPE cache alone takes {buffer / GiB:.2f} GiB on every GPU whatever the "
+            f"parallelism: it covers {positions} and the rope scaling); correct those values in the model's config or "
+            f"--rope-scaling, or, if they are right, use a GPU with more than "
+            f"{(buffer + runtime) / _HINT_FILL / GiB:.0f} GiB"
         )
     runtime += buffer
     heads = model.num_attention_heads
@@ -510,53 +518,68 @@ def _knobs(
     if gpu_memory_bytes <= 0:
         raise SizingError(f"must be positive, got {gpu_memory_bytes / GiB:.2f} GiB", field="gpu_memory_gib")
     util = profile.gpu_memory_utilization if s.gpu_memory_utilization is None else s.gpu_memory_utilization
+    fixed = profile.fixed_cache_gpu_memory_utilization
     if s.gpu_memory_utilization is None and profile.extensible_kv_cache and s.kv_cache_memory_bytes is not None:
         # CacheConfig.resolved_gpu_memory_utilization: 1.0 only with the extensible cache, which a fixed size turns off.
-        util = VLLM_ESTIMATED_SIZING_UTILIZATION
+        util = util if fixed is None else fixed
     if not 0 < util <= 1:
         raise SizingError(f"must be in (0, 1], got {util}", field="gpu_memory_utilization")
-    if model.rope_override and profile.engine is not EngineName.VLLM:
+    traits = engine_traits(profile.engine)
+    if model.rope_override and not traits.takes_config_overrides:
         raise SizingError(
-            "TensorRT-LLM takes no config override at start-up; use vLLM (--hf-overrides), or a checkpoint whose "
-            "config.json carries this rope_scaling",
+            f"{engine_title(profile.engine)} takes no config override at start-up; use vLLM (--hf-overrides), or a "
+            "checkpoint whose config.json carries this rope_scaling",
             field="rope_scaling",
         )
     limit = context_limit(model, rope_rules(profile.engine, s.version))
     max_len = limit.default_len_tokens if s.max_model_len is None else s.max_model_len
     if max_len > limit.max_len_tokens:
         raise SizingError(_too_long(model, profile, max_len, limit), field="max_model_len")
-    if profile.engine is EngineName.VLLM:
-        tier = vllm_batch_defaults(s.version, gpu_memory_bytes=gpu_memory_bytes, accelerator_name=accelerator_name)
-        default_seqs, default_batched = tier.max_num_seqs, tier.max_num_batched_tokens
-    else:
-        assert profile.max_num_seqs is not None and profile.max_num_batched_tokens is not None
-        default_seqs, default_batched = profile.max_num_seqs, profile.max_num_batched_tokens
-    max_seqs = s.max_num_seqs or default_seqs
+    max_seqs, batched = _batch_limits(s, profile, max_len, gpu_memory_bytes=gpu_memory_bytes, name=accelerator_name)
+    block = s.block_size or profile.block_size
+    _check_block_size(profile.engine, block)
+    return _Knobs(util=util, max_len=max_len, max_seqs=max_seqs, batched=batched, block=block, limit=limit)
+
+
+def _batch_limits(
+    s: EngineSettings, profile: EngineProfile, max_len: int, *, gpu_memory_bytes: int, name: str
+) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens): the settings, else the release's defaults for this device."""
+    tier = batch_defaults(profile.engine, s.version, gpu_memory_bytes=gpu_memory_bytes, accelerator_name=name)
+    max_seqs = s.max_num_seqs or tier.max_num_seqs
     if s.max_num_batched_tokens is not None:
         batched = s.max_num_batched_tokens
-    elif profile.engine is EngineName.VLLM and profile.since < (0, 8, 0):
-        # V0 without chunked prefill schedules a whole prompt at once.
+    elif profile.schedules_whole_prompts:
+        # Without chunked prefill a step schedules a whole prompt at once.
         batched = max(max_len, 2048) if max_len <= 32768 else 2048
     else:
-        batched = default_batched
-    if profile.engine is EngineName.VLLM and batched < max_seqs and s.max_num_batched_tokens is not None:
+        batched = tier.max_num_batched_tokens
+    traits = engine_traits(profile.engine)
+    if traits.max_num_batched_tokens_at_least_seqs and batched < max_seqs and s.max_num_batched_tokens is not None:
         raise SizingError(
-            f"{batched} is below max_num_seqs ({max_seqs}); vLLM requires max_num_batched_tokens >= max_num_seqs",
+            f"{batched} is below max_num_seqs ({max_seqs}); {engine_title(profile.engine)} requires "
+            "max_num_batched_tokens >= max_num_seqs",
             field="max_num_batched_tokens",
         )
-    max_seqs = min(max_seqs, batched) if s.max_num_seqs is None else max_seqs
-    block = s.block_size or profile.block_size
-    if profile.engine is EngineName.VLLM and block not in VLLM_BLOCK_SIZES:
-        allowed = ", ".join(map(str, sorted(VLLM_BLOCK_SIZES)))
-        raise SizingError(f"vLLM accepts block sizes {allowed}; got {block}", field="block_size")
-    if profile.engine is EngineName.TRTLLM and block & (block - 1):
-        raise SizingError(f"TensorRT-LLM tokens_per_block must be a power of two, got {block}", field="block_size")
-    return _Knobs(util=util, max_len=max_len, max_seqs=max_seqs, batched=batched, block=block, limit=limit)
+    return (min(max_seqs, batched) if s.max_num_seqs is None else max_seqs), batched
+
+
+def _check_block_size(engine: str, block: int) -> None:
+    """The block sizes the engine accepts (``EngineTraits.block_sizes``, ``block_size_power_of_two``)."""
+    traits = engine_traits(engine)
+    if traits.block_sizes and block not in traits.block_sizes:
+        allowed = ", ".join(map(str, sorted(traits.block_sizes)))
+        raise SizingError(f"{engine_title(engine)} accepts block sizes {allowed}; got {block}", field="block_size")
+    if traits.block_size_power_of_two and block & (block - 1):
+        raise SizingError(
+            f"{engine_title(engine)} {traits.block_size_option} must be a power of two, got {block}",
+            field="block_size",
+        )
 
 
 def _too_long(model: ModelSpec, profile: EngineProfile, max_len: int, limit: ContextLimit) -> str:
     """The engine's refusal in the user's terms: its limit, where the limit comes from, and what to change."""
-    engine = "vLLM" if profile.engine is EngineName.VLLM else "TensorRT-LLM"
+    engine = engine_title(profile.engine)
     text = f"{max_len:,} exceeds {engine}'s limit for {model.model_id}, {limit.max_len_tokens:,} ({limit.source}); "
     text += f"use at most {limit.max_len_tokens:,}"
     if model.rope_override:
@@ -565,10 +588,11 @@ def _too_long(model: ModelSpec, profile: EngineProfile, max_len: int, limit: Con
         ', or extend the context with a RoPE scaling the model supports (--rope-scaling \'{"rope_type": "yarn", '
         '"factor": F, "original_max_position_embeddings": N}\', deployments[].model.rope_scaling: vLLM --hf-overrides)'
     )
-    if profile.engine is EngineName.VLLM:
+    override = engine_traits(profile.engine).max_len_override
+    if override:
         text += (
-            "; vLLM's own override VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 starts it anyway, but positions past the limit "
-            "give NaN with RoPE or read out of bounds with absolute positions"
+            f"; {engine}'s own override {override} starts it anyway, but positions past the limit give NaN with RoPE "
+            "or read out of bounds with absolute positions"
         )
     return text
 
@@ -593,14 +617,14 @@ def _kv_budget(
     gpu_memory_bytes: int,
     sizing_transient: int = 0,
 ) -> _Budget:
-    """The bytes the engine gives the KV cache: vLLM's requested share minus what is not cache (or, with the
-    extensible cache, what warm-up leaves free less a margin), or TensorRT-LLM's fraction of what is free after
-    profiling."""
-    if profile.engine is EngineName.VLLM and profile.extensible_kv_cache and s.kv_cache_memory_bytes is None:
+    """The bytes the engine gives the KV cache (``EngineTraits.memory_budget``): a share of the total minus what is
+    not cache (vLLM; with the extensible cache, what warm-up leaves free less a margin), or a share of what is free
+    after profiling (TensorRT-LLM)."""
+    if profile.extensible_kv_cache and s.kv_cache_memory_bytes is None:
         return _extensible_budget(s, mem, gpu_memory_bytes=gpu_memory_bytes, sizing_transient=sizing_transient)
-    if profile.engine is EngineName.VLLM:
-        return _vllm_budget(s, mem, gpu_memory_bytes=gpu_memory_bytes)
-    return _trtllm_budget(s, mem, gpu_memory_bytes=gpu_memory_bytes)
+    if engine_traits(profile.engine).memory_budget is MemoryBudget.SHARE_OF_TOTAL:
+        return _share_of_total_budget(s, mem, gpu_memory_bytes=gpu_memory_bytes)
+    return _share_of_free_budget(s, profile, mem, gpu_memory_bytes=gpu_memory_bytes)
 
 
 def _extensible_budget(
@@ -638,8 +662,8 @@ def _extensible_budget(
     )
 
 
-def _vllm_budget(s: EngineSettings, mem: _StageMemory, *, gpu_memory_bytes: int) -> _Budget:
-    """vLLM before the extensible cache, or with a fixed cache size: the requested share less what is not cache."""
+def _share_of_total_budget(s: EngineSettings, mem: _StageMemory, *, gpu_memory_bytes: int) -> _Budget:
+    """A share of the total less what is not cache (vLLM before the extensible cache, or with a fixed cache size)."""
     notes: list[str] = []
     problems: list[str] = []
     requested = int(gpu_memory_bytes * mem.knobs.util)
@@ -661,8 +685,10 @@ def _vllm_budget(s: EngineSettings, mem: _StageMemory, *, gpu_memory_bytes: int)
     return _Budget(requested=requested, kv_bytes=kv_bytes, problems=tuple(problems), notes=tuple(notes))
 
 
-def _trtllm_budget(s: EngineSettings, mem: _StageMemory, *, gpu_memory_bytes: int) -> _Budget:
-    """TensorRT-LLM: its fraction of what profiling leaves free, in whole blocks."""
+def _share_of_free_budget(
+    s: EngineSettings, profile: EngineProfile, mem: _StageMemory, *, gpu_memory_bytes: int
+) -> _Budget:
+    """A fraction of what profiling leaves free, in whole blocks (TensorRT-LLM)."""
     k = mem.knobs
     used = (
         mem.loaded_bytes + mem.activation_bytes + mem.non_torch_bytes + mem.graph_bytes + ACTIVATIONS.cuda_context_bytes
@@ -676,13 +702,17 @@ def _trtllm_budget(s: EngineSettings, mem: _StageMemory, *, gpu_memory_bytes: in
         if s.max_tokens is not None:
             tokens = min(tokens, s.max_tokens)
         kv_bytes = cdiv(tokens, k.block) * k.block * kv_bytes_per_token
-    runs = trtllm_profiling_requests(max_num_tokens=k.batched, max_seq_len=k.max_len)
-    note = f"profiled with {runs} dummy context request(s) filling max_num_tokens {k.batched}, one sampled row each"
+    notes: tuple[str, ...] = ()
+    if engine_traits(profile.engine).context_profiling_requests:
+        runs = context_profiling_requests(max_num_tokens=k.batched, max_seq_len=k.max_len)
+        notes = (
+            f"profiled with {runs} dummy context request(s) filling max_num_tokens {k.batched}, one sampled row each",
+        )
     return _Budget(
         requested=gpu_memory_bytes,
         kv_bytes=kv_bytes,
         problems=(),
-        notes=(note,),
+        notes=notes,
         context=ACTIVATIONS.cuda_context_bytes,
     )
 
@@ -691,15 +721,16 @@ def _state_pages(model: ModelSpec, s: EngineSettings, profile: EngineProfile) ->
     """State pages per request for a hybrid Mamba model; refuses engines whose state cache is not modelled."""
     if model.state is None or model.state_layers == 0:
         return 0
-    if profile.engine is not EngineName.VLLM:
+    separate = engine_traits(profile.engine).separate_state_cache
+    if separate:
         raise SizingError(
-            f"{model.model_id} has {model.state.kind.value} layers; TensorRT-LLM's Mamba state cache (a separate "
-            "pool per max_batch_size) is not modelled here; size it with engine vllm",
+            f"{model.model_id} has {model.state.kind.value} layers; {engine_title(profile.engine)}'s {separate} is "
+            "not modelled here; size it with engine vllm",
             field="engine",
         )
     if not profile.mamba_state_cache:
         # Earlier releases ran these models on V0 by default, whose state cache is a separate pool.
-        since = _first_release("mamba_state_cache")
+        since = _first_release(profile.engine, "mamba_state_cache")
         raise SizingError(
             f"{model.model_id} has {model.state.kind.value} layers, whose state shares the hybrid KV-cache "
             f"allocator from the release where V1 runs them by default; releases before it are not modelled; use "
@@ -716,11 +747,11 @@ def prefix_caching(model: ModelSpec, s: EngineSettings) -> bool:
     generative decoder, hybrid ones included, from 0.28.0 (vllm/engine/arg_utils.py
     _set_default_chunked_prefill_and_prefix_caching_args, vllm/config/model.py is_prefix_caching_supported);
     earlier releases left it off for hybrid Mamba models (``mamba_align_by_default``). TensorRT-LLM's
-    KvCacheConfig.enable_block_reuse defaults to on."""
+    KvCacheConfig.enable_block_reuse defaults to on, for every model."""
     if s.enable_prefix_caching is not None:
         return s.enable_prefix_caching
     profile = engine_profile(s.engine, s.version)
-    if profile.engine is EngineName.VLLM and model.state is not None and model.state_layers:
+    if model.state is not None and model.state_layers:
         return profile.mamba_align_by_default
     return True
 
@@ -754,14 +785,14 @@ def capacity(
     lm_head, and the embedding too where it is tied), and the replica gets the fewest blocks of any stage.
     """
     s = settings
-    version = s.version or DEFAULT_VERSIONS[s.engine]
+    version = s.version or default_version(s.engine)
     engine_profile(s.engine, s.version)
     _check_pipeline_size(s)
     layout = Layout(tp=s.tensor_parallel_size, pp=s.pipeline_parallel_size, ep=s.enable_expert_parallel)
     layout_notes = check_layout(
         model,
         layout,
-        engine=s.engine.value,
+        engine=s.engine,
         version=version,
         scheme=resolve_scheme(model, s.quantization, engine=s.engine, version=version),
     )
@@ -813,7 +844,7 @@ def _pipeline_capacity(
     pp = layout.pp
     stages = []
     first = 0
-    split = pp_partition(model.num_layers, pp, engine=s.engine.value)
+    split = pp_partition(model.num_layers, pp, engine=s.engine)
     for i, n in enumerate(split):
         layers = model.layers[first : first + n]
         first += n
@@ -864,9 +895,9 @@ def _sampler_rows(profile: EngineProfile, k: _Knobs) -> int:
     """Rows of logits the profiling run samples. vLLM's dummy sampler run takes max_num_seqs rows. TensorRT-LLM 1.0
     samples its dummy context requests (_util.py KvCacheCreator._create_dummy_context_requests, max_tokens=1), and
     the model returns one logit row per context request, its last token's (model_engine.py _prepare_tp_inputs:
-    gather_ids), so its sampler sees one row per request, not max_batch_size."""
-    if profile.engine is EngineName.TRTLLM:
-        return trtllm_profiling_requests(max_num_tokens=k.batched, max_seq_len=k.max_len)
+    gather_ids), so its sampler sees one row per request, not max_batch_size (``context_profiling_requests``)."""
+    if engine_traits(profile.engine).context_profiling_requests:
+        return context_profiling_requests(max_num_tokens=k.batched, max_seq_len=k.max_len)
     return k.max_seqs
 
 
@@ -906,9 +937,9 @@ def _stage_capacity(
 ) -> Capacity:
     """One GPU's start-up: ``model`` holds the layers it serves (a pipeline stage's, or all), ``full`` the rest."""
     profile = engine_profile(s.engine, s.version)
-    version = s.version or DEFAULT_VERSIONS[s.engine]
+    version = s.version or default_version(s.engine)
     k = _knobs(full, s, profile, gpu_memory_bytes=gpu_memory_bytes, accelerator_name=accelerator_name)
-    scheme = resolve_scheme(full, s.quantization, engine=profile.engine, version=version)
+    scheme = resolve_scheme(full, s.quantization, engine=s.engine, version=version)
     mem = _stage_memory(model, full, s, profile, k, without=without, scheme=scheme)
     k = mem.knobs
     budget = _kv_budget(
@@ -961,7 +992,7 @@ def _stage_memory(
     tp = s.tensor_parallel_size
     limits = mm_limits(s)
     weights = weight_bytes(model, tp=tp, scheme=scheme, ep=s.enable_expert_parallel, without=without)
-    if profile.engine is EngineName.VLLM:
+    if engine_traits(profile.engine).holds_rope_cache:
         weights = replace(weights, buffer_bytes=rope_cache_bytes(full))
     kv = kv_layout(
         model,
@@ -1054,8 +1085,9 @@ def _vision_encoder(
     are left out of the others by ``without``)."""
     if model.vision is None or Part.VISION in without:
         return None, weights, act, []
-    if profile.engine is not EngineName.VLLM:
-        return None, weights, act, ["TensorRT-LLM's vision encoder memory beyond its weights is not modelled"]
+    title = engine_title(profile.engine)
+    if not engine_traits(profile.engine).profiles_vision_encoder:
+        return None, weights, act, [f"{title}'s vision encoder memory beyond its weights is not modelled"]
     tp = s.tensor_parallel_size
     notes: list[str] = []
     encoder = encoder_profile(
@@ -1069,7 +1101,7 @@ def _vision_encoder(
         max_pixels=s.mm_max_pixels,
     )
     if encoder is not None and s.mm_encoder_tp_mode == "data" and not encoder.data_parallel and tp > 1:
-        notes.append("this vision tower has no data-parallel mode in vLLM; it stays sharded (weights)")
+        notes.append(f"this vision tower has no data-parallel mode in {title}; it stays sharded (weights)")
     if s.mm_max_pixels is not None and not model.vision.pixel_unit:
         notes.append("mm_max_pixels sizes Qwen-VL images only; this model's images have a fixed size")
     weights = _vision_weights(
@@ -1080,7 +1112,7 @@ def _vision_encoder(
         scheme=scheme,
     )
     if encoder is None:
-        notes.append("every modality is limited to 0: vLLM loads no vision tower and profiles no encoder")
+        notes.append(f"every modality is limited to 0: {title} loads no vision tower and profiles no encoder")
     else:
         # The encoder runs first; its outputs stay in the encoder cache through the language model's dummy run.
         act = max(encoder.encoder_activation_bytes, encoder.encoder_output_bytes + act) + encoder.buffer_bytes
@@ -1094,12 +1126,7 @@ def _vision_encoder(
 def _runner_buffer_bytes(full: ModelSpec, profile: EngineProfile, k: _Knobs, *, without: frozenset[Part]) -> int:
     """Model Runner V2's penalty state on the last stage: resident, and counted from the release that subtracts what
     is resident (before, the engine's budget leaves it out and the cache is sized as if it were not there)."""
-    if (
-        profile.engine is EngineName.VLLM
-        and Part.LM_HEAD not in without
-        and runs_v2_runner(profile, full)
-        and profile.persistent_buffers_counted
-    ):
+    if Part.LM_HEAD not in without and runs_v2_runner(profile, full) and profile.persistent_buffers_counted:
         return v2_penalty_buffer_bytes(max_num_seqs=k.max_seqs, vocab_size=full.vocab_size)
     return 0
 
@@ -1119,22 +1146,15 @@ def _start_notes(
     notes = []
     if mem.weights.buffer_bytes >= _ROPE_NOTE_BYTES:
         notes.append(
-            f"vLLM's RoPE cos/sin cache takes {mem.weights.buffer_bytes / GiB:.2f} GiB per GPU (in the weights): it "
-            f"covers the model's {rope_cache_positions(full):,} positions whatever max_model_len is"
+            f"{engine_title(profile.engine)}'s RoPE cos/sin cache takes {mem.weights.buffer_bytes / GiB:.2f} GiB per "
+            f"GPU (in the weights): it covers the model's {rope_cache_positions(full):,} positions whatever "
+            "max_model_len is"
         )
     if mem.drafter is not None:
         assert s.speculative is not None
         notes.extend(_drafter_notes(mem.drafter, acceptance(s.speculative, mem.drafter.num_speculative_tokens)))
-    if profile.engine is EngineName.VLLM and profile.since >= (0, 8, 0) and not s.enforce_eager:
-        # Public pair (tests/sizing/data/engine_logs.json, coldstart-qwen3-8b-rtx4090-warm): vLLM 0.27.1, Qwen3-8B on
-        # an RTX 4090, the first boot compiling for 39 s printed 1.18 GiB of peak activation, the second 0.19 GiB.
-        notes.append(
-            "sized for a boot that finds vLLM's compile cache: a first boot without it charges torch.compile's "
-            "temporaries to the activation peak and starts with a smaller cache (about 1 GiB less for an 8B model "
-            "on vLLM 0.27.1). An EC2 warm pool's instances compile before they enter the pool; other new replicas "
-            "boot cold, and their agent then admits by the smaller cache the engine reports. Persist VLLM_CACHE_ROOT "
-            "across boots, or plan that much headroom"
-        )
+    if profile.compile_cache_note and not s.enforce_eager:
+        notes.append(profile.compile_cache_note)
     if model.quantization is None and (as_checkpoint := checkpoint_note(scheme, engine=s.engine, version=version)):
         notes.append(as_checkpoint)
     if unchecked := unchecked_note(s.engine.value, version):
@@ -1152,7 +1172,13 @@ def _no_room_problem(
     )
     need = (mem.loaded_bytes + runtime) / GiB
     hint = _memory_hint(
-        full, s.tensor_parallel_size, scheme, budget.requested, runtime, buffer=mem.weights.buffer_bytes
+        full,
+        s.tensor_parallel_size,
+        scheme,
+        budget.requested,
+        runtime,
+        buffer=mem.weights.buffer_bytes,
+        engine=s.engine,
     )
     return (
         f"no memory left for the KV cache: weights + activations + runtime need {need:.2f} GiB per GPU, "
@@ -1227,7 +1253,7 @@ def _blocks(
 def _stage_pool(model: ModelSpec, profile: EngineProfile, mem: _StageMemory) -> tuple[_Pool, list[str]]:
     """The block pool this release builds from the stage's layers, and what it does with their kinds."""
     k, kv = mem.knobs, mem.kv
-    hybrid = profile.hybrid_kv_cache and profile.engine is EngineName.VLLM
+    hybrid = profile.hybrid_kv_cache
     pool = _pool(
         kv,
         block_size=k.block,
@@ -1282,7 +1308,7 @@ def _stage_record(
     overrides = config_overrides(model)
     return Capacity(
         model_id=full.model_id,
-        engine=profile.engine,
+        engine=s.engine,
         engine_version=version,
         profile=profile,
         tensor_parallel_size=s.tensor_parallel_size,
@@ -1293,7 +1319,7 @@ def _stage_record(
         activation_peak_bytes=mem.activation_bytes,
         non_torch_bytes=mem.non_torch_bytes,
         cuda_graph_bytes=mem.graph_bytes,
-        cuda_graph_counted=mem.graphs_counted if profile.engine is EngineName.VLLM else not s.enforce_eager,
+        cuda_graph_counted=mem.graphs_counted,
         kv_cache_bytes_per_gpu=blocks.kv_bytes,
         kv=kv,
         block_size=k.block,
@@ -1323,9 +1349,9 @@ def _stage_record(
     )
 
 
-def _first_release(flag: str) -> str:
-    """The first vLLM release whose profile row sets ``flag``, as text."""
-    return ".".join(map(str, next(p.since for p in VLLM_PROFILES if getattr(p, flag))))
+def _first_release(engine: str, flag: str) -> str:
+    """The engine's first release whose profile row sets ``flag``, as text."""
+    return ".".join(map(str, next(p.since for p in engine_capacity(engine).profiles if getattr(p, flag))))
 
 
 # The model dtype vLLM resolves from a checkpoint's config ("auto"): float16 and bfloat16 stay as they are; float32
@@ -1343,10 +1369,10 @@ def _check_kv_dtype(model: ModelSpec, s: EngineSettings, profile: EngineProfile)
     model_dtype = _HALF_DTYPES.get(cast or "") or _HALF_DTYPES.get(model.torch_dtype.lower())
     kv = _HALF_DTYPES[s.kv_cache_dtype.value]
     if model_dtype is not None and model_dtype != kv:
+        since = f"{engine_title(profile.engine)} {_first_release(profile.engine, 'kv_dtype_must_match_model')}"
         raise SizingError(
-            f"vLLM {_first_release('kv_dtype_must_match_model')} and later refuse a {kv} KV cache for a "
-            f"{model_dtype} model (kv_cache_dtype must equal the model dtype); use kv_cache_dtype auto (the model's "
-            f"{model_dtype}) or fp8",
+            f"{since} and later refuse a {kv} KV cache for a {model_dtype} model (kv_cache_dtype must equal the model "
+            f"dtype); use kv_cache_dtype auto (the model's {model_dtype}) or fp8",
             field="kv_cache_dtype",
         )
 
@@ -1363,9 +1389,9 @@ def _drafter(
         kv_dtype=s.kv_cache_dtype,
         target_scheme=scheme,
         max_num_batched_tokens=k.batched,
-        engine=profile.engine,
+        engine=s.engine,
     )
-    if profile.engine is EngineName.VLLM and k.batched <= d.new_slots_for_drafting:
+    if engine_traits(profile.engine).refuses_batch_within_draft_slots and k.batched <= d.new_slots_for_drafting:
         # config/vllm.py _set_max_num_scheduled_tokens: "not enough slots to schedule a token"
         raise SizingError(
             f"{k.batched} leaves no token per step beside the draft model's {d.new_slots_for_drafting} slot; "

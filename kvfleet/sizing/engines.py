@@ -1,4 +1,9 @@
-"""Engine semantics: how vLLM and TensorRT-LLM turn GPU memory into a KV cache, keyed by version.
+"""How an engine turns GPU memory into a KV cache: the estimates every engine's release rows are read with.
+
+Each engine's rules are data in its own folder (kvfleet/engines/<name>/profiles.py: release rows, the rules every
+release keeps, RoPE length rules, scheduler defaults), reached through the engine registry; this module answers
+from them (``engine_profile``, ``engine_traits``, ``rope_rules``, ``batch_defaults``) and holds what they feed. The
+two engines modelled today:
 
 vLLM (vllm/v1/worker/gpu_worker.py ``determine_available_memory``)::
 
@@ -14,7 +19,7 @@ TensorRT-LLM (PyTorch backend, KvCacheConfig)::
 
 Peak activations come from a forward pass over ``max_num_batched_tokens`` tokens followed by a
 sampler pass over rows of logits: ``max_num_seqs`` rows in vLLM's dummy sampler run, one row per dummy
-context request in TensorRT-LLM's profiling run (``trtllm_profiling_requests``). The estimate, per GPU,
+context request in TensorRT-LLM's profiling run (``context_profiling_requests``). The estimate, per GPU,
 in activation-dtype bytes ``a`` (2 for bf16/fp16)::
 
     forward  = N x [ R x h  +  max( 3 x I/tp  (gate_up + act, MLP or shared expert),
@@ -44,20 +49,19 @@ tests/sizing/test_engine_log_calibration.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from enum import StrEnum
-from typing import Any
+from dataclasses import dataclass
 
+from kvfleet import engines as registry
 from kvfleet import versions
+from kvfleet.engines import ENGINES
+from kvfleet.engines.capacity import BatchDefaults, EngineCapacity, EngineProfile, EngineTraits, RopeLengthRules
 from kvfleet.errors import SizingError
-from kvfleet.sizing.models import ModelSpec, RopeLengthRules
+from kvfleet.sizing.models import ModelSpec
 from kvfleet.sizing.units import GiB, MiB, cdiv
 from kvfleet.versions import Version
 
-
-class EngineName(StrEnum):
-    VLLM = "vllm"
-    TRTLLM = "trtllm"
+# A registered engine's name (kvfleet.engines.ENGINE_MODULES), as the sizing core's settings name it.
+EngineName = registry.EngineName
 
 
 def parse_version(text: str, *, field: str = "engine_version") -> Version:
@@ -67,423 +71,62 @@ def parse_version(text: str, *, field: str = "engine_version") -> Version:
         raise SizingError(str(err), field=field) from None
 
 
-@dataclass(frozen=True, kw_only=True)
-class EngineProfile:
-    """What one engine release does with memory. Rows of ``VLLM_PROFILES`` / ``TRTLLM_PROFILES``."""
-
-    engine: EngineName
-    since: Version  # first release this row describes
-    gpu_memory_utilization: float  # vLLM default; TRT-LLM: free_gpu_memory_fraction default
-    block_size: int  # tokens per KV block
-    counts_cuda_graphs: bool  # CUDA-graph memory is subtracted before sizing the cache
-    hybrid_kv_cache: bool  # sliding-window layers only hold their window (hybrid allocator)
-    hybrid_chunked_local: bool  # chunked local attention layers hold one chunk (else the full context)
-    mamba_state_cache: bool  # V1 runs Mamba/hybrid state models by default, their state in the hybrid allocator
-    hybrid_group_ratio: float  # kv_cache_utils grouping: use the largest type count below this ratio (1: never)
-    hybrid_tokens_from_concurrency: bool  # hybrid models log max_concurrency x max_model_len tokens
-    sort_sampler: bool  # the profiling run's top-k/top-p mask sorts the vocabulary (see the module docstring)
-    # Batches a sliding-window layer reserves beyond its window at pipeline parallel size 1
-    # (VllmConfig.max_in_flight_tokens: 2 with async scheduling, on by default from 0.26; 1 where a step's blocks
-    # are freed before the next). With pipeline stages see ``in_flight_batches``.
-    sliding_in_flight_batches: int
-    # Which models Model Runner V2 runs by default (VllmConfig.use_v2_model_runner): "none"; "dense" (0.26-0.28
-    # _is_default_v2_model_runner_model: a listed architecture, else a model that is neither MoE nor a hybrid
-    # state model); "all" (0.29 on). Only what depends on it is modelled: in-flight batches under pipeline parallelism.
-    v2_runner: str
-    # DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES (vllm/config/vllm.py) where ``v2_runner`` is "dense".
-    v2_runner_architectures: frozenset[str] = frozenset()
-    # Model Runner V2 estimates CUDA-graph memory before sizing the cache (gpu/model_runner.py
-    # profile_cudagraph_memory; it returned 0 before 0.29, so graphs came out of the 1 - utilization headroom).
-    v2_counts_cuda_graphs: bool = False
-    # The budget subtracts everything resident after profiling (vllm/utils/mem_utils.py total_consumed, 0.27 on), so
-    # buffers allocated between loading and profiling count: Model Runner V2's penalty state above all.
-    persistent_buffers_counted: bool = False
-    # Prefix caching on by default for hybrid attention/Mamba models, which puts their state layers in
-    # mamba_cache_mode "align": two state pages per request instead of one (MambaSpec.max_memory_usage_bytes).
-    mamba_align_by_default: bool
-    note: str
-    # Bytes per logit the profiling sampler holds beyond its runner's constant: Model Runner V2's profile run samples
-    # with SamplingParams.for_sampler_warmup from 0.33 (top-k/top-p through FlashInfer). Measured in vLLM PR 57926
-    # (Qwen2.5-0.5B-Instruct, L4, 256 sequences): 1,733,440 -> 1,710,928 KV tokens across the change, 22,512 tokens
-    # x 12,288 B = 0.258 GiB over 256 x 151,936 logits = 7.1 B per logit.
-    sampler_extra_bytes_per_logit: float = 0.0
-    # A bfloat16/float16 kv_cache_dtype must equal the model's dtype, or the engine refuses to start
-    # (vllm/config/vllm.py VllmConfig._reject_mismatched_float_kv_cache, from 0.33).
-    kv_dtype_must_match_model: bool = False
-    # The cache is sized after warm-up and CUDA-graph capture from measured free memory (vllm/v1/worker/
-    # extensible_kv_cache.py measure_kv_cache_bytes, on by default on CUDA from 0.34); see ``extensible_kv_bytes``.
-    extensible_kv_cache: bool = False
-    # The server's scheduler defaults where they do not depend on the device (TensorRT-LLM's max_num_tokens and
-    # max_batch_size). vLLM's depend on it: VLLM_BATCH_DEFAULTS (tiers by memory, A100s excluded by name).
-    max_num_batched_tokens: int | None = None
-    max_num_seqs: int | None = None
+def engine_capacity(engine: str) -> EngineCapacity:
+    """The engine's capacity rules, from its adapter (kvfleet/engines/<name>/profiles.py)."""
+    return ENGINES[engine].capacity
 
 
-# vllm/config/vllm.py DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES in the 0.26.0 sdist: MoE architectures Model Runner V2
-# runs by default although other MoE models stay on the V1 runner.
-_V2_ARCHS_0_26 = frozenset(
-    {
-        "DeepseekV2ForCausalLM",
-        "GraniteMoeForCausalLM",
-        "InklingForCausalLM",
-        "InklingForConditionalGeneration",
-        "LongcatFlashNgramForCausalLM",
-        "Qwen2MoeForCausalLM",
-    }
-)
+def engine_traits(engine: str) -> EngineTraits:
+    """The rules every release of the engine keeps."""
+    return engine_capacity(engine).traits
 
 
-def _releases(first: EngineProfile, *changes: tuple[Version, str, dict[str, Any]]) -> tuple[EngineProfile, ...]:
-    """Rows from ``first`` on, each the previous one with what changed in its release."""
-    rows = [first]
-    for since, note, changed in changes:
-        rows.append(replace(rows[-1], since=since, note=note, **changed))
-    return tuple(rows)
+def engine_title(engine: str) -> str:
+    """The engine's name for people ("vLLM")."""
+    return ENGINES[engine].title
 
 
-# Sources: vllm/v1/worker/gpu_worker.py determine_available_memory (three generations), vllm/v1/core/
-# kv_cache_utils.py (grouping, num_blocks, _report_kv_cache_config), vllm/engine/arg_utils.py (scheduler defaults),
-# vllm/config/cache.py (gpu_memory_utilization, block_size). Each row's release is the first whose own files show
-# the change, read from the release's sdist (wheel for 0.15.x) on PyPI by tools/vllm_release_markers.py; the
-# marker named in each note is in data/vllm_release_markers.json with the line read and the release before it,
-# and tests/sizing/test_release_markers.py holds the rows to it.
-VLLM_PROFILES: tuple[EngineProfile, ...] = _releases(
-    EngineProfile(
-        engine=EngineName.VLLM,
-        since=(0, 6, 0),
-        gpu_memory_utilization=0.90,
-        block_size=16,
-        counts_cuda_graphs=False,
-        hybrid_kv_cache=False,
-        hybrid_chunked_local=False,
-        mamba_state_cache=False,
-        hybrid_group_ratio=1.0,
-        hybrid_tokens_from_concurrency=False,
-        sort_sampler=True,
-        sliding_in_flight_batches=1,
-        v2_runner="none",
-        mamba_align_by_default=False,
-        note="V0 engine: every layer holds max_model_len; CUDA graphs use the 1 - utilization headroom",
-    ),
-    ((0, 8, 0), "V1 engine by default (vllm/envs.py VLLM_USE_V1; v1-engine-default)", {}),
-    (
-        (0, 9, 1),
-        "hybrid KV-cache manager: sliding-window layers hold only their window, groups sized by the smallest layer "
-        "count (vllm/v1/core/kv_cache_utils.py; hybrid-kv-cache-manager)",
-        {"hybrid_kv_cache": True},
-    ),
-    (
-        (0, 10, 0),
-        "chunked local attention layers hold one chunk (vllm/v1/kv_cache_interface.py ChunkedLocalAttentionSpec; "
-        "chunked-local-attention-spec)",
-        {"hybrid_chunked_local": True},
-    ),
-    (
-        (0, 10, 2),
-        "V1 runs hybrid Mamba models by default, their state in the hybrid allocator (vllm/engine/arg_utils.py no "
-        "longer falls back to V0; v1-mamba-by-default)",
-        {"mamba_state_cache": True},
-    ),
-    (
-        (0, 12, 0),
-        "hybrid KV-cache grouping pads to the larger layer count below a 1.25 ratio (vllm/v1/core/"
-        "kv_cache_utils.py; hybrid-group-ratio)",
-        {"hybrid_group_ratio": 1.25},
-    ),
-    (
-        (0, 17, 0),
-        "top-k/top-p masked in place by a Triton kernel, no vocabulary sort while profiling (PR 33538; "
-        "vllm/v1/sample/ops/topk_topp_sampler.py; triton-top-k-top-p)",
-        {"sort_sampler": False},
-    ),
-    (
-        (0, 18, 0),
-        "hybrid KV-cache grouping pads to the larger layer count below a 1.5 ratio (hybrid-group-ratio-1.5)",
-        {"hybrid_group_ratio": 1.5},
-    ),
-    (
-        (0, 20, 0),
-        "CUDA-graph memory is profiled and subtracted before the cache is sized (PR 30515), and "
-        "gpu_memory_utilization defaults to 0.92 (vllm/envs.py, vllm/config/cache.py; the log line says 'default "
-        "since v0.21.0', but 0.20.0 ships it; cuda-graph-memory-profiled, gpu-memory-utilization-0.92)",
-        {"counts_cuda_graphs": True, "gpu_memory_utilization": 0.92},
-    ),
-    (
-        (0, 20, 1),
-        "hybrid models log max_concurrency x max_model_len tokens (vllm/v1/core/kv_cache_utils.py; "
-        "kv-tokens-from-concurrency)",
-        {"hybrid_tokens_from_concurrency": True},
-    ),
-    (
-        (0, 26, 0),
-        "sliding-window layers reserve two in-flight batches under async scheduling (vllm/config/vllm.py "
-        "max_in_flight_tokens; sliding-window-in-flight-tokens); Model Runner V2 the default for dense models "
-        "(vllm/config/vllm.py _is_default_v2_model_runner_model and its architecture list, 0.26.0)",
-        {"sliding_in_flight_batches": 2, "v2_runner": "dense", "v2_runner_architectures": _V2_ARCHS_0_26},
-    ),
-    (
-        (0, 27, 0),
-        "the budget subtracts everything resident after profiling, buffers allocated after loading included "
-        "(vllm/utils/mem_utils.py memory_profiling total_consumed; budget-counts-persistent-allocations)",
-        {"persistent_buffers_counted": True},
-    ),
-    (
-        (0, 28, 0),
-        "hybrid Mamba models cache prefixes by default, in mamba_cache_mode align (vllm/engine/arg_utils.py, "
-        "vllm/config/model.py is_prefix_caching_supported; hybrid-prefix-caching-by-default); Model Runner V2 "
-        "lists two more architectures (vllm/config/vllm.py DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES, 0.28.0)",
-        # 0.27.1 already lists KimiK3ForConditionalGeneration (no catalog model); 0.27.x keeps the 0.26.0 list here.
-        {
-            "mamba_align_by_default": True,
-            "v2_runner_architectures": _V2_ARCHS_0_26 | {"DeepseekV4ForCausalLM", "KimiK3ForConditionalGeneration"},
-        },
-    ),
-    (
-        (0, 29, 0),
-        "Model Runner V2 the default for every generative model it supports (vllm/config/vllm.py "
-        "use_v2_model_runner; v2-model-runner-default); it estimates CUDA-graph memory before sizing the cache "
-        "(gpu/model_runner.py profile_cudagraph_memory; v2-cudagraph-estimate)",
-        {"v2_runner": "all", "v2_counts_cuda_graphs": True},
-    ),
-    (
-        (0, 33, 0),
-        "Model Runner V2's profiling sampler runs the full warm-up parameters, top-k/top-p included (vllm/v1/"
-        "worker/gpu/model_runner.py, SamplingParams.for_sampler_warmup; v2-profiling-sampler-full-params); a "
-        "bfloat16/float16 kv_cache_dtype must equal the model dtype (vllm/config/vllm.py; kv-dtype-must-match-model)",
-        {"sampler_extra_bytes_per_logit": 7.1, "kv_dtype_must_match_model": True},
-    ),
-    (
-        (0, 34, 0),
-        "extensible KV cache: sized after warm-up and CUDA-graph capture from measured free memory, "
-        "gpu_memory_utilization unset (1.0) unless given (vllm/config/cache.py, vllm/v1/worker/extensible_kv_cache.py; "
-        "extensible-kv-cache-default); 64-token blocks by default (vllm/config/cache.py DEFAULT_BLOCK_SIZE; "
-        "default-block-size-64); the V1 runner removed",
-        {"extensible_kv_cache": True, "gpu_memory_utilization": 1.0, "block_size": 64},
-    ),
-)
-
-# vllm/config/cache.py DEFAULT_GPU_MEMORY_UTILIZATION (0.34.0): the default where the extensible cache is off
-# (--kv-cache-memory-bytes given, or a driver without virtual memory management).
-VLLM_ESTIMATED_SIZING_UTILIZATION = 0.92
-
-# TensorRT-LLM PyTorch backend, 1.0 (tensorrt_llm/_torch/pyexecutor/_util.py KvCacheCreator; resource_manager.py
-# KVCacheManager.calculate_max_num_blocks; llmapi/llm_args.py KvCacheConfig; commands/serve.py):
-#   estimate_max_tokens: peak = torch peak + what is used outside torch after the run (CUDA context, NCCL, the CUDA
-#     graphs captured at warm-up, the temporary cache); _cal_max_tokens: available = (total - peak + temporary
-#     cache) x free_gpu_memory_fraction, max_tokens = available // kv bytes per token, then min(KvCacheConfig
-#     .max_tokens) where the user set one. So what counts as used is everything but the KV cache.
-#   calculate_max_num_blocks: primary blocks = ceil(max_tokens / tokens_per_block); the log's "Allocated X GiB for max
-#     tokens in paged KV cache (N)" prints N = blocks x tokens_per_block.
-#   The profiling run: _create_dummy_context_requests(net_max_seq_len - 1) fills max_num_tokens with context requests
-#     of min(max_num_tokens, max_seq_len - 1) tokens each, max_tokens=1: one forward over max_num_tokens tokens and
-#     one sampled row per request (trtllm_profiling_requests), since the model returns the logits of each context
-#     request's last token only (model_engine.py _prepare_tp_inputs: gather_ids). configure_kv_cache_capacity resets
-#     the peak statistics after warm-up, so the torch peak is the run's; what warm-up keeps (CUDA graphs, NCCL) is
-#     the "used outside torch" part, cuda_graph_bytes + non_torch_bytes + cuda_context_bytes here. The activation
-#     term charges those rows, not max_batch_size: NVIDIA/TensorRT-LLM#6294 (max_batch_size 4,096, 151 dummy
-#     requests) used at most 13.58 GiB and is predicted at 12.07 GiB; 4,096 rows alone would have charged 13.3 GiB.
-#   Defaults: free_gpu_memory_fraction None -> 0.9 (_get_free_gpu_memory_fraction; llm_args "Default is 90%"; the
-#     serve command's --kv_cache_free_gpu_memory_fraction defaults to 0.9); --max_batch_size / --max_num_tokens default
-#     to BuildConfig.max_batch_size 2048 / max_num_tokens 8192 (commands/serve.py, builder.py BuildConfig);
-#     tokens_per_block 32.
-TRTLLM_PROFILES: tuple[EngineProfile, ...] = (
-    EngineProfile(
-        engine=EngineName.TRTLLM,
-        since=(0, 17, 0),
-        gpu_memory_utilization=0.90,
-        block_size=32,
-        counts_cuda_graphs=True,
-        hybrid_kv_cache=False,
-        hybrid_chunked_local=False,
-        mamba_state_cache=False,
-        hybrid_group_ratio=1.5,
-        hybrid_tokens_from_concurrency=False,
-        sort_sampler=False,
-        sliding_in_flight_batches=1,
-        v2_runner="none",
-        mamba_align_by_default=False,
-        max_num_batched_tokens=8192,
-        max_num_seqs=2048,
-        note="free_gpu_memory_fraction of the memory free after profiling; max_batch_size 2048, "
-        "max_num_tokens 8192, tokens_per_block 32",
-    ),
-)
+def default_version(engine: str) -> str:
+    """The newest release of the engine modelled; deployments pin their own."""
+    return engine_capacity(engine).default_version
 
 
-def trtllm_profiling_requests(*, max_num_tokens: int, max_seq_len: int) -> int:
-    """Dummy context requests TensorRT-LLM's KV-cache estimation runs (KvCacheCreator._create_dummy_context_requests:
-    max_num_tokens split into requests of min(max_num_tokens, max_seq_len - 1) tokens); each samples one row."""
+def engine_profile(engine: str, version: str | None = None) -> EngineProfile:
+    table = engine_capacity(engine).profiles
+    v = parse_version(version or default_version(engine))
+    rows = [p for p in table if p.since <= v]
+    if not rows:
+        oldest = ".".join(map(str, table[0].since))
+        raise SizingError(
+            f"{engine} {version} is older than the oldest modelled release {oldest}", field="engine_version"
+        )
+    return rows[-1]
+
+
+def context_profiling_requests(*, max_num_tokens: int, max_seq_len: int) -> int:
+    """Dummy context requests a profiling run of ``max_num_tokens`` holds (``EngineTraits.context_profiling_requests``;
+    TensorRT-LLM's KvCacheCreator._create_dummy_context_requests: max_num_tokens split into requests of
+    min(max_num_tokens, max_seq_len - 1) tokens); each samples one row."""
     per_request = max(1, min(max_num_tokens, max_seq_len - 1))
     return -(-max_num_tokens // per_request)
 
 
-# The newest releases modelled; deployments pin their own.
-DEFAULT_VERSIONS = {EngineName.VLLM: "0.34.0", EngineName.TRTLLM: "1.0.0"}
-# 70 GiB: vLLM's threshold for its larger scheduler defaults (H100-class GPUs).
-LARGE_GPU_BYTES = 70 * GiB
-
-
-@dataclass(frozen=True, kw_only=True)
-class RopeRules:
-    """A row of ``VLLM_ROPE_RULES`` / ``TRTLLM_ROPE_RULES``: the length rules from release ``since`` on."""
-
-    since: Version
-    rules: RopeLengthRules
-
-
-_VLLM_MODEL_PY = "vllm/config/model.py _get_and_verify_max_len"
-VLLM_ROPE_RULES: tuple[RopeRules, ...] = (
-    RopeRules(
-        since=(0, 6, 0),
-        rules=RopeLengthRules(
-            # `if rope_type not in ("su", "longrope", "llama3")`: factor x max_position_embeddings, but YaRN
-            # resets the base to rope_scaling["original_max_position_embeddings"] first.
-            no_factor_types=frozenset({"su", "longrope", "llama3"}),
-            yarn_from_original=True,
-            gemma3_exempt=True,
-            longrope_default_original=False,
-            source=f"{_VLLM_MODEL_PY} (vllm/config.py before 0.10)",
-        ),
-    ),
-    RopeRules(
-        # PR 27431: with no --max-model-len, LongRoPE models start at original_max_position_embeddings, where the
-        # short factors hold. First in 0.11.1 (vllm/config/model.py; marker longrope-default-original-length).
-        since=(0, 11, 1),
-        rules=RopeLengthRules(
-            no_factor_types=frozenset({"su", "longrope", "llama3"}),
-            yarn_from_original=True,
-            gemma3_exempt=True,
-            longrope_default_original=True,
-            source=f"{_VLLM_MODEL_PY} 0.11.1; PR 27431 (LongRoPE default length)",
-        ),
-    ),
-    RopeRules(
-        # PR 56446 aligned YaRN with transformers: max_position_embeddings is already the scaled length and
-        # `factor` no longer lengthens it (YaRN variants join the list). First in 0.30.0 (vllm/config/model.py;
-        # marker yarn-not-rescaled).
-        since=(0, 30, 0),
-        rules=RopeLengthRules(
-            no_factor_types=frozenset({"su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling"}),
-            yarn_from_original=False,
-            gemma3_exempt=True,
-            longrope_default_original=True,
-            source=f"{_VLLM_MODEL_PY} 0.30.0; PR 56446 (YaRN no longer rescales)",
-        ),
-    ),
-)
-
-# tensorrt_llm/_torch/models/modeling_utils.py DecoderModelForCausalLM.infer_max_seq_len ("Modified from
-# tensorrt_llm/builder.py _init_max_seq_len"): factor x max_position_embeddings unless su/longrope/llama3/yarn;
-# no Gemma 3 exception, no LongRoPE default.
-TRTLLM_ROPE_RULES: tuple[RopeRules, ...] = (
-    RopeRules(
-        since=(0, 17, 0),
-        rules=RopeLengthRules(
-            no_factor_types=frozenset({"su", "longrope", "llama3", "yarn"}),
-            yarn_from_original=False,
-            gemma3_exempt=False,
-            longrope_default_original=False,
-            source="tensorrt_llm/_torch/models/modeling_utils.py infer_max_seq_len",
-        ),
-    ),
-)
-
-
-def rope_rules(engine: EngineName, version: str | None = None) -> RopeLengthRules:
-    table = VLLM_ROPE_RULES if engine is EngineName.VLLM else TRTLLM_ROPE_RULES
-    v = parse_version(version or DEFAULT_VERSIONS[engine])
+def rope_rules(engine: str, version: str | None = None) -> RopeLengthRules:
+    table = engine_capacity(engine).rope_rules
+    v = parse_version(version or default_version(engine))
     rows = [r for r in table if r.since <= v] or [table[0]]
     return rows[-1].rules
 
 
-@dataclass(frozen=True, kw_only=True)
-class BatchDefaults:
-    """One tier of vLLM's scheduler defaults for the OpenAI server (``UsageContext.OPENAI_API_SERVER``)."""
-
-    min_memory_bytes: int  # CUDA's total memory of one device, at least
-    excluded_names: tuple[str, ...]  # device-name substrings (lower case) that never get this tier
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    required_names: tuple[str, ...] = ()  # device-name substrings of which one must be there (empty: any device)
-
-    def admits(self, gpu_memory_bytes: int, name: str) -> bool:
-        return (
-            gpu_memory_bytes >= self.min_memory_bytes
-            and not any(x in name for x in self.excluded_names)
-            and (not self.required_names or any(x in name for x in self.required_names))
-        )
-
-
-@dataclass(frozen=True, kw_only=True)
-class BatchDefaultsRule:
-    """vLLM's ``EngineArgs.get_batch_defaults`` (vllm/engine/arg_utils.py) from release ``since``: the first tier whose
-    memory threshold and name tests the device passes; the last tier (threshold 0) is everyone else's."""
-
-    since: Version
-    tiers: tuple[BatchDefaults, ...]
-    source: str
-
-
-_SMALL = BatchDefaults(min_memory_bytes=0, excluded_names=(), max_num_batched_tokens=2048, max_num_seqs=256)
-_LARGE = BatchDefaults(
-    min_memory_bytes=LARGE_GPU_BYTES, excluded_names=("a100",), max_num_batched_tokens=8192, max_num_seqs=1024
-)
-_BY_NAME = BatchDefaults(
-    min_memory_bytes=0,
-    excluded_names=(),
-    required_names=("h100", "h200"),
-    max_num_batched_tokens=8192,
-    max_num_seqs=1024,
-)
-_HUGE = BatchDefaults(min_memory_bytes=160 * GiB, excluded_names=(), max_num_batched_tokens=16384, max_num_seqs=1024)
-# Each rule's release is the first whose vllm/engine/arg_utils.py shows it (data/vllm_release_markers.json, marker in
-# the source); the V1 defaults start with V1 as the default engine, 0.8.0 (the H100/H200 test is older, V1 only).
-VLLM_BATCH_DEFAULTS: tuple[BatchDefaultsRule, ...] = (
-    BatchDefaultsRule(since=(0, 6, 0), tiers=(_SMALL,), source="V0 scheduler: 256 sequences, no chunked prefill"),
-    BatchDefaultsRule(
-        since=(0, 8, 0),
-        tiers=(_BY_NAME, replace(_SMALL, max_num_seqs=1024)),
-        source="vllm/engine/arg_utils.py _set_default_args_v1, 0.8.0: H100/H200 by name (PR 12369); max_num_seqs "
-        "1,024 on every device (v1-engine-default, batch-large-tier)",
-    ),
-    BatchDefaultsRule(
-        since=(0, 8, 4),
-        tiers=(_BY_NAME, _SMALL),
-        source="vllm/engine/arg_utils.py, 0.8.4: max_num_seqs 256 off the large tier (batch-seqs-by-tier)",
-    ),
-    BatchDefaultsRule(
-        since=(0, 8, 5),
-        tiers=(replace(_LARGE, excluded_names=()), _SMALL),
-        source="vllm/engine/arg_utils.py, 0.8.5: the large tier by memory, >= 70 GiB (PR 17073; batch-70gib-tier)",
-    ),
-    BatchDefaultsRule(
-        since=(0, 9, 0),
-        tiers=(_LARGE, _SMALL),
-        source="vllm/engine/arg_utils.py, 0.9.0: A100s excluded, larger budgets cut their throughput (PR 17885; "
-        "batch-a100-excluded)",
-    ),
-    BatchDefaultsRule(
-        since=(0, 28, 0),
-        tiers=(_HUGE, _LARGE, _SMALL),
-        source="vllm/engine/arg_utils.py get_batch_defaults, 0.28.0: >= 160 GiB (B200/B300) the largest defaults "
-        "(batch-160gib-tier)",
-    ),
-    BatchDefaultsRule(
-        since=(0, 33, 0),
-        tiers=(_HUGE, replace(_LARGE, excluded_names=("a100", "gb10")), _SMALL),
-        # vLLM tests compute capability (12, 1), not the name; the name stands for it here (no AWS instance has one).
-        source="vllm/engine/arg_utils.py get_batch_defaults, 0.33.0: GB10 (DGX Spark) kept on the small tier "
-        "(batch-gb10-excluded)",
-    ),
-)
-
-
-def vllm_batch_defaults(version: str | None, *, gpu_memory_bytes: int, accelerator_name: str) -> BatchDefaults:
-    """The tier vLLM gives this device: by CUDA's total memory and its name (H100/H200 before 0.8.5, A100s after)."""
-    v = parse_version(version or DEFAULT_VERSIONS[EngineName.VLLM])
-    rows = [r for r in VLLM_BATCH_DEFAULTS if r.since <= v] or [VLLM_BATCH_DEFAULTS[0]]
+def batch_defaults(engine: str, version: str | None, *, gpu_memory_bytes: int, accelerator_name: str) -> BatchDefaults:
+    """The scheduler defaults the release gives this device: by CUDA's total memory and its name (vLLM: H100/H200
+    before 0.8.5, A100s excluded after; TensorRT-LLM: the same on every device)."""
+    table = engine_capacity(engine).batch_defaults
+    v = parse_version(version or default_version(engine))
+    rows = [r for r in table if r.since <= v] or [table[0]]
     name = accelerator_name.lower()
-    return next((t for t in rows[-1].tiers if t.admits(gpu_memory_bytes, name)), _SMALL)
+    tiers = rows[-1].tiers
+    return next((t for t in tiers if t.admits(gpu_memory_bytes, name)), tiers[-1])
 
 
 def in_flight_batches(profile: EngineProfile, model: ModelSpec, *, pipeline_parallel_size: int) -> int:
@@ -519,7 +162,7 @@ def cuda_graphs_counted(profile: EngineProfile, model: ModelSpec, *, enforce_eag
         return False
     if profile.extensible_kv_cache:
         return True
-    if profile.engine is EngineName.VLLM and runs_v2_runner(profile, model):
+    if runs_v2_runner(profile, model):
         return profile.counts_cuda_graphs and profile.v2_counts_cuda_graphs
     return profile.counts_cuda_graphs
 
@@ -532,18 +175,6 @@ def sampler_bytes_per_logit(
     c = constants or ACTIVATIONS
     base = c.v2_sampler_bytes_per_logit if runs_v2_runner(profile, model) else c.sampler_bytes_per_logit
     return base + profile.sampler_extra_bytes_per_logit
-
-
-def engine_profile(engine: EngineName, version: str | None = None) -> EngineProfile:
-    table = VLLM_PROFILES if engine is EngineName.VLLM else TRTLLM_PROFILES
-    v = parse_version(version or DEFAULT_VERSIONS[engine])
-    rows = [p for p in table if p.since <= v]
-    if not rows:
-        oldest = ".".join(map(str, table[0].since))
-        raise SizingError(
-            f"{engine} {version} is older than the oldest modelled release {oldest}", field="engine_version"
-        )
-    return rows[-1]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -714,7 +345,6 @@ def cuda_graph_bytes(model: ModelSpec, *, constants: ActivationModel = ACTIVATIO
 # not profiled, and with every modality at 0 the tower is not even built (interfaces.py _mark_tower_model).
 MM_DEFAULT_LIMIT = 999  # vllm/config/multimodal.py get_limit_per_prompt: an unspecified modality
 QWEN_VL_MAX_FRAMES_PER_VIDEO = 14  # vllm/model_executor/models/qwen2_vl.py _MAX_FRAMES_PER_VIDEO
-MM_ENCODER_TP_MODES = ("weights", "data")  # vllm/config/multimodal.py MMEncoderTPMode; default "weights"
 MM_ENCODER_TP_DATA_KINDS = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llama4"})
 
 

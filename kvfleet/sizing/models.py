@@ -17,6 +17,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from kvfleet.engines.capacity import RopeLengthRules
 from kvfleet.errors import ModelConfigError
 from kvfleet.sizing.precision import Part, WeightScheme, weight_scheme
 
@@ -1271,17 +1272,6 @@ def config_overrides(model: ModelSpec) -> dict[str, object] | None:
     if not model.rope_override or model.rope_scaling is None:
         return None
     return {"max_position_embeddings": model.max_position_embeddings, "rope_scaling": model.rope_scaling.as_override()}
-
-
-@dataclass(frozen=True, kw_only=True)
-class RopeLengthRules:
-    """How one engine release derives its longest context from a config's length and RoPE scaling."""
-
-    no_factor_types: frozenset[str]  # scaling types whose factor never lengthens the context
-    yarn_from_original: bool  # YaRN: original_max_position_embeddings x factor (else max_position_embeddings as is)
-    gemma3_exempt: bool  # Gemma 3's max_position_embeddings is already scaled
-    longrope_default_original: bool  # with no max_model_len given, LongRoPE models start at the original length
-    source: str
 
 
 @dataclass(frozen=True, kw_only=True)

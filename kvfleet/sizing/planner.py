@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from kvfleet.errors import NothingFitsError, SizingError
 from kvfleet.sizing.capacity import Capacity, EngineSettings, capacity
 from kvfleet.sizing.coverage import unchecked_note
-from kvfleet.sizing.engines import DEFAULT_VERSIONS, EngineName, engine_profile
+from kvfleet.sizing.engines import EngineName, default_version, engine_profile, engine_title, engine_traits
 from kvfleet.sizing.hardware import AcceleratorKind, InstanceType, instance, instances, offered_in_region
 from kvfleet.sizing.hosting import Hosting, PriceList, Routing
 from kvfleet.sizing.models import ModelSpec
@@ -110,7 +110,7 @@ class Measured:
             self.instance_type in (it.name, it.sagemaker_name)
             and self.tensor_parallel_size == tp
             and self.model_id == model_id
-            and self.engine is engine
+            and self.engine == engine
             and self.engine_version == engine_version
         )
 
@@ -396,13 +396,15 @@ def _hardware_reason(it: InstanceType, req: PlanRequest) -> str | None:
         offered = offered_in_region(it, req.region)
         if offered is False:
             return f"not offered in {req.region} according to the catalog's region list"
-    if req.engine is EngineName.VLLM and acc.compute_capability is not None and acc.compute_capability < 7.0:
-        return f"{acc.model} (compute capability {acc.compute_capability}) is older than vLLM supports"
+    oldest = engine_traits(req.engine).min_compute_capability
+    if oldest is not None and acc.compute_capability is not None and acc.compute_capability < oldest:
+        title = engine_title(req.engine)
+        return f"{acc.model} (compute capability {acc.compute_capability}) is older than {title} supports"
     return missing_perf_data(acc)
 
 
 def _release_reason(scheme: WeightScheme, req: PlanRequest) -> str | None:
-    """Why the chosen engine release would not run the model at ``scheme`` (data/engine_quantization.json)."""
+    """Why the chosen engine release would not run the model at ``scheme`` (the engine's quantization table)."""
     q = req.model.quantization
     if q is not None:
         return checkpoint_refusal(q.method, req.model.native_scheme, engine=req.engine, version=req.engine_version)
@@ -458,23 +460,26 @@ def _precision_reason(it: InstanceType, scheme: WeightScheme, kv: KvDtype, req: 
         return release
     acc = it.accelerator
     cc = acc.compute_capability or 0.0
-    if scheme.name == "fp8" and not acc.fp8_support and (req.engine is EngineName.TRTLLM or cc < 8.0):
+    traits = engine_traits(req.engine)
+    fallback = traits.fp8_weights_fallback_compute_capability
+    if scheme.name == "fp8" and not acc.fp8_support and (fallback is None or cc < fallback):
         return f"FP8 weights need FP8 tensor cores ({acc.model} has none)"
     if scheme.name == "nvfp4" and cc < 10.0:
         return f"NVFP4 needs a Blackwell GPU ({acc.model} is {acc.architecture})"
-    if kv.is_fp8 and req.engine is EngineName.TRTLLM and not acc.fp8_support:
-        return f"TensorRT-LLM's FP8 KV cache needs FP8 tensor cores ({acc.model} has none)"
+    if kv.is_fp8 and traits.fp8_kv_needs_fp8_cores and not acc.fp8_support:
+        return f"{engine_title(req.engine)}'s FP8 KV cache needs FP8 tensor cores ({acc.model} has none)"
     return None
 
 
 def _precision_notes(it: InstanceType, kv: KvDtype, req: PlanRequest) -> tuple[str, ...]:
-    """Precisions that run, but not on the fast path. vLLM's FlashAttention backend takes an FP8 KV cache only
-    with FlashAttention 3, i.e. on Hopper (sm90); elsewhere it logs "Cannot use FlashAttention backend for FP8 KV
-    cache" and selects another backend (vllm-project/vllm PR 24577, shown on an sm89 L40S)."""
+    """Precisions that run, but not on the fast path: an FP8 KV cache off the one compute capability whose
+    FlashAttention backend takes it (``EngineTraits.fp8_kv_flash_attention_compute_capability``; vLLM: Hopper)."""
     cc = it.accelerator.compute_capability
-    if req.engine is EngineName.VLLM and kv.is_fp8 and cc is not None and cc != 9.0:
+    fast = engine_traits(req.engine).fp8_kv_flash_attention_compute_capability
+    if fast is not None and kv.is_fp8 and cc is not None and cc != fast:
+        title = engine_title(req.engine)
         return (
-            f"vLLM runs an FP8 KV cache on {it.accelerator.model} (compute capability {cc:g}) without its "
+            f"{title} runs an FP8 KV cache on {it.accelerator.model} (compute capability {cc:g}) without its "
             "FlashAttention backend (FlashInfer or Triton instead): benchmark decode speed before relying on the "
             "predicted ITL",
         )
@@ -775,7 +780,7 @@ def _replicas(
 def _evaluate(
     req: PlanRequest, it: InstanceType, layout: Layout, scheme: WeightScheme, kv: KvDtype
 ) -> Candidate | Rejection:
-    version = req.engine_version or DEFAULT_VERSIONS[req.engine]
+    version = req.engine_version or default_version(req.engine)
     tp = layout.tp
     measured = None
     if layout.pp == 1 and not layout.ep:  # a calibration names a tensor-parallel degree only

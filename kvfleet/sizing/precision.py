@@ -9,7 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from kvfleet.engines import vocabulary
 from kvfleet.errors import KvfleetError
+
+# KV-cache dtypes are the engines' vocabulary, defined once there; the sizing core's settings name them as this.
+KvDtype = vocabulary.KvDtype
 
 
 class Part(StrEnum):
@@ -150,25 +154,6 @@ def weight_scheme(name: str, *, field: str = "quantization") -> WeightScheme:
     if key not in WEIGHT_SCHEMES:
         raise KvfleetError(f"unknown weight precision {name!r}; choose one of {', '.join(WEIGHT_SCHEMES)}", field=field)
     return WEIGHT_SCHEMES[key]
-
-
-class KvDtype(StrEnum):
-    AUTO = "auto"
-    BF16 = "bf16"
-    FP16 = "fp16"
-    FP8 = "fp8"
-    FP8_E4M3 = "fp8_e4m3"
-    FP8_E5M2 = "fp8_e5m2"
-
-    @property
-    def is_fp8(self) -> bool:
-        return self.value.startswith("fp8")
-
-    def bytes_per_element(self, *, activation_bytes: int = 2) -> int:
-        """``auto`` follows the model's activation dtype (bf16/fp16 -> 2 bytes)."""
-        if self is KvDtype.AUTO:
-            return activation_bytes
-        return 1 if self.is_fp8 else 2
 
 
 def kv_dtype(name: str, *, field: str = "kv_cache_dtype") -> KvDtype:

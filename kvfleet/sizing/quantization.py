@@ -1,4 +1,4 @@
-"""Which weight precisions each engine release loads (``data/engine_quantization.json``).
+"""Which weight precisions each engine release loads (each engine's quantization.py, ``EngineCapacity.quantization``).
 
 A plan that sizes weights the engine then refuses to load is worse than no plan: vLLM no longer registers
 ``bitsandbytes`` from 0.28.0 (RFC vllm-project/vllm#39583), so ``--quantization bitsandbytes`` and a bitsandbytes
@@ -14,19 +14,22 @@ A refusal is one line naming the release and the nearest scheme the release does
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import cache
-from importlib import resources
 from typing import Any
 
 from kvfleet.errors import SizingError
-from kvfleet.sizing.engines import DEFAULT_VERSIONS, EngineName, parse_version
+from kvfleet.sizing.engines import (
+    EngineName,
+    default_version,
+    engine_capacity,
+    engine_title,
+    engine_traits,
+    parse_version,
+)
 from kvfleet.sizing.precision import WEIGHT_SCHEMES, WeightScheme
 from kvfleet.versions import Version
-
-ENGINE_TITLES = {EngineName.VLLM: "vLLM", EngineName.TRTLLM: "TensorRT-LLM"}
 
 # The schemes to offer in place of a refused one, closest first: same bits per weight before more, a checkpoint
 # format before an online one only where the bits match. bf16 (the unquantized checkpoint) always loads.
@@ -66,42 +69,37 @@ class QuantizationRelease:
 
 
 @cache
-def _tables() -> dict[EngineName, tuple[QuantizationRelease, ...]]:
-    """Each engine's release rows, oldest first."""
-    text = resources.files("kvfleet.sizing").joinpath("data", "engine_quantization.json").read_text(encoding="utf-8")
-    data: dict[str, Any] = json.loads(text)
-    out: dict[EngineName, tuple[QuantizationRelease, ...]] = {}
-    for name, raw in data["engines"].items():
-        engine = EngineName(name)
-        rows = []
-        for r in raw["releases"]:
-            methods = frozenset(r["methods"])
-            rows.append(
-                QuantizationRelease(
-                    engine=engine,
-                    since=parse_version(r["since"]),
-                    methods=methods,
-                    online=frozenset(r["online"]) if "online" in r else methods,
-                    deprecated=frozenset(r.get("deprecated", ())),
-                    approx=bool(r.get("approx", False)),
-                    source=r["source"],
-                    schemes={**raw["schemes"], **r.get("schemes", {})},
-                )
+def _table(engine: EngineName) -> tuple[QuantizationRelease, ...]:
+    """The engine's release rows, oldest first."""
+    raw: Mapping[str, Any] = engine_capacity(engine).quantization
+    rows = []
+    for r in raw["releases"]:
+        methods = frozenset(r["methods"])
+        rows.append(
+            QuantizationRelease(
+                engine=engine,
+                since=parse_version(r["since"]),
+                methods=methods,
+                online=frozenset(r["online"]) if "online" in r else methods,
+                deprecated=frozenset(r.get("deprecated", ())),
+                approx=bool(r.get("approx", False)),
+                source=r["source"],
+                schemes={**raw["schemes"], **r.get("schemes", {})},
             )
-        rows.sort(key=lambda row: row.since)
-        out[engine] = tuple(rows)
-    return out
+        )
+    rows.sort(key=lambda row: row.since)
+    return tuple(rows)
 
 
 def quantization_release(engine: EngineName, version: str | None = None) -> QuantizationRelease:
     """The row for ``version`` (the engine's default release when None)."""
-    table = _tables()[engine]
-    v = parse_version(version or DEFAULT_VERSIONS[engine])
+    table = _table(engine)
+    v = parse_version(version or default_version(engine))
     rows = [r for r in table if r.since <= v]
     if not rows:
         oldest = ".".join(map(str, table[0].since))
         raise SizingError(
-            f"{ENGINE_TITLES[engine]} {version}: which weight precisions it loads is known from {oldest} on",
+            f"{engine_title(engine)} {version}: which weight precisions it loads is known from {oldest} on",
             field="engine_version",
         )
     return rows[-1]
@@ -141,7 +139,7 @@ def _nearest(release: QuantizationRelease, scheme: WeightScheme) -> str:
 
 
 def _label(release: QuantizationRelease, version: str | None) -> str:
-    return f"{ENGINE_TITLES[release.engine]} {version or DEFAULT_VERSIONS[release.engine]}"
+    return f"{engine_title(release.engine)} {version or default_version(release.engine)}"
 
 
 def scheme_refusal(scheme: WeightScheme, *, engine: EngineName, version: str | None) -> str | None:
@@ -199,24 +197,13 @@ def _nearest_checkpoint(release: QuantizationRelease, scheme: WeightScheme, refu
     return "bf16 (the unquantized checkpoint)"
 
 
-# vLLM's bitsandbytes loader turns every double-quantized absmax back into float32 at load, "at the cost of increased
-# memory usage": vllm/model_executor/model_loader/bitsandbytes_loader.py dequantize_dq, called from load_weights on
-# each parameter's quant states (vllm-project/vllm PR 19742). First in 0.9.2 (vllm 0.9.2 sdist, bitsandbytes_loader.py;
-# 0.9.1's loader has no dequantize_dq: data/vllm_release_markers.json bnb-fp32-absmax). In-flight quantization
-# (_unquantized_generator: quantize_4bit(..., compress_statistics=True, quant_type="nf4")) and double-quantized
-# checkpoints then hold the same as a checkpoint without double quantization: 4-bit codes packed two to a uint8
-# (BitsAndBytesLinearMethod.create_weights: one flat uint8 parameter of in x out / 2, no padding, nothing else per
-# layer) and one fp32 absmax per 64 weights. Earlier releases kept the uint8 absmax and its nested fp32 scale per 256
-# blocks (vllm 0.7.2: unsloth/meta-llama-3.1-8b-instruct-bnb-4bit printed 5.3541 GiB of weights; that storage gives
-# 5.31, and the 0.03 GiB rope cache kvfleet leaves out, 5.34).
-VLLM_BNB_FP32_ABSMAX_SINCE: Version = (0, 9, 2)
-
-
 def as_loaded(scheme: WeightScheme, *, engine: EngineName, version: str | None) -> WeightScheme:
-    """``scheme`` as the engine release holds it in GPU memory, where that differs from the checkpoint's layout."""
-    if scheme.name != "bnb-4bit" or engine is not EngineName.VLLM:
+    """``scheme`` as the engine release holds it in GPU memory, where that differs from the checkpoint's layout:
+    bitsandbytes 4-bit absmax held as fp32 from the release the engine's traits name (``bnb_fp32_absmax_since``)."""
+    since = engine_traits(engine).bnb_fp32_absmax_since
+    if scheme.name != "bnb-4bit" or since is None:
         return scheme
-    if parse_version(version or DEFAULT_VERSIONS[engine]) < VLLM_BNB_FP32_ABSMAX_SINCE or scheme.scale_bytes == 4:
+    if parse_version(version or default_version(engine)) < since or scheme.scale_bytes == 4:
         return scheme
     return replace(
         scheme, scale_bytes=4.0, description="bitsandbytes 4-bit, double-quantized absmax held as fp32 per 64"

@@ -43,36 +43,27 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, replace
-from enum import StrEnum
 from functools import cache
 from importlib import resources
 from typing import Any
 
+from kvfleet.engines import ENGINES, vocabulary
+from kvfleet.engines.vocabulary import DRAFTS_FROM_CHECKPOINT
 from kvfleet.errors import KvfleetError, SizingError
 from kvfleet.sizing.catalog import resolve_model
-from kvfleet.sizing.engines import ACTIVATIONS, EngineName, activation_peak_bytes
+from kvfleet.sizing.engines import ACTIVATIONS, EngineName, activation_peak_bytes, engine_traits
 from kvfleet.sizing.memory import VOCAB_PADDING, KvGroup, kv_heads_per_rank, kv_layout, validate_tp, weight_bytes
 from kvfleet.sizing.models import ModelSpec
 from kvfleet.sizing.precision import KvDtype, Part, WeightScheme
 from kvfleet.sizing.units import cdiv
 
 _FIELD = "speculative"
+# Speculative methods are the engines' vocabulary, defined once there; the sizing core's settings name them as this.
+SpecMethod = vocabulary.SpecMethod
 # EAGLE-3 concatenates three of the target's hidden states unless its config names other layers
 # (models/llama_eagle3.py: ``len(layer_ids) if layer_ids else 3``).
 EAGLE3_AUX_HIDDEN_STATES = 3
 _UNQUANTIZED_BYTES = 2  # bf16/fp16: fc, eh_proj and norms stay in the model dtype
-
-
-class SpecMethod(StrEnum):
-    EAGLE = "eagle"
-    EAGLE3 = "eagle3"
-    MTP = "mtp"
-    DRAFT_MODEL = "draft_model"
-    NGRAM = "ngram"
-
-
-# Methods whose drafter is a checkpoint of its own (an EAGLE head or a smaller model).
-NEEDS_DRAFT_MODEL = frozenset({SpecMethod.EAGLE, SpecMethod.EAGLE3, SpecMethod.DRAFT_MODEL})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -237,15 +228,6 @@ def _mtp_layers(target: ModelSpec, scheme: WeightScheme, tp: int) -> tuple[Model
     return layers, body + eh_proj + norms
 
 
-def _lookahead(method: SpecMethod, k: int, engine: EngineName) -> int:
-    if engine is EngineName.TRTLLM:
-        # One-model EAGLE-3 and MTP reserve num_extra_kv_tokens = max_draft_len - 1 per sequence (TensorRT-LLM
-        # tests/unittest/_torch/speculative/test_eagle3.py, test_kv_lens_runtime_with_eagle3_one_model; a later
-        # release than 1.0.0, not checked there); two-model drafters keep their own cache.
-        return k - 1 if method in (SpecMethod.EAGLE3, SpecMethod.MTP) else 0
-    return k  # vLLM config/vllm.py num_lookahead_tokens: eagle, eagle3, mtp and draft_model
-
-
 def resolve_drafter(
     target: ModelSpec,
     spec: Speculative,
@@ -259,12 +241,10 @@ def resolve_drafter(
     """The drafter ``spec`` names, sized for ``target`` at this tensor parallelism. SizingError names the field."""
     k = _tokens(target, spec)
     method = spec.method
-    if engine is EngineName.TRTLLM and method is SpecMethod.EAGLE:
-        raise SizingError(
-            "TensorRT-LLM's PyTorch backend runs EAGLE-3 heads, not EAGLE-1; use eagle3 or the vllm engine",
-            field=_FIELD + ".method",
-        )
-    if method is not SpecMethod.NGRAM and method not in NEEDS_DRAFT_MODEL and spec.draft_model:
+    traits = engine_traits(engine)
+    if method.value not in ENGINES[engine].speculative_methods:
+        raise SizingError(traits.speculative_refusal, field=_FIELD + ".method")
+    if method is not SpecMethod.NGRAM and method not in DRAFTS_FROM_CHECKPOINT and spec.draft_model:
         raise SizingError(
             f"{method.value} drafts with the target's own layers; drop draft_model", field=_FIELD + ".draft_model"
         )
@@ -287,7 +267,7 @@ def resolve_drafter(
         weights_bytes_per_gpu=d.weights_bytes_per_gpu,
         shares=d.shares,
         kv_groups=groups,
-        lookahead_tokens=_lookahead(method, k, engine),
+        lookahead_tokens=traits.lookahead_slots(method.value, k),
         new_slots_for_drafting=1 if method is SpecMethod.DRAFT_MODEL else 0,
         activation_peak_bytes=max(0, forward - c.workspace_bytes),
         hidden_state_bytes=d.hidden_copies * max_num_batched_tokens * target.hidden_size * a,

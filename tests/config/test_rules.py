@@ -9,6 +9,7 @@ import pytest
 
 from kvfleet.config import aws, dlc
 from kvfleet.config.loader import parse_environment
+from kvfleet.engines import ENGINES
 from kvfleet.errors import ConfigError
 from tests.envs import SAGEMAKER_ENV
 
@@ -70,8 +71,8 @@ def test_dlc_copy_matches_the_sdk() -> None:
     import importlib.metadata
 
     files = {f.name: f for f in importlib.metadata.files("sagemaker-core") or () if "image_uri_config" in str(f)}
-    for engine, framework in dlc.FRAMEWORKS.items():
-        cfg = json.loads(files[f"{framework}.json"].read_text(encoding="utf-8"))
+    for engine in (name for name, a in ENGINES.items() if a.dlc is not None):
+        cfg = json.loads(files[f"{dlc.dlc_framework(engine)}.json"].read_text(encoding="utf-8"))
         releases = cfg.get("versions") or cfg.get("inference", {}).get("versions")
         sdk = {k: str(v.get("tag_prefix", "")) for k, v in releases.items()}
         assert dlc.published(engine) == sdk, "regenerate kvfleet/config/data/dlc_releases.json from the SDK"

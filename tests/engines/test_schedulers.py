@@ -8,8 +8,8 @@ from collections import deque
 from kvfleet.engines import adapter
 from kvfleet.engines.base import EngineArgs
 from kvfleet.engines.scheduling import EngineLimits, Request, blocks_for
-from kvfleet.engines.trtllm_scheduler import CapacityPolicy, TrtllmScheduler
-from kvfleet.engines.vllm_scheduler import VllmScheduler
+from kvfleet.engines.trtllm.scheduler import CapacityPolicy, TrtllmScheduler
+from kvfleet.engines.vllm.scheduler import VllmScheduler
 
 
 class Engine:

@@ -15,8 +15,8 @@ import json
 import pytest
 
 from kvfleet.engines.base import EngineArgs
-from kvfleet.engines.trtllm import TensorRtLlm
-from kvfleet.engines.vllm import Vllm
+from kvfleet.engines.trtllm.adapter import TensorRtLlm
+from kvfleet.engines.vllm.adapter import Vllm
 
 EAGLE3 = EngineArgs(
     speculative_method="eagle3", speculative_model="yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", num_speculative_tokens=3

@@ -9,7 +9,7 @@ import pytest
 
 from kvfleet import contract
 from kvfleet.engines import ENGINES, EngineArgs
-from kvfleet.engines.trtllm import TensorRtLlm
+from kvfleet.engines.trtllm.adapter import TensorRtLlm
 
 TRT = ENGINES["trtllm"]
 PLAN = EngineArgs(

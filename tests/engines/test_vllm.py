@@ -6,7 +6,7 @@ import pytest
 
 from kvfleet import contract
 from kvfleet.engines import ENGINES, EngineArgs
-from kvfleet.engines.vllm import Vllm
+from kvfleet.engines.vllm.adapter import Vllm
 
 _REGISTERED = ENGINES["vllm"]
 assert isinstance(_REGISTERED, Vllm)
@@ -131,7 +131,7 @@ def test_metric_names_per_release(version: str, since: tuple[int, int, int], kv_
 def test_the_api_servers_keep_alive_is_raised_where_the_release_reads_the_variable() -> None:
     """VLLM_HTTP_TIMEOUT_KEEP_ALIVE from 0.9.2 (vllm-project/vllm#18472); before it uvicorn's 5 s stands, and the
     agent's pool must not count on more."""
-    from kvfleet.engines import vllm
+    from kvfleet.engines.vllm import adapter as vllm
 
     assert VLLM.server_environment((0, 9, 2)) == {vllm.KEEP_ALIVE_ENV: str(vllm.KEEP_ALIVE_S)}
     assert VLLM.keep_alive_s((0, 32, 0)) == vllm.KEEP_ALIVE_S

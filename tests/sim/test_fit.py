@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from kvfleet.engines.vllm_scheduler import VllmScheduler
+from kvfleet.engines.vllm.scheduler import VllmScheduler
 from kvfleet.sim.fit import MeasuredLevel, fit, predict, with_terms
 from kvfleet.sim.fleet import FleetSpec, Scaling
 from kvfleet.sim.replica import EngineLimits, LinearStepModel

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvfleet.cli import main
-from kvfleet.engines.vllm_scheduler import VllmScheduler
+from kvfleet.engines.vllm.scheduler import VllmScheduler
 from kvfleet.scaling.autoscalers import OUT_DATAPOINTS, PERIOD_S
 from kvfleet.sim.fleet import FleetResult, FleetSpec, Scaling, saturation, simulate
 from kvfleet.sim.replica import EngineLimits, Replica, Request, Stats

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvfleet.engines.vllm_scheduler import VllmScheduler
+from kvfleet.engines.vllm.scheduler import VllmScheduler
 from kvfleet.sim.fleet import FleetSpec, Scaling, simulate
 from kvfleet.sim.replica import EngineLimits
 from kvfleet.sim.report import summarize

@@ -53,7 +53,7 @@ from kvfleet.bench.client import summarize as bench_summary
 from kvfleet.calibration import Calibration, EngineLimitsRecord, FittedSteps
 from kvfleet.cli import main
 from kvfleet.engines import EngineArgs
-from kvfleet.engines.vllm_scheduler import VllmScheduler
+from kvfleet.engines.vllm.scheduler import VllmScheduler
 from kvfleet.sim.fit import MeasuredLevel, StepFit
 from kvfleet.sim.fit import fit as fit_levels
 from kvfleet.sim.fleet import FleetSpec, Scaling, simulate

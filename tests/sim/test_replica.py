@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvfleet.engines.scheduling import Scheduler
-from kvfleet.engines.trtllm_scheduler import TrtllmScheduler
-from kvfleet.engines.vllm_scheduler import VllmScheduler
+from kvfleet.engines.trtllm.scheduler import TrtllmScheduler
+from kvfleet.engines.vllm.scheduler import VllmScheduler
 from kvfleet.sim.fleet import FleetSpec, Scaling, simulate
 from kvfleet.sim.replica import EngineLimits, LinearStepModel, Replica, Request, Stats
 from kvfleet.sim.report import summarize

@@ -7,8 +7,8 @@ import statistics
 
 import pytest
 
-from kvfleet.engines.trtllm_scheduler import TrtllmScheduler
-from kvfleet.engines.vllm_scheduler import VllmScheduler
+from kvfleet.engines.trtllm.scheduler import TrtllmScheduler
+from kvfleet.engines.vllm.scheduler import VllmScheduler
 from kvfleet.errors import KvfleetError
 from kvfleet.sim.candidate import EngineStart, start
 from kvfleet.sim.fleet import FleetSpec, Scaling

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from kvfleet.cli import main
-from kvfleet.engines.vllm_scheduler import VllmScheduler
+from kvfleet.engines.vllm.scheduler import VllmScheduler
 from kvfleet.sim.fleet import FleetResult, FleetSpec, Scaling, simulate
 from kvfleet.sim.replica import EngineLimits
 from kvfleet.sim.report import summarize

@@ -16,7 +16,7 @@ import pytest
 from kvfleet.errors import ModelConfigError, SizingError
 from kvfleet.sizing.capacity import EngineSettings, capacity
 from kvfleet.sizing.catalog import catalog_model
-from kvfleet.sizing.engines import EngineName, rope_rules, vllm_batch_defaults
+from kvfleet.sizing.engines import EngineName, batch_defaults, rope_rules
 from kvfleet.sizing.models import RopeScaling, context_limit, rope_scaling_from, with_rope_scaling
 from kvfleet.sizing.units import GiB
 from tests.sizing.conftest import make_model
@@ -176,5 +176,5 @@ def test_bad_rope_scaling_names_the_field(raw: dict[str, Any], needle: str) -> N
     ],
 )
 def test_scheduler_defaults_by_device(name: str, memory_gib: float, version: str, expected: tuple[int, int]) -> None:
-    tier = vllm_batch_defaults(version, gpu_memory_bytes=int(memory_gib * GiB), accelerator_name=name)
+    tier = batch_defaults(EngineName.VLLM, version, gpu_memory_bytes=int(memory_gib * GiB), accelerator_name=name)
     assert (tier.max_num_batched_tokens, tier.max_num_seqs) == expected

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from kvfleet.engines.base import EngineArgs
-from kvfleet.engines.vllm import Vllm
+from kvfleet.engines.vllm.adapter import Vllm
 from kvfleet.errors import ModelConfigError, SizingError
 from kvfleet.sizing.capacity import EngineSettings, capacity
 from kvfleet.sizing.catalog import catalog_model

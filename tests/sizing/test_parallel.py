@@ -6,11 +6,12 @@ from dataclasses import replace
 
 import pytest
 
+from kvfleet.engines import ENGINES
 from kvfleet.errors import SizingError
 from kvfleet.sizing.capacity import EngineSettings, capacity
 from kvfleet.sizing.catalog import catalog_model
 from kvfleet.sizing.memory import weight_bytes
-from kvfleet.sizing.parallel import RULES, Layout, check_layout, experts_per_rank, pp_partition
+from kvfleet.sizing.parallel import Layout, check_layout, experts_per_rank, pp_partition
 from kvfleet.sizing.planner import PlanRequest, Workload, enumerate_candidates
 from kvfleet.sizing.precision import Part
 from kvfleet.sizing.units import GiB
@@ -35,9 +36,10 @@ def _cap(model: object, version: str, *, tp: int, pp: int = 1, ep: bool = False,
 
 
 def test_every_rule_names_its_source() -> None:
-    for r in RULES:
-        assert r.source and r.what and r.engine in ("vllm", "trtllm"), r.name
-        assert r.until is None or r.since < r.until
+    for name, engine in ENGINES.items():
+        for r in engine.capacity.layout_rules:
+            assert r.source and r.what, (name, r.name)
+            assert r.until is None or r.since < r.until
 
 
 def test_block_fp8_checkpoint_keeps_its_block_size() -> None:

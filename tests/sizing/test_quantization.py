@@ -1,25 +1,25 @@
 """Which weight precisions each engine release loads, and the refusals capacity and the planner give.
 
-The release lists in kvfleet/sizing/data/engine_quantization.json are copies of the engines' own lists (vLLM's
-QuantizationMethods per release, TensorRT-LLM's checkpoint readers), each with its source; these tests hold the
-rule to what those sources say a release does, not to the code's restatement of itself.
+The release lists in each engine's quantization.py (kvfleet/engines/<name>/) are copies of the engines' own lists
+(vLLM's QuantizationMethods per release, TensorRT-LLM's checkpoint readers), each with its source; these tests hold
+the rule to what those sources say a release does, not to the code's restatement of itself.
 """
 
 from __future__ import annotations
 
-import json
 import re
+from collections.abc import Mapping
 from dataclasses import replace
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvfleet.engines import ENGINES
 from kvfleet.errors import SizingError
 from kvfleet.sizing.capacity import EngineSettings, capacity, resolve_scheme
 from kvfleet.sizing.catalog import catalog_model
-from kvfleet.sizing.engines import DEFAULT_VERSIONS, EngineName
+from kvfleet.sizing.engines import EngineName, default_version, engine_capacity
 from kvfleet.sizing.hosting import Hosting, PriceList, Routing
 from kvfleet.sizing.memory import weight_bytes
 from kvfleet.sizing.models import load_config_file, parse_hf_config
@@ -53,10 +53,9 @@ CHECKPOINT_METHODS = (
 )
 
 
-def _data() -> dict[str, Any]:
-    text = resources.files("kvfleet.sizing").joinpath("data", "engine_quantization.json").read_text(encoding="utf-8")
-    data: dict[str, Any] = json.loads(text)
-    return data
+def _tables() -> dict[str, Mapping[str, Any]]:
+    """Each registered engine's quantization table."""
+    return {name: engine_capacity(name).quantization for name in ENGINES}
 
 
 def _settings(version: str | None = None, quantization: str | None = None, **kw: Any) -> EngineSettings:
@@ -67,7 +66,7 @@ def _settings(version: str | None = None, quantization: str | None = None, **kw:
 
 
 def test_every_release_row_has_a_source_and_every_scheme_a_method() -> None:
-    for name, table in _data()["engines"].items():
+    for name, table in _tables().items():
         assert table["schemes_source"]
         assert {s.name for s in WEIGHT_SCHEMES.values() if s.is_quantized} == set(table["schemes"]), name
         for row in table["releases"]:
@@ -114,7 +113,7 @@ def test_nvfp4_loads_under_the_name_each_release_gives_it() -> None:
 
 
 def test_trtllm_reads_modelopt_fp8_block_and_mxfp4_checkpoints_only() -> None:
-    release = quantization_release(EngineName.TRTLLM, DEFAULT_VERSIONS[EngineName.TRTLLM])
+    release = quantization_release(EngineName.TRTLLM, default_version(EngineName.TRTLLM))
     assert {m for m in CHECKPOINT_METHODS if release.loads(m)} == {"modelopt", "fp8", "mxfp4"}
     assert not release.online  # the PyTorch backend quantizes nothing at load
     assert scheme_method(WEIGHT_SCHEMES["awq"], release) == "modelopt"  # ModelOpt W4A16_AWQ
@@ -132,7 +131,7 @@ def test_bnb_4bit_refused_at_0_32_with_the_nearest_scheme() -> None:
     assert "vLLM 0.32.0" in msg and "bitsandbytes" in msg and "nearest it loads: awq" in msg
     assert "\n" not in msg
     # No version means the default release's refusal.
-    with pytest.raises(SizingError, match=f"vLLM {re.escape(DEFAULT_VERSIONS[EngineName.VLLM])}"):
+    with pytest.raises(SizingError, match=f"vLLM {re.escape(default_version(EngineName.VLLM))}"):
         capacity(model, gpu_memory_bytes=80 * GiB, settings=_settings(None, "bnb-4bit"))
 
 

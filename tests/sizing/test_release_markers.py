@@ -1,4 +1,4 @@
-"""The release boundaries of kvfleet/sizing are the ones read from vLLM's own released files.
+"""The release boundaries of vLLM's capacity rules (kvfleet/engines/vllm) are the ones read from its released files.
 
 kvfleet/sizing/data/vllm_release_markers.json is the output of tools/vllm_release_markers.py: for each marker, the
 first release on PyPI whose files show it and the release before it, with the line read. These tests hold every
@@ -18,18 +18,20 @@ from typing import Any, TypeVar
 
 import pytest
 
-from kvfleet.errors import SizingError
-from kvfleet.sizing.capacity import EngineSettings, capacity
-from kvfleet.sizing.catalog import catalog_model
-from kvfleet.sizing.engines import (
+from kvfleet.engines.vllm.profiles import (
+    BNB_FP32_ABSMAX_SINCE,
     LARGE_GPU_BYTES,
+    LAYOUT_RULES,
     VLLM_BATCH_DEFAULTS,
     VLLM_PROFILES,
     VLLM_ROPE_RULES,
-    EngineName,
 )
-from kvfleet.sizing.parallel import RULES
-from kvfleet.sizing.quantization import VLLM_BNB_FP32_ABSMAX_SINCE, quantization_release
+from kvfleet.engines.vllm.quantization import QUANTIZATION
+from kvfleet.errors import SizingError
+from kvfleet.sizing.capacity import EngineSettings, capacity
+from kvfleet.sizing.catalog import catalog_model
+from kvfleet.sizing.engines import EngineName
+from kvfleet.sizing.quantization import quantization_release
 from kvfleet.sizing.units import GiB
 from kvfleet.versions import Version, parse_version
 from tests.sizing.conftest import load_tool, make_model
@@ -191,19 +193,19 @@ def test_scheduler_default_rules_change_where_the_release_did() -> None:
 
 
 def test_fp8_moe_refusal_ends_where_refinement_begins() -> None:
-    rules = {r.name: r for r in RULES if r.engine == "vllm"}
+    rules = {r.name: r for r in LAYOUT_RULES}
     assert rules["fp8-block-moe"].until == first("fp8-moe-block-refine")
     assert rules["fp8-block-moe-refined"].since == first("fp8-moe-block-refine")
 
 
 def test_bitsandbytes_absmax_release() -> None:
-    assert first("bnb-fp32-absmax") == VLLM_BNB_FP32_ABSMAX_SINCE
+    assert first("bnb-fp32-absmax") == BNB_FP32_ABSMAX_SINCE
 
 
 def test_quantization_rows_are_the_releases_own_lists() -> None:
     data = _data("vllm_release_markers.json")
     lists = data["quantization_lists"]
-    rows = _data("engine_quantization.json")["engines"]["vllm"]["releases"]
+    rows = QUANTIZATION["releases"]
     quant = [name for name in MARKERS if name.startswith("quant-")]
     floor = min(lists, key=parse_version)
     assert [r["since"] for r in rows] == sorted(
@@ -233,7 +235,7 @@ def test_methods_come_and_go_where_the_release_did(marker: str, method: str, arr
 
 def test_fp_quant_rows_end_where_the_release_dropped_it() -> None:
     # fp_quant is listed from 0.11.1 (so not in the oldest rows): the row after the last that lists it drops it.
-    rows = _data("engine_quantization.json")["engines"]["vllm"]["releases"]
+    rows = QUANTIZATION["releases"]
     last = max(i for i, r in enumerate(rows) if "fp_quant" in r["methods"])
     assert rows[last + 1]["since"] == MARKERS["quant-fp_quant-removed"]["first_release"]
     assert all("fp_quant" not in r["methods"] + r.get("deprecated", []) for r in rows[last + 1 :])

@@ -10,13 +10,14 @@ from typing import Any
 
 import pytest
 
+from kvfleet.engines.trtllm.profiles import TRTLLM_PROFILES
 from kvfleet.sizing.capacity import capacity
 from kvfleet.sizing.engines import (
     ACTIVATIONS,
-    TRTLLM_PROFILES,
     EngineName,
     activation_peak_bytes,
-    trtllm_profiling_requests,
+    batch_defaults,
+    context_profiling_requests,
 )
 from kvfleet.sizing.units import GiB
 from tests.sizing.test_engine_log_calibration import TOOL as tool  # the fit script, loaded once
@@ -58,7 +59,7 @@ def test_profiling_run_samples_one_row_per_dummy_request() -> None:
     rec = _rec("trtllm-6294-llama31-8b-fp8-h100-bench")
     model = tool.model_of(rec)
     cap = capacity(model, gpu_memory_bytes=141 * GiB, settings=tool.settings_of(rec))
-    rows = trtllm_profiling_requests(max_num_tokens=23552, max_seq_len=157)
+    rows = context_profiling_requests(max_num_tokens=23552, max_seq_len=157)
     assert cap.activation_peak_bytes == activation_peak_bytes(
         model, tp=1, max_num_batched_tokens=23552, max_num_seqs=rows
     )
@@ -87,12 +88,14 @@ def test_weights_of_the_fit_record() -> None:
 def test_profiling_run_requests(max_num_tokens: int, max_seq_len: int, requests: int) -> None:
     # KvCacheCreator._create_dummy_context_requests(net_max_seq_len - 1): max_num_tokens in requests of
     # min(max_num_tokens, max_seq_len - 1) tokens; each returns one token, so the sampler sees one row per request.
-    assert trtllm_profiling_requests(max_num_tokens=max_num_tokens, max_seq_len=max_seq_len) == requests
+    assert context_profiling_requests(max_num_tokens=max_num_tokens, max_seq_len=max_seq_len) == requests
 
 
 def test_serve_defaults() -> None:
     # tensorrt_llm/commands/serve.py (1.0): --max_batch_size BuildConfig.max_batch_size (2048), --max_num_tokens
     # BuildConfig.max_num_tokens (8192), --kv_cache_free_gpu_memory_fraction 0.9; KvCacheConfig tokens_per_block 32.
     p = TRTLLM_PROFILES[-1]
-    assert (p.max_num_seqs, p.max_num_batched_tokens) == (2048, 8192)
+    for device, memory in (("H100", 80 * GiB), ("T4", 16 * GiB)):  # the same on every device
+        tier = batch_defaults(EngineName.TRTLLM, None, gpu_memory_bytes=memory, accelerator_name=device)
+        assert (tier.max_num_seqs, tier.max_num_batched_tokens) == (2048, 8192)
     assert (p.gpu_memory_utilization, p.block_size) == (0.9, 32)

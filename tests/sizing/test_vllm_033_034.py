@@ -15,10 +15,11 @@ from kvfleet.sizing.catalog import catalog_model
 from kvfleet.sizing.engines import (
     ACTIVATIONS,
     EXTENSIBLE_MARGIN_FLOOR_BYTES,
+    EngineName,
+    batch_defaults,
     engine_profile,
     extensible_kv_bytes,
     sizing_step_transient_bytes,
-    vllm_batch_defaults,
 )
 from kvfleet.sizing.hosting import Hosting, PriceList, Routing
 from kvfleet.sizing.planner import PlanRequest, Workload, plan
@@ -173,10 +174,11 @@ def test_0_33_refuses_a_16_bit_kv_dtype_other_than_the_model_dtype(
 
 def test_gb10_keeps_the_small_scheduler_defaults_from_0_33() -> None:
     gb10 = 119 * GiB  # unified memory above the 70 GiB tier
-    assert vllm_batch_defaults("0.32.0", gpu_memory_bytes=gb10, accelerator_name="NVIDIA GB10").max_num_seqs == 1024
-    small = vllm_batch_defaults("0.33.0", gpu_memory_bytes=gb10, accelerator_name="NVIDIA GB10")
+    vllm = EngineName.VLLM
+    assert batch_defaults(vllm, "0.32.0", gpu_memory_bytes=gb10, accelerator_name="NVIDIA GB10").max_num_seqs == 1024
+    small = batch_defaults(vllm, "0.33.0", gpu_memory_bytes=gb10, accelerator_name="NVIDIA GB10")
     assert (small.max_num_seqs, small.max_num_batched_tokens) == (256, 2048)
-    assert vllm_batch_defaults("0.34.0", gpu_memory_bytes=80 * GiB, accelerator_name="H100").max_num_seqs == 1024
+    assert batch_defaults(vllm, "0.34.0", gpu_memory_bytes=80 * GiB, accelerator_name="H100").max_num_seqs == 1024
 
 
 @pytest.mark.parametrize(

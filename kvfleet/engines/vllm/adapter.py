@@ -7,8 +7,10 @@ import shlex
 from typing import Any, ClassVar
 
 from kvfleet import contract
-from kvfleet.engines.base import EngineAdapter, EngineArgs, SignalNames
-from kvfleet.engines.vllm_scheduler import VllmScheduler
+from kvfleet.engines.base import AwsContainer, EngineAdapter, EngineArgs, SignalNames
+from kvfleet.engines.capacity import EngineCapacity
+from kvfleet.engines.vllm.profiles import CAPACITY
+from kvfleet.engines.vllm.scheduler import VllmScheduler
 from kvfleet.versions import Version, parse_version
 
 # vLLM's --kv-cache-dtype names (vllm/config/cache.py CacheDType) for kvfleet's.
@@ -68,6 +70,9 @@ class Vllm(EngineAdapter):
         ("0.9.0", _V0_9),
         ("0.11.0", _V0_11),
     )
+    # The vLLM DLC, released per vLLM version; the kvfleet image is built on it (default_base_image).
+    dlc: ClassVar[AwsContainer | None] = AwsContainer(framework="vllm", kvfleet_image_base=True)
+    capacity: ClassVar[EngineCapacity] = CAPACITY
 
     def settings(self, args: EngineArgs) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -6,8 +6,10 @@ import json
 from typing import Any, ClassVar
 
 from kvfleet import contract
-from kvfleet.engines.base import EngineAdapter, EngineArgs, SignalNames
-from kvfleet.engines.trtllm_scheduler import TrtllmScheduler
+from kvfleet.engines.base import AwsContainer, EngineAdapter, EngineArgs, SignalNames
+from kvfleet.engines.capacity import EngineCapacity
+from kvfleet.engines.trtllm.profiles import CAPACITY
+from kvfleet.engines.trtllm.scheduler import TrtllmScheduler
 
 _S = contract
 # trtllm-serve exports no preemption or generated-token counter: those signals stay absent for it.
@@ -68,6 +70,20 @@ class TensorRtLlm(EngineAdapter):
     iteration_stats_path: ClassVar[str | None] = "/metrics"
     default_base_image: ClassVar[str] = "nvcr.io/nvidia/tensorrt-llm/release:1.0.0"
     metric_rows: ClassVar[tuple[tuple[str, SignalNames], ...]] = (("0.0.0", _V0_0),)
+    # TensorRT-LLM comes in DJL's image, whose tag names the TensorRT-LLM it bundles (0.33.0-tensorrtllm0.21.0-cu128);
+    # the kvfleet image is built on NVIDIA's (default_base_image).
+    dlc: ClassVar[AwsContainer | None] = AwsContainer(
+        framework="djl-tensorrtllm", bundled_by="DJL", bundle_tag="tensorrtllm"
+    )
+    capacity: ClassVar[EngineCapacity] = CAPACITY
+    speculative_methods: ClassVar[frozenset[str]] = frozenset(_DECODING_TYPES)
+    refused_settings: ClassVar[frozenset[str]] = frozenset(
+        {
+            *("enforce_eager", "kv_cache_memory_bytes", "served_model_name", "hf_overrides"),
+            *("limit_mm_per_prompt", "mm_encoder_tp_mode", "mm_max_pixels"),
+            *("mamba_cache_dtype", "mamba_ssm_cache_dtype"),
+        }
+    )
 
     def settings(self, args: EngineArgs) -> dict[str, Any]:
         """LLM-API options (tensorrt_llm/llmapi/llm_args.py): what --extra_llm_api_options reads."""
