@@ -228,7 +228,7 @@ def _ec2(
     ]
     desired = int(group.get("DesiredCapacity", 0))
     if not serving:
-        if desired == 0 and r.deployment.scaling.min_replicas == 0:
+        if desired == 0 and r.scaling.min_replicas == 0:
             check.note(f"group {group_name} is scaled to zero; the first request wakes it, so nothing is checked live")
             return
         check.fail(

@@ -122,7 +122,7 @@ def user_data_values(r: ResolvedDeployment, boot: Boot) -> dict[str, Value]:
         "AGENT_UID": contract.AGENT_UID,
         "SERVING_PORT": contract.SERVING_PORT,
         "SHM_SIZE_GIB": target.shm_size_gib,
-        "DRAIN_BUDGET_S": d.scaling.drain_budget_s,
+        "DRAIN_BUDGET_S": r.scaling.drain_budget_s,
         "ENV_ASG_NAME": contract.ENV_ASG_NAME,
         "REGION_VARIABLE": contract.REGION_VARIABLE,
         "WARM_HOOK": boot.warm_hook or "",

@@ -127,7 +127,7 @@ def startup_window_s(r: ResolvedDeployment) -> int:
 
 def termination_grace_s(r: ResolvedDeployment) -> int:
     """The preStop drain (up to the drain budget) plus the engine's own stop, both within the grace period."""
-    return r.deployment.scaling.drain_budget_s + ENGINE_STOP_S
+    return r.scaling.drain_budget_s + ENGINE_STOP_S
 
 
 def hpa(r: ResolvedDeployment) -> Hpa:

@@ -329,16 +329,14 @@ def _deployment_config(
         if rollback_alarms
         else None
     )
-    drain = r.deployment.scaling.drain_budget_s
+    drain = r.scaling.drain_budget_s
     if target.update == "rolling":
         return sagemaker.CfnEndpoint.DeploymentConfigProperty(
             rolling_update_policy=sagemaker.CfnEndpoint.RollingUpdatePolicyProperty(
                 maximum_batch_size=sagemaker.CfnEndpoint.CapacitySizeProperty(type="INSTANCE_COUNT", value=1),
                 # Between batches: the replaced instances drain their generations.
                 wait_interval_in_seconds=drain,
-                maximum_execution_timeout_in_seconds=_update_timeout(
-                    r, drain, batches=r.deployment.scaling.max_replicas
-                ),
+                maximum_execution_timeout_in_seconds=_update_timeout(r, drain, batches=r.scaling.max_replicas),
                 rollback_maximum_batch_size=sagemaker.CfnEndpoint.CapacitySizeProperty(
                     type="CAPACITY_PERCENT", value=100
                 ),
