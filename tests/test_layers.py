@@ -23,7 +23,9 @@ ALLOWED: dict[str, set[str]] = {
     "contract": set(),
     # The install extras and the one check that one is installed (kvfleet/extras.py).
     "extras": {"errors"},
-    "sizing": {"errors", "versions"},
+    # Sizing asks each engine's adapter for its capacity rules (kvfleet/engines/<name>/profiles.py); engines never
+    # import sizing.
+    "sizing": {"errors", "versions", "engines"},
     "engines": {"contract", "versions"},
     # Each autoscaler once, on the contract's signals: the simulator runs it, the stacks render it.
     "scaling": {"contract"},
@@ -99,7 +101,7 @@ THIRD_PARTY: dict[str, set[str] | None] = {
     # matplotlib only in sim/timeline.py, imported inside the function that draws: the simulator itself and the
     # CLI's start-up stay standard library.
     "sim": {"matplotlib"},
-    "cli": {"rich"},
+    "cli": {"rich", "shtab"},
     "infra": None,
     "agent": {"aiohttp", "prometheus_client", "uvloop", "boto3", "botocore"},
 }
@@ -189,6 +191,13 @@ def test_every_module_is_in_a_layer() -> None:
             "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import kvfleet.sizing\n",
             "engines",
         ),
+        # An engine's folder is the engines layer: its capacity rules are data, never the sizing core's code.
+        (
+            "engines/toy/profiles.py",
+            "from kvfleet.sizing.engines import engine_profile\n",
+            "engines imports kvfleet.sizing",
+        ),
+        ("engines/toy/adapter.py", "import yaml\n", "engines imports yaml"),
     ],
 )
 def test_a_wrong_import_is_found(tmp_path: Path, layer_file: str, source: str, expected: str) -> None:
