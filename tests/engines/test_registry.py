@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import typing
 
 import pytest
 
@@ -70,3 +71,14 @@ def test_a_speculative_method_outside_the_engines_list_is_refused_by_its_adapter
         else:
             with pytest.raises(ValueError, match="speculative_method"):
                 trtllm.settings(args)
+
+
+def test_the_config_schema_spells_the_engines_vocabulary() -> None:
+    # pydantic needs literal types in the schema; they are the vocabulary's words, in its order.
+    from kvfleet.config.schema import EngineRef, SpeculativeConfig
+    from kvfleet.engines.vocabulary import MM_ENCODER_TP_MODES
+
+    encoder = EngineRef.model_fields["mm_encoder_tp_mode"].annotation
+    assert typing.get_args(typing.get_args(encoder)[0]) == MM_ENCODER_TP_MODES
+    method = SpeculativeConfig.model_fields["method"].annotation
+    assert typing.get_args(method) == tuple(m.value for m in SpecMethod)
