@@ -14,7 +14,8 @@ describes. CHECK records are never read by the fit; they are only reported.
 
 The report gives every logged term's error (weights, activation peak, non-torch, CUDA-graph estimate, the
 available KV cache and its tokens) on FIT and CHECK apart, with the constants before this recalibration and
-with the fitted ones, per release bucket (the release row of kvfleet/sizing/engines.py the record falls in).
+with the fitted ones, per release bucket (the release row of kvfleet/engines/<engine>/profiles.py the record falls
+in).
 
     .venv/bin/python tools/fit_engine_logs.py [--write]
 

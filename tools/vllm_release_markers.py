@@ -407,7 +407,7 @@ class Marker:
     paths: tuple[str, ...]  # the files read (several where the file moved or the fact spans files)
     holds: Predicate
     test: str  # the check, in words
-    boundary: str  # what in kvfleet/sizing it pins; "not modelled: ..." for facts kept for the record
+    boundary: str  # what in kvfleet/engines/vllm it pins; "not modelled: ..." for facts kept for the record
     # Record the release's quantization method lists (kvfleet/engines/vllm/quantization.py).
     lists_quantization: bool = False
     before: str | None = None  # a fact that held only until another marker's first release: bisect below it
