@@ -279,6 +279,7 @@ def _timeline(path: str, result: FleetResult, trace: Trace, spec: FleetSpec, tit
 def _environment(a: argparse.Namespace) -> list[tuple[dict[str, Any], str]]:
     from kvfleet.config.loader import environment_path, load_located
     from kvfleet.deployments import config_error, plan_requests, resolve
+    from kvfleet.tuning import deriver
 
     loaded = load_located(environment_path(a.environment))
     env = loaded.environment
@@ -303,7 +304,9 @@ def _environment(a: argparse.Namespace) -> list[tuple[dict[str, Any], str]]:
         if a.deployment and dr.deployment.name != a.deployment:
             continue
         try:
-            r = resolve(env, dr)
+            # With scaling.derive, the thresholds synth deploys (derived on the deployment's own trace), not the
+            # file's starting values.
+            r = resolve(env, dr, derive=deriver(loaded.traces))
         except KvfleetError as err:
             raise loaded.problem(config_error(err, dr.index)) from None
         # --trace wins; else the deployment's own workload.trace, read when the file was loaded (its window and
@@ -341,7 +344,16 @@ def _deployment(
         f"{name}: {r.instance_type} x{spec.initial_replicas} "
         f"({s.min_replicas}-{s.max_replicas}, {s.kind}, {spec.router} routing)"
     )
-    extra = {"deployment": name, "router": spec.router, "autoscaler": s.kind}
+    d = r.scaling  # as synth deploys it: derived where the file derives
+    thresholds = {
+        "saturation_target": d.saturation_target,
+        "queue_depth_target": d.queue_depth_target,
+        "min_replicas": d.min_replicas,
+        "max_replicas": d.max_replicas,
+        "scale_in_after_s": d.scale_in_wait_s,
+        "derived": r.deployment.scaling.derive,
+    }
+    extra = {"deployment": name, "router": spec.router, "autoscaler": s.kind, "scaling": thresholds}
     if png is not None:
         extra["png"] = _timeline(png, result, replay, spec, fleet)
     report = summarize(

@@ -130,3 +130,20 @@ def test_the_plan_prints_its_planned_load_as_the_simulator_runs_it(capsys: pytes
     assert sim["ttft_s"]["p50"] == pytest.approx(planned["ttft_s"]["p50"], rel=0.25)
     assert main(["plan", "dev"]) == 0
     assert "simulated (Poisson arrivals at 2 requests/s" in capsys.readouterr().out
+
+
+def test_a_file_that_derives_its_scaling_is_replayed_with_what_synth_deploys(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """staging derives its thresholds: the replay runs the derived ones (those plan prints and synth deploys), not
+    the file's starting values."""
+    assert main(["plan", str(REPO / "environments" / "staging.yaml"), "--json"]) == 0
+    [planned] = json.loads(capsys.readouterr().out)
+    policy = planned["scaling"]["policy"]
+    code, out, err = run(capsys, str(REPO / "environments" / "staging.yaml"), "--json")
+    assert code == 0, err
+    [row] = json.loads(out)
+    used = row["scaling"]
+    assert used["derived"] is True
+    for key in ("saturation_target", "queue_depth_target", "min_replicas"):
+        assert used[key] == policy[key], key
