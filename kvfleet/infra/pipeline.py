@@ -42,7 +42,12 @@ SYNTH_COMPUTE = codebuild.ComputeType.LARGE
 SYNTH_TIMEOUT = Duration.minutes(90)
 STEP_TIMEOUT = Duration.minutes(30)
 PLANS_PREFIX = "deployed"  # s3://<plans bucket>/deployed/<environment>.json: the plan that passed its checks
-INSTALL = ["python -m venv .venv", ".venv/bin/pip install --quiet --upgrade pip", ".venv/bin/pip install --quiet ."]
+# The plan diff needs the planner alone; the live check (`kvfleet check`) needs the bench extra (aiohttp, boto3).
+INSTALL = [
+    "python -m venv .venv",
+    ".venv/bin/pip install --quiet --upgrade pip",
+    ".venv/bin/pip install --quiet '.[bench]'",
+]
 
 
 def stage_id(environment: str) -> str:
