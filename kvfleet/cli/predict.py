@@ -49,8 +49,9 @@ def calibrated_fleet(cal: Calibration, source: str) -> FleetSpec:
     """One replica from a calibration alone: its engine's limits and scheduler, its fitted steps."""
     from kvfleet.engines import adapter
     from kvfleet.engines.base import EngineArgs
+    from kvfleet.sim.candidate import ONE_FIXED
     from kvfleet.sim.fit import linear_model
-    from kvfleet.sim.fleet import FleetSpec, Scaling
+    from kvfleet.sim.fleet import FleetSpec
     from kvfleet.sim.replica import EngineLimits
 
     s, lim = cal.steps, cal.engine_limits
@@ -73,7 +74,7 @@ def calibrated_fleet(cal: Calibration, source: str) -> FleetSpec:
         ),
         model=linear_model(asdict(s)),
         scheduler=adapter(cal.engine).scheduler(EngineArgs(tensor_parallel_size=cal.tensor_parallel_size)),
-        scaling=Scaling(kind="none", min_replicas=1, max_replicas=1, kv_cache_target=1.0, queue_target=1e9),
+        scaling=ONE_FIXED,
         initial_replicas=1,
         cold_start_s=0.0,
         usd_per_replica_hour=None,
