@@ -1029,7 +1029,9 @@ def test_synth_gives_cdk_everything_after_the_double_dash(
         os.chdir(cwd)
     assert code == 0
     argv = seen.read_text(encoding="utf-8").split()
-    assert argv[:2] == ["synth", "-c"] and argv[3:] == ["--quiet", "-o", str(out)]
+    assert argv[:2] == ["synth", "-c"] and argv[-3:] == ["--quiet", "-o", str(out)]
+    # The app runs under the interpreter running kvfleet, not cdk.json's .venv/bin/python.
+    assert argv[3] == "--app" and argv[4].startswith(sys.executable)
     doc = json.loads(capsys.readouterr().out)
     assert doc["stacks"] == [{"stack": "s1", "template": str(out / "s1.json")}] and doc["output_dir"] == str(out)
 
@@ -1039,3 +1041,25 @@ def test_a_command_that_runs_no_tool_refuses_a_double_dash(capsys: pytest.Captur
         main(["models", "--", "--quiet"])
     assert done.value.code == 2
     assert "takes nothing after --" in capsys.readouterr().err
+
+
+def test_synth_outside_a_clone_runs_the_app_with_kvfleets_own_python(tmp_path: Path) -> None:
+    """A directory with an environment file and cdk.json but no .venv (an installed kvfleet, or a clone not set up by
+    make): cdk.json's `.venv/bin/python app.py` would fail with a raw shell error; synth runs the app itself."""
+    repo = Path(__file__).resolve().parents[1]
+    (tmp_path / "environments").mkdir()
+    shutil.copy(repo / "environments" / "dev.yaml", tmp_path / "environments" / "dev.yaml")
+    shutil.copy(repo / "cdk.json", tmp_path / "cdk.json")
+    cdk = repo / "node_modules" / ".bin" / "cdk"
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "kvfleet"), "synth", "dev", "--cdk", str(cdk), "--json", "--", "-o", "out"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    stacks = {s["stack"] for s in json.loads(done.stdout)["stacks"]}
+    assert stacks == {"kvfleet-dev-alerts", "kvfleet-dev-chat"}
+    assert (tmp_path / "out" / "kvfleet-dev-chat.template.json").is_file()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from kvfleet.cli.args import progress
@@ -90,15 +91,27 @@ def _synth(cdk: str, context: str, cdk_args: list[str], *, quiet_stdout: bool) -
 
     with tempfile.TemporaryDirectory(prefix="kvfleet-synth-") as tmp:
         status = Path(tmp) / "status"
-        env = {**os.environ, SYNTH_STATUS_ENV: str(status)}
+        # jsii prints a banner on every run under Node 20, which CDK still supports (app.py says the same).
+        env = {"JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION": "20", **os.environ, SYNTH_STATUS_ENV: str(status)}
         try:
             # With --json, stdout is the summary alone: what the CDK prints goes to stderr.
             out = 2 if quiet_stdout else None  # file descriptor 2: stderr, whatever sys.stderr is
-            rc = subprocess.run([cdk, "synth", "-c", context, *cdk_args], env=env, check=False, stdout=out)
+            command = [cdk, "synth", "-c", context, *_app(cdk_args), *cdk_args]
+            rc = subprocess.run(command, env=env, check=False, stdout=out)
         except OSError as err:
             raise KvfleetError(f"cannot run {cdk}: {err.strerror}", field="cdk") from None
         app_status = status.read_text(encoding="utf-8").strip() if status.exists() else ""
     return int(app_status) if app_status.isdigit() else rc.returncode
+
+
+def _app(cdk_args: list[str]) -> list[str]:
+    """The CDK app run by this interpreter, the one running kvfleet (cdk.json's `.venv/bin/python app.py` exists only
+    in a clone set up by `make`), unless the CDK arguments name one."""
+    import shlex
+
+    if any(arg in ("-a", "--app") or arg.startswith("--app=") for arg in cdk_args):
+        return []
+    return ["--app", f'{shlex.quote(sys.executable)} -c "from kvfleet.infra.app import main; main()"']
 
 
 def _summary(a: argparse.Namespace, context: str, code: int) -> dict[str, Any]:
