@@ -1063,3 +1063,26 @@ def test_synth_outside_a_clone_runs_the_app_with_kvfleets_own_python(tmp_path: P
     stacks = {s["stack"] for s in json.loads(done.stdout)["stacks"]}
     assert stacks == {"kvfleet-dev-alerts", "kvfleet-dev-chat"}
     assert (tmp_path / "out" / "kvfleet-dev-chat.template.json").is_file()
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["environments/dev.yaml", "--model", "Qwen/Qwen3-8B"], "--model plans from flags"),
+        (["environments/dev.yaml", "--platform", "ec2"], "--platform plans from flags"),
+        (["environments/dev.yaml", "--max-input-tokens", "100"], "--max-input-tokens plans from flags"),
+        (["environments/dev.yaml", "--family", "g6e"], "--family plans from flags"),
+        (["environments/dev.yaml", "--speculative", "ngram"], "--speculative plans from flags"),
+        (["environments/dev.yaml", "--mm-max-pixels", "1000"], "mm_max_pixels: set it under the deployment's engine"),
+        (["--model", "Qwen/Qwen3-8B", "--max-input-tokens", "9", "--max-output-tokens", "9", "--derive"], "--derive"),
+        (["--model", "Qwen/Qwen3-8B", "--max-input-tokens", "9", "--max-output-tokens", "9", "--standby"], "--standby"),
+    ],
+)
+def test_plan_refuses_a_flag_it_would_ignore(
+    capsys: pytest.CaptureFixture[str], args: list[str], expected: str
+) -> None:
+    repo = Path(__file__).resolve().parents[1]
+    argv = [str(repo / a) if a.endswith(".yaml") else a for a in args]
+    assert main(["plan", *argv]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert expected in line

@@ -30,6 +30,34 @@ if TYPE_CHECKING:
     from kvfleet.sizing.planner import Measured, Plan, PlanRequest
 
 
+DEFAULT_ENGINE, DEFAULT_PLATFORM = "vllm", "sagemaker"  # a plan from flags alone
+# What describes a plan from flags; an environment file says all of it itself.
+_FLAGS_ONLY = (
+    *("model", "rope_scaling", "engine", "engine_version", "platform", "max_input_tokens", "max_output_tokens"),
+    *("concurrency", "peak_rps", "avg_input_tokens", "avg_output_tokens", "ttft_ms", "itl_ms", "buffered"),
+    *("precision", "kv_cache_dtype", "family", "instance_type", "region", "max_usd_per_hour", "speculative"),
+    *("draft_model", "num_speculative_tokens", "acceptance_length"),
+)
+
+
+def _refuse_ignored(a: argparse.Namespace) -> None:
+    """Flags that would change nothing are refused in one line, with where the setting goes instead."""
+    if a.environment:
+        engine = [k for k, v in engine_settings(a).items() if v not in (None, (), "auto", "weights")]
+        if engine:
+            raise KvfleetError("set it under the deployment's engine section of the environment file", field=engine[0])
+        given = [f for f in _FLAGS_ONLY if getattr(a, f) not in (None, [], False)]
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise KvfleetError(
+                f"{flag} plans from flags; with an environment file, set it in the file's deployment", field=given[0]
+            )
+        return
+    for flag in ("derive", "standby"):
+        if getattr(a, flag):
+            raise KvfleetError(f"--{flag} replays an environment file's workload; give the file", field=flag)
+
+
 def add_parser(sub: Any) -> None:
     pl = sub.add_parser("plan", help="ranked deployment candidates, from flags or an environment file")
     pl.add_argument("environment", nargs="?", help="environments/<name>.yaml: plan every deployment in it")
@@ -39,9 +67,9 @@ def add_parser(sub: Any) -> None:
         metavar="JSON",
         help="extend the model's context with a RoPE scaling, as kvfleet capacity --rope-scaling (vLLM --hf-overrides)",
     )
-    pl.add_argument("--engine", choices=list(ENGINES), default="vllm")
+    pl.add_argument("--engine", choices=list(ENGINES), help="default vllm")
     pl.add_argument("--engine-version")
-    pl.add_argument("--platform", choices=list(TARGETS), default="sagemaker", help="deployment target")
+    pl.add_argument("--platform", choices=list(TARGETS), help="deployment target (default sagemaker)")
     pl.add_argument("--max-input-tokens", type=_positive_int)
     pl.add_argument("--max-output-tokens", type=_positive_int)
     pl.add_argument("--concurrency", type=_positive_int, help="target concurrent sequences per replica")
@@ -115,9 +143,9 @@ def _request_from_flags(a: argparse.Namespace) -> PlanRequest:
     return PlanRequest(
         model=with_rope_flag(resolve_model(a.model), a.rope_scaling),
         workload=wl,
-        engine=EngineName(a.engine),
+        engine=EngineName(a.engine or DEFAULT_ENGINE),
         engine_version=a.engine_version,
-        hosting=TARGETS[a.platform].hosting,
+        hosting=TARGETS[a.platform or DEFAULT_PLATFORM].hosting,
         weight_precisions=tuple(a.precision),
         kv_cache_dtypes=kvs,
         families=tuple(a.family),
@@ -179,15 +207,12 @@ def run(a: argparse.Namespace) -> int:
 
         measured = (read_calibration(a.calibration).measured(a.calibration),)
     scalings: list[dict[str, Any] | None]
-    if a.environment and a.speculative is not None:
-        raise KvfleetError("set speculative in the environment file's deployment", field="speculative")
+    _refuse_ignored(a)
     if a.environment:
-        given = [k for k, v in engine_settings(a).items() if v not in (None, (), "auto", "weights")]
-        if given:
-            raise KvfleetError("set it under the deployment's engine section of the environment file", field=given[0])
         results, scalings = plan_environment(a.environment, measured=measured, derive=a.derive, standby=a.standby)
     else:
-        results = [("plan", a.platform, plan(replace(_request_from_flags(a), measured=measured)))]
+        platform = a.platform or DEFAULT_PLATFORM
+        results = [("plan", platform, plan(replace(_request_from_flags(a), measured=measured)))]
         scalings = [None]
     if measured and not any(c.measured for _, _, p in results for c in p.candidates):
         m = measured[0]
