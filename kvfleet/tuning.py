@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 from kvfleet.calibration import Calibration
-from kvfleet.config.targets import Ec2Target
+from kvfleet.config.targets import PoolState
 from kvfleet.deployments import Deriver, ResolvedDeployment, file_scaling
 from kvfleet.engines import adapter
 from kvfleet.errors import KvfleetError
@@ -174,15 +174,12 @@ def sim_scaling(r: ResolvedDeployment) -> Scaling:
 
 
 # An EC2 warm pool: its state and its instances; None: no pool.
-Pool = tuple[Literal["Stopped", "Running", "Hibernated"], int] | None
+Pool = tuple[PoolState, int] | None
 
 
 def file_pool(r: ResolvedDeployment) -> Pool:
-    """The warm pool the file keeps (EC2 only)."""
-    target = r.deployment.target
-    if not isinstance(target, Ec2Target) or not target.warm_pool.enabled:
-        return None
-    return target.warm_pool.state, target.warm_pool.min_size
+    """The warm pool the file keeps, as its target's section says (None: none, or a target without pools)."""
+    return r.deployment.target.warm_pool_kept()
 
 
 def standby_usd_per_hour(r: ResolvedDeployment, pool: Pool | Literal["file"] = "file") -> float:
@@ -470,7 +467,7 @@ def _standby_wanted(r: ResolvedDeployment, min_replicas: int) -> tuple[list[tupl
     warm = max(1, min_replicas)
     wanted: list[tuple[int, StandbyPool, int]] = [(min_replicas, configured_pool, configured_size), (warm, "none", 0)]
     unavailable: list[str] = []
-    if isinstance(r.deployment.target, Ec2Target):
+    if target.warm_pools:
         wanted.append((warm, "Stopped", max(1, configured_size)))
     else:
         unavailable.append(f"warm pools: EC2 Auto Scaling only, not {target.name}")

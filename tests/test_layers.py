@@ -89,7 +89,8 @@ THIRD_PARTY: dict[str, set[str] | None] = {
     "sizing": set(),
     "scaling": set(),
     "targets": set(),
-    "config": {"pydantic", "yaml"},
+    # pydantic_core: the schema types a custom pydantic type returns (kvfleet.config.targets); pydantic brings it.
+    "config": {"pydantic", "pydantic_core", "yaml"},
     "deployments": set(),
     "tuning": set(),
     "calibration": set(),
@@ -107,9 +108,28 @@ THIRD_PARTY: dict[str, set[str] | None] = {
 }
 
 
+# A target's folder (kvfleet/targets/<name>/) holds one module per layer that needs the target, named for its role:
+# its __init__ is the targets layer (the registry's record), the rest the layer of what they are part of.
+TARGET_PARTS: dict[str, str] = {
+    "config": "config",  # its environment-file section and checks
+    "infra": "infra",  # its construct (a package)
+    "live": "bench",  # what `kvfleet check` asks of it
+    "pipeline": "infra",  # the release pipeline's live-check grants
+}
+
+
 def layer_of(module: str) -> str:
     parts = module.split(".")
+    if len(parts) > 3 and parts[1] == "targets":
+        # A module of a target's folder that is none of its parts is outside every layer.
+        return TARGET_PARTS.get(parts[3], f"targets.{parts[2]}.{parts[3]}")
     return parts[1] if len(parts) > 1 else ""
+
+
+def target_folder(module: str) -> str | None:
+    """The target whose folder holds ``module`` (kvfleet.targets.<name>...), else None."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "targets" else None
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -158,6 +178,9 @@ def violations(root: Path) -> list[str]:
                 other = layer_of(target)
                 if other and other != layer and other not in ALLOWED[layer]:
                     found.append(f"{where}: {layer} imports {target}")
+                # A target's folder stands alone: what two targets share lives outside both.
+                elif target_folder(module) not in (None, target_folder(target)) and target_folder(target):
+                    found.append(f"{where}: target {target_folder(module)} imports {target}")
             elif top not in sys.stdlib_module_names and top != "__future__":
                 allowed = THIRD_PARTY[layer]
                 if allowed is not None and top not in allowed:
@@ -198,6 +221,22 @@ def test_every_module_is_in_a_layer() -> None:
             "engines imports kvfleet.sizing",
         ),
         ("engines/toy/adapter.py", "import yaml\n", "engines imports yaml"),
+        # A target's folder: each module is the layer its role names.
+        ("targets/toy/__init__.py", "from kvfleet.targets.toy.config import SECTION\n", "targets imports kvfleet"),
+        ("targets/toy/__init__.py", "import pydantic\n", "targets imports pydantic"),
+        ("targets/toy/config.py", "from kvfleet.infra.context import TargetSpec\n", "config imports kvfleet.infra"),
+        ("targets/toy/config.py", "import aws_cdk\n", "config imports aws_cdk"),
+        ("targets/toy/infra/stack.py", "from kvfleet.cli import main\n", "infra imports kvfleet.cli"),
+        ("targets/toy/infra/__init__.py", "from kvfleet.agent import server\n", "infra imports kvfleet.agent"),
+        ("targets/toy/live.py", "from kvfleet.infra.stack import DeploymentStack\n", "bench imports kvfleet.infra"),
+        ("targets/toy/live.py", "import aws_cdk\n", "bench imports aws_cdk"),
+        ("targets/toy/pipeline.py", "from kvfleet.cli import main\n", "infra imports kvfleet.cli"),
+        ("targets/toy/helpers.py", "", "module outside every layer (targets.toy.helpers)"),
+        (
+            "targets/toy/infra/fleet.py",
+            "from kvfleet.targets.other.infra import CONSTRUCT\n",
+            "target toy imports kvfleet.targets.other.infra",
+        ),
     ],
 )
 def test_a_wrong_import_is_found(tmp_path: Path, layer_file: str, source: str, expected: str) -> None:

@@ -31,10 +31,7 @@ def deployed_url(r: ResolvedDeployment) -> str:
     outputs = stack_outputs(r.stack_name, region)
     if key not in outputs:
         raise KvfleetError(f"stack {r.stack_name} has no output {key}; redeploy it with this kvfleet", field="env")
-    if r.deployment.target.platform == "sagemaker":
-        return f"sagemaker:{outputs[key]}"
-    lb = getattr(r.deployment.target, "load_balancer", None)
-    return f"{'https' if lb is not None and lb.certificate_arn else 'http'}://{outputs[key]}"
+    return r.deployment.target.client_address(outputs[key])
 
 
 def planned_deployment(env_file: str, deployment: str | None) -> ResolvedDeployment:

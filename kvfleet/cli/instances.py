@@ -46,7 +46,7 @@ def _row(it: InstanceType, prices: PriceList) -> dict[str, Any]:
     from kvfleet.sizing.hosting import PriceList
 
     acc = it.accelerator
-    price = it.price(prices.value)
+    price = it.price(prices)
     return {
         "instance_type": it.sagemaker_name if prices is PriceList.SAGEMAKER else it.name,
         "accelerator": acc.name,

@@ -152,10 +152,9 @@ def standby_section(loaded: LoadedEnvironment, dr: DeploymentRequest, *, force: 
     from kvfleet.tuning import idle_gaps, standby_comparison
 
     d = dr.deployment
-    pool = getattr(d.target, "warm_pool", None)
     trace = loaded.traces.get(dr.index)
     r = None
-    wanted = force or d.scaling.min_replicas == 0 or (pool is not None and pool.enabled)
+    wanted = force or d.scaling.min_replicas == 0 or d.target.warm_pool_kept() is not None
     if not wanted and trace is not None:
         r = resolve(loaded.environment, dr)
         wanted = idle_gaps(trace, float(r.idle_to_zero_s)).count > 0

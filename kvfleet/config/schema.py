@@ -1,8 +1,9 @@
 """The environment file's schema: ``environments/<name>.yaml`` as validated, frozen objects.
 
 Unknown keys are rejected; cross-field checks name the field to change first ("scaling.min_replicas: ..."),
-so the loader can point at its line. pydantic, never aws_cdk: the CLI plans from a file without CDK. The
-targets' own sections are in ``kvfleet.config.targets``; reading files is ``kvfleet.config.loader``.
+so the loader can point at its line. pydantic, never aws_cdk: the CLI plans from a file without CDK. Each
+target's own section, and what it checks of the rest of the file, is in its folder (``kvfleet/targets/<name>/
+config.py``), reached through the registry (``kvfleet.config.targets``); reading files is ``kvfleet.config.loader``.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from kvfleet import contract, versions
 from kvfleet.config import aws, dlc
 from kvfleet.config.base import Bool, Float, Frozen, Int
-from kvfleet.config.targets import Ec2Target, EksTarget, SageMakerTarget, Target
+from kvfleet.config.targets import Target, rebuild, target_sections
 from kvfleet.engines import ENGINES
 from kvfleet.errors import KvfleetError
 from kvfleet.sizing.engines import default_version, engine_capacity
+from kvfleet.targets import TARGETS
 from kvfleet.workload.traces import TraceFormat
 
 
@@ -678,36 +680,23 @@ class Deployment(Frozen):
             problems.append(
                 f"scaling.admission_queue: nothing admits requests here ({why}); remove it, or admit with the agent"
             )
-        t = self.target
-        if self.serving.isolated and isinstance(t, SageMakerTarget) and t.network_isolation:
-            problems.append(
-                "serving.tenant_secret: target.network_isolation leaves the container no network to read it from "
-                "Secrets Manager; turn network_isolation off to isolate tenants"
-            )
         if problems:
             raise ValueError("\n".join(problems))
         return self
 
     def _target_problems(self) -> list[str]:
-        """What the target's platform cannot do with this deployment's scaling and model source."""
+        """What the target's platform cannot do with this deployment: scale to zero where its record says so, and
+        what its own section checks."""
         problems = []
-        t = self.target
-        if isinstance(t, SageMakerTarget):
-            if self.scaling.min_replicas < 1:
-                problems.append(
-                    "scaling.min_replicas: a SageMaker real-time endpoint keeps at least one instance; set 1 or more"
-                )
-            if t.network_isolation and self.model.s3_uri is None:
-                problems.append(
-                    "model.s3_uri: required with target.network_isolation, which leaves the container no network to "
-                    "download the model"
-                )
-        if isinstance(t, EksTarget) and self.scaling.min_replicas < 1:
+        target = TARGETS[self.target.platform]
+        if self.scaling.min_replicas < 1 and target.no_scale_to_zero is not None:
+            able = [name for name, t in TARGETS.items() if t.no_scale_to_zero is None]
+            instead = f" (scale to zero is for target.platform {' or '.join(able)})" if able else ""
             problems.append(
-                "scaling.min_replicas: on EKS KEDA scales on the pods' own signals, and with no pod there is none to "
-                "wake the deployment; set 1 or more (scale to zero is for target.platform ec2)"
+                f"scaling.min_replicas: {target.name} cannot scale to zero ({target.no_scale_to_zero}); set 1 or "
+                f"more{instead}"
             )
-        return problems
+        return problems + self.target.deployment_problems(self)
 
     def _derive_problems(self) -> list[str]:
         """Derived scaling thresholds need a TTFT target and a load to replay."""
@@ -730,11 +719,6 @@ class Deployment(Frozen):
             dlc.dlc_release(self.engine.name, self.engine.version, dlc.published(self.engine.name))
         except KvfleetError as err:
             problems.append(f"{err.field}: {err.message}")
-        if isinstance(self.target, EksTarget):
-            problems.append(
-                "image.source: dlc runs the engine without the kvfleet agent, and on EKS the pod's drain hook "
-                "and KEDA's triggers need it; use source kvfleet (or uri with a kvfleet image)"
-            )
         if self.scaling.min_replicas != self.scaling.max_replicas:
             problems.append(
                 "image.source: dlc runs the engine without the kvfleet agent, so nothing publishes the KV-cache "
@@ -863,54 +847,9 @@ class Environment(Frozen):
     )
 
     @model_validator(mode="after")
-    def _network_fits_targets(self) -> Environment:
-        # Deployments that share an existing cluster share what lives in it: one namespace each, and each add-on
-        # installed by one of them only (a second Helm release of KEDA or the device plugin would collide).
-        namespaces: dict[tuple[str, str], str] = {}
-        installs: dict[tuple[str, str], str] = {}
-        for i, d in enumerate(self.deployments):
-            if not (isinstance(d.target, EksTarget) and d.target.cluster is not None):
-                continue
-            cluster = d.target.cluster.name
-            if self.network.vpc_id is None:
-                raise ValueError(
-                    f"network.vpc_id: deployment {d.name} attaches to cluster {cluster}; give the "
-                    "cluster's VPC (vpc_id, private_subnet_ids, availability_zones) so its GPU nodes join it"
-                )
-            where = f"deployments.{i}.target"
-            if (other := namespaces.setdefault((cluster, d.target.namespace), d.name)) != d.name:
-                raise ValueError(
-                    f"{where}.namespace: deployment {other} already uses namespace {d.target.namespace} on cluster "
-                    f"{cluster}; give {d.name} a namespace of its own"
-                )
-            a = d.target.addons
-            for addon, installed in (
-                ("device_plugin", a.device_plugin),
-                ("keda", a.keda),
-                ("prometheus_url", a.prometheus_url is None),
-                ("cluster_autoscaler", a.cluster_autoscaler),
-            ):
-                if installed and (other := installs.setdefault((cluster, addon), d.name)) != d.name:
-                    fix = "set prometheus_url to its Prometheus" if addon == "prometheus_url" else "set it to false"
-                    raise ValueError(
-                        f"{where}.addons.{addon}: deployment {other} already installs it on cluster {cluster}; {fix}"
-                    )
-        if self.network.vpc_id is None and self.network.nat_gateways == 0:
-            for d in self.deployments:
-                if isinstance(d.target, EksTarget):
-                    raise ValueError(
-                        f"network.nat_gateways: deployment {d.name} runs on EKS, whose nodes and pods need the "
-                        "internet (the public Helm repositories, and STS and EKS, which the new VPC has no endpoints "
-                        "for); set 1 or more"
-                    )
-        if self.network.vpc_id is not None:
-            for d in self.deployments:
-                if isinstance(d.target, Ec2Target) and not d.target.load_balancer.allowed_cidrs:
-                    raise ValueError(
-                        f"network.vpc_id: deployment {d.name} needs target.load_balancer.allowed_cidrs with an "
-                        "existing VPC (its CIDR is not looked up at synth)"
-                    )
-        return self
+    def _fits_targets(self) -> Environment:
+        # What each target's deployments need of the environment and of each other (its section's checks).
+        return self._raise([p for section in target_sections() for p in section.environment_problems(self)])
 
     @model_validator(mode="after")
     def _same_region(self) -> Environment:
@@ -929,34 +868,8 @@ class Environment(Frozen):
                 f"alarms notify a topic of their own region: use a topic in {self.region}"
             )
         for i, d in enumerate(self.deployments):
-            t = d.target
-            cert = t.load_balancer.certificate_arn if isinstance(t, Ec2Target) else None
-            if cert is not None and (where := aws.arn_region(cert)) != self.region:
-                problems.append(
-                    f"deployments.{i}.target.load_balancer.certificate_arn: the certificate is in {where}, the load "
-                    f"balancer in {self.region}; ACM certificates are regional: request or import it in {self.region}"
-                )
-            cluster = t.cluster if isinstance(t, EksTarget) else None
-            oidc = cluster.oidc_provider_arn if cluster is not None else None
-            if cluster is not None and oidc is not None and (where := aws.oidc_region(oidc)) != self.region:
-                problems.append(
-                    f"deployments.{i}.target.cluster.oidc_provider_arn: the provider is for a cluster in {where}, the "
-                    f"environment deploys to {self.region}; give the OIDC provider of cluster {cluster.name} (`aws eks "
-                    "describe-cluster` identity.oidc.issuer), or set region to the cluster's"
-                )
+            problems += d.target.region_problems(self.region, f"deployments.{i}.target")
         return self._raise(problems)
-
-    @model_validator(mode="after")
-    def _kubernetes_names(self) -> Environment:
-        # Every manifest of an EKS deployment is named <environment>-<deployment>, a DNS-1123 label.
-        for i, d in enumerate(self.deployments):
-            derived = contract.deployment_id(self.name, d.name)
-            if isinstance(d.target, EksTarget) and not aws.DNS_LABEL.fullmatch(derived):
-                raise ValueError(
-                    f"deployments.{i}.name: the Kubernetes objects are named {derived}, which is not a DNS label "
-                    "(at most 63 lowercase letters, digits and '-'); shorten the deployment or environment name"
-                )
-        return self
 
     def _raise(self, problems: list[str]) -> Environment:
         if problems:
@@ -971,3 +884,9 @@ class Environment(Frozen):
         if dup:
             raise ValueError(f"deployment names must be unique; repeated: {', '.join(dup)}")
         return v
+
+
+def rebuild_targets() -> None:
+    """Build the models that hold a target's section again, after the target registry changed (the union of
+    sections is read from it when a model is built)."""
+    rebuild(Deployment, Environment)

@@ -13,6 +13,7 @@ from functools import cache
 from importlib import resources
 
 from kvfleet.errors import CatalogError
+from kvfleet.sizing.hosting import PriceList
 from kvfleet.sizing.units import GiB
 
 
@@ -91,10 +92,9 @@ class InstanceType:
             return self.gpu_memory_bytes
         return self.accelerator.engine_memory_bytes or self.gpu_memory_bytes
 
-    def price(self, platform: str) -> Price | None:
-        if platform == "sagemaker":
-            return self.sagemaker_price
-        return self.ec2_price
+    def price(self, prices: PriceList) -> Price | None:
+        """The on-demand price on a price list (the catalog's column for it)."""
+        return self.sagemaker_price if prices is PriceList.SAGEMAKER else self.ec2_price
 
 
 def _f(v: str) -> float | None:

@@ -487,7 +487,7 @@ def _precision_notes(it: InstanceType, kv: KvDtype, req: PlanRequest) -> tuple[s
 
 
 def _price(it: InstanceType, hosting: Hosting) -> tuple[float, str, str, tuple[str, ...]] | None:
-    p = it.price(hosting.price_list.value)
+    p = it.price(hosting.price_list)
     if p is not None:
         return p.usd_per_hour, p.as_of, p.source, ()
     if hosting.price_list is PriceList.SAGEMAKER and it.ec2_price is not None:

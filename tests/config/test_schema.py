@@ -329,16 +329,18 @@ def test_scale_to_zero_still_plans_one_replica() -> None:
 def test_eks_refuses_scale_to_zero_where_keda_would_map_it_to_one() -> None:
     lines = problems(BASE.replace("platform: sagemaker", "platform: eks").replace("min_replicas: 1", "min_replicas: 0"))
     assert lines == [
-        "envs/test.yaml:19: deployments[0].scaling.min_replicas: on EKS KEDA scales on the pods' own signals, and "
-        "with no pod there is none to wake the deployment; set 1 or more (scale to zero is for target.platform ec2)"
+        "envs/test.yaml:19: deployments[0].scaling.min_replicas: eks cannot scale to zero (KEDA scales on the pods' "
+        "own signals, and with no pod there is none to wake on); set 1 or more (scale to zero is for target.platform "
+        "ec2)"
     ]
 
 
 def test_sagemaker_needs_one_instance_and_points_at_the_field() -> None:
     lines = problems(BASE.replace("min_replicas: 1", "min_replicas: 0"))
     assert lines == [
-        "envs/test.yaml:19: deployments[0].scaling.min_replicas: a SageMaker real-time endpoint keeps at least one "
-        "instance; set 1 or more"
+        "envs/test.yaml:19: deployments[0].scaling.min_replicas: sagemaker cannot scale to zero (a real-time "
+        "endpoint's production variant keeps at least one instance); set 1 or more (scale to zero is for "
+        "target.platform ec2)"
     ]
 
 

@@ -83,11 +83,11 @@ def test_unknown_environment_name_lists_the_examples(tmp_path: Path) -> None:
 
 def test_every_target_has_a_config_class_and_a_construct() -> None:
     # One registry of names (kvfleet.targets); the config union and the construct table must name the same ones.
-    from kvfleet.config.targets import TARGET_CLASSES
+    from kvfleet.config.targets import target_sections
     from kvfleet.infra.stack import TARGET_CONSTRUCTS
     from kvfleet.targets import TARGETS
 
-    config_names = [get_args(cls.model_fields["platform"].annotation)[0] for cls in TARGET_CLASSES]
+    config_names = [get_args(cls.model_fields["platform"].annotation)[0] for cls in target_sections()]
     assert sorted(config_names) == sorted(TARGETS) == sorted(TARGET_CONSTRUCTS)
 
 

@@ -13,10 +13,10 @@ from typing import Any
 import botocore
 import pytest
 
-from kvfleet.config.targets import Ec2Target
 from kvfleet.errors import KvfleetError
 from kvfleet.infra import cuda
 from kvfleet.infra.images import _releases, dlc_image
+from kvfleet.targets.ec2.config import Ec2Target
 
 DLC_CU130 = "763104351884.dkr.ecr.us-east-1.amazonaws.com/vllm:0.30.0-gpu-py312-cu130-ubuntu24.04-sagemaker"
 

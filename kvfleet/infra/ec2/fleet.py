@@ -28,7 +28,6 @@ from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
 from kvfleet import contract
-from kvfleet.config.targets import Ec2Target
 from kvfleet.deployments import ResolvedDeployment
 from kvfleet.infra.context import ServingContext
 from kvfleet.infra.cuda import host_for_image, hosts, nvidia_gpu
@@ -42,6 +41,7 @@ from kvfleet.infra.scaling import scale_group, scale_group_to_zero
 from kvfleet.scaling import OneFewer, ScalingPolicy
 from kvfleet.sizing.hosting import Routing
 from kvfleet.targets import TARGETS
+from kvfleet.targets.ec2.config import Ec2Target
 from kvfleet.volumes import root_volume
 
 _ADDRESS = TARGETS["ec2"].address_output or ""  # the stack output `kvfleet bench --env` reads

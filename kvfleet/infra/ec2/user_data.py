@@ -15,8 +15,8 @@ from functools import cache
 from importlib import resources
 
 from kvfleet import contract
-from kvfleet.config.targets import Ec2Target
 from kvfleet.deployments import ResolvedDeployment
+from kvfleet.targets.ec2.config import Ec2Target
 
 TEMPLATE = "user-data.sh"
 HOST_MODEL_DIR = "/opt/kvfleet/model"  # the weights on the host: on local NVMe when the instance has it

@@ -28,7 +28,6 @@ from aws_cdk import aws_iam as iam
 from aws_cdk.lambda_layer_kubectl_v34 import KubectlV34Layer
 from constructs import Construct
 
-from kvfleet.config.targets import EksTarget, ExistingCluster
 from kvfleet.deployments import ResolvedDeployment
 from kvfleet.errors import KvfleetError
 from kvfleet.infra.context import ServingContext
@@ -42,6 +41,7 @@ from kvfleet.infra.metrics import PlatformMetrics
 from kvfleet.infra.nag import acknowledge, condition_id, logical_id
 from kvfleet.infra.network import ServingNetwork
 from kvfleet.targets import TARGETS
+from kvfleet.targets.eks.config import EksTarget, ExistingCluster
 
 # kubectl in the provider's layer: one minor either side of the API server is within kubectl's skew policy.
 KUBECTL_MINOR = "1.34"

@@ -11,7 +11,6 @@ from aws_cdk import aws_sagemaker as sagemaker
 from constructs import Construct
 
 from kvfleet import contract
-from kvfleet.config.targets import SageMakerTarget
 from kvfleet.deployments import ResolvedDeployment
 from kvfleet.infra.context import ServingContext
 from kvfleet.infra.cuda import HostChoice, host_for_image, nvidia_gpu
@@ -23,6 +22,7 @@ from kvfleet.infra.scaling import scale_scalable_target
 from kvfleet.scaling import TargetTracking
 from kvfleet.sizing.hosting import Routing
 from kvfleet.targets import TARGETS
+from kvfleet.targets.sagemaker.config import SageMakerTarget
 
 _ADDRESS = TARGETS["sagemaker"].address_output or ""  # the stack output `kvfleet bench --env` reads
 

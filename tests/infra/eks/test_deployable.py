@@ -159,7 +159,7 @@ def test_an_existing_cluster_schedules_the_addons_on_its_own_nodes() -> None:
     )
     t = only(text)
     assert [ng["AmiType"] for ng in props(t, "AWS::EKS::Nodegroup")] == ["AL2023_x86_64_NVIDIA"]
-    from kvfleet.config.targets import ExistingCluster
+    from kvfleet.targets.eks.config import ExistingCluster
 
     assert "schedulable nodes without taints" in (ExistingCluster.__doc__ or "")
 

@@ -12,7 +12,6 @@ import pytest
 from aws_cdk.assertions import Template
 
 from kvfleet import contract
-from kvfleet.config.targets import EksTarget
 from kvfleet.deployments import resolve_environment
 from kvfleet.engines import EngineArgs
 from kvfleet.infra.app import build_app
@@ -24,6 +23,7 @@ from kvfleet.infra.eks.addons import (
     PROMETHEUS_CHART,
 )
 from kvfleet.infra.eks.service import GPU_TAINT, KUBECTL_MINOR
+from kvfleet.targets.eks.config import EksTarget
 from tests.infra.helpers import REPO, environment, make_app, only, props, synth
 
 PLATFORM = (REPO / "environments" / "platform.yaml").read_text(encoding="utf-8")

@@ -7,16 +7,16 @@ from typing import get_args
 
 import pytest
 
-from kvfleet.config.targets import (
+from kvfleet.errors import ConfigError
+from kvfleet.infra.eks.addons import CLUSTER_AUTOSCALER_IMAGE_TAGS
+from kvfleet.infra.eks.service import KUBECTL_MINOR
+from kvfleet.targets.eks.config import (
     EKS_CALENDAR_CHECKED,
     EKS_VERSION_CALENDAR,
     NEW_CLUSTER_MIN_STANDARD_SUPPORT_DAYS,
     EksTarget,
     EksVersion,
 )
-from kvfleet.errors import ConfigError
-from kvfleet.infra.eks.addons import CLUSTER_AUTOSCALER_IMAGE_TAGS
-from kvfleet.infra.eks.service import KUBECTL_MINOR
 from tests.infra.helpers import REPO, environment
 
 PLATFORM = (REPO / "environments" / "platform.yaml").read_text(encoding="utf-8")

@@ -13,13 +13,13 @@ from aws_cdk.assertions import Template
 from cdk_nag import AwsSolutionsChecks
 
 from kvfleet import contract
-from kvfleet.config.targets import SageMakerTarget
 from kvfleet.deployments import ResolvedDeployment, resolve_environment
 from kvfleet.engines import EngineArgs
 from kvfleet.infra.app import build_app
 from kvfleet.infra.sagemaker.endpoint import routing_strategy
 from kvfleet.infra.stack import DeploymentStack
 from kvfleet.sizing.hosting import Routing
+from kvfleet.targets.sagemaker.config import SageMakerTarget
 from tests.infra.helpers import REPO, SAGEMAKER_ENV, environment, make_app, only, props, synth
 
 

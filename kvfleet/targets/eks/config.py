@@ -1,0 +1,227 @@
+"""EKS's ``target:`` section: a new cluster or an existing one, its add-ons, Kubernetes version and namespace; and
+what deployments sharing a cluster need of each other."""
+
+from __future__ import annotations
+
+from datetime import date
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from kvfleet import contract
+from kvfleet.config import aws
+from kvfleet.config.aws import port_problem
+from kvfleet.config.base import Bool, Frozen, Int
+from kvfleet.config.targets import TargetSection
+
+if TYPE_CHECKING:
+    from kvfleet.config.schema import Deployment, Environment
+
+# The Amazon EKS Kubernetes release calendar: version -> (EKS release, end of standard support, end of extended
+# support). Source: docs.aws.amazon.com/eks/latest/userguide/kubernetes-versions.html#kubernetes-release-calendar
+# (standard support for 14 months from the EKS release, then 12 months of extended support at extra cost per
+# cluster hour), checked on EKS_CALENDAR_CHECKED. A version joins EksVersion when kvfleet's kubectl layer (one
+# minor either side) and a Cluster Autoscaler image of that minor cover it.
+EKS_CALENDAR_CHECKED = date(2026, 12, 1)
+EKS_VERSION_CALENDAR: dict[str, tuple[date, date, date]] = {
+    "1.33": (date(2025, 5, 29), date(2026, 7, 29), date(2027, 7, 29)),
+    "1.34": (date(2025, 10, 2), date(2026, 12, 2), date(2027, 12, 2)),
+    "1.35": (date(2026, 1, 27), date(2027, 3, 27), date(2028, 3, 27)),
+}
+EksVersion = Literal["1.33", "1.34", "1.35"]
+# A new cluster starts with at least this much standard support left, so its first upgrade is planned, not forced
+# into extended-support pricing within weeks.
+NEW_CLUSTER_MIN_STANDARD_SUPPORT_DAYS = 90
+
+
+class ExistingCluster(Frozen):
+    """An EKS cluster kvfleet attaches to: it adds the GPU node group, the add-ons asked for and the workload in its
+    own namespace (target.namespace, created and deleted with the stack: give each deployment one of its own).
+
+    Nothing is looked up at synth, so the config names what the templates need. kvfleet's kubectl function gets
+    cluster-admin through an EKS access entry, which needs the cluster's authentication mode to be API or
+    API_AND_CONFIG_MAP (`aws eks update-cluster-config --name NAME --access-config
+    authenticationMode=API_AND_CONFIG_MAP` switches a ConfigMap-only cluster without disruption). It runs in the
+    cluster security group inside network.private_subnet_ids, so those subnets need a route to the EKS and STS
+    APIs (NAT or VPC endpoints); the Helm charts it installs come from their public repositories.
+
+    The cluster must have schedulable nodes without taints (Linux, x86_64) besides the GPU group kvfleet adds:
+    the add-ons it installs there (KEDA, Prometheus, Cluster Autoscaler) tolerate no taint, and the GPU nodes are
+    tainted nvidia.com/gpu=present:NoSchedule. Its EKS version may be in extended support.
+    """
+
+    name: str = Field(
+        pattern=r"^[0-9A-Za-z][A-Za-z0-9_-]{0,99}$", description="Name of the existing cluster (in this region)."
+    )
+    security_group_id: str = Field(
+        pattern=r"^sg-[0-9a-f]{8,17}$",
+        description=(
+            "The cluster security group EKS created for the cluster (`aws eks describe-cluster` "
+            "resourcesVpcConfig.clusterSecurityGroupId): the kubectl function runs in it to reach the API endpoint."
+        ),
+    )
+    oidc_provider_arn: str | None = Field(
+        default=None,
+        pattern=r"^arn:aws[a-z-]*:iam::[0-9]{12}:oidc-provider/oidc\.eks\.[a-z0-9-]+\.amazonaws\.com(\.cn)?/id/[0-9A-Za-z]+$",
+        description=(
+            "The cluster's IAM OIDC provider: pods get their AWS roles through IRSA. Without it they get them "
+            "through EKS Pod Identity, which needs the eks-pod-identity-agent add-on on the cluster."
+        ),
+    )
+
+
+class EksAddons(Frozen):
+    """The cluster add-ons the workload needs. A new cluster gets all of them; an existing one may already run some."""
+
+    device_plugin: Bool = Field(
+        default=True,
+        description="Install the NVIDIA device plugin (off when the cluster already runs it or the GPU Operator).",
+    )
+    keda: Bool = Field(default=True, description="Install KEDA (off when the cluster already runs KEDA 2.x).")
+    prometheus_url: str | None = Field(
+        default=None,
+        pattern=r"^https?://[A-Za-z0-9.-]+(:[0-9]+)?(/[^\s]*)?$",
+        description=(
+            "Query this Prometheus instead of installing one. It must scrape pods annotated prometheus.io/scrape "
+            "(the kubernetes-pods job of the community chart does) and answer KEDA without authentication."
+        ),
+    )
+    cluster_autoscaler: Bool = Field(
+        default=True,
+        description=(
+            "Install Cluster Autoscaler for the GPU node group (off when the cluster already runs one with "
+            "node group auto-discovery: EKS tags managed node groups for it)."
+        ),
+    )
+
+    @field_validator("prometheus_url")
+    @classmethod
+    def _port(cls, v: str | None) -> str | None:
+        if v is not None and (problem := port_problem(v)) is not None:
+            raise ValueError(problem)
+        return v
+
+
+class EksTarget(TargetSection):
+    platform: Literal["eks"] = Field(description="A GPU node group and Deployment on EKS.")
+    cluster: ExistingCluster | None = Field(
+        default=None, description="Attach to this existing cluster instead of creating one (needs network.vpc_id)."
+    )
+    addons: EksAddons = Field(default_factory=EksAddons)
+    kubernetes_version: EksVersion = Field(
+        default="1.35",
+        description=(
+            "Kubernetes version of a new cluster, or of the existing one (pinned: manifests are validated for it). "
+            f"A new cluster needs {NEW_CLUSTER_MIN_STANDARD_SUPPORT_DAYS} days of EKS standard support left."
+        ),
+    )
+    namespace: str = Field(
+        default="kvfleet", pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$", description="Namespace of the workload."
+    )
+    shm_size_gib: Int = Field(
+        default=16, ge=1, le=512, description="Shared memory for the engine (tensor parallelism)."
+    )
+
+    @model_validator(mode="after")
+    def _new_cluster_version(self) -> EksTarget:
+        if self.cluster is None:
+            end = EKS_VERSION_CALENDAR[self.kubernetes_version][1]
+            left = (end - EKS_CALENDAR_CHECKED).days
+            if left < NEW_CLUSTER_MIN_STANDARD_SUPPORT_DAYS:
+                newest = max(EKS_VERSION_CALENDAR, key=lambda v: EKS_VERSION_CALENDAR[v][1])
+                raise ValueError(
+                    f"kubernetes_version: EKS standard support for {self.kubernetes_version} ends {end} ("
+                    f"{max(left, 0)} days after {EKS_CALENDAR_CHECKED}); create a new cluster on {newest}"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _new_cluster_addons(self) -> EksTarget:
+        if self.cluster is None:
+            missing = [name for name in ("device_plugin", "keda") if not getattr(self.addons, name)]
+            if missing:
+                raise ValueError(
+                    f"addons.{missing[0]}: a new cluster has nothing else to provide it; set it to true, or attach "
+                    "to an existing cluster with target.cluster"
+                )
+        return self
+
+    def deployment_problems(self, deployment: Deployment) -> list[str]:
+        if deployment.image.source != "dlc":
+            return []
+        return [
+            "image.source: dlc runs the engine without the kvfleet agent, and on EKS the pod's drain hook and KEDA's "
+            "triggers need it; use source kvfleet (or uri with a kvfleet image)"
+        ]
+
+    def region_problems(self, region: str, at: str) -> list[str]:
+        cluster = self.cluster
+        oidc = cluster.oidc_provider_arn if cluster is not None else None
+        if cluster is None or oidc is None or (where := aws.oidc_region(oidc)) == region:
+            return []
+        return [
+            f"{at}.cluster.oidc_provider_arn: the provider is for a cluster in {where}, the environment deploys to "
+            f"{region}; give the OIDC provider of cluster {cluster.name} (`aws eks describe-cluster` "
+            "identity.oidc.issuer), or set region to the cluster's"
+        ]
+
+    @classmethod
+    def environment_problems(cls, environment: Environment) -> list[str]:
+        mine = [(i, d) for i, d in enumerate(environment.deployments) if isinstance(d.target, cls)]
+        problems = _shared_cluster_problems(environment, mine)
+        if environment.network.vpc_id is None and environment.network.nat_gateways == 0 and mine:
+            problems.append(
+                f"network.nat_gateways: deployment {mine[0][1].name} runs on EKS, whose nodes and pods need the "
+                "internet (the public Helm repositories, and STS and EKS, which the new VPC has no endpoints for); "
+                "set 1 or more"
+            )
+        # Every manifest of an EKS deployment is named <environment>-<deployment>, a DNS-1123 label.
+        for i, d in mine:
+            derived = contract.deployment_id(environment.name, d.name)
+            if not aws.DNS_LABEL.fullmatch(derived):
+                problems.append(
+                    f"deployments.{i}.name: the Kubernetes objects are named {derived}, which is not a DNS label (at "
+                    "most 63 lowercase letters, digits and '-'); shorten the deployment or environment name"
+                )
+        return problems
+
+
+def _shared_cluster_problems(environment: Environment, mine: list[tuple[int, Deployment]]) -> list[str]:
+    """Deployments that share an existing cluster share what lives in it: one namespace each, and each add-on
+    installed by one of them only (a second Helm release of KEDA or the device plugin would collide)."""
+    problems = []
+    namespaces: dict[tuple[str, str], str] = {}
+    installs: dict[tuple[str, str], str] = {}
+    for i, d in mine:
+        t = d.target
+        assert isinstance(t, EksTarget)
+        if t.cluster is None:
+            continue
+        cluster = t.cluster.name
+        if environment.network.vpc_id is None:
+            problems.append(
+                f"network.vpc_id: deployment {d.name} attaches to cluster {cluster}; give the cluster's VPC (vpc_id, "
+                "private_subnet_ids, availability_zones) so its GPU nodes join it"
+            )
+        where = f"deployments.{i}.target"
+        if (other := namespaces.setdefault((cluster, t.namespace), d.name)) != d.name:
+            problems.append(
+                f"{where}.namespace: deployment {other} already uses namespace {t.namespace} on cluster {cluster}; "
+                f"give {d.name} a namespace of its own"
+            )
+        a = t.addons
+        for addon, installed in (
+            ("device_plugin", a.device_plugin),
+            ("keda", a.keda),
+            ("prometheus_url", a.prometheus_url is None),
+            ("cluster_autoscaler", a.cluster_autoscaler),
+        ):
+            if installed and (other := installs.setdefault((cluster, addon), d.name)) != d.name:
+                fix = "set prometheus_url to its Prometheus" if addon == "prometheus_url" else "set it to false"
+                problems.append(
+                    f"{where}.addons.{addon}: deployment {other} already installs it on cluster {cluster}; {fix}"
+                )
+    return problems
+
+
+SECTION = EksTarget

@@ -1,0 +1,73 @@
+"""SageMaker's ``target:`` section: network isolation, how an update replaces instances, the inference AMI."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field, model_validator
+
+from kvfleet.config.base import Bool, Int
+from kvfleet.config.targets import TargetSection
+
+if TYPE_CHECKING:
+    from kvfleet.config.schema import Deployment
+
+
+class SageMakerTarget(TargetSection):
+    platform: Literal["sagemaker"] = Field(description="A SageMaker real-time endpoint.")
+    network_isolation: Bool = Field(
+        default=False,
+        description="Run the container with no network access: the model must come from S3 (model.s3_uri).",
+    )
+    update: Literal["blue_green", "rolling"] = Field(
+        default="blue_green",
+        description=(
+            "How an endpoint update replaces instances. blue_green: a full new fleet, old instances kept "
+            "scaling.drain_budget_s after traffic moves. rolling: batches of instances, waiting "
+            "scaling.drain_budget_s between batches (needs no spare capacity for a whole fleet)."
+        ),
+    )
+    canary_percent: Int | None = Field(
+        default=None,
+        ge=1,
+        le=50,
+        description="blue_green only: send this share of capacity to the new fleet first, then the rest.",
+    )
+    canary_wait_s: Int = Field(
+        default=600, ge=0, le=3600, description="Seconds the canary runs (alarms watched) before the rest moves."
+    )
+    inference_ami_version: str | None = Field(
+        default=None,
+        pattern=r"^al2(023)?-ami-sagemaker-inference-gpu-[0-9]+(-[0-9]+)*$",
+        description=(
+            "SageMaker inference AMI (ProductionVariant InferenceAmiVersion), which fixes the instances' NVIDIA "
+            "driver. Default: the one with the newest driver that runs the image's CUDA (checked at synth)."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _canary(self) -> SageMakerTarget:
+        if self.canary_percent is not None and self.update != "blue_green":
+            raise ValueError("canary_percent applies to update blue_green only")
+        return self
+
+    def deployment_problems(self, deployment: Deployment) -> list[str]:
+        problems = []
+        if self.network_isolation and deployment.model.s3_uri is None:
+            problems.append(
+                "model.s3_uri: required with target.network_isolation, which leaves the container no network to "
+                "download the model"
+            )
+        if self.network_isolation and deployment.serving.isolated:
+            problems.append(
+                "serving.tenant_secret: target.network_isolation leaves the container no network to read it from "
+                "Secrets Manager; turn network_isolation off to isolate tenants"
+            )
+        return problems
+
+    def client_address(self, output: str) -> str:
+        # `kvfleet bench` streams to an endpoint by name through the SageMaker runtime (kvfleet.bench.sagemaker).
+        return f"sagemaker:{output}"
+
+
+SECTION = SageMakerTarget
