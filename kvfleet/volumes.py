@@ -1,6 +1,6 @@
 """The EC2 fleet's root volume: what it holds, the gp3 performance it is provisioned with, and what it costs.
 
-Pure: the EC2 construct provisions it (kvfleet/infra/ec2/fleet.py) and the standby comparison prices a stopped
+Pure: the EC2 construct provisions it (kvfleet/targets/ec2/infra/fleet.py) and the standby comparison prices a stopped
 warm pool's instances by it (kvfleet/tuning.py), so both read one size.
 """
 

@@ -118,7 +118,7 @@ def test_contract_values_are_spelled_only_in_the_contract() -> None:
 
 def test_the_user_data_template_takes_shared_names_from_the_contract() -> None:
     """The shell template is not Python: its variable names arrive as rendered values, never spelled in it."""
-    text = (PACKAGE / "infra" / "ec2" / "user-data.sh").read_text(encoding="utf-8")
+    text = (PACKAGE / "targets" / "ec2" / "infra" / "user-data.sh").read_text(encoding="utf-8")
     for value in sorted(CONTRACT_VALUES):
         assert value not in text, value
 

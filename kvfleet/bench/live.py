@@ -1,20 +1,11 @@
 """`kvfleet check`: what a release pipeline asks of each deployment after its stage deploys, before it promotes
 the release further. Each check reads the deployed stack's outputs, then asks the platform that serves the
-deployment:
-
-- SageMaker: the endpoint is InService (DescribeEndpoint), and streams one generation through
-  InvokeEndpointWithResponseStream, the path its clients use. SageMaker's runtime reaches the container's
-  ``/invocations`` only, so the KV cache the engine allocated is not readable from outside.
-- EC2: the Auto Scaling group has instances InService and Healthy (its health checks include the load balancer's
-  ``/ping``), and on one of them, through Systems Manager Run Command (the instances run the SSM agent and reach
-  its endpoints), the agent answers ``/ping``, streams one generation and reports its KV cache on ``/metrics``:
-  the plan drift gate. Run Command needs no route into the VPC, so an internal load balancer is checked too.
-- EKS: the cluster and the node group are ACTIVE with no health issues. The Service is ClusterIP, so a
-  generation needs access inside the cluster (``kubectl port-forward`` and ``kvfleet bench``); that is said, not
-  claimed.
+deployment what its target's live check asks (``run`` in ``kvfleet/targets/<name>/live.py``: SageMaker's endpoint
+status and one streamed generation; EC2's group health, then a generation and the KV cache on one instance through
+Run Command, with the probe here; EKS's cluster and node group status).
 
 A pipeline's step runs it with ``--role-arn``: the role the stage's live-check stack makes in the target account,
-which allows these calls on this environment's resources only.
+which allows these calls on this environment's resources only (each target's ``pipeline`` module grants them).
 """
 
 from __future__ import annotations
@@ -22,7 +13,7 @@ from __future__ import annotations
 import json
 import shlex
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,9 +24,8 @@ from kvfleet import contract
 from kvfleet.bench.aws import stack_outputs
 from kvfleet.bench.client import PROMPT_TOKEN_IDS, BenchError, parse_capacity
 from kvfleet.bench.client import kv_drift as _kv_drift
-from kvfleet.bench.sagemaker import SageMakerTarget, SageMakerTransport
 from kvfleet.deployments import ResolvedDeployment
-from kvfleet.targets import TARGETS
+from kvfleet.targets import TARGETS, part
 
 CHECK_TENANT = "kvfleet-live-check"  # the tenant the check's generation is made as, where tenancy is on
 CHECK_OUTPUT_TOKENS = 8
@@ -61,6 +51,19 @@ class Check:
 
     def note(self, line: str) -> None:
         self.lines.append(f"note  {line}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Deployed:
+    """What a target's live check asks its platform about: the deployment as planned and its stack's outputs, the
+    session to ask with, and what the check is to do."""
+
+    resolved: ResolvedDeployment
+    session: Any
+    outputs: Mapping[str, str]
+    generation: bool  # stream one generation where the target can
+    kv_tolerance: float  # the shortfall of KV tokens against the plan that still passes
+    sleep: Callable[[float], None]
 
 
 def assumed_session(role_arn: str | None, region: str) -> Any:
@@ -101,65 +104,23 @@ def check_deployment(
     except BenchError as err:
         check.fail(err.message)
         return check
-    platform = r.deployment.target.platform
-    spec = TARGETS[platform]
+    spec = TARGETS[r.deployment.target.platform]
     wanted = [k for k in (spec.address_output, spec.group_output) if k is not None]
     if missing := [k for k in wanted if k not in outputs]:
         check.fail(f"stack {r.stack_name} has no output {', '.join(missing)}; deploy it with this kvfleet")
         return check
+    live: Callable[[Deployed, Check], None] = part(spec.name, "live").run
+    deployed = Deployed(
+        resolved=r, session=session, outputs=outputs, generation=generation, kv_tolerance=kv_tolerance, sleep=sleep
+    )
     try:
-        if platform == "sagemaker":
-            _sagemaker(r, check, session, outputs[spec.address_output or ""], generation)
-        elif platform == "ec2":
-            _ec2(
-                r,
-                check,
-                session,
-                outputs[spec.group_output or ""],
-                generation=generation,
-                kv_tolerance=kv_tolerance,
-                sleep=sleep,
-            )
-        else:
-            _eks(check, session, outputs["ClusterName"], outputs[spec.group_output or ""])
+        live(deployed, check)
     except ClientError as err:
         error = err.response.get("Error", {})
         check.fail(f"{err.operation_name}: {error.get('Code', 'error')}: {error.get('Message', err)}")
     except BotoCoreError as err:
         check.fail(f"cannot reach AWS: {err}")
     return check
-
-
-def _sagemaker(r: ResolvedDeployment, check: Check, session: Any, name: str, generation: bool) -> None:
-    desc = session.client("sagemaker").describe_endpoint(EndpointName=name)
-    status = desc.get("EndpointStatus")
-    if status != "InService":
-        reason = f": {desc['FailureReason']}" if desc.get("FailureReason") else ""
-        check.fail(f"endpoint {name} is {status}{reason}")
-        return
-    variants = desc.get("ProductionVariants", [])
-    count = sum(int(v.get("CurrentInstanceCount", 0)) for v in variants)
-    check.ok(f"endpoint {name} is InService with {count} instance(s)")
-    if not generation:
-        return
-    transport = SageMakerTransport(
-        SageMakerTarget(endpoint_name=name, region=session.region_name),
-        workers=1,
-        timeout_s=GENERATION_TIMEOUT_S,
-        session=session,
-    )
-    try:
-        res = transport.invoke(None, list(PROMPT_TOKEN_IDS[:8]), CHECK_OUTPUT_TOKENS)
-    finally:
-        transport.close()
-    if res.ok and res.output_tokens > 0:
-        check.ok(f"one generation streamed {res.output_tokens} tokens, first after {res.ttft_s or 0:.2f} s")
-    else:
-        check.fail(f"the generation failed: {res.error or 'no token came back'}")
-    check.note(
-        "the KV cache is not read on SageMaker (its runtime reaches /invocations only); kvfleet bench against a "
-        "replica's agent checks it"
-    )
 
 
 def probe_script(r: ResolvedDeployment, *, port: int = contract.SERVING_PORT) -> list[str]:
@@ -206,52 +167,10 @@ def read_probe(text: str) -> tuple[int | None, int | None, int, str]:
     return ping or None, gen or None, events, "\n".join(metrics)
 
 
-def _ec2(
-    r: ResolvedDeployment,
-    check: Check,
-    session: Any,
-    group_name: str,
-    *,
-    generation: bool,
-    kv_tolerance: float,
-    sleep: Callable[[float], None],
-) -> None:
-    groups = session.client("autoscaling").describe_auto_scaling_groups(AutoScalingGroupNames=[group_name])
-    if not groups["AutoScalingGroups"]:
-        check.fail(f"Auto Scaling group {group_name} does not exist")
-        return
-    group = groups["AutoScalingGroups"][0]
-    serving = [
-        i["InstanceId"]
-        for i in group.get("Instances", [])
-        if i.get("LifecycleState") == "InService" and i.get("HealthStatus") == "Healthy"
-    ]
-    desired = int(group.get("DesiredCapacity", 0))
-    if not serving:
-        if desired == 0 and r.scaling.min_replicas == 0:
-            check.note(f"group {group_name} is scaled to zero; the first request wakes it, so nothing is checked live")
-            return
-        check.fail(
-            f"no instance of {group_name} is InService and Healthy (its health checks include the load balancer's "
-            f"{contract.HEALTH_ROUTE}); {desired} desired"
-        )
-        return
-    check.ok(f"{len(serving)} of {desired} desired instance(s) InService and Healthy behind the load balancer")
-    if not generation:
-        return
-    instance = serving[0]
-    result = _run_probe(r, session, instance, sleep)
-    status = result.get("Status")
-    if status != "Success":
-        detail = (result.get("StandardErrorContent") or result.get("StatusDetails") or "").strip().splitlines()
-        check.fail(f"Run Command on {instance} ended {status}" + (f": {detail[-1][:300]}" if detail else ""))
-        return
-    _judge_probe(r, check, instance, result.get("StandardOutputContent", ""), kv_tolerance)
-
-
-def _run_probe(r: ResolvedDeployment, session: Any, instance: str, sleep: Callable[[float], None]) -> dict[str, Any]:
-    """The probe script run on the instance through Run Command, waited for: the invocation's last state."""
-    ssm = session.client("ssm")
+def run_probe(d: Deployed, instance: str) -> dict[str, Any]:
+    """The probe script run on an instance through Run Command, waited for: the invocation's last state."""
+    r, sleep = d.resolved, d.sleep
+    ssm = d.session.client("ssm")
     sent = ssm.send_command(
         InstanceIds=[instance],
         DocumentName="AWS-RunShellScript",
@@ -275,8 +194,9 @@ def _run_probe(r: ResolvedDeployment, session: Any, instance: str, sleep: Callab
     return result
 
 
-def _judge_probe(r: ResolvedDeployment, check: Check, instance: str, output: str, kv_tolerance: float) -> None:
+def judge_probe(d: Deployed, check: Check, instance: str, output: str) -> None:
     """What the probe saw on the instance: the agent's health, one streamed generation, the engine's KV cache."""
+    r, kv_tolerance = d.resolved, d.kv_tolerance
     ping, gen, events, metrics = read_probe(output)
     if ping == 200:
         check.ok(f"{instance}: {contract.HEALTH_ROUTE} answers 200")
@@ -292,22 +212,3 @@ def _judge_probe(r: ResolvedDeployment, check: Check, instance: str, output: str
         check.fail(f"{instance}: {drift}")
     elif capacity is not None:
         check.ok(f"{instance}: the engine holds {capacity.tokens:,} KV tokens; the plan {expected:,}")
-
-
-def _eks(check: Check, session: Any, cluster: str, nodegroup: str) -> None:
-    eks = session.client("eks")
-    status = eks.describe_cluster(name=cluster)["cluster"].get("status")
-    if status != "ACTIVE":
-        check.fail(f"cluster {cluster} is {status}")
-        return
-    group = eks.describe_nodegroup(clusterName=cluster, nodegroupName=nodegroup)["nodegroup"]
-    issues = group.get("health", {}).get("issues", [])
-    if group.get("status") != "ACTIVE" or issues:
-        said = "; ".join(f"{i.get('code')}: {i.get('message')}" for i in issues[:3])
-        check.fail(f"node group {nodegroup} is {group.get('status')}" + (f" ({said})" if said else ""))
-        return
-    size = group.get("scalingConfig", {}).get("desiredSize")
-    check.ok(f"cluster {cluster} and node group {nodegroup} are ACTIVE ({size} node(s) desired)")
-    check.note(
-        "no generation is sent: the Service is ClusterIP; kubectl port-forward to it and run kvfleet bench there"
-    )

@@ -1,9 +1,10 @@
 """Which host runs which image: host -> NVIDIA driver -> the CUDA it runs; image -> the CUDA it needs.
 
-The rules are data with their sources (``data/cuda.json``): SageMaker's inference AMI versions (the
-ProductionVariant API reference, checked against botocore's service model in tests/infra/test_cuda.py), the
-EC2 Deep Learning Base OSS NVIDIA Driver AMI on Amazon Linux 2023 (its SSM parameter) and the EKS
-``AL2023_x86_64_NVIDIA`` AMI type, and NVIDIA's compatibility rules:
+The rules are data with their sources: NVIDIA's compatibility rules here (``data/cuda.json``), and each target's
+host images in its folder (``kvfleet/targets/<name>/infra/hosts.json``, named by the target's ``HostRule``):
+SageMaker's inference AMI versions (the ProductionVariant API reference, checked against botocore's service model in
+tests/infra/test_cuda.py), the EC2 Deep Learning Base OSS NVIDIA Driver AMI on Amazon Linux 2023 (its SSM
+parameter), the EKS ``AL2023_x86_64_NVIDIA`` AMI type. NVIDIA's rules:
 
 - a driver runs natively every CUDA up to the toolkit it was released with;
 - minor-version compatibility (CUDA 11 on): a CUDA X.y application runs on a driver of the same major family
@@ -12,8 +13,8 @@ EC2 Deep Learning Base OSS NVIDIA Driver AMI on Amazon Linux 2023 (its SSM param
   driver branches only, and SageMaker's ``-1`` AMIs do not mount it: kvfleet never plans on it (the serving
   image sets it up at run time as a fallback, see containers/Dockerfile).
 
-``host_for_image`` is pure: the SageMaker construct calls it for the variant's ``InferenceAmiVersion``; the EC2
-and EKS constructs can call it with their platform name to check their AMI.
+``host_for_image`` is pure: each target's construct calls it with its ``HostRule`` for the host setting it deploys
+(SageMaker's ``InferenceAmiVersion``) or to check the AMI it runs on.
 """
 
 from __future__ import annotations
@@ -30,18 +31,20 @@ from kvfleet.errors import KvfleetError
 from kvfleet.sizing.hardware import AcceleratorKind
 
 CudaVersion = tuple[int, int]
-Platform = Literal["sagemaker", "ec2", "eks"]
 Compatibility = Literal["native", "minor_version", "image_cuda_unknown"]
 
 # cu130, cu128, cu124 in an image tag: the last digit is the minor version.
 _CUDA_TAG = re.compile(r"(?:^|[-_:.])cu(?P<major>\d{2})(?P<minor>\d)(?=$|[-_.])")
 
-# Where each platform's host is chosen, and what to change there.
-_SETTING_FIELD: dict[str, str] = {
-    "sagemaker": "target.inference_ami_version",
-    "ec2": "target.ami_parameter",
-    "eks": "the node group's AMI type",
-}
+
+@dataclass(frozen=True, kw_only=True)
+class HostRule:
+    """A target's host images: the ``hosts.json`` of its package (each row a setting, the driver branch it runs,
+    optionally the CUDA it runs natively and whether it mounts cuda-compat) and the setting that picks one."""
+
+    platform: str  # the target's name, in messages
+    package: str  # the package whose hosts.json lists them
+    field: str  # the environment file's key that picks the host, or words naming what does
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,51 +114,47 @@ def compatibility(driver_branch: int, cuda: CudaVersion) -> Literal["native", "m
 
 
 @cache
-def hosts(platform: str) -> tuple[Host, ...]:
-    """The host images ``platform`` offers, oldest driver first."""
-    d = _data()
-    if platform == "sagemaker":
-        rows = [
-            Host(
-                platform=platform,
-                setting=a["name"],
-                driver_branch=int(a["driver_branch"]),
-                cuda=parse_cuda(a["cuda"]),
-                cuda_compat_mounting=bool(a["cuda_compat_mounting"]),
-            )
-            for a in d["sagemaker"]["inference_ami_versions"]
-        ]
-    elif platform in ("ec2", "eks"):
-        rows = [
-            Host(
-                platform=platform,
-                setting=h["setting"],
-                driver_branch=int(h["driver_branch"]),
-                cuda=driver_cuda(int(h["driver_branch"])),
-            )
-            for h in d[platform]["hosts"]
-        ]
-    else:
-        raise KvfleetError(f"no host data for platform {platform!r}; known: sagemaker, ec2, eks")
+def host_data(package: str) -> dict[str, Any]:
+    """A target's ``hosts.json``, as its package holds it."""
+    data: dict[str, Any] = json.loads(resources.files(package).joinpath("hosts.json").read_text(encoding="utf-8"))
+    return data
+
+
+@cache
+def hosts(rule: HostRule) -> tuple[Host, ...]:
+    """The host images a target offers, oldest driver first."""
+    rows = [
+        Host(
+            platform=rule.platform,
+            setting=h["setting"],
+            driver_branch=int(h["driver_branch"]),
+            # Where the data gives no CUDA, the newest the driver runs natively.
+            cuda=parse_cuda(h["cuda"]) if "cuda" in h else driver_cuda(int(h["driver_branch"])),
+            cuda_compat_mounting=bool(h.get("cuda_compat_mounting", False)),
+        )
+        for h in host_data(rule.package)["hosts"]
+    ]
+    if not rows:
+        raise KvfleetError(f"{rule.package}/hosts.json lists no {rule.platform} host")
     return tuple(sorted(rows, key=lambda h: (h.driver_branch, h.setting)))
 
 
 def host_for_image(
     *,
-    platform: Platform,
+    rule: HostRule,
     image: str,
     cuda: CudaVersion | None = None,
     pinned: str | None = None,
     gpu: tuple[str, float] | None = None,
 ) -> HostChoice:
-    """The host setting that runs ``image`` on ``platform``: the pinned one if it runs the image, else the
-    host with the newest driver that does. ``cuda`` is the image's CUDA when the caller knows it better than
+    """The host setting that runs ``image`` among the hosts ``rule`` lists: the pinned one if it runs the image,
+    else the host with the newest driver that does. ``cuda`` is the image's CUDA when the caller knows it better than
     the tag (a kvfleet image inherits its base DLC's); None and an uninformative tag mean unknown, and the
     newest host is chosen. ``gpu`` (name, compute capability) is checked against the CUDA major's supported
     architectures. Raises KvfleetError (one line: the image's CUDA, what the hosts offer, what to
     change) when no host runs it."""
-    offered = hosts(platform)
-    field = _SETTING_FIELD[platform]
+    offered = hosts(rule)
+    platform, field = rule.platform, rule.field
     if pinned is not None:
         matching = [h for h in offered if h.setting == pinned]
         if not matching:
@@ -181,7 +180,7 @@ def host_for_image(
         if how is not None:
             return HostChoice(host=host, image_cuda=need, compatibility=how)
     listed = "; ".join(h.describe() for h in offered)
-    newest = max(h.cuda for h in hosts(platform))
+    newest = max(h.cuda for h in hosts(rule))
     if pinned is not None:
         fix = f"set {field} to a host that runs CUDA {format_cuda(need)} or leave it unset"
     else:

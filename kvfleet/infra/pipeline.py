@@ -16,7 +16,7 @@ bucket encrypted with a KMS key the stages' roles may use: ``cross_account_keys`
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import aws_cdk as cdk
 from aws_cdk import Duration, RemovalPolicy, Stack, Tags, pipelines
@@ -31,6 +31,7 @@ from kvfleet.config.pipeline import CHECK_ROLE_PATH, LoadedPipeline
 from kvfleet.config.schema import Environment
 from kvfleet.infra.app import add_environment
 from kvfleet.infra.nag import acknowledge, condition_id, logical_id
+from kvfleet.targets import TARGET_MODULES, part
 
 # CodeBuild's curated image for every step, and the runtimes its buildspec selects: standard:7.0 (Ubuntu 22.04)
 # offers python 3.11 and nodejs 20 (AWS CodeBuild User Guide, "Available runtimes"), the versions this project is
@@ -87,13 +88,11 @@ class LiveCheckStack(Stack):
             description=f"kvfleet check of environment {environment.name}",
         )
         wildcards = self._allow_stacks(stacks)
+        # What each target's live check asks (its folder's pipeline module), in registry order.
         platforms = {d.target.platform for d in environment.deployments}
-        if "sagemaker" in platforms:
-            wildcards += self._allow_sagemaker(environment.name)
-        if "ec2" in platforms:
-            wildcards += self._allow_ec2(environment.name)
-        if "eks" in platforms:
-            wildcards += self._allow_eks()
+        for name in [t for t in TARGET_MODULES if t in platforms]:
+            grant: Callable[[Stack, iam.Role, str], list[_Wildcard]] = part(name, "pipeline").grant_live_check
+            wildcards += grant(self, self.role, environment.name)
         for finding, reason in wildcards:
             acknowledge(self.role, f"AwsSolutions-IAM5[Resource::{finding}]", reason)
         self.role_arn = cdk.CfnOutput(self, "RoleArn", value=self.role.role_arn)
@@ -112,76 +111,6 @@ class LiveCheckStack(Stack):
         return [
             (f"arn:<AWS::Partition>:cloudformation:{region}:{account}:stack/{s.stack_name}/*", "a stack's id")
             for s in stacks
-        ]
-
-    def _allow_sagemaker(self, environment: str) -> list[_Wildcard]:
-        partition, region, account = cdk.Aws.PARTITION, self.region, self.account
-        self.role.add_to_policy(
-            iam.PolicyStatement(
-                # InvokeEndpointWithResponseStream has no IAM action of its own: "your IAM permissions must
-                # allow the sagemaker:InvokeEndpoint action" (SageMaker API Reference, the operation's page).
-                actions=["sagemaker:DescribeEndpoint", "sagemaker:InvokeEndpoint"],
-                resources=[f"arn:{partition}:sagemaker:{region}:{account}:endpoint/*"],
-                conditions={"StringEquals": {"aws:ResourceTag/kvfleet:environment": environment}},
-            )
-        )
-        return [
-            (
-                f"arn:<AWS::Partition>:sagemaker:{region}:{account}:endpoint/*",
-                "endpoint names are generated: limited to those tagged with this environment",
-            )
-        ]
-
-    def _allow_ec2(self, environment: str) -> list[_Wildcard]:
-        partition, region, account = cdk.Aws.PARTITION, self.region, self.account
-        self.role.add_to_policy(
-            iam.PolicyStatement(
-                actions=["ssm:SendCommand"],
-                resources=[f"arn:{partition}:ec2:{region}:{account}:instance/*"],
-                # Run Command's own tag key for managed instances (Systems Manager User Guide, "Restricting Run
-                # Command access based on tags").
-                conditions={"StringEquals": {"ssm:resourceTag/kvfleet:environment": environment}},
-            )
-        )
-        self.role.add_to_policy(
-            iam.PolicyStatement(
-                actions=["ssm:SendCommand"],
-                resources=[f"arn:{partition}:ssm:{region}::document/AWS-RunShellScript"],
-            )
-        )
-        self.role.add_to_policy(
-            iam.PolicyStatement(
-                # Neither takes a resource (Service Authorization Reference: DescribeAutoScalingGroups,
-                # GetCommandInvocation).
-                actions=["autoscaling:DescribeAutoScalingGroups", "ssm:GetCommandInvocation"],
-                resources=["*"],
-            )
-        )
-        return [
-            (
-                f"arn:<AWS::Partition>:ec2:{region}:{account}:instance/*",
-                "instances are launched by Auto Scaling: limited to those tagged with this environment",
-            ),
-            ("*", "DescribeAutoScalingGroups and GetCommandInvocation take no resource"),
-        ]
-
-    def _allow_eks(self) -> list[_Wildcard]:
-        partition, region, account = cdk.Aws.PARTITION, self.region, self.account
-        self.role.add_to_policy(
-            iam.PolicyStatement(
-                actions=["eks:DescribeCluster", "eks:DescribeNodegroup"],
-                resources=[
-                    f"arn:{partition}:eks:{region}:{account}:cluster/*",
-                    f"arn:{partition}:eks:{region}:{account}:nodegroup/*",
-                ],
-            )
-        )
-        return [
-            (
-                f"arn:<AWS::Partition>:eks:{region}:{account}:{kind}/*",
-                "describe only, on clusters and node groups whose names are generated or shared",
-            )
-            for kind in ("cluster", "nodegroup")
         ]
 
 

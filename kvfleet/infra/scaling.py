@@ -5,7 +5,7 @@ Each target tracks replica saturation (the larger of KV-cache use and running se
 ``contract.REPLICA_SATURATION``) and requests waiting side by side (the policy asking for more replicas wins), scales
 out within a minute, and acts on a scale-in only after the scale-in wait (15 minutes, or twice the drain budget): a
 replica takes minutes to load a model, and every removed replica first drains its generations. EKS gets the same
-pair and the same wait as a KEDA ScaledObject (``kvfleet.infra.eks.manifests``).
+pair and the same wait as a KEDA ScaledObject (``kvfleet.targets.eks.infra.manifests``).
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """One stack per deployment: it composes the network, the target's construct and the monitoring.
 
-The target's construct comes from ``TARGET_CONSTRUCTS``, keyed by the names of ``kvfleet.targets``: a new target
-is a folder under ``kvfleet/infra`` with one construct taking a ``ServingContext``, and one line here.
+The target's construct is its folder's ``CONSTRUCT`` (``kvfleet/targets/<name>/infra/__init__.py``, a
+``TargetSpec``), found through the target registry: a new target needs nothing here.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import aws_cdk as cdk
 from aws_cdk import CfnOutput, Stack, Tags
@@ -16,26 +13,9 @@ from constructs import Construct
 
 from kvfleet.deployments import ResolvedDeployment
 from kvfleet.infra.alerts import AlertsStack, notify
-from kvfleet.infra.context import ServingContext, TargetConstruct
-from kvfleet.infra.ec2.fleet import Ec2Fleet
-from kvfleet.infra.eks.service import EksService
+from kvfleet.infra.context import ServingContext, target_spec
 from kvfleet.infra.monitoring import ServingMonitoring
 from kvfleet.infra.network import ServingNetwork, zones_context
-from kvfleet.infra.sagemaker.endpoint import SageMakerEndpoint
-
-
-@dataclass(frozen=True, kw_only=True)
-class TargetSpec:
-    construct_id: str  # the construct's id in the stack: logical ids derive from it, so it never changes
-    build: Callable[[Construct, str, ServingContext], TargetConstruct]
-    fleet_endpoints: bool = False  # instances of their own that need Session Manager and Auto Scaling endpoints
-
-
-TARGET_CONSTRUCTS: Mapping[str, TargetSpec] = {
-    "sagemaker": TargetSpec(construct_id="Endpoint", build=lambda s, i, c: SageMakerEndpoint(s, i, context=c)),
-    "ec2": TargetSpec(construct_id="Fleet", build=lambda s, i, c: Ec2Fleet(s, i, context=c), fleet_endpoints=True),
-    "eks": TargetSpec(construct_id="Eks", build=lambda s, i, c: EksService(s, i, context=c)),
-}
 
 
 class DeploymentStack(Stack):
@@ -58,7 +38,7 @@ class DeploymentStack(Stack):
             ),
         )
         self._tag(r)
-        spec = TARGET_CONSTRUCTS[r.deployment.target.platform]
+        spec = target_spec(r.deployment.target.platform)
         zones_context(self, env_cfg.network, env_cfg.region if explicit else None)
         self.network = ServingNetwork(
             self,

@@ -8,7 +8,7 @@ that needs the target, each found by its name (``part``):
 - ``config``: ``SECTION``, the environment file's ``target:`` section (a ``kvfleet.config.targets.TargetSection``
   whose ``platform`` literal is the target's name), with the checks that need the rest of the file;
 - ``infra``: ``CONSTRUCT``, the CDK construct that deploys it (a ``kvfleet.infra.context.TargetSpec``);
-- ``live``: ``check``, what `kvfleet check` asks the deployed target (``kvfleet.bench.live``);
+- ``live``: ``run``, what `kvfleet check` asks the deployed target (``kvfleet.bench.live``);
 - ``pipeline``: ``grant_live_check``, what the release pipeline's live-check role may ask it.
 
 Standard library, the pure sizing core and the autoscaler kinds only, so the ``kvfleet`` command reads the

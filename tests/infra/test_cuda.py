@@ -17,6 +17,9 @@ from kvfleet.errors import KvfleetError
 from kvfleet.infra import cuda
 from kvfleet.infra.images import _releases, dlc_image
 from kvfleet.targets.ec2.config import Ec2Target
+from kvfleet.targets.ec2.infra.hosts import HOSTS as EC2
+from kvfleet.targets.eks.infra.hosts import HOSTS as EKS
+from kvfleet.targets.sagemaker.infra.hosts import HOSTS as SAGEMAKER
 
 DLC_CU130 = "763104351884.dkr.ecr.us-east-1.amazonaws.com/vllm:0.30.0-gpu-py312-cu130-ubuntu24.04-sagemaker"
 
@@ -48,40 +51,45 @@ def check_sagemaker_rows(rows: list[dict[str, Any]], model: dict[str, Any]) -> l
     enum = [v for v in model["shapes"]["ProductionVariantInferenceAmiVersion"]["enum"] if "-gpu-" in v]
     documented = documented_amis(model)
     problems = []
-    ours = {r["name"]: {k: r[k] for k in ("driver_branch", "cuda", "cuda_compat_mounting")} for r in rows}
+    ours = {r["setting"]: {k: r[k] for k in ("driver_branch", "cuda", "cuda_compat_mounting")} for r in rows}
     for name in enum:
         if name not in ours:
-            problems.append(f"{name}: listed by the API, missing from cuda.json")
+            problems.append(f"{name}: listed by the API, missing from hosts.json")
         elif ours[name] != documented.get(name):
-            problems.append(f"{name}: cuda.json says {ours[name]}, the API reference {documented.get(name)}")
+            problems.append(f"{name}: hosts.json says {ours[name]}, the API reference {documented.get(name)}")
     problems += [f"{name}: not a value the API accepts" for name in ours if name not in enum]
     return problems
 
 
 def test_sagemaker_amis_are_the_apis() -> None:
     model = sagemaker_model()
-    assert check_sagemaker_rows(cuda._data()["sagemaker"]["inference_ami_versions"], model) == []
+    assert check_sagemaker_rows(cuda.host_data(SAGEMAKER.package)["hosts"], model) == []
     # Today's newest: driver 580, CUDA 13.0.
-    assert cuda.hosts("sagemaker")[-1].setting == "al2023-ami-sagemaker-inference-gpu-4-1"
+    assert cuda.hosts(SAGEMAKER)[-1].setting == "al2023-ami-sagemaker-inference-gpu-4-1"
 
 
 def test_sagemaker_ami_check_fails_on_drift() -> None:
     model = sagemaker_model()
-    rows = copy.deepcopy(cuda._data()["sagemaker"]["inference_ami_versions"])
+    rows = copy.deepcopy(cuda.host_data(SAGEMAKER.package)["hosts"])
     rows[-1]["cuda"] = "12.8"
     rows.append(
-        {"name": "al2-ami-sagemaker-inference-gpu-9", "driver_branch": 999, "cuda": "99.0", "cuda_compat_mounting": 0}
+        {
+            "setting": "al2-ami-sagemaker-inference-gpu-9",
+            "driver_branch": 999,
+            "cuda": "99.0",
+            "cuda_compat_mounting": 0,
+        }
     )
     problems = check_sagemaker_rows(rows[1:], model)
     assert any(p.startswith("al2-ami-sagemaker-inference-gpu-2: listed by the API") for p in problems)
-    assert any("al2023-ami-sagemaker-inference-gpu-4-1: cuda.json says" in p for p in problems)
+    assert any("al2023-ami-sagemaker-inference-gpu-4-1: hosts.json says" in p for p in problems)
     assert any("gpu-9: not a value the API accepts" in p for p in problems)
 
 
 def test_ec2_host_is_the_targets_default_parameter() -> None:
-    [host] = cuda.hosts("ec2")
+    [host] = cuda.hosts(EC2)
     assert host.setting == Ec2Target.model_fields["ami_parameter"].default
-    [eks] = cuda.hosts("eks")
+    [eks] = cuda.hosts(EKS)
     assert eks.setting == "AL2023_x86_64_NVIDIA" and eks.driver_branch == 580
 
 
@@ -130,26 +138,26 @@ def test_driver_cuda_rules() -> None:
 
 def test_sagemaker_defaults_cannot_run_the_default_image() -> None:
     # Why the variant must name an AMI: the hosts SageMaker picks without one run driver 470 or 535.
-    for row in cuda._data()["sagemaker"]["defaults"]:
+    for row in cuda.host_data(SAGEMAKER.package)["defaults"]:
         assert cuda.compatibility(int(row["driver_branch"]), (13, 0)) is None
 
 
 def test_cu130_gets_the_580_ami() -> None:
-    choice = cuda.host_for_image(platform="sagemaker", image=DLC_CU130)
+    choice = cuda.host_for_image(rule=SAGEMAKER, image=DLC_CU130)
     assert choice.host.setting == "al2023-ami-sagemaker-inference-gpu-4-1"
     assert (choice.image_cuda, choice.compatibility) == ((13, 0), "native")
 
 
 def test_cu128_prefers_the_newest_driver_and_accepts_a_pinned_older_one() -> None:
     img = "x.dkr.ecr.us-east-1.amazonaws.com/djl-inference:0.33.0-tensorrtllm0.21.0-cu128"
-    assert cuda.host_for_image(platform="sagemaker", image=img).host.driver_branch == 580
-    pinned = cuda.host_for_image(platform="sagemaker", image=img, pinned="al2-ami-sagemaker-inference-gpu-2")
+    assert cuda.host_for_image(rule=SAGEMAKER, image=img).host.driver_branch == 580
+    pinned = cuda.host_for_image(rule=SAGEMAKER, image=img, pinned="al2-ami-sagemaker-inference-gpu-2")
     assert (pinned.host.setting, pinned.compatibility) == ("al2-ami-sagemaker-inference-gpu-2", "minor_version")
 
 
 def test_a_pinned_ami_that_cannot_run_the_image_is_refused() -> None:
     with pytest.raises(KvfleetError) as info:
-        cuda.host_for_image(platform="sagemaker", image=DLC_CU130, pinned="al2-ami-sagemaker-inference-gpu-3-1")
+        cuda.host_for_image(rule=SAGEMAKER, image=DLC_CU130, pinned="al2-ami-sagemaker-inference-gpu-3-1")
     [line] = str(info.value).splitlines()
     assert line.startswith("target.inference_ami_version: the image ")
     assert "needs CUDA 13.0" in line and "driver 550, CUDA 12.4" in line
@@ -157,20 +165,18 @@ def test_a_pinned_ami_that_cannot_run_the_image_is_refused() -> None:
 
 def test_an_unknown_pinned_ami_lists_the_known() -> None:
     with pytest.raises(KvfleetError, match=r"not a known sagemaker host; known: .*gpu-4-1"):
-        cuda.host_for_image(platform="sagemaker", image=DLC_CU130, pinned="al2-ami-sagemaker-inference-gpu-7")
+        cuda.host_for_image(rule=SAGEMAKER, image=DLC_CU130, pinned="al2-ami-sagemaker-inference-gpu-7")
 
 
 def test_without_a_cuda_13_host_the_error_says_what_to_change(monkeypatch: pytest.MonkeyPatch) -> None:
     # The data as it stood before AWS listed the 580 AMI: nothing runs cu130.
-    data = copy.deepcopy(cuda._data())
-    data["sagemaker"]["inference_ami_versions"] = [
-        a for a in data["sagemaker"]["inference_ami_versions"] if a["driver_branch"] < 580
-    ]
-    monkeypatch.setattr(cuda, "_data", lambda: data)
+    data = copy.deepcopy(cuda.host_data(SAGEMAKER.package))
+    data["hosts"] = [a for a in data["hosts"] if a["driver_branch"] < 580]
+    monkeypatch.setattr(cuda, "host_data", lambda package: data)
     cuda.hosts.cache_clear()
     try:
         with pytest.raises(KvfleetError) as info:
-            cuda.host_for_image(platform="sagemaker", image=DLC_CU130)
+            cuda.host_for_image(rule=SAGEMAKER, image=DLC_CU130)
     finally:
         cuda.hosts.cache_clear()
     [line] = str(info.value).splitlines()
@@ -180,7 +186,7 @@ def test_without_a_cuda_13_host_the_error_says_what_to_change(monkeypatch: pytes
 
 
 def test_unknown_image_cuda_gets_the_newest_host() -> None:
-    choice = cuda.host_for_image(platform="eks", image="nvcr.io/nvidia/tensorrt-llm/release:1.0.0")
+    choice = cuda.host_for_image(rule=EKS, image="nvcr.io/nvidia/tensorrt-llm/release:1.0.0")
     assert choice.compatibility == "image_cuda_unknown" and choice.host.setting == "AL2023_x86_64_NVIDIA"
 
 
@@ -189,7 +195,7 @@ def test_cuda_13_refuses_a_gpu_older_than_turing() -> None:
     with pytest.raises(
         KvfleetError, match=r"^engine\.version: .*does not support the NVIDIA V100 \(compute capability 7\.0"
     ):
-        cuda.host_for_image(platform="sagemaker", image=DLC_CU130, gpu=("NVIDIA V100", 7.0))
-    assert cuda.host_for_image(platform="sagemaker", image=DLC_CU130, gpu=("NVIDIA T4", 7.5)).host.driver_branch == 580
+        cuda.host_for_image(rule=SAGEMAKER, image=DLC_CU130, gpu=("NVIDIA V100", 7.0))
+    assert cuda.host_for_image(rule=SAGEMAKER, image=DLC_CU130, gpu=("NVIDIA T4", 7.5)).host.driver_branch == 580
     cu128 = "x.dkr.ecr.us-east-1.amazonaws.com/djl-inference:0.33.0-tensorrtllm0.21.0-cu128"
-    assert cuda.host_for_image(platform="sagemaker", image=cu128, gpu=("NVIDIA V100", 7.0)).compatibility == "native"
+    assert cuda.host_for_image(rule=SAGEMAKER, image=cu128, gpu=("NVIDIA V100", 7.0)).compatibility == "native"

@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvfleet.deployments import resolve_environment
-from kvfleet.infra.eks import manifests as k8s
 from kvfleet.sizing.hosting import Routing
 from kvfleet.targets import TARGETS
+from kvfleet.targets.eks.infra import manifests as k8s
 from tests.infra.ec2.envs import EC2_ENV
 from tests.infra.helpers import REPO, SAGEMAKER_ENV, environment, only, props
 

@@ -30,8 +30,8 @@ from aws_cdk.assertions import Template
 
 from kvfleet import contract
 from kvfleet.deployments import ResolvedDeployment
-from kvfleet.infra.eks import manifests as k8s
 from kvfleet.scaling import WAKE_S, Autoscaler, Observation
+from kvfleet.targets.eks.infra import manifests as k8s
 from kvfleet.tuning import sim_scaling
 from tests.infra.ec2.envs import EC2_ENV, resolved, without_warm_pool
 from tests.infra.helpers import REPO, SAGEMAKER_ENV, environment, only, props

@@ -11,6 +11,9 @@ from kvfleet.scaling.kinds import AutoscalerKind
 from kvfleet.sizing.hosting import Hosting, PriceList, Routing
 from kvfleet.targets import Target
 
+# The stack output naming the cluster, beside the node group's (`kvfleet check` reads both).
+CLUSTER_OUTPUT = "ClusterName"
+
 TARGET = Target(
     name="eks",
     summary="a GPU node group and Deployment on EKS",

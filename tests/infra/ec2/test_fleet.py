@@ -16,8 +16,11 @@ from kvfleet import contract
 from kvfleet.deployments import LOAD_PADDING
 from kvfleet.errors import ConfigError
 from kvfleet.infra.app import build_app
-from kvfleet.infra.ec2 import fleet, lifecycle
-from kvfleet.infra.ec2.fleet import (
+from kvfleet.sizing.startup import DOWNLOAD_BYTES_PER_S
+from kvfleet.sizing.units import GiB, MiB
+from kvfleet.targets import TARGETS
+from kvfleet.targets.ec2.infra import fleet, lifecycle
+from kvfleet.targets.ec2.infra.fleet import (
     LIFECYCLE_HOOK,
     UPDATE_POLICY,
     UPDATE_POLICY_REPLACES,
@@ -25,10 +28,7 @@ from kvfleet.infra.ec2.fleet import (
     fleet_instance_types,
     refresh_healthy_percentages,
 )
-from kvfleet.infra.ec2.user_data import HOST_MODEL_DIR
-from kvfleet.sizing.startup import DOWNLOAD_BYTES_PER_S
-from kvfleet.sizing.units import GiB, MiB
-from kvfleet.targets import TARGETS
+from kvfleet.targets.ec2.infra.user_data import HOST_MODEL_DIR
 from kvfleet.volumes import GP3, OS_DISK_GIB, ROOT_WRITE_BUDGET_S
 from tests.infra.ec2.envs import EC2_ENV, HF_TOKEN_SECRET, MODEL_S3_URI, from_hugging_face, resolved, without_warm_pool
 from tests.infra.helpers import environment, make_app, only, props
@@ -575,11 +575,12 @@ def test_the_amis_driver_runs_the_images_cuda(monkeypatch: pytest.MonkeyPatch) -
 
     from kvfleet.errors import KvfleetError
     from kvfleet.infra import cuda
+    from kvfleet.targets.ec2.infra.hosts import HOSTS
 
-    [host] = cuda.hosts("ec2")
+    [host] = cuda.hosts(HOSTS)
     assert host.cuda >= (13, 0)
     old = dataclasses.replace(host, driver_branch=550, cuda=(12, 4))
-    monkeypatch.setattr(cuda, "hosts", lambda platform: (old,) if platform == "ec2" else ())
+    monkeypatch.setattr(cuda, "hosts", lambda rule: (old,) if rule == HOSTS else ())
     monkeypatch.setattr(fleet, "hosts", cuda.hosts)
     with pytest.raises(KvfleetError, match=r"CUDA 13\.0"):
         only(EC2_ENV)

@@ -17,17 +17,17 @@ import pytest
 
 from kvfleet import contract
 from kvfleet.deployments import ResolvedDeployment
-from kvfleet.infra.ec2 import lifecycle
-from kvfleet.infra.ec2 import user_data as ud
-from kvfleet.infra.ec2.fleet import HEARTBEAT_S, LIFECYCLE_HOOK, WARM_HOOK
-from kvfleet.infra.ec2.user_data import Boot, TemplateError, Verbatim, render, template, user_data_script
+from kvfleet.targets.ec2.infra import lifecycle
+from kvfleet.targets.ec2.infra import user_data as ud
+from kvfleet.targets.ec2.infra.fleet import HEARTBEAT_S, LIFECYCLE_HOOK, WARM_HOOK
+from kvfleet.targets.ec2.infra.user_data import Boot, TemplateError, Verbatim, render, template, user_data_script
 from tests.envs import REPO
 from tests.infra.ec2.envs import EC2_ENV, MODEL_S3_URI, from_hugging_face, resolved, without_warm_pool
 
 SHELLCHECK = Path(sys.executable).parent / "shellcheck"
 IMAGE = f"123456789012.dkr.ecr.us-east-1.amazonaws.com/kvfleet-vllm:{contract.image_tag('0.30.0')}"
 LOG_GROUP = "kvfleet-test-chat-logs"
-EC2_DIR = REPO / "kvfleet" / "infra" / "ec2"
+EC2_DIR = REPO / "kvfleet" / "targets" / "ec2" / "infra"
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,9 @@ def test_contract_values_come_from_the_contract() -> None:
 
 def test_the_template_ships_with_the_package() -> None:
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
-    assert "*.sh" in pyproject["tool"]["setuptools"]["package-data"]["kvfleet.infra.ec2"]
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["kvfleet.targets"]
+    shipped = {path for pattern in patterns for path in (REPO / "kvfleet" / "targets").glob(pattern)}
+    assert EC2_DIR / ud.TEMPLATE in shipped
     assert template() == (EC2_DIR / ud.TEMPLATE).read_text(encoding="utf-8")
 
 

@@ -20,9 +20,9 @@ from aws_cdk.assertions import Template
 
 from kvfleet.deployments import IMAGE_DISK_GIB, resolve_environment
 from kvfleet.errors import KvfleetError
-from kvfleet.infra.eks import access, nodes, scheduling
-from kvfleet.infra.eks import addons as charts
-from kvfleet.infra.eks.service import GPU_TAINT, EksService
+from kvfleet.targets.eks.infra import access, nodes, scheduling
+from kvfleet.targets.eks.infra import addons as charts
+from kvfleet.targets.eks.infra.service import GPU_TAINT, EksService
 from tests.infra.helpers import REPO, environment, only, props
 
 PLATFORM = (REPO / "environments" / "platform.yaml").read_text(encoding="utf-8")

@@ -14,9 +14,9 @@ from kvfleet import contract
 from kvfleet.contract import MODEL_DIR as SAGEMAKER_MODEL_DIR
 from kvfleet.deployments import ResolvedDeployment, resolve_environment
 from kvfleet.engines import EngineArgs
-from kvfleet.infra.eks import checks
-from kvfleet.infra.eks import manifests as k8s
-from kvfleet.infra.eks.manifests import WorkloadOptions
+from kvfleet.targets.eks.infra import checks
+from kvfleet.targets.eks.infra import manifests as k8s
+from kvfleet.targets.eks.infra.manifests import WorkloadOptions
 from tests.envs import SAGEMAKER_ENV, environment
 
 K8S_VERSION = "1.33.0"  # EKS standard support; the strict schemas reject unknown fields

@@ -24,8 +24,8 @@ from kvfleet.agent import settings as agent_settings
 from kvfleet.agent.metrics import Sample, prometheus_text
 from kvfleet.contract import SERVING_PORT
 from kvfleet.deployments import ResolvedDeployment, resolve_environment
-from kvfleet.infra.eks import manifests as k8s
-from kvfleet.infra.eks.manifests import WorkloadOptions
+from kvfleet.targets.eks.infra import manifests as k8s
+from kvfleet.targets.eks.infra.manifests import WorkloadOptions
 from tests.envs import SAGEMAKER_ENV, environment
 
 OPTS = WorkloadOptions(

@@ -15,15 +15,15 @@ from kvfleet import contract
 from kvfleet.deployments import resolve_environment
 from kvfleet.engines import EngineArgs
 from kvfleet.infra.app import build_app
-from kvfleet.infra.eks.addons import (
+from kvfleet.targets.eks.config import EksTarget
+from kvfleet.targets.eks.infra.addons import (
     CLUSTER_AUTOSCALER_CHART,
     CLUSTER_AUTOSCALER_IMAGE_TAGS,
     DEVICE_PLUGIN_CHART,
     KEDA_CHART,
     PROMETHEUS_CHART,
 )
-from kvfleet.infra.eks.service import GPU_TAINT, KUBECTL_MINOR
-from kvfleet.targets.eks.config import EksTarget
+from kvfleet.targets.eks.infra.service import GPU_TAINT, KUBECTL_MINOR
 from tests.infra.helpers import REPO, environment, make_app, only, props, synth
 
 PLATFORM = (REPO / "environments" / "platform.yaml").read_text(encoding="utf-8")
@@ -125,7 +125,7 @@ def test_cluster_autoscaler_matches_the_clusters_minor_version(template: Templat
 
 
 def test_kubectl_is_within_one_minor_of_every_cluster_version() -> None:
-    from kvfleet.infra.eks import service as eks_service
+    from kvfleet.targets.eks.infra import service as eks_service
 
     # The layer the construct uses is the version the constant names.
     assert eks_service.KubectlV34Layer.__module__.startswith(
@@ -175,7 +175,7 @@ def test_the_pods_read_only_their_token_or_model_and_write_kvfleet_metrics(templ
 
 def test_a_wrong_gpu_count_fails_synth(monkeypatch: pytest.MonkeyPatch) -> None:
     # The consistency checks run at synth: a Deployment asking for more GPUs than a node has is refused.
-    import kvfleet.infra.eks.manifests as k8s
+    import kvfleet.targets.eks.infra.manifests as k8s
     from kvfleet.errors import KvfleetError
 
     real = k8s.deployment
@@ -404,9 +404,11 @@ def test_the_gpu_nodes_driver_runs_the_images_cuda(monkeypatch: pytest.MonkeyPat
 
     synthesized = synth(PLATFORM)
     assert synthesized
-    [eks_host] = cuda.hosts("eks")
+    from kvfleet.targets.eks.infra.hosts import HOSTS
+
+    [eks_host] = cuda.hosts(HOSTS)
     assert eks_host.cuda >= (13, 0)
     old = dataclasses.replace(eks_host, driver_branch=550, cuda=(12, 4))
-    monkeypatch.setattr(cuda, "hosts", lambda platform: (old,) if platform == "eks" else ())
+    monkeypatch.setattr(cuda, "hosts", lambda rule: (old,) if rule == HOSTS else ())
     with pytest.raises(KvfleetError, match=r"CUDA 13\.0"):
         only(PLATFORM)

@@ -8,8 +8,6 @@ from typing import get_args
 import pytest
 
 from kvfleet.errors import ConfigError
-from kvfleet.infra.eks.addons import CLUSTER_AUTOSCALER_IMAGE_TAGS
-from kvfleet.infra.eks.service import KUBECTL_MINOR
 from kvfleet.targets.eks.config import (
     EKS_CALENDAR_CHECKED,
     EKS_VERSION_CALENDAR,
@@ -17,6 +15,8 @@ from kvfleet.targets.eks.config import (
     EksTarget,
     EksVersion,
 )
+from kvfleet.targets.eks.infra.addons import CLUSTER_AUTOSCALER_IMAGE_TAGS
+from kvfleet.targets.eks.infra.service import KUBECTL_MINOR
 from tests.infra.helpers import REPO, environment
 
 PLATFORM = (REPO / "environments" / "platform.yaml").read_text(encoding="utf-8")

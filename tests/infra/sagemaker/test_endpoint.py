@@ -16,10 +16,10 @@ from kvfleet import contract
 from kvfleet.deployments import ResolvedDeployment, resolve_environment
 from kvfleet.engines import EngineArgs
 from kvfleet.infra.app import build_app
-from kvfleet.infra.sagemaker.endpoint import routing_strategy
 from kvfleet.infra.stack import DeploymentStack
 from kvfleet.sizing.hosting import Routing
 from kvfleet.targets.sagemaker.config import SageMakerTarget
+from kvfleet.targets.sagemaker.infra.endpoint import routing_strategy
 from tests.infra.helpers import REPO, SAGEMAKER_ENV, environment, make_app, only, props, synth
 
 
@@ -531,7 +531,7 @@ def test_cdk_nag_passes_with_a_kms_encrypted_volume(tmp_path: Path) -> None:
 
 def test_cdk_nag_catches_an_unacknowledged_wildcard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The gate can fail: without the acknowledgments the same stack does not synthesize.
-    import kvfleet.infra.sagemaker.endpoint as endpoint_module
+    import kvfleet.targets.sagemaker.infra.endpoint as endpoint_module
 
     monkeypatch.setattr(endpoint_module, "acknowledge", lambda *a, **k: None)
     app = build_app(environment(), app=make_app(outdir=str(tmp_path)), nag=True)
@@ -581,10 +581,11 @@ def test_no_ami_for_the_image_fails_synth(monkeypatch: pytest.MonkeyPatch) -> No
 
     from kvfleet.errors import KvfleetError
     from kvfleet.infra import cuda
+    from kvfleet.targets.sagemaker.infra.hosts import HOSTS
 
-    data = copy.deepcopy(cuda._data())
-    data["sagemaker"]["inference_ami_versions"] = data["sagemaker"]["inference_ami_versions"][:-1]
-    monkeypatch.setattr(cuda, "_data", lambda: data)
+    data = copy.deepcopy(cuda.host_data(HOSTS.package))
+    data["hosts"] = data["hosts"][:-1]
+    monkeypatch.setattr(cuda, "host_data", lambda package: data)
     cuda.hosts.cache_clear()
     try:
         with pytest.raises(KvfleetError, match=r"^deployments\[0\]\.engine\.version: the image .*needs CUDA 13\.0"):
@@ -637,7 +638,7 @@ def test_variant_property_names_are_the_apis() -> None:
 
     import botocore
 
-    from kvfleet.infra.sagemaker import endpoint as endpoint_module
+    from kvfleet.targets.sagemaker.infra import endpoint as endpoint_module
 
     path = Path(botocore.__file__).parent / "data" / "sagemaker" / "2017-07-24" / "service-2.json.gz"
     model = json.loads(gzip.decompress(path.read_bytes()))

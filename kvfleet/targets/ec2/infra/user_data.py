@@ -18,6 +18,9 @@ from kvfleet import contract
 from kvfleet.deployments import ResolvedDeployment
 from kvfleet.targets.ec2.config import Ec2Target
 
+# The template's header still names this renderer by its path before targets had folders
+# (kvfleet/infra/ec2/user_data.py): the script is every launch template's user data, and a changed byte replaces
+# every instance of every fleet at the next deploy.
 TEMPLATE = "user-data.sh"
 HOST_MODEL_DIR = "/opt/kvfleet/model"  # the weights on the host: on local NVMe when the instance has it
 ENV_FILE = "/etc/kvfleet/env"  # the container's --env-file
@@ -72,7 +75,7 @@ def _substitute(v: Value) -> str:
 
 @cache
 def template() -> str:
-    return resources.files("kvfleet.infra.ec2").joinpath(TEMPLATE).read_text(encoding="utf-8")
+    return resources.files("kvfleet.targets.ec2.infra").joinpath(TEMPLATE).read_text(encoding="utf-8")
 
 
 def env_file(env: Mapping[str, str]) -> Verbatim:

@@ -13,7 +13,7 @@ from typing import Any
 from kvfleet import contract
 from kvfleet.contract import DRAIN_COMMAND
 from kvfleet.engines import EngineArgs
-from kvfleet.infra.eks.manifests import CONTAINER_NAME, STARTUP_ESTIMATE_ANNOTATION, STARTUP_SAFETY
+from kvfleet.targets.eks.infra.manifests import CONTAINER_NAME, STARTUP_ESTIMATE_ANNOTATION, STARTUP_SAFETY
 
 MIN_ENGINE_STOP_S = 30  # the least time the grace period leaves the engine after the drain
 # How each scaling signal is compared (see manifests.scaled_object): an average as a Value, a sum per replica.

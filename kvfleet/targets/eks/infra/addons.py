@@ -2,7 +2,7 @@
 
 Each chart is pinned to one version here, with the reason for that version beside it; the Helm values are plain
 data built by the functions below, and ``cluster_autoscaler_statements`` is the autoscaler's IAM policy. The EKS
-construct (``kvfleet.infra.eks.service``) installs what the config asks for.
+construct (``kvfleet.targets.eks.infra.service``) installs what the config asks for.
 
 Choices, and why:
 - Node autoscaling is Cluster Autoscaler on the managed GPU node group. The plan fixes the instance
@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 from aws_cdk import CfnJson
 from aws_cdk import aws_iam as iam
 
-from kvfleet.infra.eks.scheduling import OS_LABEL, Placement, affinity_terms
+from kvfleet.targets.eks.infra.scheduling import OS_LABEL, Placement, affinity_terms
 
 
 class ChartPin(NamedTuple):

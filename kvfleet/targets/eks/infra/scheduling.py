@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfleet.infra.eks.checks import tolerates
+from kvfleet.targets.eks.infra.checks import tolerates
 
 # One matchExpression of a nodeSelectorTerm: key, operator (In, NotIn, Exists, DoesNotExist), values.
 Requirement = tuple[str, str, tuple[str, ...]]

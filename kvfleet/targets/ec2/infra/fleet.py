@@ -31,7 +31,6 @@ from kvfleet import contract
 from kvfleet.deployments import ResolvedDeployment
 from kvfleet.infra.context import ServingContext
 from kvfleet.infra.cuda import host_for_image, hosts, nvidia_gpu
-from kvfleet.infra.ec2.user_data import Boot, user_data_script
 from kvfleet.infra.iam import grant_model_read, grant_token_read, put_metric_data
 from kvfleet.infra.images import serving_image, serving_image_cuda
 from kvfleet.infra.metrics import PERIOD, PlatformMetrics
@@ -40,11 +39,13 @@ from kvfleet.infra.network import ServingNetwork
 from kvfleet.infra.scaling import scale_group, scale_group_to_zero
 from kvfleet.scaling import OneFewer, ScalingPolicy
 from kvfleet.sizing.hosting import Routing
-from kvfleet.targets import TARGETS
+from kvfleet.targets.ec2 import TARGET
 from kvfleet.targets.ec2.config import Ec2Target
+from kvfleet.targets.ec2.infra.hosts import HOSTS
+from kvfleet.targets.ec2.infra.user_data import Boot, user_data_script
 from kvfleet.volumes import root_volume
 
-_ADDRESS = TARGETS["ec2"].address_output or ""  # the stack output `kvfleet bench --env` reads
+_ADDRESS = TARGET.address_output or ""  # the stack output `kvfleet bench --env` reads
 
 # Paths the load balancer answers 404 itself, before the forward to the replicas: the agent's own routes that are
 # for the instance and the platform, never a client (contract.METRICS_ROUTE, the Prometheus re-export;
@@ -67,7 +68,7 @@ RULE_MAX_WILDCARDS = 5
 PATH_PATTERN_MAX_CHARS = 128
 
 # The target group's load_balancing.algorithm.type for each way kvfleet.targets may declare EC2 routes
-# (TARGETS["ec2"].hosting.routing, which the planner sizes for). Weighted random with anomaly mitigation off (the
+# (TARGET.hosting.routing, which the planner sizes for). Weighted random with anomaly mitigation off (the
 # default) spreads requests evenly in a random order. Slow start ramps a new target's share up, which only round
 # robin has: "You can't enable slow start mode when using the least outstanding requests or weighted random routing
 # algorithms." Source: ELB User Guide, "Edit target group attributes for your Application Load Balancer", sections
@@ -185,7 +186,7 @@ class Ec2Fleet(Construct):
         self.platform_metrics = self._platform_metrics()
         self.outputs: Mapping[str, str] = {
             _ADDRESS: self.load_balancer.load_balancer_dns_name,
-            TARGETS["ec2"].group_output or "": self.group.auto_scaling_group_name,
+            TARGET.group_output or "": self.group.auto_scaling_group_name,
         }
 
     # ---- the instances' identity: least privilege ----------------------------------------------------------
@@ -244,14 +245,14 @@ class Ec2Fleet(Construct):
 
     def _check_driver(self) -> None:
         """The AMI's NVIDIA driver must run the image's CUDA. Only AMIs whose driver is known (the default DLAMI
-        parameter, kvfleet/infra/data/cuda.json) can be checked; another parameter is the user's to vouch for."""
+        parameter, hosts.json) can be checked; another parameter is the user's to vouch for."""
         r, target = self._resolved, self._target
         gpu = nvidia_gpu(r)
-        known = {h.setting for h in hosts("ec2")}
+        known = {h.setting for h in hosts(HOSTS)}
         if gpu is None or target.ami_parameter not in known:
             return
         host_for_image(
-            platform="ec2",
+            rule=HOSTS,
             image=f"{r.deployment.image.source} image of {r.engine} {r.deployment.engine.version}",
             cuda=serving_image_cuda(r),
             pinned=target.ami_parameter,

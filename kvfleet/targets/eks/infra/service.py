@@ -6,12 +6,12 @@ Choices, and why:
   entry (no aws-auth ConfigMap edits, which CloudFormation cannot merge safely) and runs in the cluster
   security group, so a private-only API endpoint works.
 - The add-ons (device plugin, KEDA, Prometheus, Cluster Autoscaler) are pinned Helm charts, each chosen in
-  ``kvfleet.infra.eks.addons``; the manifests are plain data from ``kvfleet.infra.eks.manifests``, checked at
-  synth by ``kvfleet.infra.eks.checks``.
+  ``addons``; the manifests are plain data from ``manifests``, checked at synth by ``checks`` (modules of this
+  package).
 - A new cluster gets two node groups: the GPU one (tainted, so only GPU pods land there) and a small untainted
   one for CoreDNS and the add-ons, none of which tolerates that taint. Synth checks that every workload has a
-  node group it schedules on (``kvfleet.infra.eks.scheduling``) and that the VPC endpoints admit the nodes
-  (``kvfleet.infra.eks.access``); node disks are sized in ``kvfleet.infra.eks.nodes``.
+  node group it schedules on (``kvfleet.targets.eks.infra.scheduling``) and that the VPC endpoints admit the nodes
+  (``kvfleet.targets.eks.infra.access``); node disks are sized in ``kvfleet.targets.eks.infra.nodes``.
 """
 
 from __future__ import annotations
@@ -32,16 +32,17 @@ from kvfleet.deployments import ResolvedDeployment
 from kvfleet.errors import KvfleetError
 from kvfleet.infra.context import ServingContext
 from kvfleet.infra.cuda import host_for_image, nvidia_gpu
-from kvfleet.infra.eks import access, checks, nodes, scheduling
-from kvfleet.infra.eks import addons as charts
-from kvfleet.infra.eks import manifests as k8s
 from kvfleet.infra.iam import grant_model_read, grant_token_read, put_metric_data
 from kvfleet.infra.images import serving_image, serving_image_cuda
 from kvfleet.infra.metrics import PlatformMetrics
 from kvfleet.infra.nag import acknowledge, condition_id, logical_id
 from kvfleet.infra.network import ServingNetwork
-from kvfleet.targets import TARGETS
+from kvfleet.targets.eks import CLUSTER_OUTPUT, TARGET
 from kvfleet.targets.eks.config import EksTarget, ExistingCluster
+from kvfleet.targets.eks.infra import access, checks, nodes, scheduling
+from kvfleet.targets.eks.infra import addons as charts
+from kvfleet.targets.eks.infra import manifests as k8s
+from kvfleet.targets.eks.infra.hosts import HOSTS
 
 # kubectl in the provider's layer: one minor either side of the API server is within kubectl's skew policy.
 KUBECTL_MINOR = "1.34"
@@ -98,8 +99,8 @@ class EksService(Construct):
         self._acknowledge_cdk_internals()
         self.platform_metrics = PlatformMetrics()  # replicas counted from their signals
         self.outputs = {
-            "ClusterName": self.cluster.cluster_name,
-            TARGETS["eks"].group_output or "": self.nodegroup.nodegroup_name,
+            CLUSTER_OUTPUT: self.cluster.cluster_name,
+            TARGET.group_output or "": self.nodegroup.nodegroup_name,
         }
 
     # ---- the cluster ---------------------------------------------------------------------------------
@@ -208,11 +209,11 @@ class EksService(Construct):
 
     def _nodegroup(self, r: ResolvedDeployment, network: ServingNetwork) -> None:
         """The plan's instance type, tainted for GPU pods, sized for the replica range."""
-        # The AL2023 NVIDIA AMI's driver must run the image's CUDA (kvfleet/infra/data/cuda.json).
+        # The AL2023 NVIDIA AMI's driver must run the image's CUDA (hosts.json).
         gpu = nvidia_gpu(r)
         self.host = (
             host_for_image(
-                platform="eks",
+                rule=HOSTS,
                 image=f"{r.deployment.image.source} image of {r.engine} {r.deployment.engine.version}",
                 cuda=serving_image_cuda(r),
                 gpu=gpu,
@@ -284,7 +285,7 @@ class EksService(Construct):
                 out += charts.chart_placements(pin, self._chart_values[pin.chart])
         [dep] = [m for m in self.manifests if m["kind"] == "Deployment"]
         pod = dep["spec"]["template"]["spec"]
-        out.append(scheduling.pod_placement("the serving pods", "kvfleet.infra.eks.manifests.deployment", pod))
+        out.append(scheduling.pod_placement("the serving pods", "kvfleet.targets.eks.infra.manifests.deployment", pod))
         return out
 
     def _check_placements(self, r: ResolvedDeployment, target: EksTarget) -> None:
@@ -295,7 +296,7 @@ class EksService(Construct):
 
     def _check_endpoint_access(self) -> None:
         """Every node group's security group is admitted on 443 by the endpoints its nodes and pods call, or synth
-        fails (kvfleet.infra.eks.access)."""
+        fails (kvfleet.targets.eks.infra.access)."""
         stack = Stack.of(self)
 
         def ref(value: Any) -> str:  # a CloudFormation value, comparable: the same group reads the same
@@ -380,7 +381,7 @@ class EksService(Construct):
         )
         return serving, image
 
-    # ---- cluster add-ons, pinned (kvfleet.infra.eks.addons) -------------------------------------------
+    # ---- cluster add-ons, pinned (kvfleet.targets.eks.infra.addons) -------------------------------------------
 
     def _addons(self, target: EksTarget, identity: eks.IdentityType) -> None:
         """The add-ons the config asks for: a new cluster gets all of them, an existing one what it lacks."""
@@ -446,7 +447,7 @@ class EksService(Construct):
     # ---- the workload -----------------------------------------------------------------------------------
 
     def _workload(self, r: ResolvedDeployment, target: EksTarget, serving: eks.ServiceAccount, image: str) -> None:
-        """The manifests (kvfleet.infra.eks.manifests), checked against the nodes, applied in order."""
+        """The manifests (kvfleet.targets.eks.infra.manifests), checked against the nodes, applied in order."""
         self.options = k8s.WorkloadOptions(
             image=image,
             prometheus_server_address=target.addons.prometheus_url or charts.PROMETHEUS_URL,

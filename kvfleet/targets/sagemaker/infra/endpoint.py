@@ -21,10 +21,11 @@ from kvfleet.infra.nag import acknowledge
 from kvfleet.infra.scaling import scale_scalable_target
 from kvfleet.scaling import TargetTracking
 from kvfleet.sizing.hosting import Routing
-from kvfleet.targets import TARGETS
+from kvfleet.targets.sagemaker import TARGET
 from kvfleet.targets.sagemaker.config import SageMakerTarget
+from kvfleet.targets.sagemaker.infra.hosts import HOSTS
 
-_ADDRESS = TARGETS["sagemaker"].address_output or ""  # the stack output `kvfleet bench --env` reads
+_ADDRESS = TARGET.address_output or ""  # the stack output `kvfleet bench --env` reads
 
 VARIANT = "AllTraffic"
 
@@ -40,7 +41,7 @@ RETAINED_WHEN_SCALING = ("DesiredInstanceCount",)
 VARIANT_PROPERTIES = ("DesiredInstanceCount", "DesiredWeight", "DataCaptureConfig")
 
 # The variant's RoutingConfig RoutingStrategy for each way kvfleet.targets may declare SageMaker routes
-# (TARGETS["sagemaker"].hosting.routing, which the planner sizes for). Without a RoutingConfig SageMaker routes at
+# (TARGET.hosting.routing, which the planner sizes for). Without a RoutingConfig SageMaker routes at
 # random. Source: SageMaker API Reference, ProductionVariantRoutingConfig
 # (https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_ProductionVariantRoutingConfig.html):
 # RoutingStrategy LEAST_OUTSTANDING_REQUESTS | RANDOM. SageMaker has no round robin.
@@ -93,7 +94,7 @@ class SageMakerEndpoint(Construct):
         # The NVIDIA driver comes with the host AMI: the one that runs the image's CUDA (None: not a GPU).
         self.host = (
             host_for_image(
-                platform="sagemaker",
+                rule=HOSTS,
                 image=image_uri
                 if not Token.is_unresolved(image_uri)
                 else f"({r.deployment.image.source} image of {r.engine} {r.deployment.engine.version})",
