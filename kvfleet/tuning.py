@@ -470,7 +470,8 @@ def _standby_wanted(r: ResolvedDeployment, min_replicas: int) -> tuple[list[tupl
     if target.warm_pools:
         wanted.append((warm, "Stopped", max(1, configured_size)))
     else:
-        unavailable.append(f"warm pools: EC2 Auto Scaling only, not {target.name}")
+        able = " or ".join(name for name, t in TARGETS.items() if t.warm_pools)
+        unavailable.append(f"warm pools: {able} only, not {target.name}")
     if target.no_scale_to_zero is None:
         wanted += [(0, "none", 0), (0, "Stopped", max(1, configured_size))]
     else:

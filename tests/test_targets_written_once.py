@@ -146,7 +146,7 @@ TOY: dict[str, str] = {
     """,
     # Its section, with a check of its own on the rest of the deployment.
     "config.py": """
-        from typing import Literal
+        from typing import ClassVar, Literal
 
         from pydantic import Field
 
@@ -154,8 +154,10 @@ TOY: dict[str, str] = {
 
 
         class ToyTarget(TargetSection):
+            pattern_words: ClassVar[dict[str, str]] = {"greeting": "lowercase letters, like hi"}
+
             platform: Literal["toy"] = Field(description="A made-up target.")
-            greeting: str = Field(default="hello", description="What its parameter says.")
+            greeting: str = Field(default="hello", pattern="^[a-z]+$", description="What its parameter says.")
 
             def deployment_problems(self, deployment):
                 if deployment.scaling.max_replicas > 3:
@@ -254,6 +256,9 @@ def test_the_toy_loads_and_its_own_check_runs(toy: Path) -> None:
     assert section.hosting == TARGETS["ec2"].hosting
     toy.write_text(ENVIRONMENT.replace("max_replicas: 2", "max_replicas: 4"), encoding="utf-8")
     with pytest.raises(ConfigError, match=r"deployments\[0\]\.scaling\.max_replicas: a toy holds at most 3"):
+        load_environment(toy)
+    toy.write_text(ENVIRONMENT.replace("greeting: hi", "greeting: Hi!"), encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"target\.greeting: expected lowercase letters, like hi$"):
         load_environment(toy)
     toy.write_text(ENVIRONMENT.replace("greeting: hi", "colour: red"), encoding="utf-8")
     with pytest.raises(ConfigError, match=r"deployments\[0\]\.target\.colour: unknown key"):

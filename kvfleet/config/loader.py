@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from kvfleet.config.schema import REGION_PATTERN, TRACE_MAX_PERCENTILE, Environment, WorkloadTrace
+from kvfleet.config.targets import target_sections
 from kvfleet.errors import ConfigError, KvfleetError
 from kvfleet.targets import TARGETS
 from kvfleet.workload.profile import WorkloadProfile, profile
@@ -211,23 +212,15 @@ _PATTERN_WORDS: dict[str, str] = {
         "a number)"
     ),
 }
+# The targets' own fields say theirs in their sections (TargetSection.pattern_words).
 _PATTERN_FIELDS: dict[str, str] = {
     "name": "lowercase letters, digits and '-' (not first or last)",
     "account": "a 12-digit AWS account id",
     "vpc_id": "a VPC id like vpc-0123456789abcdef0",
-    "security_group_id": "a security group id like sg-0123456789abcdef0",
     "repository": "an ECR repository name: lowercase letters and digits, separated by '.', '_', '-' or '/'",
     "tag": "an image tag: letters, digits, '_', '.', '-' (not first), at most 128 characters",
     "uri": "an ECR image URI like 123456789012.dkr.ecr.us-east-1.amazonaws.com/kvfleet-vllm:TAG",
     "topic_arn": "an SNS topic ARN like arn:aws:sns:us-east-1:123456789012:alerts",
-    "certificate_arn": "an ACM certificate ARN like arn:aws:acm:us-east-1:123456789012:certificate/ID",
-    "oidc_provider_arn": (
-        "an IAM OIDC provider ARN like arn:aws:iam::123456789012:oidc-provider/oidc.eks.us-east-1.amazonaws.com/id/ID"
-    ),
-    "inference_ami_version": "a SageMaker inference AMI version like al2023-ami-sagemaker-inference-gpu-4-1",
-    "ami_parameter": "a public SSM parameter path under /aws/service/",
-    "namespace": "a Kubernetes namespace: lowercase letters, digits and '-' (not first or last), at most 63",
-    "prometheus_url": "an http:// or https:// URL",
 }
 
 
@@ -287,7 +280,9 @@ def _allowed(err: Any) -> str:
 def _pattern_words(pattern: str, field: str) -> str:
     if pattern in _PATTERN_WORDS:
         return _PATTERN_WORDS[pattern]
-    form = _PATTERN_FIELDS.get(field)
+    form = _PATTERN_FIELDS.get(field) or next(
+        (s.pattern_words[field] for s in target_sections() if field in s.pattern_words), None
+    )
     return f"expected {form}" if form else "not in the form this field takes; see its description in schema.json"
 
 

@@ -9,7 +9,8 @@ checks (its settings against the rest of the file) are the section's methods bel
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, Field, GetCoreSchemaHandler
 from pydantic_core import CoreSchema
@@ -30,6 +31,9 @@ class TargetSection(Frozen):
     none."""
 
     platform: str
+    # What each pattern-checked field of the section (or of a mapping in it) takes, in words: the loader says this
+    # for a value that does not match, never the regular expression.
+    pattern_words: ClassVar[Mapping[str, str]] = {}
 
     @property
     def hosting(self) -> Hosting:

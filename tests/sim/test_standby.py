@@ -141,7 +141,7 @@ def test_targets_that_cannot_wake_from_zero_say_so() -> None:
     cmp = standby_comparison(r, trace)
     assert [o.label for o in cmp.options] == ["1 warm"]
     assert cmp.unavailable == (
-        "warm pools: EC2 Auto Scaling only, not eks",
+        "warm pools: ec2 only, not eks",
         "scale to zero: not on eks: KEDA scales on the pods' own signals, and with no pod there is none to wake on",
     )
     assert cmp.gaps.count == 0

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -94,6 +95,11 @@ class WarmPoolConfig(Frozen):
 
 
 class Ec2Target(TargetSection):
+    pattern_words: ClassVar[Mapping[str, str]] = {
+        "certificate_arn": "an ACM certificate ARN like arn:aws:acm:us-east-1:123456789012:certificate/ID",
+        "ami_parameter": "a public SSM parameter path under /aws/service/",
+    }
+
     platform: Literal["ec2"] = Field(description="An EC2 GPU Auto Scaling group behind a load balancer.")
     load_balancer: LoadBalancerConfig = Field(default_factory=LoadBalancerConfig)
     warm_pool: WarmPoolConfig = Field(default_factory=WarmPoolConfig)

@@ -3,8 +3,9 @@ what deployments sharing a cluster need of each other."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import date
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -103,6 +104,16 @@ class EksAddons(Frozen):
 
 
 class EksTarget(TargetSection):
+    pattern_words: ClassVar[Mapping[str, str]] = {
+        "security_group_id": "a security group id like sg-0123456789abcdef0",
+        "oidc_provider_arn": (
+            "an IAM OIDC provider ARN like arn:aws:iam::123456789012:oidc-provider/oidc.eks.us-east-1.amazonaws.com/id/"
+            "ID"
+        ),
+        "namespace": "a Kubernetes namespace: lowercase letters, digits and '-' (not first or last), at most 63",
+        "prometheus_url": "an http:// or https:// URL",
+    }
+
     platform: Literal["eks"] = Field(description="A GPU node group and Deployment on EKS.")
     cluster: ExistingCluster | None = Field(
         default=None, description="Attach to this existing cluster instead of creating one (needs network.vpc_id)."

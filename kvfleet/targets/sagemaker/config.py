@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -14,6 +15,10 @@ if TYPE_CHECKING:
 
 
 class SageMakerTarget(TargetSection):
+    pattern_words: ClassVar[Mapping[str, str]] = {
+        "inference_ami_version": "a SageMaker inference AMI version like al2023-ami-sagemaker-inference-gpu-4-1",
+    }
+
     platform: Literal["sagemaker"] = Field(description="A SageMaker real-time endpoint.")
     network_isolation: Bool = Field(
         default=False,
