@@ -198,3 +198,22 @@ def test_an_unregistered_engine_is_one_line_naming_the_registered_ones(
     assert exit_.value.code == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert "invalid choice: 'toyserve' (choose from 'vllm', 'trtllm')" in line
+
+
+@pytest.mark.usefixtures("toyserve")
+def test_an_environment_file_naming_it_synthesizes(tmp_path: Path) -> None:
+    """The stacks take the made-up engine from the resolved deployment alone: its image is named for it and its
+    release, and the agent on the instance is told to run it with the settings its own renderer wrote."""
+    import aws_cdk as cdk
+
+    from kvfleet import contract
+    from kvfleet.infra.app import build_app
+    from tests.infra.helpers import make_app
+
+    path = tmp_path / "toy.yaml"
+    path.write_text(ENVIRONMENT, encoding="utf-8")
+    app = build_app(load_environment(path), app=make_app())
+    [stack] = [s for s in app.node.children if isinstance(s, cdk.Stack) and not s.stack_name.endswith("-alerts")]
+    text = json.dumps(app.synth().get_stack_artifact(stack.artifact_id).template)
+    assert f"kvfleet-{NAME}:{contract.image_tag('1.0.0')}" in text, "the image is toyserve's, at its release"
+    assert contract.ENV_ENGINE in text and f"{contract.ENV_ENGINE}={NAME}" in text.replace('\\"', "")
