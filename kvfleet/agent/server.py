@@ -193,6 +193,10 @@ class Agent:
         return await self._guard(request, self._route)
 
     async def _route(self, request: web.BaseRequest) -> web.StreamResponse:
+        if "%" in request.raw_path.partition("?")[0]:
+            # No route of the agent's or the engine's needs an escape, and a load balancer's path rules compare the
+            # path as sent: "/%6Detrics" must not reach what "/metrics" is kept from (aiohttp decodes it).
+            return _json_error(404, "a path with percent-escapes is not served by this endpoint", "not_found_error")
         own = self._own.get(request.path)
         if own is None:
             # Every other path goes through the route table (kvfleet.agent.routes): anything not in it is 404.

@@ -393,6 +393,24 @@ def test_routes_outside_the_table_are_404_and_trailing_slashes_are_isolated_and_
     run(go)
 
 
+def test_a_percent_escaped_path_is_404_so_no_escape_reaches_an_internal_route() -> None:
+    """The load balancer's rule keeps /metrics and /drain from clients by the path as sent and cannot name "%"; the
+    agent's router would decode "/%6Detrics" to /metrics, so the agent refuses every escaped path itself."""
+    from yarl import URL
+
+    async def go() -> None:
+        async with running(settings()) as r:
+            for method, path in (("GET", "/%6Detrics"), ("POST", "/dr%61in"), ("POST", "/v1/chat/%63ompletions")):
+                url = URL(r.url + path, encoded=True)
+                async with r.http.request(method, url, json={}) as c:
+                    assert c.status == 404, path
+                    assert "percent-escapes" in (await c.json())["error"]["message"]
+            async with r.http.get(r.url + contract.METRICS_ROUTE) as c:  # the plain form, from the instance itself
+                assert c.status == 200
+
+    run(go)
+
+
 def test_client_disconnect_counts_client_cancelled_not_a_server_error() -> None:
     async def go() -> None:
         async with running(settings(engine_command=fake_engine_command(token_delay=0.05))) as r:

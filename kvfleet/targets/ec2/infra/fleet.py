@@ -15,6 +15,7 @@ identity, their launch template, the group and its hooks, the load balancer in f
 from __future__ import annotations
 
 import math
+import string
 from collections.abc import Mapping
 
 from aws_cdk import Aws, Duration, RemovalPolicy
@@ -49,10 +50,11 @@ _ADDRESS = TARGET.address_output or ""  # the stack output `kvfleet bench --env`
 
 # Paths the load balancer answers 404 itself, before the forward to the replicas: the agent's own routes that are
 # for the instance and the platform, never a client (contract.METRICS_ROUTE, the Prometheus re-export;
-# contract.DRAIN_ROUTE, which the agent also refuses from anything but loopback), with anything after them, and
-# every percent-encoded path: the agent's router decodes one (aiohttp routes "/%6Detrics" to /metrics) while a
-# path pattern compares the path as sent, and no client route (kvfleet.agent.routes) needs an escape. The health
-# route (contract.HEALTH_ROUTE, the SageMaker contract's health check) stays reachable: it says only ok or draining.
+# contract.DRAIN_ROUTE, which the agent also refuses from anything but loopback), with anything after them. A path
+# pattern compares the path as sent and cannot hold "%" (PATH_PATTERN_CHARACTERS), so an escaped form of these
+# routes ("/%6Detrics") is refused by the agent itself: it answers 404 to any path carrying an escape, which no
+# client route needs. The health route (contract.HEALTH_ROUTE, the SageMaker contract's health check) stays
+# reachable: it says only ok or draining.
 # ALB rules (User Guide, "Listener rules" and "Condition types for listener rules"; AWS::ElasticLoadBalancingV2::
 # ListenerRule PathPatternConfig): lowest priority number first, then the default action; a path-pattern compares
 # the path only, not the query string, case-sensitively, with * and ? wildcards, at most 128 characters each.
@@ -61,7 +63,12 @@ _ADDRESS = TARGET.address_output or ""  # the stack output `kvfleet bench --env`
 # Sources: https://docs.aws.amazon.com/elasticloadbalancing/latest/application/listener-rules.html,
 # https://docs.aws.amazon.com/elasticloadbalancing/latest/application/rule-condition-types.html,
 # https://docs.aws.amazon.com/elasticloadbalancing/latest/application/load-balancer-limits.html
-INTERNAL_PATHS = (f"{contract.METRICS_ROUTE}*", f"{contract.DRAIN_ROUTE}*", "*%*")
+INTERNAL_PATHS = (f"{contract.METRICS_ROUTE}*", f"{contract.DRAIN_ROUTE}*")
+# The characters a path pattern may hold; ELB rejects any other ("contains a character that is not valid"). Elastic
+# Load Balancing API Reference, RuleCondition, Values: "A-Z, a-z, 0-9; _ - . $ / ~ " ' @ : +; & (using &amp;);
+# * (matches 0 or more characters); ? (matches exactly 1 character)".
+# https://docs.aws.amazon.com/elasticloadbalancing/latest/APIReference/API_RuleCondition.html
+PATH_PATTERN_CHARACTERS = frozenset(string.ascii_letters + string.digits + "_-.$/~\"'@:+&*?")
 INTERNAL_RULE_PRIORITY = 1
 RULE_MAX_VALUES = 5
 RULE_MAX_WILDCARDS = 5
@@ -510,6 +517,7 @@ class Ec2Fleet(Construct):
         assert len(INTERNAL_PATHS) <= RULE_MAX_VALUES
         assert sum(p.count("*") + p.count("?") for p in INTERNAL_PATHS) <= RULE_MAX_WILDCARDS
         assert all(len(p) <= PATH_PATTERN_MAX_CHARS for p in INTERNAL_PATHS)
+        assert all(set(p) <= PATH_PATTERN_CHARACTERS for p in INTERNAL_PATHS)
         return elbv2.ApplicationListenerRule(
             self,
             "InternalRoutes",
