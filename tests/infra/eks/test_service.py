@@ -412,3 +412,16 @@ def test_the_gpu_nodes_driver_runs_the_images_cuda(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(cuda, "hosts", lambda rule: (old,) if rule == HOSTS else ())
     with pytest.raises(KvfleetError, match=r"CUDA 13\.0"):
         only(PLATFORM)
+
+
+@pytest.mark.parametrize("instance_type", ["p5.48xlarge", "p5en.48xlarge"])
+def test_a_gpu_newer_than_cdks_list_gets_the_nvidia_node_group(instance_type: str) -> None:
+    """CDK's eks-v2 knows GPU families up to g6e/p4de and refuses the NVIDIA AMI type for any other; the plan picks
+    p5 and newer for EKS, so their node group carries the type on the resource itself."""
+    from kvfleet.targets.eks.infra.service import CDK_GPU_FAMILIES
+
+    assert instance_type.split(".")[0] not in CDK_GPU_FAMILIES
+    text = PLATFORM.replace("families: [g6e, g5]", f"instance_type: {instance_type}")
+    assert text != PLATFORM
+    ng = gpu_nodegroup(only(text))
+    assert ng["InstanceTypes"] == [instance_type]

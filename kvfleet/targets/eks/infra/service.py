@@ -67,6 +67,21 @@ def gpu_node_labels(r: ResolvedDeployment) -> dict[str, str]:
     }
 
 
+# The instance families CDK's eks-v2 Nodegroup takes for GPU ones (aws-cdk-lib 2.275.0,
+# aws-eks-v2/lib/private/nodegroup.js isGpuInstanceType): for any other family it refuses the NVIDIA AMI type ("The
+# specified AMI does not match the instance types architecture"), newer GPUs (p5, p5e, p5en, p6, g7, g7e) included,
+# although EKS runs AL2023_x86_64_NVIDIA on them. For those the node group is built without it and the type is set on
+# the CloudFormation resource; for these CDK's own check stays in force (and it warns when the type is left out).
+# AWS::EKS::Nodegroup AmiType's value for the AL2023 NVIDIA AMI (CloudFormation reference; the Python enum's value
+# is its member name, not this).
+NVIDIA_AMI_TYPE = "AL2023_x86_64_NVIDIA"
+CDK_GPU_FAMILIES = frozenset({"p2", "p3", "p3dn", "p4de", "p4d", "g3s", "g3", "g4dn", "g4ad", "g5", "g5g", "g6", "g6e"})
+
+
+def _cdk_knows_gpu(instance_type: str) -> bool:
+    return instance_type.split(".", maxsplit=1)[0] in CDK_GPU_FAMILIES
+
+
 class EksService(Construct):
     """The steps, in order: the cluster (new or attached), the GPU node group, the pods' identity, the add-ons,
     the workload. Construct ids are fixed: the CloudFormation logical ids derive from them."""
@@ -223,12 +238,13 @@ class EksService(Construct):
         )
         s = r.scaling
         per_node = max(1, r.candidate.instance.accelerator_count // r.candidate.gpus_per_replica)  # replicas
+        known = _cdk_knows_gpu(r.candidate.instance.name)
         self.nodegroup = eks.Nodegroup(
             self,
             "Gpu",
             cluster=self.cluster,
             subnets=network.subnet_selection,
-            ami_type=eks.NodegroupAmiType.AL2023_X86_64_NVIDIA,
+            ami_type=eks.NodegroupAmiType.AL2023_X86_64_NVIDIA if known else None,
             instance_types=[ec2.InstanceType(r.candidate.instance.name)],
             min_size=max(1, math.ceil(s.min_replicas / per_node)),
             max_size=max(1, math.ceil(s.max_replicas / per_node)),
@@ -236,6 +252,9 @@ class EksService(Construct):
             labels=gpu_node_labels(r),
             taints=[eks.TaintSpec(effect=eks.TaintEffect.NO_SCHEDULE, key=GPU_TAINT["key"], value=GPU_TAINT["value"])],
         )
+        if not known:  # the AMI type on the resource itself: EKS takes it for every NVIDIA instance type
+            resource = cast(eks.CfnNodegroup, self.nodegroup.node.default_child)
+            resource.add_property_override("AmiType", NVIDIA_AMI_TYPE)
 
     def _system_nodegroup(self, target: EksTarget, network: ServingNetwork) -> None:
         """A new cluster's untainted nodes for CoreDNS and the add-ons, none of which tolerates the GPU taint. An
