@@ -794,7 +794,11 @@ def _evaluate(
         return sized
     price = _price(it, req.hosting)
     if price is None:
-        return o.reject("the catalog has no on-demand price for this type; pin it to plan anyway")
+        # Pinning the type does not help: candidates are priced and ranked by the hour (the old text said it would).
+        return o.reject(
+            "the catalog has no on-demand price for this type (sold as Capacity Blocks or reserved only), and a plan "
+            "is priced by the hour; choose a type with an on-demand price"
+        )
     cand = _candidate(o, layout, sized, price, version=version)
     if req.max_fleet_usd_per_hour is not None and cand.fleet_usd_per_hour > req.max_fleet_usd_per_hour:
         return o.reject(

@@ -70,11 +70,10 @@ def gpu_node_labels(r: ResolvedDeployment) -> dict[str, str]:
 # The instance families CDK's eks-v2 Nodegroup takes for GPU ones (aws-cdk-lib 2.275.0,
 # aws-eks-v2/lib/private/nodegroup.js isGpuInstanceType): for any other family it refuses the NVIDIA AMI type ("The
 # specified AMI does not match the instance types architecture"), newer GPUs (p5, p5e, p5en, p6, g7, g7e) included,
-# although EKS runs AL2023_x86_64_NVIDIA on them. For those the node group is built without it and the type is set on
-# the CloudFormation resource; for these CDK's own check stays in force (and it warns when the type is left out).
-# AWS::EKS::Nodegroup AmiType's value for the AL2023 NVIDIA AMI (CloudFormation reference; the Python enum's value
-# is its member name, not this).
-NVIDIA_AMI_TYPE = "AL2023_x86_64_NVIDIA"
+# although EKS runs AL2023_x86_64_NVIDIA on them, and aws-ec2's InstanceType cannot even parse a name with a hyphen
+# ("p6-b200.48xlarge": "Malformed instance type identifier"). For those the node group is given the AMI type alone
+# (CDK checks the pair only when it has both) and the instance type is set on the CloudFormation resource; for these
+# families CDK's own check stays in force.
 CDK_GPU_FAMILIES = frozenset({"p2", "p3", "p3dn", "p4de", "p4d", "g3s", "g3", "g4dn", "g4ad", "g5", "g5g", "g6", "g6e"})
 
 
@@ -244,17 +243,17 @@ class EksService(Construct):
             "Gpu",
             cluster=self.cluster,
             subnets=network.subnet_selection,
-            ami_type=eks.NodegroupAmiType.AL2023_X86_64_NVIDIA if known else None,
-            instance_types=[ec2.InstanceType(r.candidate.instance.name)],
+            ami_type=eks.NodegroupAmiType.AL2023_X86_64_NVIDIA,
+            instance_types=[ec2.InstanceType(r.candidate.instance.name)] if known else None,
             min_size=max(1, math.ceil(s.min_replicas / per_node)),
             max_size=max(1, math.ceil(s.max_replicas / per_node)),
             disk_size=nodes.gpu_node_disk_gib(model_cache_gib=k8s.model_cache_gib(r), pods_per_node=per_node),
             labels=gpu_node_labels(r),
             taints=[eks.TaintSpec(effect=eks.TaintEffect.NO_SCHEDULE, key=GPU_TAINT["key"], value=GPU_TAINT["value"])],
         )
-        if not known:  # the AMI type on the resource itself: EKS takes it for every NVIDIA instance type
+        if not known:  # the instance type on the resource itself: EKS takes the NVIDIA AMI for every NVIDIA type
             resource = cast(eks.CfnNodegroup, self.nodegroup.node.default_child)
-            resource.add_property_override("AmiType", NVIDIA_AMI_TYPE)
+            resource.add_property_override("InstanceTypes", [r.candidate.instance.name])
 
     def _system_nodegroup(self, target: EksTarget, network: ServingNetwork) -> None:
         """A new cluster's untainted nodes for CoreDNS and the add-ons, none of which tolerates the GPU taint. An
