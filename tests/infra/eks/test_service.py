@@ -420,7 +420,7 @@ def test_a_gpu_newer_than_cdks_list_gets_the_nvidia_node_group(instance_type: st
     p5 and newer for EKS, so their node group carries the type on the resource itself."""
     from kvfleet.targets.eks.infra.service import CDK_GPU_FAMILIES
 
-    assert instance_type.split(".")[0] not in CDK_GPU_FAMILIES
+    assert instance_type.split(".", maxsplit=1)[0] not in CDK_GPU_FAMILIES
     text = PLATFORM.replace("families: [g6e, g5]", f"instance_type: {instance_type}")
     assert text != PLATFORM
     ng = gpu_nodegroup(only(text))
