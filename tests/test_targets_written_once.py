@@ -296,7 +296,7 @@ def test_the_toy_is_checked_live_and_its_pipeline_grants_are_its_own(toy: Path) 
 
     from kvfleet.bench.live import check_deployment
     from kvfleet.deployments import resolve_environment
-    from kvfleet.infra.pipeline import LiveCheckStack
+    from kvfleet.infra.live_check import LiveCheckStack
     from tests.infra.helpers import make_app
 
     env = load_environment(toy)
