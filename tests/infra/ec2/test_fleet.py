@@ -50,7 +50,9 @@ def test_fleet_resources(template: Template) -> None:
         "AWS::AutoScaling::WarmPool",
     ):
         template.resource_count_is(kind, 1)
-    template.resource_count_is("AWS::AutoScaling::LifecycleHook", 2)  # drain, and warm-up for the pool
+    # The hooks are the group's own (drain, and launch for the pool), none a resource created after it.
+    template.resource_count_is("AWS::AutoScaling::LifecycleHook", 0)
+    assert len(group_hooks(template)) == 2
     template.resource_count_is("AWS::SageMaker::Endpoint", 0)
 
 
@@ -219,6 +221,22 @@ def template_id_where(t: Template, kind: str, description: str) -> str:
     return key
 
 
+def group_hooks(t: Template) -> dict[str, dict[str, Any]]:
+    """The group's own lifecycle hooks (LifecycleHookSpecificationList), by name."""
+    [g] = props(t, "AWS::AutoScaling::AutoScalingGroup")
+    return {h["LifecycleHookName"]: h for h in g.get("LifecycleHookSpecificationList", [])}
+
+
+def test_the_hooks_exist_before_the_first_instance_launches(template: Template) -> None:
+    # A hook resource names the group, so CloudFormation creates it after the group has launched its first
+    # instances; the group's own specification list is applied before it launches any (CreateAutoScalingGroup).
+    assert not props(template, "AWS::AutoScaling::LifecycleHook")
+    assert set(group_hooks(template)) == {LIFECYCLE_HOOK, WARM_HOOK}
+    # The names the instances are told are those the group holds.
+    ud = user_data(template)
+    assert setting(ud, "DRAIN_HOOK") == LIFECYCLE_HOOK and setting(ud, "WARM_HOOK") == WARM_HOOK
+
+
 def launch_data(t: Template) -> dict[str, Any]:
     [lt] = props(t, "AWS::EC2::LaunchTemplate")
     return dict(lt["LaunchTemplateData"])
@@ -295,7 +313,7 @@ def test_without_a_stopped_warm_pool_the_weights_go_to_local_nvme() -> None:
     assert setting(ud, "LOCAL_NVME") == "1" and setting(ud, "WARM_HOOK") == "''"
     [bd] = launch_data(t)["BlockDeviceMappings"]
     assert bd["Ebs"]["VolumeSize"] < OS_DISK_GIB + resolved().disk_gib  # the weights are not on EBS
-    t.resource_count_is("AWS::AutoScaling::LifecycleHook", 1)
+    assert list(group_hooks(t)) == [LIFECYCLE_HOOK]
     t.resource_count_is("AWS::AutoScaling::WarmPool", 0)
 
 
@@ -326,7 +344,7 @@ def test_group_sizes_health_warmup_and_overrides(template: Template) -> None:
 
 
 def test_lifecycle_hook_covers_the_drain_budget(template: Template) -> None:
-    [hook] = [h for h in props(template, "AWS::AutoScaling::LifecycleHook") if h["LifecycleHookName"] == LIFECYCLE_HOOK]
+    hook = group_hooks(template)[LIFECYCLE_HOOK]
     assert hook["LifecycleTransition"] == "autoscaling:EC2_INSTANCE_TERMINATING"
     assert hook["LifecycleHookName"] == LIFECYCLE_HOOK
     assert hook["DefaultResult"] == "CONTINUE"
@@ -561,7 +579,7 @@ def test_a_warm_pool_of_nothing_is_refused() -> None:
 
 
 def test_every_transitions_hook_exists_with_its_transition(template: Template) -> None:
-    hooks = {h["LifecycleHookName"]: h for h in props(template, "AWS::AutoScaling::LifecycleHook")}
+    hooks = group_hooks(template)
     names = {lifecycle.LAUNCHING: WARM_HOOK, lifecycle.TERMINATING: LIFECYCLE_HOOK}
     for t in lifecycle.TRANSITIONS:
         assert hooks[names[t.hook]]["LifecycleTransition"] == t.hook, t.name

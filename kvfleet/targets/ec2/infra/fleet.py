@@ -18,7 +18,7 @@ import math
 import string
 from collections.abc import Mapping
 
-from aws_cdk import Aws, Duration, RemovalPolicy
+from aws_cdk import Aws, Duration, IResolvable, RemovalPolicy
 from aws_cdk import aws_autoscaling as autoscaling
 from aws_cdk import aws_cloudwatch as cw
 from aws_cdk import aws_ec2 as ec2
@@ -43,6 +43,7 @@ from kvfleet.sizing.hosting import Routing
 from kvfleet.targets.ec2 import TARGET
 from kvfleet.targets.ec2.config import Ec2Target
 from kvfleet.targets.ec2.infra.hosts import HOSTS
+from kvfleet.targets.ec2.infra.lifecycle import LAUNCHING, TERMINATING
 from kvfleet.targets.ec2.infra.user_data import Boot, user_data_script
 from kvfleet.volumes import root_volume
 
@@ -90,8 +91,17 @@ ALGORITHMS: dict[Routing, elbv2.TargetGroupLoadBalancingAlgorithmType] = {
 SLOW_START_MAX_S = 900  # slow_start.duration_seconds: 30-900, 0 for off (same page)
 SLOW_START_MIN_S = 30
 
-LIFECYCLE_HOOK = "kvfleet-drain"  # named: the instances read it at boot, before the hook's id is known
-WARM_HOOK = "kvfleet-warm"  # with a warm pool: held until the image and weights are on the instance
+# The hooks are the group's own (its LifecycleHookSpecificationList), so they exist before its first instance launches:
+# "One or more lifecycle hooks to add to the Auto Scaling group before instances are launched" (CloudFormation
+# Template Reference, AWS::AutoScaling::AutoScalingGroup, LifecycleHookSpecificationList; CreateAutoScalingGroup,
+# LifecycleHookSpecificationList). A separate AWS::AutoScaling::LifecycleHook resource needs the group's name, so it is
+# created after the group, whose first instances then launch without it (aws-cdk#16356).
+# https://docs.aws.amazon.com/AWSCloudFormation/latest/TemplateReference/aws-resource-autoscaling-autoscalinggroup.html
+# The names differ from those the separate resources had ("kvfleet-drain", "kvfleet-warm"): an update of an older
+# stack deletes those resources after the group is updated, and a DeleteLifecycleHook of the same name would remove
+# the group's own hook.
+LIFECYCLE_HOOK = "kvfleet-group-drain"  # named: the instances read it at boot, before the hook's id is known
+WARM_HOOK = "kvfleet-group-launch"  # with a warm pool: held until the image and weights are on the instance
 HEARTBEAT_S = 60  # how often the agent heartbeats the hook while draining
 ROOT_DEVICE = "/dev/xvda"  # Amazon Linux 2023 AMIs
 MAX_HOOK_TIMEOUT_S = 7200  # the longest heartbeat timeout a lifecycle hook accepts
@@ -173,10 +183,10 @@ class Ec2Fleet(Construct):
         self.launch_template = self._launch_template(image)
         self.instance_types = fleet_instance_types(self._resolved)
         self.group = self._group()
-        self.lifecycle_hook = self._drain_hook()
+        self.hooks = self._hooks()
         self._lifecycle_policy()
         self._acknowledge_instance_policy(policy)
-        self.warm_pool, self.launch_hook = self._warm_pool()
+        self.warm_pool = self._warm_pool()
         self.lb_security_group, port = self._load_balancer_security_group()
         self.load_balancer = self._load_balancer(context.region)
         self.listener = self._listener(port)
@@ -376,16 +386,37 @@ class Ec2Fleet(Construct):
             alarms=self._rollback_alarms or None,
         )
 
-    def _drain_hook(self) -> autoscaling.LifecycleHook:
-        # The hook holds a terminating instance while the agent drains; without heartbeats it still waits
-        # the whole drain budget before CONTINUE.
-        return self.group.add_lifecycle_hook(
-            "Drain",
-            lifecycle_hook_name=LIFECYCLE_HOOK,
-            lifecycle_transition=autoscaling.LifecycleTransition.INSTANCE_TERMINATING,
-            heartbeat_timeout=Duration.seconds(min(MAX_HOOK_TIMEOUT_S, self._scaling.drain_budget_s + 2 * HEARTBEAT_S)),
-            default_result=autoscaling.DefaultResult.CONTINUE,
-        )
+    def _hooks(self) -> tuple[autoscaling.CfnAutoScalingGroup.LifecycleHookSpecificationProperty, ...]:
+        """The group's own lifecycle hooks (see LIFECYCLE_HOOK): the drain hook, and with a warm pool the launch hook.
+
+        The drain hook holds a terminating instance while the agent drains; without heartbeats it still waits the
+        whole drain budget before CONTINUE. The launch hook keeps a new instance waiting (Warmed:Pending:Wait into
+        the pool, Pending:Wait out of it or straight into service) until the user data's lifecycle step completes it
+        (lifecycle.TRANSITIONS): after the image and the weights are on disk going into the pool, once the container
+        starts going into service; a longer first boot heartbeats it, and one that hangs is abandoned."""
+        spec = autoscaling.CfnAutoScalingGroup.LifecycleHookSpecificationProperty
+        hooks = [
+            spec(
+                lifecycle_hook_name=LIFECYCLE_HOOK,
+                lifecycle_transition=TERMINATING,
+                heartbeat_timeout=min(MAX_HOOK_TIMEOUT_S, self._scaling.drain_budget_s + 2 * HEARTBEAT_S),
+                default_result="CONTINUE",
+            )
+        ]
+        if self._target.warm_pool.enabled:
+            hooks.append(
+                spec(
+                    lifecycle_hook_name=WARM_HOOK,
+                    lifecycle_transition=LAUNCHING,
+                    heartbeat_timeout=min(MAX_HOOK_TIMEOUT_S, self._resolved.ready_window_s),
+                    default_result="ABANDON",
+                )
+            )
+        cfn_group = self.group.node.default_child
+        assert isinstance(cfn_group, autoscaling.CfnAutoScalingGroup)
+        specs: list[IResolvable | autoscaling.CfnAutoScalingGroup.LifecycleHookSpecificationProperty] = [*hooks]
+        cfn_group.lifecycle_hook_specification_list = specs
+        return tuple(hooks)
 
     def _lifecycle_policy(self) -> iam.Policy:
         """The agent (drain hook) and the user data (warm hook) complete and heartbeat this group's hooks only."""
@@ -412,30 +443,18 @@ class Ec2Fleet(Construct):
         )
         return lifecycle
 
-    def _warm_pool(self) -> tuple[autoscaling.WarmPool | None, autoscaling.LifecycleHook | None]:
-        """With a warm pool: the pool, and the launch hook that keeps a new instance out of it until ready."""
+    def _warm_pool(self) -> autoscaling.WarmPool | None:
+        """With a warm pool: the pool (its launch hook is one of the group's own, ``_hooks``)."""
         pool_config = self._target.warm_pool
         if not pool_config.enabled:
-            return None, None
+            return None
         # Without MaxGroupPreparedCapacity the pool holds max_replicas - desired instances, whatever MinSize says;
         # with both equal it holds exactly that many (PutWarmPool, MaxGroupPreparedCapacity).
-        pool = self.group.add_warm_pool(
+        return self.group.add_warm_pool(
             min_size=pool_config.min_size,
             max_group_prepared_capacity=pool_config.min_size,
             pool_state=autoscaling.PoolState(pool_config.state.upper()),
         )
-        # A new instance waits (Warmed:Pending:Wait into the pool, Pending:Wait out of it or straight into service)
-        # until the user data's lifecycle step completes this hook (lifecycle.TRANSITIONS): after the image and the
-        # weights are on disk going into the pool, once the container starts going into service. A longer first
-        # boot heartbeats it.
-        hook = self.group.add_lifecycle_hook(
-            "Warm",
-            lifecycle_hook_name=WARM_HOOK,
-            lifecycle_transition=autoscaling.LifecycleTransition.INSTANCE_LAUNCHING,
-            heartbeat_timeout=Duration.seconds(min(MAX_HOOK_TIMEOUT_S, self._resolved.ready_window_s)),
-            default_result=autoscaling.DefaultResult.ABANDON,
-        )
-        return pool, hook
 
     # ---- the load balancer in front ------------------------------------------------------------------------
 
