@@ -128,6 +128,48 @@ def diff_plans(old: Any, new: Any, *, old_source: str = "old", new_source: str =
     return tuple(out)
 
 
+def _scales(row: Mapping[str, Any]) -> bool | None:
+    """Whether the plan's deployment scales (its ``replica_range``, [min, max]); None where the plan does not say
+    (one written before kvfleet recorded it)."""
+    rng = row.get("replica_range")
+    if isinstance(rng, list) and len(rng) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in rng):
+        return bool(rng[1] > rng[0])
+    return None
+
+
+def refused_updates(
+    old: Any, new: Any, *, rules: Mapping[str, str], old_source: str = "old", new_source: str = "new"
+) -> tuple[str, ...]:
+    """One line per deployment whose release its platform fails in one update: ``rules`` maps a platform to the
+    two deploys it takes instead (kvfleet.targets' ``type_change``); the release changes the instance type of a
+    deployment the deployed plan scales. A deployed plan that does not say whether it scales is not refused: a
+    fixed-size deployment could then never be released."""
+    a, b = _rows(old, old_source), _rows(new, new_source)
+    out = []
+    for name, row in b.items():
+        before = a.get(name)
+        platform = row.get("platform")
+        if before is None or not isinstance(platform, str) or before.get("platform") != platform:
+            continue
+        procedure = rules.get(platform)
+        was, now = _chosen(before).get("instance_type"), _chosen(row).get("instance_type")
+        if procedure is None or was is None or now is None or was == now or not _scales(before):
+            continue
+        low, high = before["replica_range"]
+        out.append(
+            f"{new_source}: {name}: instance type {was} -> {now} fails in one update on {platform}, where the "
+            f"deployed plan scales it ({low}-{high} replicas); {procedure}"
+        )
+    return tuple(out)
+
+
+def check_updates(old: Any, new: Any, *, rules: Mapping[str, str], old_source: str, new_source: str) -> None:
+    """Refuse a release its platforms would fail in one update (``refused_updates``), naming the two deploys."""
+    refused = refused_updates(old, new, rules=rules, old_source=old_source, new_source=new_source)
+    if refused:
+        raise KvfleetError(" | ".join(refused))
+
+
 def describe(changes: Sequence[Change]) -> str:
     """One line per change, under its deployment."""
     lines = []

@@ -39,16 +39,18 @@ def test_a_longer_context_moves_the_instance_and_the_price(tmp_path: Path, capsy
     assert got["--max-model-len"] == ("5,120", "17,408")
     assert got["--max-num-seqs"] == ("16", "32")
     assert "fleet $/h" in got and got["fleet $/h"][1].endswith("%)")
-    # The CLI, on the two files: the same lines, and --exit-code says it changed.
-    assert main(["diff", str(DEV), str(longer), "--exit-code"]) == 1
-    out = capsys.readouterr().out
+    # The CLI, on the two files: the same lines, then the refusal: dev scales on SageMaker, whose update fails on a
+    # new instance type (tests/test_plandiff_type_change.py).
+    assert main(["diff", str(DEV), str(longer), "--exit-code"]) == 2
+    out, err = capsys.readouterr()
     assert out.startswith("chat: changed\n") and "  --max-model-len: 5,120 -> 17,408" in out
+    assert "fails in one update" in err
     saved = tmp_path / "deployed.json"
     saved.write_text(json.dumps(before), encoding="utf-8")
-    assert main(["diff", str(saved), str(longer), "--markdown"]) == 0
+    assert main(["diff", str(saved), str(longer), "--markdown"]) == 2
     md = capsys.readouterr().out
     assert "| --max-model-len | 5,120 | 17,408 |" in md and md.startswith("### Plan changes:")
-    assert main(["diff", str(saved), str(longer), "--json"]) == 0
+    assert main(["diff", str(saved), str(longer), "--json"]) == 2
     [doc] = json.loads(capsys.readouterr().out)
     assert doc["deployment"] == "chat" and doc["status"] == "changed"
     assert {"what": "--max-model-len", "before": "5,120", "after": "17,408"} in doc["changes"]

@@ -29,7 +29,8 @@ def add_parser(sub: Any) -> None:
 
 def run(a: argparse.Namespace) -> int:
     """What a release changes in the plan: each side an environment file (planned now) or `kvfleet plan --json`."""
-    from kvfleet.plandiff import describe, diff_plans, markdown
+    from kvfleet.plandiff import check_updates, describe, diff_plans, markdown
+    from kvfleet.targets import type_change_rules
 
     sides = []
     for src in (a.old, a.new):
@@ -55,6 +56,8 @@ def run(a: argparse.Namespace) -> int:
         print(json.dumps([_change_json(c) for c in changes], indent=2))
     else:
         print(markdown(changes, sides[0][0], sides[1][0]) if a.markdown else describe(changes))
+    # A change its platform would fail in one update (a target record's type_change) is refused, with its two deploys.
+    check_updates(sides[0][1], sides[1][1], rules=type_change_rules(), old_source=a.old, new_source=a.new)
     return 1 if a.exit_code and any(c.lines for c in changes) else 0
 
 

@@ -129,6 +129,8 @@ def plan_json(name: str, target: str, p: Plan, top: int) -> dict[str, Any]:
         "deployment": name,
         "model": p.request.model.model_id,
         "platform": target,
+        # The replicas the planner sized between (min floored at 1): `kvfleet diff` reads whether it scales.
+        "replica_range": [p.request.min_replicas, p.request.max_replicas],
         "candidates": [_candidate_json(c, p.request.workload) for c in p.candidates[:top]],
         **({"simulated": _simulated_json(p)} if p.candidates else {}),
         "rejections": [

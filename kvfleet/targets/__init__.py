@@ -36,6 +36,35 @@ TARGET_MODULES: dict[str, str] = {
 PARTS = ("config", "infra", "live", "pipeline")
 
 
+# What the agent needs after its drain budget to end each remaining stream with an error event and close it
+# (kvfleet.agent.server.ABORT_GRACE_S; a test holds them equal): a platform's kill must come no sooner.
+STREAM_CLOSE_S = 5
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScaleInDrain:
+    """A platform that kills a replica its autoscaler removes a fixed time after asking it to stop, whatever the
+    deployment's drain budget: the generations still running then are cut. The rule and where it is written."""
+
+    kill_after_s: int  # from the stop signal (SIGTERM) to the kill (SIGKILL)
+    rule: str
+    source: str
+
+    def drain_s(self, budget_s: int) -> int:
+        """The drain a removed replica gets: the budget, or less where the kill comes first (ending the remaining
+        streams with an error event before it, not with a cut connection)."""
+        return max(0, min(budget_s, self.kill_after_s - STREAM_CLOSE_S))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TypeChangeRule:
+    """A platform that fails an update changing the instance type of a deployment registered for autoscaling: the
+    change takes two deploys, ``procedure`` (one line), and kvfleet refuses it in one (`kvfleet diff`)."""
+
+    procedure: str
+    source: str
+
+
 @dataclass(frozen=True, kw_only=True)
 class Target:
     name: str
@@ -56,6 +85,11 @@ class Target:
     # Whether the target can keep a warm pool of pre-initialized instances (EC2 Auto Scaling's), which the standby
     # comparison then replays.
     warm_pools: bool = False
+    # How the platform ends a replica its autoscaler removes, where it kills it before the drain budget runs out
+    # (the simulator cuts what is still running then); None: the target's own drain waits the budget out.
+    scale_in_drain: ScaleInDrain | None = None
+    # Where an instance-type change of a scaling deployment takes two deploys; None: one update does it.
+    type_change: TypeChangeRule | None = None
 
 
 def unknown_target(name: str) -> str:
@@ -101,4 +135,21 @@ def target(name: str) -> Target:
     return TARGETS[name]
 
 
-__all__ = ["PARTS", "TARGETS", "TARGET_MODULES", "Target", "part", "target", "unknown_target"]
+def type_change_rules() -> dict[str, str]:
+    """Each target whose instance-type change of a scaling deployment takes two deploys -> those deploys."""
+    return {name: t.type_change.procedure for name, t in TARGETS.items() if t.type_change is not None}
+
+
+__all__ = [
+    "PARTS",
+    "STREAM_CLOSE_S",
+    "TARGETS",
+    "TARGET_MODULES",
+    "ScaleInDrain",
+    "Target",
+    "TypeChangeRule",
+    "part",
+    "target",
+    "type_change_rules",
+    "unknown_target",
+]

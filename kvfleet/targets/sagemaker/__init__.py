@@ -9,7 +9,46 @@ from __future__ import annotations
 
 from kvfleet.scaling.kinds import AutoscalerKind
 from kvfleet.sizing.hosting import Hosting, PriceList, Routing
-from kvfleet.targets import Target
+from kvfleet.targets import ScaleInDrain, Target, TypeChangeRule
+
+# Scale-in. Application Auto Scaling changes a variant's instance count through UpdateEndpointWeightsAndCapacities
+# (its service-linked role's managed policy, AWSApplicationAutoscalingSageMakerEndpointPolicy, grants that action
+# and no other that changes a variant). For that call SageMaker documents the stop of the container on each instance
+# it removes: SIGTERM, then SIGKILL thirty seconds later (and the same for the old containers an UpdateEndpoint
+# replaces). It documents no wait before the SIGTERM and nothing that first stops routing to the instance: a
+# termination wait and rolling intervals are UpdateEndpoint's DeploymentConfig, and UpdateEndpointWeightsAndCapacities
+# takes only EndpointName and DesiredWeightsAndCapacities (API Reference). Nor does it document a drain of
+# inference-component copies on scale-in (kvfleet deploys variants, not inference components).
+SCALE_IN = ScaleInDrain(
+    kill_after_s=30,
+    rule=(
+        "a scale-in stops the container with SIGTERM and kills it 30 s later, whatever scaling.drain_budget_s says; "
+        "the agent drains for what is left of those 30 s and ends the generations still running with an error"
+    ),
+    source=(
+        "SageMaker Developer Guide, 'Custom Inference Code with Hosting Services', How SageMaker Runs Your "
+        "Inference Image (UpdateEndpointWeightsAndCapacities: 'The command sends the SIGTERM signal, then it sends "
+        "the SIGKILL signal thirty seconds later'); AWS Managed Policy Reference, "
+        "AWSApplicationAutoscalingSageMakerEndpointPolicy (v2)"
+    ),
+)
+
+# An update changing the instance type of a variant registered with Application Auto Scaling fails; deregistering
+# it first is the documented way. CloudFormation cannot do that step inside the stack's one update: it updates or
+# creates resources first and deletes the removed or replaced ones last ("Update behaviors of stack resources":
+# it "creates the replacement resource first ... and then deletes the old resource"), and the scalable target
+# names the endpoint, so the endpoint's update runs while the variant is still registered. A new variant name
+# does not help: removing a variant configured for autoscaling needs the same deregistration.
+TYPE_CHANGE = TypeChangeRule(
+    procedure=(
+        "deploy first with scaling.max_replicas equal to min_replicas on the deployed instance type (the stack "
+        "deregisters the variant), then the new instance type with the range back"
+    ),
+    source=(
+        "SageMaker Developer Guide, 'Update endpoints that use auto scaling' (endpoint-scaling-update.html); "
+        "CloudFormation User Guide, 'Update behaviors of stack resources', Replacement"
+    ),
+)
 
 # EC2 instances in a Kubernetes node group or an Auto Scaling group: the shape the nothing-fits message suggests.
 _WIDER = Hosting(price_list=PriceList.EC2, routing=Routing.RANDOM)
@@ -35,4 +74,6 @@ TARGET = Target(
     # Application Auto Scaling takes a variant to zero only for endpoints built from inference components
     # (SageMaker Developer Guide, "Scale an endpoint to zero instances"); kvfleet deploys variants.
     no_scale_to_zero="a real-time endpoint's production variant keeps at least one instance",
+    scale_in_drain=SCALE_IN,
+    type_change=TYPE_CHANGE,
 )
