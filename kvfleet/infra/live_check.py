@@ -20,6 +20,37 @@ def live_check_stack_name(environment: str) -> str:
     return f"kvfleet-{environment}-live-check"
 
 
+# The path of the pipeline's check-step roles (in the pipeline's account); a stage's live-check role trusts the roles
+# under its environment's path only, so no other principal of the pipeline account (its deploy, build and
+# self-mutation roles included) can assume it.
+CHECK_STEP_ROLE_PATH = "/kvfleet-check-step/"
+
+
+def check_step_role_path(environment: str) -> str:
+    """The path of the role the check step of ``environment`` runs as (an IAM path: '/' and printable ASCII)."""
+    return f"{CHECK_STEP_ROLE_PATH}{environment}/"
+
+
+def check_step_trust(partition: str, pipeline_account: str, environment: str) -> dict[str, dict[str, str]]:
+    """The condition the live-check role's trust puts on the pipeline account: the caller's role is under this
+    environment's check-step path. aws:PrincipalArn is the calling role's ARN, path included, not its session's
+    (IAM User Guide, "AWS global condition context keys": aws:PrincipalArn)."""
+    arn = f"arn:{partition}:iam::{pipeline_account}:role{check_step_role_path(environment)}*"
+    return {"ArnLike": {"aws:PrincipalArn": arn}}
+
+
+def check_step_role(scope: Construct, id: str, *, environment: str) -> iam.Role:
+    """The role the pipeline's check step for ``environment`` runs as: CodeBuild's, under the path the stage's
+    live-check role trusts. The pipeline gives it to that step (``CodeBuildStep(role=...)``); its name is generated."""
+    return iam.Role(
+        scope,
+        id,
+        assumed_by=iam.ServicePrincipal("codebuild.amazonaws.com"),
+        path=check_step_role_path(environment),
+        description=f"kvfleet release pipeline: the live check of environment {environment}",
+    )
+
+
 # A cdk-nag IAM5 finding's resource and the reason the wildcard stands.
 _Wildcard = tuple[str, str]
 
@@ -42,8 +73,10 @@ class LiveCheckStack(Stack):
         self.role = iam.Role(
             self,
             "Role",
-            # The pipeline account's check steps; their own policy names this role's path, nothing wider.
-            assumed_by=iam.AccountPrincipal(pipeline_account),
+            # The pipeline account's check step of this environment only (check_step_role), by its role's path.
+            assumed_by=iam.AccountPrincipal(pipeline_account).with_conditions(
+                check_step_trust(cdk.Aws.PARTITION, pipeline_account, environment.name)
+            ),
             path=CHECK_ROLE_PATH,
             max_session_duration=Duration.hours(1),
             description=f"kvfleet check of environment {environment.name}",

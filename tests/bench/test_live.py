@@ -22,6 +22,7 @@ from tests.bench.test_sagemaker import runtime
 from tests.infra.helpers import REPO
 
 NOW = datetime.datetime(2026, 12, 1, tzinfo=datetime.UTC)
+DOC = "kvfleet-staging-chat-ProbeDocument-AbCdEf012345"  # CloudFormation names it
 COMMAND_ID = "0f6e2b1c-3a4d-4e5f-8a9b-0c1d2e3f4a5b"  # SendCommand ids are UUIDs (36 characters)
 
 
@@ -110,7 +111,8 @@ def test_the_run_command_script_reads_the_agents_health_generation_and_cache() -
 
 
 def _ec2(session: Session, r: ResolvedDeployment, stdout: str, *, healthy: bool = True) -> None:
-    _stack(session, r, {"LoadBalancerDns": "internal-x.elb.amazonaws.com", "AutoScalingGroupName": "asg-1"})
+    outputs = {"LoadBalancerDns": "internal-x.elb.amazonaws.com", "AutoScalingGroupName": "asg-1", "ProbeDocument": DOC}
+    _stack(session, r, outputs)
     instance = {
         "InstanceId": "i-0123456789abcdef0",
         "AvailabilityZone": "us-east-1a",
@@ -145,9 +147,8 @@ def _ec2(session: Session, r: ResolvedDeployment, stdout: str, *, healthy: bool 
         {"Command": {"CommandId": COMMAND_ID}},
         {
             "InstanceIds": ["i-0123456789abcdef0"],
-            "DocumentName": "AWS-RunShellScript",
+            "DocumentName": DOC,  # the fleet stack's probe document: no parameters
             "Comment": f"kvfleet check {r.deployment_id}",
-            "Parameters": {"commands": probe_script(r), "executionTimeout": ["180"]},
             "TimeoutSeconds": 300,
         },
     )
@@ -173,7 +174,7 @@ def test_an_ec2_deployment_is_checked_on_an_instance_through_run_command() -> No
     _ec2(session, r, out)
     check = check_deployment(r, session=session, sleep=lambda s: None)
     assert check.passed, check.lines
-    assert [line.split()[0] for line in check.lines] == ["ok"] * 4
+    assert [line.split()[0] for line in check.lines] == ["ok"] * 3 + ["note"]  # no generation through Run Command
     for stub in session.stubs.values():
         stub.assert_no_pending_responses()
 

@@ -12,6 +12,9 @@ from kvfleet.scaling.kinds import AutoscalerKind
 from kvfleet.sizing.hosting import Hosting, PriceList, Routing
 from kvfleet.targets import Target
 
+# The stack output naming the Run Command document `kvfleet check` sends an instance (infra/probe.py).
+PROBE_OUTPUT = "ProbeDocument"
+
 TARGET = Target(
     name="ec2",
     summary="an EC2 GPU Auto Scaling group behind a load balancer",

@@ -29,7 +29,9 @@ from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
 from kvfleet import contract
+from kvfleet.config.loader import environment_path
 from kvfleet.deployments import ResolvedDeployment
+from kvfleet.errors import KvfleetError
 from kvfleet.infra.context import ServingContext
 from kvfleet.infra.cuda import host_for_image, hosts, nvidia_gpu
 from kvfleet.infra.iam import grant_model_read, grant_token_read, put_metric_data
@@ -44,7 +46,9 @@ from kvfleet.targets.ec2 import TARGET
 from kvfleet.targets.ec2.config import Ec2Target
 from kvfleet.targets.ec2.infra.hosts import HOSTS
 from kvfleet.targets.ec2.infra.lifecycle import LAUNCHING, TERMINATING
+from kvfleet.targets.ec2.infra.probe import PROBE_OUTPUT, probe_document
 from kvfleet.targets.ec2.infra.user_data import Boot, user_data_script
+from kvfleet.targets.host_lock import LockError, PinnedImage, lock_path, pinned, read_lock
 from kvfleet.volumes import root_volume
 
 _ADDRESS = TARGET.address_output or ""  # the stack output `kvfleet bench --env` reads
@@ -180,7 +184,7 @@ class Ec2Fleet(Construct):
         self.role = self._instance_role()
         policy, image = self._instance_policy(context.region)
         self.instance_security_group: ec2.ISecurityGroup = self._network.security_group
-        self.launch_template = self._launch_template(image)
+        self.launch_template = self._launch_template(image, context.region)
         self.instance_types = fleet_instance_types(self._resolved)
         self.group = self._group()
         self.hooks = self._hooks()
@@ -204,6 +208,7 @@ class Ec2Fleet(Construct):
         self.outputs: Mapping[str, str] = {
             _ADDRESS: self.load_balancer.load_balancer_dns_name,
             TARGET.group_output or "": self.group.auto_scaling_group_name,
+            PROBE_OUTPUT: probe_document(self).ref,
         }
 
     # ---- the instances' identity: least privilege ----------------------------------------------------------
@@ -260,31 +265,54 @@ class Ec2Fleet(Construct):
 
     # ---- what an instance boots ----------------------------------------------------------------------------
 
-    def _check_driver(self) -> None:
-        """The AMI's NVIDIA driver must run the image's CUDA. Only AMIs whose driver is known (the default DLAMI
-        parameter, hosts.json) can be checked; another parameter is the user's to vouch for."""
+    def _pinned_image(self, region: str | None) -> PinnedImage | None:
+        """The AMI the environment's lock pins for this deployment's parameter and region (kvfleet.targets.host_lock),
+        found beside the environment file the app was given (the ``env`` and ``environments_dir`` context); None
+        without a lock row, or with the region unknown at synth."""
+        name = self.node.try_get_context("env")
+        if name is None or region is None:
+            return None
+        path = lock_path(environment_path(str(name), environments_dir=self.node.try_get_context("environments_dir")))
+        try:
+            images = read_lock(path)
+        except LockError as err:
+            raise KvfleetError(str(err), field="target.ami_parameter") from None
+        return pinned(images, self._target.host_image_parameter(), region)
+
+    def _check_driver(self, pin: PinnedImage | None) -> None:
+        """The AMI's NVIDIA driver must run the image's CUDA. A pinned AMI is checked by its release (hosts.json
+        names each release's driver, and one missing there fails synth); an unpinned one only when it is the default
+        parameter, whose driver is as of the release hosts.json names. Another parameter is the user's to vouch for."""
         r, target = self._resolved, self._target
         gpu = nvidia_gpu(r)
         known = {h.setting for h in hosts(HOSTS)}
-        if gpu is None or target.ami_parameter not in known:
+        if gpu is None or (pin is None and target.ami_parameter not in known):
             return
         host_for_image(
             rule=HOSTS,
             image=f"{r.deployment.image.source} image of {r.engine} {r.deployment.engine.version}",
             cuda=serving_image_cuda(r),
-            pinned=target.ami_parameter,
+            pinned=pin.image_name if pin is not None else target.ami_parameter,
             gpu=gpu,
         )
 
-    def _launch_template(self, image: str) -> ec2.LaunchTemplate:
+    def _launch_template(self, image: str, region: str | None) -> ec2.LaunchTemplate:
         r, target = self._resolved, self._target
-        self._check_driver()
+        pin = self._pinned_image(region)
+        self._check_driver(pin)
         nvme = weights_on_local_nvme(r, target)
         root = root_volume(r, nvme=nvme)
+        # Pinned: the AMI id itself, so a deploy replaces no instance until the lock changes. Unpinned: the
+        # parameter's value at each deploy (a CloudFormation SSM parameter type), as before the lock.
+        machine_image = (
+            ec2.MachineImage.generic_linux({pin.region: pin.image_id})
+            if pin is not None
+            else ec2.MachineImage.from_ssm_parameter(target.ami_parameter)
+        )
         return ec2.LaunchTemplate(
             self,
             "LaunchTemplate",
-            machine_image=ec2.MachineImage.from_ssm_parameter(target.ami_parameter),
+            machine_image=machine_image,
             instance_type=ec2.InstanceType(r.candidate.instance.name),
             role=self.role,
             security_group=self._network.security_group,
