@@ -3,8 +3,10 @@ what deployments sharing a cluster need of each other."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from datetime import date
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from datetime import UTC, date, datetime
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -21,8 +23,10 @@ if TYPE_CHECKING:
 # The Amazon EKS Kubernetes release calendar: version -> (EKS release, end of standard support, end of extended
 # support). Source: docs.aws.amazon.com/eks/latest/userguide/kubernetes-versions.html#kubernetes-release-calendar
 # (standard support for 14 months from the EKS release, then 12 months of extended support at extra cost per
-# cluster hour), checked on EKS_CALENDAR_CHECKED. A version joins EksVersion when kvfleet's kubectl layer (one
-# minor either side) and a Cluster Autoscaler image of that minor cover it.
+# cluster hour), read on EKS_CALENDAR_CHECKED. Synth holds a version to these dates on the day it runs
+# (support_date). A version joins EksVersion when aws-cdk-lib's eks-v2 KubernetesVersion offers it, kvfleet's
+# kubectl layer (one minor either side) and a Cluster Autoscaler image of that minor cover it, and its row is here
+# (tests/infra/eks/test_versions.py holds all four).
 EKS_CALENDAR_CHECKED = date(2026, 12, 1)
 EKS_VERSION_CALENDAR: dict[str, tuple[date, date, date]] = {
     "1.33": (date(2025, 5, 29), date(2026, 7, 29), date(2027, 7, 29)),
@@ -33,6 +37,60 @@ EksVersion = Literal["1.33", "1.34", "1.35"]
 # A new cluster starts with at least this much standard support left, so its first upgrade is planned, not forced
 # into extended-support pricing within weeks.
 NEW_CLUSTER_MIN_STANDARD_SUPPORT_DAYS = 90
+
+# The day the support window is checked on: today (UTC) unless a caller fixes it (support_window_at).
+_SUPPORT_DATE: ContextVar[date | None] = ContextVar("kvfleet_eks_support_date", default=None)
+
+
+def support_date() -> date:
+    """The day synth holds the Kubernetes version to the EKS calendar on: today in UTC, the calendar's timezone."""
+    return _SUPPORT_DATE.get() or datetime.now(UTC).date()
+
+
+@contextmanager
+def support_window_at(day: date) -> Iterator[None]:
+    """Check the support window as on ``day`` (tests, and a synth replayed for a past or future date)."""
+    token = _SUPPORT_DATE.set(day)
+    try:
+        yield
+    finally:
+        _SUPPORT_DATE.reset(token)
+
+
+def support_problem(version: str, *, new_cluster: bool, today: date) -> str | None:
+    """What the EKS calendar says against ``version`` on ``today``; None when it may be used. A new cluster needs
+    NEW_CLUSTER_MIN_STANDARD_SUPPORT_DAYS of standard support left; an existing one may run in extended support,
+    but not past its end (EKS then upgrades the control plane itself, and the manifests were validated for this
+    version)."""
+    released, standard_end, extended_end = EKS_VERSION_CALENDAR[version]
+    usable = [
+        v
+        for v, (_, end, _) in EKS_VERSION_CALENDAR.items()
+        if (end - today).days >= NEW_CLUSTER_MIN_STANDARD_SUPPORT_DAYS
+    ]
+    instead = (
+        f"create a new cluster on {max(usable, key=_minor)}" if usable else "no version kvfleet knows has enough left"
+    )
+    if new_cluster:
+        left = (standard_end - today).days
+        if today < released:
+            return f"EKS releases {version} on {released}, after {today}; {instead}"
+        if left < NEW_CLUSTER_MIN_STANDARD_SUPPORT_DAYS:
+            return (
+                f"EKS standard support for {version} ends {standard_end} ({max(left, 0)} days after {today}, fewer "
+                f"than {NEW_CLUSTER_MIN_STANDARD_SUPPORT_DAYS}); {instead}"
+            )
+        return None
+    if today > extended_end:
+        return (
+            f"EKS extended support for {version} ended {extended_end}: EKS upgrades the cluster's control plane "
+            "itself; upgrade the cluster and set the version it runs"
+        )
+    return None
+
+
+def _minor(version: str) -> int:
+    return int(version.split(".")[1])
 
 
 class ExistingCluster(Frozen):
@@ -134,16 +192,10 @@ class EksTarget(TargetSection):
     )
 
     @model_validator(mode="after")
-    def _new_cluster_version(self) -> EksTarget:
-        if self.cluster is None:
-            end = EKS_VERSION_CALENDAR[self.kubernetes_version][1]
-            left = (end - EKS_CALENDAR_CHECKED).days
-            if left < NEW_CLUSTER_MIN_STANDARD_SUPPORT_DAYS:
-                newest = max(EKS_VERSION_CALENDAR, key=lambda v: EKS_VERSION_CALENDAR[v][1])
-                raise ValueError(
-                    f"kubernetes_version: EKS standard support for {self.kubernetes_version} ends {end} ("
-                    f"{max(left, 0)} days after {EKS_CALENDAR_CHECKED}); create a new cluster on {newest}"
-                )
+    def _supported_version(self) -> EksTarget:
+        problem = support_problem(self.kubernetes_version, new_cluster=self.cluster is None, today=support_date())
+        if problem is not None:
+            raise ValueError(f"kubernetes_version: {problem}")
         return self
 
     @model_validator(mode="after")

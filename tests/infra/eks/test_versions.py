@@ -1,8 +1,10 @@
-"""Kubernetes versions the EKS target accepts: the EKS release calendar, kubectl's skew, Cluster Autoscaler images."""
+"""Kubernetes versions the EKS target accepts: the EKS release calendar held against the day synth runs, the
+versions the pinned aws-cdk-lib offers, kubectl's skew, Cluster Autoscaler images."""
 
 from __future__ import annotations
 
-from datetime import date
+import re
+from datetime import UTC, date, datetime
 from typing import get_args
 
 import pytest
@@ -14,6 +16,8 @@ from kvfleet.targets.eks.config import (
     NEW_CLUSTER_MIN_STANDARD_SUPPORT_DAYS,
     EksTarget,
     EksVersion,
+    support_date,
+    support_window_at,
 )
 from kvfleet.targets.eks.infra.addons import CLUSTER_AUTOSCALER_IMAGE_TAGS
 from kvfleet.targets.eks.infra.service import KUBECTL_MINOR
@@ -58,7 +62,7 @@ def test_the_default_is_a_version_in_standard_support() -> None:
 @pytest.mark.parametrize("version", ["1.33", "1.34"])
 def test_a_new_cluster_on_a_version_leaving_standard_support_is_refused(version: str) -> None:
     text = PLATFORM.replace('kubernetes_version: "1.35"', f'kubernetes_version: "{version}"')
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(ConfigError) as err, support_window_at(EKS_CALENDAR_CHECKED):
         environment(text)
     [line] = err.value.lines
     assert f"deployments[0].target.kubernetes_version: EKS standard support for {version} ends" in line
@@ -68,4 +72,62 @@ def test_a_new_cluster_on_a_version_leaving_standard_support_is_refused(version:
 
 
 def test_an_existing_cluster_may_still_run_an_extended_support_version() -> None:
-    environment(SHARED.replace('kubernetes_version: "1.34"', 'kubernetes_version: "1.33"'))
+    with support_window_at(EKS_CALENDAR_CHECKED):
+        environment(SHARED.replace('kubernetes_version: "1.34"', 'kubernetes_version: "1.33"'))
+
+
+def test_the_window_is_the_day_synth_runs_not_a_fixed_date() -> None:
+    # 1.35's standard support ends 2027-03-27: a new cluster gets it until 90 days before, then is refused.
+    with support_window_at(date(2026, 12, 27)):
+        environment(PLATFORM)
+    with support_window_at(date(2026, 12, 28)), pytest.raises(ConfigError) as err:
+        environment(PLATFORM)
+    assert "EKS standard support for 1.35 ends 2027-03-27 (89 days after 2026-12-28" in err.value.lines[0]
+    # An existing cluster may stay in extended support, to its end and not a day past it.
+    text = SHARED.replace('kubernetes_version: "1.34"', 'kubernetes_version: "1.33"')
+    with support_window_at(date(2027, 7, 29)):
+        environment(text)
+    with support_window_at(date(2027, 7, 30)), pytest.raises(ConfigError) as err:
+        environment(text)
+    assert "EKS extended support for 1.33 ended 2027-07-29" in err.value.lines[0]
+    # A version before its EKS release is refused for a new cluster.
+    with support_window_at(date(2025, 12, 1)), pytest.raises(ConfigError) as err:
+        environment(PLATFORM)
+    assert "EKS releases 1.35 on 2026-01-27" in err.value.lines[0]
+
+
+def test_without_a_fixed_day_the_window_is_today() -> None:
+    assert support_date() == datetime.now(UTC).date()
+    with support_window_at(date(2030, 1, 1)):
+        assert support_date() == date(2030, 1, 1)
+    assert support_date() == datetime.now(UTC).date()
+
+
+def test_the_default_gives_a_new_cluster_today_enough_standard_support() -> None:
+    # Fails on the day the default's standard support has fewer than 90 days left: time to add and default to the
+    # next version (its calendar row, kubectl layer and Cluster Autoscaler image).
+    default = EksTarget.model_fields["kubernetes_version"].default
+    left = (EKS_VERSION_CALENDAR[default][1] - support_date()).days
+    assert left >= NEW_CLUSTER_MIN_STANDARD_SUPPORT_DAYS, (default, left)
+
+
+def _cdk_versions() -> set[str]:
+    """The versions aws-cdk-lib's eks-v2 KubernetesVersion offers as constants (V1_33, ...), from the installed
+    package."""
+    from aws_cdk import aws_eks_v2 as eks
+
+    return {f"1.{name.split('_')[1]}" for name in dir(eks.KubernetesVersion) if re.fullmatch(r"V1_[0-9]+", name)}
+
+
+def test_every_accepted_version_is_one_the_pinned_cdk_offers() -> None:
+    offered = _cdk_versions()
+    assert set(ACCEPTED) <= offered, sorted(set(ACCEPTED) - offered)
+
+
+def test_the_newer_versions_the_cdk_offers_are_known_gaps() -> None:
+    # aws-cdk-lib 2.275.0 offers 1.36; kvfleet does not yet: it needs EKS's calendar row for it, a kubectl layer
+    # within one minor (the provider's layer is kubectl 1.34: aws-cdk.lambda-layer-kubectl-v35 or -v36) and a
+    # Cluster Autoscaler 1.36 image. This fails when either side moves, so the list is revisited.
+    newest = max(ACCEPTED, key=lambda v: int(v.split(".")[1]))
+    newer = {v for v in _cdk_versions() if int(v.split(".")[1]) > int(newest.split(".")[1])}
+    assert newer == {"1.36"}
