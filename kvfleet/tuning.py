@@ -168,7 +168,8 @@ def sim_scaling(r: ResolvedDeployment) -> Scaling:
         queue_target=s.queue_depth_target,
         scale_in_cooldown_s=s.scale_in_wait_s,
         stabilization_s=s.scale_in_wait_s,
-        drain_budget_s=s.drain_budget_s,
+        # A target that kills a removed replica sooner cuts the drain (and what still runs then).
+        drain_budget_s=target.scale_in_drain.drain_s(s.drain_budget_s) if target.scale_in_drain else s.drain_budget_s,
         idle_to_zero_s=float(r.idle_to_zero_s),
     )
 

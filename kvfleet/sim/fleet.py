@@ -50,6 +50,8 @@ class Scaling:
     scale_out_cooldown_s: float = 60.0
     scale_in_cooldown_s: float = 300.0  # the scale-in wait of target tracking and EC2's one-fewer rule
     stabilization_s: float = 300.0  # HPA scale-down window
+    # How long a removed replica drains before what it still runs is cut: the deployment's drain budget, or less
+    # where the target kills a stopped replica sooner (kvfleet.targets.Target.scale_in_drain).
     drain_budget_s: float = 300.0
     # With min_replicas 0: the time without arrivals after which the fleet goes to zero (None: the scale-in wait),
     # and the delay from the first request refused at zero to the launch that wakes it.
@@ -249,7 +251,7 @@ class Fleet:
         if not r.outstanding:
             m.gone_s = max(r.clock, m.drain_started_s)
         elif t - m.drain_started_s >= self.spec.scaling.drain_budget_s:
-            r.abort_all(t)
+            self.stats.cut_by_scale_in += r.abort_all(t)
             m.gone_s = m.drain_started_s + self.spec.scaling.drain_budget_s
 
     # ---- autoscaling --------------------------------------------------------------------------------------

@@ -65,7 +65,9 @@ class Stats:
         self.preemptions = 0
         self.rejected_429 = 0
         self.rejected_503 = 0
-        self.aborted = 0
+        self.aborted = 0  # ended with an error: refused by the engine, or cut by a scale-in (below)
+        # Of those, the requests a scale-in cut: running or queued on a removed replica when its drain ended.
+        self.cut_by_scale_in = 0
         self.prefix_hit_tokens = 0
         self.prompt_tokens = 0
         self.output_tokens = 0

@@ -42,6 +42,9 @@ class SimReport:
     # Served over the run, from the first arrival to the last answer (how benchmark clients count throughput).
     output_tokens_per_s: float = 0.0
     requests_per_s: float = 0.0
+    # Of ``aborted``, those a scale-in cut: on a removed replica when its drain ended (the drain budget, or the
+    # platform's kill where it comes first).
+    cut_by_scale_in: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -120,6 +123,7 @@ def summarize(
         simulated_s=result.end_s,
         output_tokens_per_s=sum(r.generated for r in done) / span if span > 0 else 0.0,
         requests_per_s=len(done) / span if span > 0 else 0.0,
+        cut_by_scale_in=s.cut_by_scale_in,
     )
 
 
@@ -132,10 +136,16 @@ def _ms(p: Percentiles | None) -> str:
     )
 
 
+def _aborted(r: SimReport) -> str:
+    if not r.cut_by_scale_in:
+        return f"{r.aborted:,} aborted"
+    return f"{r.aborted:,} aborted ({r.cut_by_scale_in:,} cut by a scale-in: on a removed replica when its drain ended)"
+
+
 def render(r: SimReport) -> str:
     lines = [
         f"requests      {r.requests:,} offered, {r.completed:,} completed, {r.rejected_429:,} refused (429), "
-        f"{r.rejected_503:,} with no replica (503), {r.aborted:,} aborted; {r.preemptions:,} preemptions",
+        f"{r.rejected_503:,} with no replica (503), {_aborted(r)}; {r.preemptions:,} preemptions",
         f"TTFT          {_ms(r.ttft_s)}",
         f"ITL           {_ms(r.itl_s)}",
         f"TPOT          {_ms(r.tpot_s)}",

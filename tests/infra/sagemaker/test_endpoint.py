@@ -105,7 +105,8 @@ def test_container_environment_carries_the_engine_settings(template: Template) -
     assert args.enable_prefix_caching is True
     assert env[contract.ENV_DEPLOYMENT] == "test-chat"
     assert env[contract.ENV_NAMESPACE] == contract.NAMESPACE
-    assert env[contract.ENV_DRAIN_BUDGET_S] == "420"
+    # The file's 420 s, cut to what SageMaker's kill 30 s after SIGTERM leaves (tests/infra/sagemaker/test_scale_in.py).
+    assert env[contract.ENV_DRAIN_BUDGET_S] == "25"
     assert env[contract.ENV_TOKEN_BUDGET] == str(r.candidate.capacity.kv_cache_tokens)
     assert env[contract.ENV_MODEL] == "meta-llama/Llama-3.1-8B"
     assert env[contract.ENV_HF_TOKEN_SECRET_ARN] == "kvfleet/hf-token"

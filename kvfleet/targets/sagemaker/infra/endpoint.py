@@ -50,10 +50,9 @@ ROUTING_STRATEGIES: dict[Routing, str] = {
     Routing.RANDOM: "RANDOM",
 }
 
-# SageMaker developer guide, "Update endpoints that use auto scaling"
-# (https://docs.aws.amazon.com/sagemaker/latest/dg/endpoint-scaling-update.html): an update that changes the
-# instance type of a variant registered with Application Auto Scaling fails; the variant must be deregistered
-# first. The README's SageMaker section gives the two-deploy change (scaling range closed, then reopened).
+# An update that changes the instance type of a variant registered with Application Auto Scaling fails
+# (TARGET.type_change, with its sources): `kvfleet diff` refuses such a release against the deployed plan and
+# names the two deploys that make it.
 
 
 class SageMakerEndpoint(Construct):
@@ -217,10 +216,7 @@ class SageMakerEndpoint(Construct):
             execution_role_arn=self.role.role_arn,
             primary_container=sagemaker.CfnModel.ContainerDefinitionProperty(
                 image=image_uri,
-                environment={
-                    **r.container_environment(isolated=target.network_isolation),
-                    REGION_VARIABLE: Aws.REGION,
-                },
+                environment={**container_environment(r, target), REGION_VARIABLE: Aws.REGION},
                 model_data_source=model_data,
             ),
             vpc_config=sagemaker.CfnModel.VpcConfigProperty(
@@ -308,6 +304,22 @@ class SageMakerEndpoint(Construct):
             period=PERIOD,
             label=label,
         )
+
+
+def container_environment(r: ResolvedDeployment, target: SageMakerTarget) -> dict[str, str]:
+    """The deployment's container environment, the agent's drain budget (where it runs the agent) cut to fit:
+    SageMaker kills a stopped container 30 s after its SIGTERM (TARGET.scale_in_drain), so the agent drains for what
+    fits and ends what still runs with an error event, not a cut connection."""
+    env = dict(r.container_environment(isolated=target.network_isolation))
+    if contract.ENV_DRAIN_BUDGET_S in env:
+        env[contract.ENV_DRAIN_BUDGET_S] = str(agent_drain_s(r))
+    return env
+
+
+def agent_drain_s(r: ResolvedDeployment) -> int:
+    """The agent's drain budget on SageMaker: scaling.drain_budget_s, cut to what the kill after SIGTERM leaves."""
+    stop = TARGET.scale_in_drain
+    return stop.drain_s(r.scaling.drain_budget_s) if stop is not None else r.scaling.drain_budget_s
 
 
 def routing_strategy(routing: Routing) -> str:
