@@ -104,7 +104,22 @@ def _compare(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, 
     for key in SCALING:
         if pa.get(key) != pb.get(key) and (key in pa or key in pb):
             out.append((f"scaling.{key}", _fmt(pa.get(key)), _fmt(pb.get(key))))
+    # A new host image replaces every instance (and moves the NVIDIA driver): shown as the release's change.
+    ia, ib = _host_image(old), _host_image(new)
+    if ia != ib and ib is not None:
+        out.append(("host image", _fmt(ia), ib))
     return out
+
+
+def _host_image(row: Mapping[str, Any]) -> str | None:
+    """What the deployment boots, as the plan's ``host_image`` says (kvfleet.config.host_lock): the pinned image, or
+    the parameter's value at each deploy; None where the plan says nothing (a target without one, an older plan)."""
+    img = row.get("host_image")
+    if not isinstance(img, Mapping):
+        return None
+    if img.get("image_id"):
+        return f"{img['image_id']} ({img.get('image_name') or '?'})"
+    return f"unpinned: {img.get('parameter')} at each deploy"
 
 
 def diff_plans(old: Any, new: Any, *, old_source: str = "old", new_source: str = "new") -> tuple[Change, ...]:

@@ -43,9 +43,16 @@ def run(a: argparse.Namespace) -> int:
             except (ValueError, UnicodeDecodeError) as err:
                 raise KvfleetError(f"{src}: not JSON ({err})", field="plan") from None
         else:
+            from kvfleet.cli.host_images import host_images
+
             results, scalings = plan_environment(src)
+            images = host_images(src)  # what each deployment boots, from the lock beside the file
             rows = [
-                {**plan_json(name, target, p, 1), **({"scaling": sc} if sc else {})}
+                {
+                    **plan_json(name, target, p, 1),
+                    **({"scaling": sc} if sc else {}),
+                    **({"host_image": images[name]} if name in images else {}),
+                }
                 for (name, target, p), sc in zip(results, scalings, strict=True)
             ]
         sides.append((src, rows))

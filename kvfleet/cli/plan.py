@@ -107,6 +107,12 @@ def add_parser(sub: Any) -> None:
         help="compare a warm minimum, an EC2 warm pool and scale to zero on the workload's replay (shown anyway "
         "where the file scales to zero or has a warm pool, or its trace has idle spells longer than the wait)",
     )
+    pl.add_argument(
+        "--refresh-host-images",
+        action="store_true",
+        help="resolve the host images the environment pins (EC2's AMI parameter) again and rewrite its lock "
+        "(<file>.lock.json) before planning: the deliberate change a release then ships (needs AWS credentials)",
+    )
     pl.add_argument("--json", action="store_true")
 
 
@@ -208,7 +214,17 @@ def run(a: argparse.Namespace) -> int:
         measured = (read_calibration(a.calibration).measured(a.calibration),)
     scalings: list[dict[str, Any] | None]
     _refuse_ignored(a)
+    if a.refresh_host_images and not a.environment:
+        raise KvfleetError(
+            "--refresh-host-images rewrites an environment file's lock; give the file", field="environment"
+        )
+    images: dict[str, dict[str, Any]] = {}
     if a.environment:
+        from kvfleet.cli.host_images import host_images, refresh_host_images
+
+        if a.refresh_host_images:
+            print("\n".join(refresh_host_images(a.environment)), file=sys.stderr)
+        images = host_images(a.environment)
         results, scalings = plan_environment(a.environment, measured=measured, derive=a.derive, standby=a.standby)
     else:
         platform = a.platform or DEFAULT_PLATFORM
@@ -224,7 +240,8 @@ def run(a: argparse.Namespace) -> int:
     if a.json:
         rows = []
         for (name, target, p), scaling in zip(results, scalings, strict=True):
-            rows.append({**plan_json(name, target, p, a.top), **({"scaling": scaling} if scaling else {})})
+            row = {**plan_json(name, target, p, a.top), **({"scaling": scaling} if scaling else {})}
+            rows.append({**row, **({"host_image": images[name]} if name in images else {})})
         print(json.dumps(rows, indent=2))
     else:
         for (name, target, p), scaling in zip(results, scalings, strict=True):

@@ -86,9 +86,18 @@ def test_sagemaker_ami_check_fails_on_drift() -> None:
     assert any("gpu-9: not a value the API accepts" in p for p in problems)
 
 
-def test_ec2_host_is_the_targets_default_parameter() -> None:
-    [host] = cuda.hosts(EC2)
-    assert host.setting == Ec2Target.model_fields["ami_parameter"].default
+def test_ec2_hosts_are_the_default_parameter_and_dlami_releases() -> None:
+    # The default parameter (as of its release) and each release a lock may pin, by the AMI name DescribeImages gives.
+    default = Ec2Target.model_fields["ami_parameter"].default
+    hosts = {h.setting: h for h in cuda.hosts(EC2)}
+    assert default in hosts
+    releases = [s for s in hosts if s != default]
+    assert releases and all(
+        s.startswith("Deep Learning Base OSS Nvidia Driver GPU AMI (Amazon Linux 2023) ") for s in releases
+    )
+    # The parameter's row is as of the newest release it names.
+    newest = max(releases, key=lambda s: s.rsplit(" ", 1)[1])
+    assert hosts[default].driver_branch == hosts[newest].driver_branch
     [eks] = cuda.hosts(EKS)
     assert eks.setting == "AL2023_x86_64_NVIDIA" and eks.driver_branch == 580
 

@@ -127,6 +127,10 @@ class Ec2Target(TargetSection):
         default=16, ge=1, le=512, description="Shared memory for the engine (tensor parallelism)."
     )
 
+    def host_image_parameter(self) -> str:
+        """The parameter the environment's lock pins (kvfleet.config.host_lock.PinsHostImage)."""
+        return self.ami_parameter
+
     def region_problems(self, region: str, at: str) -> list[str]:
         cert = self.load_balancer.certificate_arn
         if cert is None or (where := aws.arn_region(cert)) == region:

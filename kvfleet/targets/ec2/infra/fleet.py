@@ -29,6 +29,7 @@ from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
 from kvfleet import contract
+from kvfleet.config.host_lock import LockError, PinnedImage, lock_path, pinned, read_lock
 from kvfleet.config.loader import environment_path
 from kvfleet.deployments import ResolvedDeployment
 from kvfleet.errors import KvfleetError
@@ -48,7 +49,6 @@ from kvfleet.targets.ec2.infra.hosts import HOSTS
 from kvfleet.targets.ec2.infra.lifecycle import LAUNCHING, TERMINATING
 from kvfleet.targets.ec2.infra.probe import PROBE_OUTPUT, probe_document
 from kvfleet.targets.ec2.infra.user_data import Boot, user_data_script
-from kvfleet.targets.host_lock import LockError, PinnedImage, lock_path, pinned, read_lock
 from kvfleet.volumes import root_volume
 
 _ADDRESS = TARGET.address_output or ""  # the stack output `kvfleet bench --env` reads
@@ -266,7 +266,7 @@ class Ec2Fleet(Construct):
     # ---- what an instance boots ----------------------------------------------------------------------------
 
     def _pinned_image(self, region: str | None) -> PinnedImage | None:
-        """The AMI the environment's lock pins for this deployment's parameter and region (kvfleet.targets.host_lock),
+        """The AMI the environment's lock pins for this deployment's parameter and region (kvfleet.config.host_lock),
         found beside the environment file the app was given (the ``env`` and ``environments_dir`` context); None
         without a lock row, or with the region unknown at synth."""
         name = self.node.try_get_context("env")
