@@ -604,3 +604,25 @@ def test_the_amis_driver_runs_the_images_cuda(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(fleet, "hosts", cuda.hosts)
     with pytest.raises(KvfleetError, match=r"CUDA 13\.0"):
         only(EC2_ENV)
+
+
+def test_the_instance_role_pulls_only_its_own_repository(template: Template) -> None:
+    # ecr:GetAuthorizationToken takes no resource (Service Authorization Reference, Amazon ECR: no resource type);
+    # every other ECR action the instances are granted names the one repository they run, never "*".
+    stmts = [s for p in props(template, "AWS::IAM::Policy") for s in p["PolicyDocument"]["Statement"]]
+    ecr = [s for s in stmts if any(str(a).startswith("ecr:") for a in _actions(s))]
+    token = [s for s in ecr if "ecr:GetAuthorizationToken" in _actions(s)]
+    assert token and all(
+        a == "ecr:GetAuthorizationToken" or not a.startswith("ecr:") for s in token for a in _actions(s)
+    )
+    pulls = [s for s in ecr if s not in token]
+    assert pulls and {a for s in pulls for a in _actions(s)} >= {"ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer"}
+    for s in pulls:
+        resources = s["Resource"] if isinstance(s["Resource"], list) else [s["Resource"]]
+        assert len(resources) == 1 and resources[0] != "*"
+        assert json.dumps(resources[0]).endswith(':repository/kvfleet-vllm"]]}')
+
+
+def _actions(statement: dict[str, Any]) -> list[str]:
+    a = statement["Action"]
+    return [a] if isinstance(a, str) else list(a)
