@@ -11,10 +11,13 @@ from kvfleet.config.schema import Environment
 REPO = Path(__file__).resolve().parents[1]
 FEATURE_FLAGS = json.loads((REPO / "cdk.json").read_text(encoding="utf-8"))["context"]
 
-# One SageMaker deployment; tests replace parts of it. Llama-3.1-8B on an L40S instance (local NVMe).
+# One SageMaker deployment; tests replace parts of it. Llama-3.1-8B on an L40S instance (local NVMe). It makes the
+# choices synth asks for: nobody is subscribed to its alarms, and its one tenant shares the prefix cache.
+# SERVING_CHOICE is that block, for tests that write a serving section of their own.
 SAGEMAKER_ENV = """\
 name: test
 region: us-east-1
+notifications: none
 deployments:
   - name: chat
     model:
@@ -35,7 +38,18 @@ deployments:
       drain_budget_s: 420
     sizing:
       instance_type: ml.g6e.xlarge
+    serving:
+      tenancy: single
 """
+
+
+SERVING_CHOICE = "    serving:\n      tenancy: single\n"
+
+
+def with_serving(block: str, text: str = SAGEMAKER_ENV) -> str:
+    """``text`` with its serving section replaced by ``block`` (a deployment key, indented four spaces)."""
+    assert SERVING_CHOICE in text, "the text has the base's serving section"
+    return text.replace(SERVING_CHOICE, block)
 
 
 def environment(text: str = SAGEMAKER_ENV) -> Environment:

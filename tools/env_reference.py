@@ -92,6 +92,18 @@ def _nullable(schema: Schema) -> tuple[Schema, bool]:
     return schema, False
 
 
+def _or_words(schema: Schema) -> tuple[Schema, list[Any]]:
+    """A section that may also be written as a word (``notifications: none``): the section's schema and the words;
+    any other schema as it is, with none."""
+    options = schema.get("anyOf")
+    if isinstance(options, list):
+        refs = [o for o in options if "$ref" in o]
+        words = [o["const"] for o in options if "const" in o]
+        if len(refs) == 1 and len(refs) + len(words) == len(options):
+            return refs[0], words
+    return schema, []
+
+
 def _number(value: Any) -> str:
     return str(int(value)) if isinstance(value, float) and value.is_integer() and abs(value) >= 1000 else str(value)
 
@@ -187,7 +199,7 @@ def build(schema: Schema) -> Section:
     def walk(section: Section) -> None:
         for name, prop in section.schema.get("properties", {}).items():
             key = name if section.depth == 0 else f"{section.path}.{name}"
-            inner, _ = _nullable(prop)
+            inner, _ = _or_words(_nullable(prop)[0])
             if (target := _ref(inner, defs)) is not None:
                 child = Section(
                     path=key,
@@ -233,6 +245,7 @@ def build(schema: Schema) -> Section:
 def _field(name: str, prop: Schema, required: bool, section: Section) -> str:
     """One field: its type and default on the first line, its description after."""
     inner, nullable = _nullable(prop)
+    inner, words = _or_words(inner)
     key = name if section.depth == 0 else f"{section.path}.{name}"
     children = [c for c in section.children if c.path in (key, f"{key}[]")]
     if children and "oneOf" in inner:
@@ -246,7 +259,7 @@ def _field(name: str, prop: Schema, required: bool, section: Section) -> str:
         if lo is not None and hi is not None:
             kind += f", {lo} to {hi} items"
     elif children:
-        kind = f"section {_section_ref(children[0])}"
+        kind = f"section {_section_ref(children[0])}" + "".join(f", or {code(str(w))}" for w in words)
     else:
         kind = _scalar(inner)
     if nullable and not children:

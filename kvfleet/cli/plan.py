@@ -20,7 +20,7 @@ from kvfleet.cli.engine_flags import (
     speculative_from,
     with_rope_flag,
 )
-from kvfleet.cli.plan_output import plan_json, print_plan
+from kvfleet.cli.plan_output import choices, plan_json, print_plan
 from kvfleet.cli.plan_scaling import scaling_section, standby_section
 from kvfleet.engines import ENGINES
 from kvfleet.errors import KvfleetError
@@ -237,11 +237,14 @@ def run(a: argparse.Namespace) -> int:
             f"{m.tensor_parallel_size}, {m.model_id}, {m.engine.value} {m.engine_version}); the plan is the model's",
             file=sys.stderr,
         )
+    # What the file must still decide before synth (who hears the alarms, who shares each prefix cache).
+    decided, decided_rows = choices(a.environment, results) if a.environment else ([], {})
     if a.json:
         rows = []
         for (name, target, p), scaling in zip(results, scalings, strict=True):
             row = {**plan_json(name, target, p, a.top), **({"scaling": scaling} if scaling else {})}
             rows.append({**row, **({"host_image": images[name]} if name in images else {})})
+            rows[-1].update({"choices": decided_rows[name]} if name in decided_rows else {})
         print(json.dumps(rows, indent=2))
     else:
         for (name, target, p), scaling in zip(results, scalings, strict=True):
@@ -249,4 +252,6 @@ def run(a: argparse.Namespace) -> int:
             if scaling:
                 for line in scaling["lines"]:
                     print(line)  # whole lines: a reason is one sentence, and tests and pipelines grep them
+        for line in decided:
+            print(line)
     return 0

@@ -9,8 +9,10 @@ from kvfleet.cli.args import (
     _console,
 )
 from kvfleet.engines import ENGINES
+from kvfleet.errors import KvfleetError
 
 if TYPE_CHECKING:
+    from kvfleet.config.schema import Environment
     from kvfleet.sim.report import SimReport
     from kvfleet.sizing.planner import Candidate, Plan, Workload
 
@@ -284,3 +286,72 @@ def _print_rejections(console: Any, p: Plan, all_rejections: bool) -> None:
     console.print(f"rejected {len(p.rejections)} candidates{more}:")
     for r in shown:
         console.print(f"  - {r.describe()}", markup=False)
+
+
+def choices(environment: str, results: list[tuple[str, str, Plan]]) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """What the file says (or leaves open) of who hears the alarms and who shares each prefix cache: the lines plan
+    prints after the plans, and each deployment's part for its JSON row. Synth refuses what is left open."""
+    from kvfleet.config.choices import undecided
+    from kvfleet.config.loader import environment_path, load_located
+    from kvfleet.deployments import engine_args
+
+    loaded = load_located(environment_path(environment))
+    env = loaded.environment
+    caching = {name: engine_args(p.best).enable_prefix_caching for name, _, p in results if p.candidates}
+    flags = [caching.get(d.name, False) for d in env.deployments]
+    open_lines = {
+        u.field: loaded.problem(KvfleetError(u.message, field=u.field)).lines[0] for u in undecided(env, flags)
+    }
+    lines = [_notifications_line(env, open_lines.get("notifications"))]
+    rows: dict[str, dict[str, Any]] = {}
+    for i, d in enumerate(env.deployments):
+        tenancy = d.serving.declared_tenancy
+        still_open = open_lines.get(f"deployments[{i}].serving.tenancy")
+        if still_open is not None:
+            lines.append(f"{d.name}: prefix cache: undecided, synth refuses: {still_open}")
+        elif not flags[i]:
+            lines.append(f"{d.name}: prefix cache: off (nothing shared between requests)")
+        elif tenancy == "isolated":
+            lines.append(f"{d.name}: prefix cache: per tenant (header {d.serving.tenant_header}, salted by the agent)")
+        else:
+            lines.append(f"{d.name}: prefix cache: shared by every caller (serving.tenancy: single)")
+        rows[d.name] = {
+            "prefix_caching": flags[i],
+            "tenancy": tenancy,
+            "notifications": _notifications_kind(env),
+            "undecided": [
+                line
+                for key, line in open_lines.items()
+                if key in ("notifications", f"deployments[{i}].serving.tenancy")
+            ],
+        }
+    return lines, rows
+
+
+def _notifications_kind(env: Environment) -> str | None:
+    n = env.notifications
+    if not env.notifications_chosen:
+        return None
+    return "topic" if n.topic_arn is not None else "emails" if n.emails else "none"
+
+
+def _notifications_line(env: Environment, still_open: str | None) -> str:
+    """Who the alarms reach, with what the file's choice still needs outside kvfleet."""
+    n = env.notifications
+    if still_open is not None:
+        return f"alarms: undecided, synth refuses: {still_open}"
+    if n.topic_arn is not None:
+        topic_account = n.topic_arn.split(":")[4]
+        line = (
+            f"alarms notify {n.topic_arn}; kvfleet does not read its policies: they must let cloudwatch.amazonaws.com "
+            "publish (and use its KMS key, if encrypted)"
+        )
+        if env.account is not None and topic_account != env.account:
+            line += f", for alarms of account {env.account} (the topic is in account {topic_account})"
+        return line
+    if n.emails:
+        return (
+            f"alarms notify {', '.join(n.emails)} by email; SNS mails each address a confirmation link on deploy, "
+            "and nothing arrives until it is followed"
+        )
+    return f"alarms notify nobody (notifications: none); they still reach the topic kvfleet-{env.name}-alerts"

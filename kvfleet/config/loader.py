@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from kvfleet.config.choices import UndecidedError
 from kvfleet.config.schema import REGION_PATTERN, TRACE_MAX_PERCENTILE, Environment, WorkloadTrace
 from kvfleet.config.targets import target_sections
 from kvfleet.errors import ConfigError, KvfleetError
@@ -172,6 +173,8 @@ class LoadedEnvironment:
         """``err`` as ``file:line: field: what to change``; an error naming no field points at the file."""
         if isinstance(err, ConfigError):
             return err
+        if isinstance(err, UndecidedError):  # several choices, each at its own line
+            return ConfigError([self.problem(KvfleetError(u.message, field=u.field)).lines[0] for u in err.problems])
         if err.field is None:
             return ConfigError([f"{self.source}:1: {err.message}"])
         path = parse_field(err.field)

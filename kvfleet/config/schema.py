@@ -561,6 +561,10 @@ class ScalingConfig(Frozen):
         return frozenset(self.model_fields_set & DERIVED_SCALING)
 
 
+# Who shares a replica's prefix cache: one tenant, or tenants the agent keeps apart by salting the cache per tenant.
+Tenancy = Literal["single", "isolated"]
+
+
 class ServingConfig(Frozen):
     """What the serving agent does with requests: tenant isolation of the prefix cache, token-aware admission."""
 
@@ -577,6 +581,15 @@ class ServingConfig(Frozen):
         description=(
             "Secrets Manager secret name or ARN holding the salt key, read by the agent at start-up (it refuses to "
             "serve if it cannot read it, rather than serve without isolation)."
+        ),
+    )
+    tenancy: Tenancy | None = Field(
+        default=None,
+        description=(
+            "Who shares the prefix cache, said by the file because a caller can time another's cached prompts: "
+            "single (one tenant, or callers who may see each other's prompts: every request shares the cache) or "
+            "isolated (tenant_header and tenant_secret set; giving them is enough). Synth refuses a deployment "
+            "with prefix caching on and neither; `kvfleet plan` says so."
         ),
     )
     admission: bool = Field(
@@ -599,11 +612,26 @@ class ServingConfig(Frozen):
         if (self.tenant_header is None) != (self.tenant_secret is None):
             missing = "tenant_secret" if self.tenant_secret is None else "tenant_header"
             raise ValueError(f"{missing}: set both tenant_header and tenant_secret to isolate tenants, or neither")
+        if self.tenancy == "single" and self.isolated:
+            raise ValueError(
+                "tenancy: single shares the prefix cache between callers, tenant_header isolates tenants; remove "
+                "tenancy, or tenant_header and tenant_secret"
+            )
+        if self.tenancy == "isolated" and not self.isolated:
+            raise ValueError(
+                "tenant_header: tenancy isolated needs the request header naming the tenant and tenant_secret "
+                "(the salt key's secret); set both, or tenancy: single"
+            )
         return self
 
     @property
     def isolated(self) -> bool:
         return self.tenant_header is not None
+
+    @property
+    def declared_tenancy(self) -> Tenancy | None:
+        """What the file says of the prefix cache's callers: tenant_header and tenant_secret say isolated."""
+        return "isolated" if self.isolated else self.tenancy
 
 
 class SpeculativeConfig(Frozen):
@@ -790,19 +818,26 @@ MAX_DEPLOYMENTS = 100
 
 
 class NotificationsConfig(Frozen):
-    """Who hears about the alarms. Every alarm of every deployment notifies one SNS topic per environment."""
+    """Who hears about the alarms. Every alarm of every deployment notifies one SNS topic per environment; the file
+    names who that reaches: addresses, an existing topic, or `notifications: none`."""
 
     topic_arn: str | None = Field(
         default=None,
         pattern=r"^arn:aws[a-z-]*:sns:[a-z]{2}(-gov)?-[a-z]+-[0-9]:[0-9]{12}:[A-Za-z0-9_-]{1,256}$",
         description=(
-            "Notify this existing topic instead of creating one (kvfleet-<environment>-alerts). It must accept "
-            "CloudWatch alarms: if it is encrypted, with a customer managed KMS key whose policy lets "
-            "cloudwatch.amazonaws.com use it."
+            "Notify this existing topic instead of creating one (kvfleet-<environment>-alerts). Its policy must let "
+            "cloudwatch.amazonaws.com publish (sns:Publish) for this environment's account, and if it is encrypted "
+            "its customer managed KMS key must let that principal use it (kms:Decrypt, kms:GenerateDataKey*). "
+            "kvfleet cannot read either policy: `kvfleet plan` names the topic's account where it is not the "
+            "environment's."
         ),
     )
     emails: tuple[str, ...] = Field(
-        default=(), description="Addresses subscribed to the topic (each confirms the subscription by email)."
+        default=(),
+        description=(
+            "Addresses subscribed to the topic kvfleet creates. SNS mails each one a confirmation link on deploy, "
+            "and an address receives nothing until it is followed."
+        ),
     )
 
     @field_validator("emails")
@@ -820,7 +855,23 @@ class NotificationsConfig(Frozen):
                 "emails: kvfleet subscribes addresses to the topic it creates; subscribe them to your own topic, "
                 "or drop topic_arn"
             )
+        if self.model_fields_set and self.topic_arn is None and not self.emails:
+            # `emails: []` reads like a choice and notifies nobody; the file says that with `none` instead. (The
+            # value `none` stands for sets no field.)
+            raise ValueError(f"emails: {NOTIFICATIONS_CHOICES}")
         return self
+
+    @property
+    def silent(self) -> bool:
+        """``notifications: none``: kvfleet subscribes nobody (the alarms still notify the environment's topic)."""
+        return self.topic_arn is None and not self.emails
+
+
+# What a file writes under `notifications:`, in the words every message about it uses.
+NOTIFICATIONS_CHOICES = (
+    "name who hears the alarms: notifications: {emails: [oncall@example.com]} (each address confirms by email), "
+    "{topic_arn: arn:aws:sns:<region>:<account>:<topic>} (an existing topic), or none (nobody is subscribed)"
+)
 
 
 class Environment(Frozen):
@@ -843,8 +894,28 @@ class Environment(Frozen):
         min_length=1, max_length=MAX_DEPLOYMENTS, description="What to serve in this environment."
     )
     notifications: NotificationsConfig = Field(
-        default_factory=NotificationsConfig, description="Where the deployments' alarms are sent."
+        # Not written: undecided (synth refuses, plan says so); `none` is the same empty value, written.
+        default_factory=NotificationsConfig.model_construct,
+        description=(
+            "Who hears the deployments' alarms: {emails: [...]}, {topic_arn: ...} or none. Synth refuses a file "
+            "without it; `kvfleet plan` says so."
+        ),
     )
+
+    @field_validator("notifications", mode="before", json_schema_input_type=NotificationsConfig | Literal["none"])
+    @classmethod
+    def _none_or_mapping(cls, v: Any) -> Any:
+        """``none`` is the written choice to subscribe nobody; any other scalar (or an empty key) is a slip."""
+        if v == "none":
+            return NotificationsConfig.model_construct()
+        if not isinstance(v, dict) or not v:
+            raise ValueError(NOTIFICATIONS_CHOICES)
+        return v
+
+    @property
+    def notifications_chosen(self) -> bool:
+        """Whether the file says who hears the alarms (addresses, a topic, or none)."""
+        return "notifications" in self.model_fields_set
 
     @model_validator(mode="after")
     def _fits_targets(self) -> Environment:

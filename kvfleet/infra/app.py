@@ -24,6 +24,7 @@ import aws_cdk as cdk
 from cdk_nag import AwsSolutionsChecks
 from constructs import Construct
 
+from kvfleet.config.choices import refuse_undecided
 from kvfleet.config.loader import LoadedEnvironment, environment_path, load_located, parse_field
 from kvfleet.config.schema import Environment
 from kvfleet.deployments import resolve_environment
@@ -62,6 +63,8 @@ def add_environment(
     ``scaling.derive`` replays them, and without one a step at the workload's peak."""
     # The thresholds the file leaves to scaling.derive are those `kvfleet plan` prints (the same search, cached).
     resolved = resolve_environment(env, derive=deriver(traces))
+    # Who hears the alarms and who shares each prefix cache: planned without, never deployed without.
+    refuse_undecided(env, [r.engine_args.enable_prefix_caching for r in resolved])
     alerts = (
         None
         if env.notifications.topic_arn is not None

@@ -229,6 +229,7 @@ _deployment = st.fixed_dictionaries(
                 "tenant_header": _maybe(st.sampled_from(["X-Tenant", "X Tenant", ""])),
                 "tenant_secret": _maybe(st.sampled_from(["kvfleet/tenant-salt", "bad secret"])),
                 "admission": _maybe(st.booleans()),
+                "tenancy": _maybe(st.sampled_from(["single", "isolated", "shared"])),
             },
         ),
     },
@@ -249,6 +250,7 @@ _documents = st.fixed_dictionaries(
                 "max_azs": _maybe(st.integers(1, 7)),
             },
         ),
+        "notifications": _maybe(st.sampled_from(["none", {"emails": ["a@example.com"]}, {"emails": []}, {}])),
     },
 )
 
@@ -288,9 +290,10 @@ def test_generated_documents_are_refused_plainly_or_planned(
 
 
 _accepted = st.builds(
-    lambda platform, mx, avg, kv, streaming, replicas: {
+    lambda platform, mx, avg, kv, streaming, replicas, notifications: {
         "name": "dev",
         "region": "us-east-1",
+        "notifications": notifications,
         "deployments": [
             {
                 "name": "chat",
@@ -308,6 +311,7 @@ _accepted = st.builds(
                     "kv_cache_dtypes": kv,
                     "instance_type": "ml.g6e.xlarge" if platform == "sagemaker" else "g6e.xlarge",
                 },
+                "serving": {"tenancy": "single"},
             }
         ],
     },
@@ -317,13 +321,15 @@ _accepted = st.builds(
     st.sampled_from([["auto"], ["fp8"], ["auto", "fp8"]]),
     st.booleans(),
     st.integers(1, 4),
+    st.sampled_from(["none", {"emails": ["oncall@example.com"]}]),
 )
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(doc=_accepted)
 def test_plan_and_synth_agree(doc: dict[str, Any]) -> None:
-    # What the loader and the planner accept, the stacks build: a file `kvfleet plan` passes does not fail synth.
+    # What the loader and the planner accept, the stacks build: a file `kvfleet plan` passes, and that makes the
+    # choices synth asks for (who hears the alarms, who shares the prefix cache), does not fail synth.
     from kvfleet.deployments import resolve_environment
     from kvfleet.infra.app import build_app
     from tests.infra.helpers import make_app

@@ -11,7 +11,7 @@ from kvfleet.config import aws, dlc
 from kvfleet.config.loader import parse_environment
 from kvfleet.engines import ENGINES
 from kvfleet.errors import ConfigError
-from tests.envs import SAGEMAKER_ENV
+from tests.envs import SAGEMAKER_ENV, with_serving
 
 EC2 = SAGEMAKER_ENV.replace("platform: sagemaker", "platform: ec2").replace(
     "instance_type: ml.g6e.xlarge", "instance_type: g6e.xlarge"
@@ -61,7 +61,7 @@ def test_dlc_rule_refuses_at_load_what_synth_refuses() -> None:
     )
     line = one(text.replace("hf_token_secret: kvfleet/hf-token", "s3_uri: s3://models-bucket/llama"))
     assert line.startswith(
-        "f.yaml:10: deployments[0].engine.version: no AWS vLLM container for vLLM 0.21.0; published:"
+        "f.yaml:11: deployments[0].engine.version: no AWS vLLM container for vLLM 0.21.0; published:"
     )
 
 
@@ -85,7 +85,7 @@ def test_certificate_in_another_region(region: str) -> None:
         f"      platform: ec2\n      load_balancer:\n        certificate_arn: {CERT.format(region)}\n",
     )
     line = one(text)
-    assert line.startswith("f.yaml:18: deployments[0].target.load_balancer.certificate_arn: the certificate is in ")
+    assert line.startswith("f.yaml:19: deployments[0].target.load_balancer.certificate_arn: the certificate is in ")
     assert "request or import it in us-east-1" in line
 
 
@@ -106,7 +106,9 @@ def test_oidc_provider_of_another_region() -> None:
 
 
 def test_topic_of_another_region() -> None:
-    text = SAGEMAKER_ENV + "notifications:\n  topic_arn: arn:aws:sns:eu-west-1:123456789012:alerts\n"
+    text = SAGEMAKER_ENV.replace(
+        "notifications: none\n", "notifications:\n  topic_arn: arn:aws:sns:eu-west-1:123456789012:alerts\n"
+    )
     assert "use a topic in us-east-1" in one(text)
 
 
@@ -225,12 +227,12 @@ TENANCY = "    serving:\n      tenant_header: X-Tenant\n      tenant_secret: kvf
 def test_tenant_isolation_and_admission_are_set_in_the_file() -> None:
     from kvfleet.deployments import resolve_environment
 
-    [r] = resolve_environment(parse_environment(SAGEMAKER_ENV + TENANCY, source="f.yaml"))
+    [r] = resolve_environment(parse_environment(with_serving(TENANCY), source="f.yaml"))
     env = r.container_environment()
     assert env["KVFLEET_TENANT_HEADER"] == "X-Tenant" and env["KVFLEET_TENANT_SECRET_ARN"] == "kvfleet/tenant-salt"
     assert "KVFLEET_TENANT_SECRET" not in env  # the key itself never leaves Secrets Manager but for the agent
     assert "KVFLEET_ADMISSION" not in env
-    [off] = resolve_environment(parse_environment(SAGEMAKER_ENV + "    serving:\n      admission: false\n", source="f"))
+    [off] = resolve_environment(parse_environment(with_serving("    serving:\n      admission: false\n"), source="f"))
     assert off.container_environment()["KVFLEET_ADMISSION"] == "0"
     assert "KVFLEET_TENANT_HEADER" not in off.container_environment()
 
@@ -245,7 +247,7 @@ def test_tenant_isolation_and_admission_are_set_in_the_file() -> None:
     ],
 )
 def test_tenant_isolation_needs_a_header_name_and_a_secret(serving: str, expect: str) -> None:
-    assert expect in one(SAGEMAKER_ENV + serving)
+    assert expect in one(with_serving(serving))
 
 
 def test_tenant_isolation_needs_the_agent_and_a_network() -> None:
@@ -255,8 +257,8 @@ def test_tenant_isolation_needs_the_agent_and_a_network() -> None:
         )
         + "    image:\n      source: dlc\n"
     )
-    assert "without the kvfleet agent" in one(dlc_env + TENANCY)
+    assert "without the kvfleet agent" in one(with_serving(TENANCY, dlc_env))
     isolated = SAGEMAKER_ENV.replace("hf_token_secret: kvfleet/hf-token", "s3_uri: s3://models-bucket/llama").replace(
         "      platform: sagemaker\n", "      platform: sagemaker\n      network_isolation: true\n"
     )
-    assert "network_isolation" in one(isolated + TENANCY)
+    assert "network_isolation" in one(with_serving(TENANCY, isolated))

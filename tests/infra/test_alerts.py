@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import pytest
 
+from kvfleet.config.choices import UndecidedError, undecided
+from kvfleet.config.loader import parse_located
 from kvfleet.errors import ConfigError
-from kvfleet.infra.alerts import CLOUDWATCH
+from kvfleet.infra.alerts import CLOUDWATCH, KEY_ACTIONS, SERVICE_GRANTS
+from kvfleet.infra.app import build_app
 from tests.envs import SAGEMAKER_ENV, environment
-from tests.infra.helpers import props, synth_all
+from tests.infra.helpers import make_app, props, synth_all
 
 TOPIC = "arn:aws:sns:us-east-1:123456789012:platform-alerts"
 
 
 def with_notifications(block: str) -> str:
-    return SAGEMAKER_ENV + f"notifications:\n{block}"
+    """The base environment with its notifications section replaced by ``block`` (lines indented two spaces)."""
+    assert "notifications: none\n" in SAGEMAKER_ENV
+    return SAGEMAKER_ENV.replace("notifications: none\n", f"notifications:\n{block}")
 
 
 def test_every_alarm_notifies_the_environments_topic() -> None:
@@ -82,3 +90,87 @@ def test_bad_notification_settings_point_at_their_line(block: str, message: str)
 def test_cdk_nag_and_the_alerts_stack() -> None:
     stacks = synth_all(nag=True)  # raises on an unacknowledged finding
     assert "kvfleet-test-alerts" in stacks
+
+
+def _service_statements(document: dict[str, Any]) -> list[dict[str, Any]]:
+    return [s for s in document["Statement"] if "Service" in s.get("Principal", {}) and s["Effect"] == "Allow"]
+
+
+def test_every_service_grant_names_this_accounts_alarms() -> None:
+    # IAM User Guide, cross-service confused deputy prevention: a service principal's grant says for whom, by
+    # aws:SourceAccount and aws:SourceArn; without them any account's alarm could use this key and topic.
+    alerts = synth_all(with_notifications("  emails: [oncall@example.com]\n"))["kvfleet-test-alerts"]
+    [key] = props(alerts, "AWS::KMS::Key")
+    [policy] = props(alerts, "AWS::SNS::TopicPolicy")
+    statements = _service_statements(key["KeyPolicy"]) + _service_statements(policy["PolicyDocument"])
+    assert {s["Principal"]["Service"] for s in statements} == set(SERVICE_GRANTS) == {CLOUDWATCH}
+    publish = [s for s in statements if s["Action"] == "sns:Publish"]
+    assert len(publish) == 1 and len(statements) == 2
+    for s in statements:
+        condition = s["Condition"]
+        assert condition["StringEquals"] == {"aws:SourceAccount": {"Ref": "AWS::AccountId"}}, s
+        arn = json.dumps(condition["ArnLike"]["aws:SourceArn"])
+        for part in ("arn:aws:cloudwatch:us-east-1:", "AWS::AccountId", ":alarm:*"):
+            assert part in arn, (part, arn)
+
+
+def test_the_key_grant_keeps_what_cloudwatch_needs() -> None:
+    alerts = synth_all()["kvfleet-test-alerts"]
+    [key] = props(alerts, "AWS::KMS::Key")
+    [grant] = [s for s in _service_statements(key["KeyPolicy"]) if s["Principal"]["Service"] == CLOUDWATCH]
+    assert sorted(grant["Action"]) == sorted(KEY_ACTIONS) and grant["Resource"] == "*"
+
+
+def test_the_stack_says_addresses_must_confirm() -> None:
+    # SNS mails each address a confirmation link; `cdk deploy` prints this output when it has created them.
+    alerts = synth_all(with_notifications("  emails: [a@example.com, b@example.com]\n"))["kvfleet-test-alerts"]
+    [output] = alerts.find_outputs("AlarmEmails").values()
+    assert output["Value"] == "a@example.com, b@example.com" and "confirmation link" in output["Description"]
+    quiet = synth_all()["kvfleet-test-alerts"]  # notifications: none
+    assert quiet.find_outputs("AlarmEmails") == {} and props(quiet, "AWS::SNS::Subscription") == []
+
+
+UNDECIDED = SAGEMAKER_ENV.replace("notifications: none\n", "").replace("    serving:\n      tenancy: single\n", "")
+
+
+def test_synth_refuses_a_file_that_leaves_the_choices_open() -> None:
+    loaded = parse_located(UNDECIDED, source="test.yaml")
+    with pytest.raises(UndecidedError) as info:
+        build_app(loaded.environment, app=make_app(), nag=False)
+    lines = loaded.problem(info.value).lines
+    assert len(lines) == 2
+    assert lines[0].startswith("test.yaml:1: notifications: nobody is told when an alarm fires")
+    assert "notifications: {emails: [" in lines[0] and "{topic_arn: " in lines[0] and "or none" in lines[0]
+    assert lines[1].startswith("test.yaml:4: deployments[0].serving.tenancy: prefix caching is on")
+    assert "serving.tenancy: single" in lines[1] and "serving.tenant_header and serving.tenant_secret" in lines[1]
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [
+        "    serving:\n      tenant_header: X-Tenant\n      tenant_secret: kvfleet/tenant-salt\n",
+        "    serving:\n      tenancy: isolated\n      tenant_header: X-Tenant\n      tenant_secret: kvfleet/t\n",
+        '    engine:\n      name: vllm\n      version: "0.30.0"\n      enable_prefix_caching: false\n',
+    ],
+)
+def test_tenants_or_no_prefix_cache_is_a_choice_too(choice: str) -> None:
+    text = "notifications: none\n" + UNDECIDED + choice
+    if "engine:" in choice:
+        text = "notifications: none\n" + UNDECIDED.replace(
+            '    engine:\n      name: vllm\n      version: "0.30.0"\n', choice
+        )
+    assert "kvfleet-test-chat" in synth_all(text)
+
+
+def test_an_aws_container_is_told_it_cannot_isolate_tenants() -> None:
+    dlc = (
+        UNDECIDED.replace("      max_replicas: 4\n", "      max_replicas: 1\n").replace(
+            "hf_token_secret: kvfleet/hf-token", "s3_uri: s3://models-bucket/llama"
+        )
+        + "    image:\n      source: dlc\n"
+    )
+    env = environment("notifications: none\n" + dlc)
+    [problem] = undecided(env, [True])
+    assert problem.field == "deployments[0].serving.tenancy"
+    assert "tenant_header" not in problem.message and "image.source dlc has no agent" in problem.message
+    assert undecided(env, [False]) == ()

@@ -122,13 +122,18 @@ deployments:
     workload: {max_input_tokens: 8192, max_output_tokens: 1024, concurrency_per_replica: 32}
     target: {platform: eks, kubernetes_version: "1.35"}
     sizing: {families: [g6e, g5]}
+    serving: {tenancy: single}
   - name: chat
     model: {id: meta-llama/Llama-3.1-8B}
     engine: {name: vllm, version: "0.30.0"}
     workload: {max_input_tokens: 4096, max_output_tokens: 1024}
     target: {platform: sagemaker, inference_ami_version: al2-ami-sagemaker-inference-gpu-2}
     sizing: {instance_type: ml.g6e.xlarge}
+    serving: {tenancy: single}
+notifications: none
 """
+# The same file without the choices synth asks for: who hears the alarms, who shares each prefix cache.
+UNDECIDED = HALF_BUILT.replace("    serving: {tenancy: single}\n", "").replace("notifications: none\n", "")
 
 
 def kvfleet_synth(env: str, outdir: Path) -> subprocess.CompletedProcess[str]:
@@ -167,5 +172,21 @@ def test_kvfleet_synth_exits_2_on_a_stack_error_and_leaves_no_assets(tmp_path: P
     assert "Traceback" not in result.stderr
     ours = [line for line in result.stderr.splitlines() if line.startswith(str(f))]
     assert len(ours) == 1
-    assert ours[0].startswith(f"{f}:14: deployments[1].target.inference_ami_version: the image (kvfleet image of ")
+    assert ours[0].startswith(f"{f}:15: deployments[1].target.inference_ami_version: the image (kvfleet image of ")
     assert sorted(p.name for p in out.iterdir()) == ["kept.txt"]
+
+
+def test_kvfleet_synth_refuses_a_file_that_leaves_its_choices_open(tmp_path: Path) -> None:
+    # `kvfleet plan` plans it; synth names each choice at its line, exits 2 and stages nothing.
+    f = tmp_path / "open.yaml"
+    f.write_text(UNDECIDED, encoding="utf-8")
+    out = tmp_path / "cdk.out"
+    result = kvfleet_synth(str(f), out)
+    assert result.returncode == 2, result.stderr
+    ours = [line for line in result.stderr.splitlines() if line.startswith(str(f))]
+    assert [line.split(": ", 2)[:2] for line in ours] == [
+        [f"{f}:1", "notifications"],
+        [f"{f}:4", "deployments[0].serving.tenancy"],
+        [f"{f}:10", "deployments[1].serving.tenancy"],
+    ]
+    assert "Traceback" not in result.stderr and not list(out.glob("*.template.json"))
