@@ -18,10 +18,10 @@ from aws_cdk import aws_ecr as ecr
 from aws_cdk import aws_iam as iam
 from constructs import Construct
 
-from kvfleet import contract
 from kvfleet.config.dlc import dlc_framework, dlc_release, kvfleet_image_on_dlc
 from kvfleet.deployments import ResolvedDeployment
 from kvfleet.errors import KvfleetError
+from kvfleet.infra import image_build
 from kvfleet.infra.cuda import CudaVersion, image_cuda
 from kvfleet.infra.iam import ECR_PULL_ACTIONS
 
@@ -128,14 +128,23 @@ def serving_image_cuda(r: ResolvedDeployment) -> CudaVersion | None:
     return dlc.cuda
 
 
+def kvfleet_tag(r: ResolvedDeployment, region: str | None) -> str:
+    """The default tag of a kvfleet image: its release, its contract and the digest of what it is built from, so
+    an agent change is a new image in every stack (kvfleet/infra/image_build.py)."""
+    return image_build.kvfleet_build(
+        engine=r.engine, engine_version=r.deployment.engine.version, region=region, instance_type=r.instance_type
+    ).tag
+
+
 def serving_image(scope: Construct, r: ResolvedDeployment, policy: iam.Policy, region: str | None) -> str:
     """The serving image's URI, with pull access for ``policy`` on that repository only."""
     img = r.deployment.image
     pull = list(ECR_PULL_ACTIONS)
     if img.source == "kvfleet":
-        repo = ecr.Repository.from_repository_name(scope, "ImageRepository", img.repository or f"kvfleet-{r.engine}")
+        repository = img.repository or image_build.repository_name(r.engine)
+        repo = ecr.Repository.from_repository_name(scope, "ImageRepository", repository)
         repo.grant_pull(policy)
-        return repo.repository_uri_for_tag(img.tag or contract.image_tag(r.deployment.engine.version))
+        return repo.repository_uri_for_tag(img.tag or kvfleet_tag(r, region))
     if img.source == "uri":
         assert img.uri is not None
         e = parse_ecr_uri(img.uri)

@@ -1,7 +1,13 @@
 """The release pipeline (``pipeline.yaml``): CDK Pipelines promoting a release through the environments in order.
 
     Source (CodeConnections) -> Synth (make test, then kvfleet synth --pipeline) -> UpdatePipeline (self-mutation)
+    -> Images: per account and region, its image repositories, then the serving images built and pushed
     -> one stage per environment: [plan diff -> manual approval] -> deploy its stacks -> live check
+
+The images are pushed before any stage deploys, under the tag that digests their inputs (kvfleet/infra/
+image_build.py), which the stacks name: a build already pushed is skipped, and a failed build deploys nothing.
+The pipeline runs one execution at a time (QUEUED): two pushes never deploy one environment at once. The CDK CLI
+its self-mutation installs and the cdk-assets its asset steps install are the versions package-lock.json pins.
 
 Each stage is a ``cdk.Stage`` in the environment's account and region holding ``add_environment``'s stacks (the
 stacks `make synth ENV=<name>` builds, under the same names), and a small live-check stack: the role the check
@@ -16,7 +22,10 @@ bucket encrypted with a KMS key the stages' roles may use: ``cross_account_keys`
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import aws_cdk as cdk
 from aws_cdk import Duration, RemovalPolicy, Stack, pipelines
@@ -29,9 +38,12 @@ from constructs import Construct
 from kvfleet.config.loader import LoadedEnvironment
 from kvfleet.config.pipeline import CHECK_ROLE_PATH, LoadedPipeline
 from kvfleet.config.schema import Environment
+from kvfleet.errors import KvfleetError
 from kvfleet.infra.app import add_environment
+from kvfleet.infra.image_build import SOURCE_ROOT, ImageBuild, push_script
 from kvfleet.infra.live_check import LiveCheckStack, live_check_stack_name
 from kvfleet.infra.nag import acknowledge, condition_id, logical_id
+from kvfleet.infra.repository import REPOSITORIES_STACK, ImageRepositoriesStack, builds_by_place, publishing_role_arn
 
 # CodeBuild's curated image for every step, and the runtimes its buildspec selects: standard:7.0 (Ubuntu 22.04)
 # offers python 3.11 and nodejs 20 (AWS CodeBuild User Guide, "Available runtimes"), the versions this project is
@@ -51,8 +63,38 @@ INSTALL = [
 ]
 
 
+# The image step runs docker (CodeBuild's privileged mode) and pulls the engine's base image: the vLLM DLC is over
+# 10 GB; the large type has 128 GB of disk (AWS CodeBuild User Guide, "Build environment compute modes and types").
+IMAGE_COMPUTE = codebuild.ComputeType.LARGE
+IMAGE_TIMEOUT = Duration.minutes(60)
+# CodePipeline V2's execution modes (CodePipeline User Guide, "Set or change the pipeline execution mode"): QUEUED
+# runs executions one after another, in order; SUPERSEDED would let a newer one overtake an older one mid-way.
+EXECUTION_MODE = codepipeline.ExecutionMode.QUEUED
+LOCKFILE = "package-lock.json"
+_ECR = re.compile(r"^(?P<account>\d{12})\.dkr\.ecr\.(?P<region>[a-z0-9-]+)\.amazonaws\.com(\.cn)?/(?P<repo>[^:@]+)")
+
+
 def stage_id(environment: str) -> str:
     return f"Deploy-{environment}"
+
+
+def images_stage_id(account: str, region: str) -> str:
+    return f"Images-{account}-{region}"
+
+
+def locked_version(package: str, *, root: Path = SOURCE_ROOT) -> str:
+    """The version of an npm package package-lock.json pins (npm's lockfileVersion 2 and 3: packages by path)."""
+    path = root / LOCKFILE
+    try:
+        lock = json.loads(path.read_text(encoding="utf-8"))
+        version = lock["packages"][f"node_modules/{package}"]["version"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise KvfleetError(
+            f"{path} pins no {package}: the pipeline installs the versions the lockfile pins; run npm install "
+            f"--save-dev --save-exact {package} and commit {LOCKFILE}",
+            field="pipeline",
+        ) from None
+    return str(version)
 
 
 class PipelineStack(Stack):
@@ -78,6 +120,8 @@ class PipelineStack(Stack):
         self.checks: dict[str, pipelines.CodeBuildStep] = {}
         self.diffs: dict[str, pipelines.CodeBuildStep] = {}
         self.approvals: dict[str, pipelines.ManualApprovalStep] = {}
+        self.image_steps: dict[tuple[str, str], pipelines.CodeBuildStep] = {}
+        self._add_images(source)
         for i, (env_loaded, env_file) in enumerate(zip(loaded.environments, env_files, strict=True)):
             self._add_stage(i, env_loaded, env_file, source)
         self.pipeline.build_pipeline()
@@ -129,6 +173,9 @@ class PipelineStack(Stack):
             "Pipeline",
             synth=synth,
             pipeline_type=codepipeline.PipelineType.V2,
+            execution_mode=EXECUTION_MODE,
+            cli_version=locked_version("aws-cdk"),
+            cdk_assets_cli_version=locked_version("cdk-assets"),
             cross_account_keys=True,  # a KMS key for the artifacts, which every stage's account may decrypt
             enable_key_rotation=True,
             use_change_sets=True,
@@ -141,6 +188,55 @@ class PipelineStack(Stack):
                 ),
                 timeout=STEP_TIMEOUT,
             ),
+        )
+
+    def _add_images(self, source: pipelines.CodePipelineSource) -> None:
+        """Before every deploy stage: per account and region the stages deploy into, its repositories stack, then
+        the images its environments run, built and pushed where their tag is missing."""
+        places = builds_by_place(e.environment for e in self._loaded.environments)
+        if not places:
+            return
+        app = self.node.scope
+        assert isinstance(app, Construct)
+        wave = self.pipeline.add_wave("Images")
+        for (account, region), builds in sorted(places.items()):
+            stage = cdk.Stage(
+                app, images_stage_id(account, region), env=cdk.Environment(account=account, region=region)
+            )
+            ImageRepositoriesStack(stage, REPOSITORIES_STACK)
+            step = self._image_step(source, account, region, builds)
+            self.image_steps[(account, region)] = step
+            wave.add_stage(stage, post=[step])
+
+    def _image_step(
+        self, source: pipelines.CodePipelineSource, account: str, region: str, builds: Sequence[ImageBuild]
+    ) -> pipelines.CodeBuildStep:
+        role = publishing_role_arn(account, region, self.partition)
+        pulls = [
+            f"arn:{self.partition}:ecr:{m['region']}:{m['account']}:repository/{m['repo']}"
+            for m in (_ECR.match(b.base_image) for b in builds)
+            if m is not None
+        ]
+        statements = [
+            iam.PolicyStatement(actions=["sts:AssumeRole"], resources=[role]),
+            iam.PolicyStatement(actions=["ecr:GetAuthorizationToken"], resources=["*"]),
+        ]
+        if pulls:
+            statements.append(
+                iam.PolicyStatement(
+                    actions=["ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer", "ecr:BatchCheckLayerAvailability"],
+                    resources=sorted(set(pulls)),
+                )
+            )
+        return pipelines.CodeBuildStep(
+            f"Image-{account}-{region}",
+            input=source,
+            commands=push_script(builds, account=account, region=region, role_arn=role),
+            build_environment=codebuild.BuildEnvironment(
+                build_image=BUILD_IMAGE, compute_type=IMAGE_COMPUTE, privileged=True
+            ),
+            timeout=IMAGE_TIMEOUT,
+            role_policy_statements=statements,
         )
 
     def _add_stage(

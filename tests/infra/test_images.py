@@ -1,12 +1,27 @@
-"""DLC image URIs come from the SageMaker SDK's own table, offline, for every region."""
+"""DLC image URIs come from the SageMaker SDK's own table, offline, for every region; the kvfleet image's tag digests
+what it is built from, its build and push script skips a pushed tag, and its repositories are one stack per account
+and region."""
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import aws_cdk as cdk
 import pytest
+from aws_cdk.assertions import Template
 from sagemaker.core import image_uris
 
+from kvfleet import contract
+from kvfleet.engines import ENGINES
 from kvfleet.errors import KvfleetError
+from kvfleet.infra.image_build import copied_sources, kvfleet_build, push_script, repository_name
 from kvfleet.infra.images import dlc_image, parse_ecr_uri
+from kvfleet.infra.repository import ImageRepositoriesStack, publishing_role_arn
+from tests.infra.helpers import REPO, make_app, only
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +112,148 @@ def test_serving_image_cuda(image: str, want: tuple[int, int] | None) -> None:
     text += image.replace("kvfleet1", f"kvfleet{contract.CONTRACT_VERSION}")
     [r] = resolve_environment(environment(text))
     assert serving_image_cuda(r) == want
+
+
+# ---- the kvfleet image as a build ----------------------------------------------------------------------------------
+
+
+def _checkout(tmp_path: Path) -> Path:
+    """A copy of what the image is built from (the Dockerfile and what it copies), to change one file of."""
+    for name in ("containers/Dockerfile", *copied_sources((REPO / "containers/Dockerfile").read_text())):
+        src, dst = REPO / name, tmp_path / name
+        if src.is_dir():
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(src, dst)
+    return tmp_path
+
+
+def _tag(root: Path, **kw: str) -> str:
+    args = {"engine": "vllm", "engine_version": "0.30.0", "region": "us-east-1", "instance_type": "g6e.xlarge"}
+    return kvfleet_build(**{**args, **kw}, root=root).tag  # type: ignore[arg-type]
+
+
+def test_the_tag_names_release_contract_and_inputs_and_changes_with_each(tmp_path: Path) -> None:
+    root = _checkout(tmp_path)
+    tag = _tag(root)
+    assert contract.parse_image_tag(tag) == ("0.30.0", contract.CONTRACT_VERSION)
+    assert re.fullmatch(rf"0\.30\.0-kvfleet{contract.CONTRACT_VERSION}-[0-9a-f]{{12}}", tag)
+    assert _tag(root) == tag  # deterministic: no clock, no git
+    assert _tag(REPO) == _tag(REPO)
+    (root / "kvfleet/agent/__pycache__").mkdir(exist_ok=True)
+    (root / "kvfleet/agent/__pycache__/server.cpython-311.pyc").write_bytes(b"\0")
+    assert _tag(root) == tag  # what the build context leaves out is no input
+    assert _tag(root, region="eu-west-1") != tag  # another base image (the region's AWS container)
+    assert _tag(root, engine_version="0.31.0") != tag
+    server = root / "kvfleet/agent/server.py"
+    server.write_text(server.read_text() + "\n# a change to the agent\n")
+    changed = _tag(root)
+    assert changed != tag  # an agent change is a new image in every stack
+    (root / "containers/Dockerfile").write_text((root / "containers/Dockerfile").read_text() + "\n# x\n")
+    assert _tag(root) != changed
+
+
+def test_every_file_the_dockerfile_copies_is_an_input() -> None:
+    # The Dockerfile's own COPY lines give the inputs: a new COPY cannot be left out of the tag.
+    sources = copied_sources((REPO / "containers/Dockerfile").read_text())
+    assert {"kvfleet/contract.py", "kvfleet/engines/", "kvfleet/agent/", "containers/agent-requirements.txt"} <= set(
+        sources
+    )
+    assert copied_sources("FROM x\nCOPY --chown=1:1 a b \\\n  c /dst/\nCOPY --from=build /x /y\n") == ("a", "b", "c")
+
+
+def test_the_build_passes_the_dockerfiles_args_and_its_contract_check() -> None:
+    b = kvfleet_build(engine="vllm", engine_version="0.30.0", region="us-east-1", instance_type="g6e.xlarge")
+    dockerfile = (REPO / "containers/Dockerfile").read_text()
+    declared = set(re.findall(r"^ARG (\w+)", dockerfile, re.M))
+    assert set(b.build_args) <= declared
+    # The Dockerfile fails the build unless CONTRACT_VERSION is contract.py's (its last RUN check).
+    assert b.build_args["CONTRACT_VERSION"] == str(contract.CONTRACT_VERSION)
+    assert "engines.adapter(sys.argv[1])" in dockerfile and '"${ENGINE}" "${CONTRACT_VERSION}"' in dockerfile
+    # us-east-1 at the Dockerfile's release is the Dockerfile's default base, and the adapter's.
+    assert b.base_image == ENGINES["vllm"].default_base_image
+    assert f"ARG BASE_IMAGE={b.base_image}" in dockerfile
+    cmd = b.docker_build("r/kvfleet-vllm:" + b.tag)
+    assert cmd[:4] == ["docker", "build", "-f", "containers/Dockerfile"] and cmd[-1] == "."
+
+
+def test_the_push_script_skips_a_pushed_tag_and_stops_at_a_failed_build(tmp_path: Path) -> None:
+    b = kvfleet_build(engine="vllm", engine_version="0.30.0", region="eu-west-1", instance_type="g6e.xlarge")
+    [line] = push_script([b, b], account="123456789012", region="eu-west-1")
+    uri = f"123456789012.dkr.ecr.eu-west-1.amazonaws.com/kvfleet-vllm:{b.tag}"
+    assert f"--image-ids imageTag={b.tag} " in line and f"docker push {uri}" in line
+    # Run by sh with fakes of aws and docker: a pushed tag builds nothing, a failed build pushes nothing.
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    log = tmp_path / "log"
+    for tool in ("aws", "docker"):
+        (bin_ / tool).write_text(f'#!/bin/sh\necho {tool} "$@" >> {log}\n! echo "$1 $2" | grep -Eqx "$FAIL"\n')
+        (bin_ / tool).chmod(0o755)
+    env = {"PATH": f"{bin_}:/usr/bin:/bin"}
+    subprocess.run(["sh", "-euc", line], env={**env, "FAIL": "none"}, check=True)
+    assert "docker build" not in log.read_text()
+    log.unlink()
+    done = subprocess.run(["sh", "-euc", line], env={**env, "FAIL": "ecr describe-images"}, check=False)
+    assert done.returncode == 0 and f"docker push {uri}" in log.read_text()
+    log.unlink()
+    done = subprocess.run(["sh", "-euc", line], env={**env, "FAIL": "ecr describe-images|build -f"}, check=False)
+    assert done.returncode != 0 and "docker push" not in log.read_text()
+
+
+def test_a_role_pushes_and_the_callers_credentials_pull_the_base() -> None:
+    b = kvfleet_build(engine="vllm", engine_version="0.30.0", region="eu-west-1", instance_type="g6e.xlarge")
+    role = publishing_role_arn("123456789012", "eu-west-1")
+    lines = push_script([b], account="123456789012", region="eu-west-1", role_arn=role)
+    assert lines[0].startswith(f"creds=$(aws sts assume-role --role-arn {role} ")
+    assert 'AWS_SESSION_TOKEN="$(echo "$creds" | cut -f3)" aws ecr describe-images' in lines[1]
+    base_registry = b.base_image.split("/")[0]
+    assert (
+        f"aws ecr get-login-password --region eu-west-1 | docker login --username AWS --password-stdin {base_registry}"
+        in lines[1]
+    )
+
+
+def test_an_installed_kvfleet_without_the_dockerfile_asks_for_a_tag(tmp_path: Path) -> None:
+    with pytest.raises(KvfleetError) as err:
+        _tag(tmp_path)
+    assert err.value.field == "image.tag" and "\n" not in str(err.value)
+
+
+# ---- the repositories ----------------------------------------------------------------------------------------------
+
+
+def test_one_repository_per_engine_scanned_immutable_retained_and_pushable_by_the_bootstrap_role() -> None:
+    app = make_app()
+    stack = ImageRepositoriesStack(app, "Images", env=cdk.Environment(account="123456789012", region="eu-west-1"))
+    repos = Template.from_stack(stack).find_resources("AWS::ECR::Repository")
+    assert sorted(r["Properties"]["RepositoryName"] for r in repos.values()) == sorted(
+        repository_name(e) for e in ENGINES
+    )
+    for r in repos.values():
+        p = r["Properties"]
+        assert p["ImageScanningConfiguration"] == {"ScanOnPush": True} and p["ImageTagMutability"] == "IMMUTABLE"
+        assert r["DeletionPolicy"] == "Retain"  # a destroyed stack leaves the images fleets run
+        assert json.loads(p["LifecyclePolicy"]["LifecyclePolicyText"])["rules"][0]["selection"]["tagStatus"] == (
+            "untagged"
+        )
+        [statement] = p["RepositoryPolicyText"]["Statement"]
+        principal = json.dumps(statement["Principal"])
+        assert ":iam::123456789012:role/cdk-hnb659fds-image-publishing-role-123456789012-eu-west-1" in principal
+        assert "ecr:PutImage" in statement["Action"]
+    assert stack.stack_name == "kvfleet-images"  # one per account and region, whoever deploys it
+
+
+def test_the_repositories_stack_is_the_same_for_every_environment() -> None:
+    # Two environments in one account and region deploy one stack to one template: no second stack creates a
+    # repository that exists. Its template depends on the engine registry alone.
+    place = cdk.Environment(account="123456789012", region="eu-west-1")
+    a = Template.from_stack(ImageRepositoriesStack(make_app(), "A", env=place)).to_json()
+    b = Template.from_stack(ImageRepositoriesStack(make_app(), "B", env=place)).to_json()
+    assert a == b
+
+
+def test_the_stacks_name_the_built_tag() -> None:
+    t = only()
+    want = kvfleet_build(engine="vllm", engine_version="0.30.0", region=None, instance_type="g6e.xlarge").tag
+    assert f"kvfleet-vllm:{want}" in json.dumps(t.to_json())

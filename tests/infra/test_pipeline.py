@@ -6,6 +6,7 @@ deployment with each account's bootstrap roles, encrypted artifacts, and the sam
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +14,12 @@ import aws_cdk as cdk
 import pytest
 from aws_cdk.assertions import Template
 
+from kvfleet import contract
 from kvfleet.config.loader import load_located
 from kvfleet.config.pipeline import CHECK_ROLE_PATH, load_pipeline
+from kvfleet.errors import KvfleetError
 from kvfleet.infra.app import build_app
-from kvfleet.infra.pipeline import PipelineStack, build_pipeline, stage_stacks
+from kvfleet.infra.pipeline import PipelineStack, build_pipeline, locked_version, stage_stacks
 from tests.infra.helpers import REPO, make_app
 from tests.infra.test_cfn_lint import cfn_lint
 from tests.infra.test_stage import _without_stage
@@ -191,7 +194,8 @@ def test_a_stage_deploys_the_stacks_make_synth_builds(name: str, synthesized: tu
 def test_every_template_of_the_pipeline_lints_clean(synthesized: tuple[PipelineStack, Path]) -> None:
     _, out = synthesized
     templates = sorted(out.rglob("*.template.json"))
-    assert len(templates) == 1 + 3 * 3  # the pipeline; each stage's alerts, deployment and live-check stacks
+    # The pipeline; each stage's alerts, deployment and live-check stacks; each stage account's image repositories.
+    assert len(templates) == 1 + 3 * 3 + 3
     result = cfn_lint(templates, "us-east-1")
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -220,3 +224,75 @@ def test_what_the_check_role_may_touch_carries_the_tag_its_condition_reads(
                         assert tags["kvfleet:environment"]["PropagateAtLaunch"] is True
                     seen += 1
     assert seen == 3
+
+
+def _stage(stack: PipelineStack, name: str) -> dict[str, Any]:
+    [stage] = [s for s in _pipeline(stack)["Properties"]["Stages"] if s["Name"] == name]
+    return stage  # type: ignore[no-any-return]
+
+
+def _projects(stack: PipelineStack) -> list[dict[str, Any]]:
+    return list(Template.from_stack(stack).find_resources("AWS::CodeBuild::Project").values())
+
+
+def _buildspec(project: dict[str, Any]) -> dict[str, Any]:
+    spec = project["Properties"]["Source"]["BuildSpec"]
+    return json.loads(spec) if isinstance(spec, str) else spec  # type: ignore[no-any-return]
+
+
+def test_the_images_are_pushed_after_self_mutation_and_before_any_stage_deploys(
+    synthesized: tuple[PipelineStack, Path],
+) -> None:
+    stages = [s["Name"] for s in _pipeline(synthesized[0])["Properties"]["Stages"]]
+    assert (
+        stages.index("UpdatePipeline")
+        < stages.index("Images")
+        < min(i for i, s in enumerate(stages) if s.startswith("Deploy-"))
+    )
+    actions = _actions(_stage(synthesized[0], "Images"))
+    # Per account the stages deploy into: its repositories, then the image step (which needs them).
+    for account in ("222222222222", "333333333333", "444444444444"):
+        place = f"Images-{account}-us-east-1"
+        order = {name.removeprefix(place + "."): run for run, name, _ in actions if name.startswith(place)}
+        assert order["kvfleet-images.Deploy"] < order[f"Image-{account}-us-east-1"], order
+
+
+def test_the_image_step_builds_the_tag_each_stack_names(synthesized: tuple[PipelineStack, Path]) -> None:
+    stack = synthesized[0]
+    steps = [
+        p for p in _projects(stack) if any("docker build" in c for c in _buildspec(p)["phases"]["build"]["commands"])
+    ]
+    assert len(steps) == 3 and all(p["Properties"]["Environment"]["PrivilegedMode"] is True for p in steps)
+    commands = "\n".join(c for p in steps for c in _buildspec(p)["phases"]["build"]["commands"])
+    seen = 0
+    for env, stacks in stage_stacks(stack).items():
+        for s in stacks:
+            text = json.dumps(Template.from_stack(s).to_json())
+            for tag in set(re.findall(r"kvfleet-vllm:([0-9][A-Za-z0-9_.-]*)", text)):
+                assert f"--image-ids imageTag={tag} " in commands, (env, tag)  # skipped when pushed already
+                assert f"/kvfleet-vllm:{tag} ." in commands, (env, tag)
+                seen += 1
+    assert seen >= 3  # every stage's deployment names a built tag
+    assert f"--build-arg CONTRACT_VERSION={contract.CONTRACT_VERSION} " in commands
+
+
+def test_the_pipeline_installs_the_cli_versions_the_lockfile_pins(synthesized: tuple[PipelineStack, Path]) -> None:
+    lock = json.loads((REPO / "package-lock.json").read_text())["packages"]
+    installs = {c for p in _projects(synthesized[0]) for c in _buildspec(p)["phases"]["install"].get("commands", [])}
+    npm = {c for c in installs if c.startswith("npm install -g")}
+    assert npm == {
+        f"npm install -g aws-cdk@{lock['node_modules/aws-cdk']['version']}",
+        f"npm install -g cdk-assets@{lock['node_modules/cdk-assets']['version']}",
+    }
+
+
+def test_one_execution_deploys_at_a_time(synthesized: tuple[PipelineStack, Path]) -> None:
+    assert _pipeline(synthesized[0])["Properties"]["ExecutionMode"] == "QUEUED"
+
+
+def test_a_lockfile_without_the_cli_says_what_to_pin(tmp_path: Path) -> None:
+    (tmp_path / "package-lock.json").write_text(json.dumps({"packages": {"": {}}}))
+    with pytest.raises(KvfleetError) as err:
+        locked_version("cdk-assets", root=tmp_path)
+    assert "pins no cdk-assets" in str(err.value) and "\n" not in str(err.value)
+    assert locked_version("aws-cdk") == json.loads((REPO / "package.json").read_text())["devDependencies"]["aws-cdk"]

@@ -149,7 +149,10 @@ def test_workload_manifests_with_drain_hooks_and_keda(template: Template) -> Non
     env = {e["name"]: e["value"] for e in c["env"]}
     assert env[contract.ENV_PUT_METRIC_DATA] == "1"  # CloudWatch dashboard and alarms
     assert EngineArgs.from_json(env[contract.ENV_ENGINE_ARGS]) == r.engine_args
-    assert c["image"] == "<token>.dkr.ecr.us-east-1.<token>/kvfleet-vllm:" + contract.image_tag("0.30.0")
+    from kvfleet.infra.images import kvfleet_tag  # the tag digests the image's inputs (infra/image_build.py)
+
+    assert c["image"] == "<token>.dkr.ecr.us-east-1.<token>/kvfleet-vllm:" + kvfleet_tag(r, "us-east-1")
+    assert kvfleet_tag(r, "us-east-1").startswith(contract.image_tag("0.30.0") + "-")
     scaled = manifest(template, "ScaledObject")
     assert contract.REPLICA_SATURATION.prometheus_name in scaled
     assert contract.KV_CACHE_UTILIZATION.prometheus_name not in scaled
