@@ -9,6 +9,7 @@ from tests.envs import environment
 EC2_ENV = """\
 name: test
 region: us-east-1
+notifications: none
 deployments:
   - name: chat
     model:
@@ -32,6 +33,8 @@ deployments:
       drain_budget_s: 420
     sizing:
       families: [g6e]
+    serving:
+      tenancy: single
 """
 MODEL_S3_URI = "s3://model-bucket/llama/8b/"
 HF_TOKEN_SECRET = "kvfleet/hf-token"
