@@ -131,7 +131,7 @@ def _checkout(tmp_path: Path) -> Path:
 
 def _tag(root: Path, **kw: str) -> str:
     args = {"engine": "vllm", "engine_version": "0.30.0", "region": "us-east-1", "instance_type": "g6e.xlarge"}
-    return kvfleet_build(**{**args, **kw}, root=root).tag  # type: ignore[arg-type]
+    return kvfleet_build(**{**args, **kw}, root=root).tag
 
 
 def test_the_tag_names_release_contract_and_inputs_and_changes_with_each(tmp_path: Path) -> None:

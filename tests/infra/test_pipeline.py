@@ -41,7 +41,7 @@ def synthesized(tmp_path_factory: pytest.TempPathFactory) -> tuple[PipelineStack
 
 def _pipeline(stack: PipelineStack) -> dict[str, Any]:
     [resource] = Template.from_stack(stack).find_resources("AWS::CodePipeline::Pipeline").values()
-    return resource  # type: ignore[no-any-return]
+    return dict(resource)
 
 
 def _actions(stage: dict[str, Any]) -> list[tuple[int, str, str]]:
@@ -232,7 +232,7 @@ def _stage(stack: PipelineStack, name: str) -> dict[str, Any]:
 
 
 def _projects(stack: PipelineStack) -> list[dict[str, Any]]:
-    return list(Template.from_stack(stack).find_resources("AWS::CodeBuild::Project").values())
+    return [dict(p) for p in Template.from_stack(stack).find_resources("AWS::CodeBuild::Project").values()]
 
 
 def _buildspec(project: dict[str, Any]) -> dict[str, Any]:
