@@ -251,7 +251,9 @@ def test_role_reads_only_the_token_secret(template: Template) -> None:
 
 
 def test_role_reads_the_tenant_key_where_the_file_isolates_tenants() -> None:
-    text = SAGEMAKER_ENV + "    serving:\n      tenant_header: X-Tenant\n      tenant_secret: kvfleet/tenant-salt\n"
+    text = SAGEMAKER_ENV.replace(
+        "      tenancy: single\n", "      tenant_header: X-Tenant\n      tenant_secret: kvfleet/tenant-salt\n"
+    )
     t = only(text)
     reads = json.dumps([s for s in execution_policy(t) if "secretsmanager:GetSecretValue" in s["Action"]])
     assert "secret:kvfleet/hf-token-??????" in reads and "secret:kvfleet/tenant-salt-??????" in reads
