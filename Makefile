@@ -11,7 +11,7 @@ VLLM_VENV := .venv-vllm
 export CDK_DISABLE_CLI_TELEMETRY := true
 export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 
-.PHONY: synth diff pipeline ci-template test lint typecheck unit bench clean
+.PHONY: synth image diff pipeline ci-template test lint typecheck unit bench clean
 
 $(BIN)/kvfleet: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,17 @@ synth: $(BIN)/kvfleet $(CDK)
 	$(BIN)/kvfleet plan environments/$(ENV).yaml
 	$(BIN)/kvfleet synth $(ENV) -- --quiet
 	@echo "synthesized environments/$(ENV).yaml into cdk.out/"
+
+# The serving images environments/$(ENV).yaml's stacks name, in its account and region, before `cdk deploy`: the
+# kvfleet-images stack (the account's repositories, one stack per account and region whichever environment deploys
+# it), then each image built from containers/Dockerfile and pushed unless its tag (which digests the image's inputs)
+# is there already. Needs Docker and credentials for that account; the release pipeline does the same in its Images
+# stage. The assembly goes to cdk.out/images, beside the one `make synth` writes.
+image: $(BIN)/kvfleet $(CDK)
+	$(CDK) deploy --app '$(BIN)/python -m kvfleet.infra.repository' -c env=$(ENV) --output cdk.out/images \
+		--require-approval never kvfleet-images
+	$(BIN)/python -m kvfleet.infra.repository --script $(ENV) > cdk.out/images/push.sh
+	sh -eu cdk.out/images/push.sh
 
 # What this working tree changes in an environment's plan against BASE (a git ref, default HEAD): the file at BASE
 # is planned beside the current one (written next to it, so its relative paths still resolve), by this checkout's

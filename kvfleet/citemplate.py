@@ -1,39 +1,66 @@
 """`kvfleet ci-template`: a GitHub Actions workflow for teams not on CodePipeline, from the same pipeline.yaml.
 
-- On a pull request: `make test`, then for every environment its plan diff against the base branch in the job
-  summary, and `kvfleet synth` of it.
-- On a push to the release branch: one job per stage, in the file's order, each in a GitHub environment of the
-  same name. A stage with ``approval`` gets a plan-diff job first (its summary is what the reviewer reads) and its
-  environment is where GitHub's required reviewers hold the deployment (set in the repository's settings: the
+- On a pull request and on a push: `make test`, then for every environment its plan diff against the base branch
+  (on a pull request) in the job summary, and `kvfleet synth` of it. Nothing deploys unless it passed.
+- On a push to the release branch, after the tests: one job per stage, in the file's order, each in a GitHub
+  environment of the same name, one run per environment at a time (``concurrency``). A stage with ``approval``
+  gets a plan-diff job first (its summary is what the reviewer reads) and its environment is where GitHub's
+  required reviewers hold the deployment (set in the repository's settings: the
   workflow cannot set them). Each job takes AWS credentials from the environment's OIDC role
-  (``vars.AWS_DEPLOY_ROLE_ARN``, no stored keys), deploys with `cdk deploy`, and runs `kvfleet check`.
+  (``vars.AWS_DEPLOY_ROLE_ARN``, no stored keys), builds and pushes the serving images the stacks name where
+  their tag is missing (`make image`), deploys with `cdk deploy`, and runs `kvfleet check`.
 
-The actions are pinned to their major release tags, the form GitHub documents for its own actions.
+Every action is pinned by the full commit of a release, its tag in a comment: a tag can be moved, a commit cannot,
+and the deploy jobs hold an OIDC token (GitHub Docs, "Security hardening for GitHub Actions", "Using third-party
+actions": pinning to a full-length commit SHA is the only immutable release).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
 from kvfleet.config.pipeline import LoadedPipeline
 
-CHECKOUT = "actions/checkout@v4"
-SETUP_PYTHON = "actions/setup-python@v5"
-SETUP_NODE = "actions/setup-node@v4"
-AWS_CREDENTIALS = "aws-actions/configure-aws-credentials@v4"
+
+@dataclass(frozen=True, kw_only=True)
+class PinnedAction:
+    repository: str
+    tag: str
+    commit: str  # the tag's commit, read from the action's repository
+
+    @property
+    def uses(self) -> str:
+        return f"{self.repository}@{self.commit}"
+
+
+# Each the newest release of its action (its git tag's commit in github.com/<repository>, read 2026-12-07); all run
+# on node24, and take the inputs used here (their action.yml at that commit).
+CHECKOUT = PinnedAction(repository="actions/checkout", tag="v7.0.1", commit="3d3c42e5aac5ba805825da76410c181273ba90b1")
+SETUP_PYTHON = PinnedAction(
+    repository="actions/setup-python", tag="v7.0.0", commit="5fda3b95a4ea91299a34e894583c3862153e4b97"
+)
+SETUP_NODE = PinnedAction(
+    repository="actions/setup-node", tag="v7.0.0", commit="820762786026740c76f36085b0efc47a31fe5020"
+)
+AWS_CREDENTIALS = PinnedAction(
+    repository="aws-actions/configure-aws-credentials", tag="v6.2.3", commit="e6de054238d6b7531b4efff3b6587d9aade6a06c"
+)
+ACTIONS = (CHECKOUT, SETUP_PYTHON, SETUP_NODE, AWS_CREDENTIALS)
 RUNNER = "ubuntu-24.04"
+TEST_JOB = "test"
 
 
 def _setup(*, full_history: bool = False) -> list[dict[str, Any]]:
-    checkout: dict[str, Any] = {"uses": CHECKOUT}
+    checkout: dict[str, Any] = {"uses": CHECKOUT.uses}
     if full_history:
         checkout["with"] = {"fetch-depth": 0}  # the base branch, for the plan diff
     return [
         checkout,
-        {"uses": SETUP_PYTHON, "with": {"python-version": "3.11"}},
-        {"uses": SETUP_NODE, "with": {"node-version": "20", "cache": "npm"}},
+        {"uses": SETUP_PYTHON.uses, "with": {"python-version": "3.11"}},
+        {"uses": SETUP_NODE.uses, "with": {"node-version": "20", "cache": "npm"}},
     ]
 
 
@@ -54,15 +81,16 @@ def _diff(env_file: str, name: str, base: str) -> dict[str, Any]:
 
 
 def _test_job(stages: list[tuple[str, str]]) -> dict[str, Any]:
-    """On a pull request: the tests, then each environment's plan diff against the base branch and its synth."""
+    """On a pull request and before any deployment: the tests, then (on a pull request) each environment's plan diff
+    against the base branch, and its synth."""
+    on_pr = "github.event_name == 'pull_request'"
     return {
-        "if": "github.event_name == 'pull_request'",
         "runs-on": RUNNER,
         "timeout-minutes": 60,
         "steps": [
             *_setup(full_history=True),
             {"name": "Tests", "run": "make test"},
-            *(_diff(f, name, "origin/${{ github.base_ref }}") for name, f in stages),
+            *({**_diff(f, name, "origin/${{ github.base_ref }}"), "if": on_pr} for name, f in stages),
             *({"name": f"Synth: {name}", "run": f".venv/bin/kvfleet synth {f} -- --quiet"} for name, f in stages),
         ],
     }
@@ -101,9 +129,11 @@ def _deploy_job(name: str, env_file: str, region: str | None, needs: list[str]) 
             {"name": "Install", "run": "make venv && npm ci --no-audit --no-fund --loglevel=error"},
             {
                 "name": "AWS credentials (OIDC)",
-                "uses": AWS_CREDENTIALS,
+                "uses": AWS_CREDENTIALS.uses,
                 "with": {"role-to-assume": "${{ vars.AWS_DEPLOY_ROLE_ARN }}", "aws-region": region},
             },
+            # The images the stacks name, built and pushed where their tag is missing, before anything deploys.
+            {"name": "Image", "run": f"make image ENV={name}"},
             {"name": "Synth", "run": f".venv/bin/kvfleet synth {env_file} -- --quiet"},
             {
                 "name": "Deploy",
@@ -121,11 +151,11 @@ def workflow(loaded: LoadedPipeline) -> dict[str, Any]:
     p = loaded.pipeline
     branch = p.source.branch
     stages = list(zip(p.stages, loaded.environments, loaded.relative_paths, strict=True))
-    jobs: dict[str, Any] = {"test": _test_job([(s.environment, f) for s, _, f in stages])}
-    previous: str | None = None
+    jobs: dict[str, Any] = {TEST_JOB: _test_job([(s.environment, f) for s, _, f in stages])}
+    previous = TEST_JOB  # nothing deploys before the tests pass
     for i, (stage, env, env_file) in enumerate(stages):
         name = stage.environment
-        needs: list[str] = [previous] if previous else []
+        needs: list[str] = [previous]
         if p.approval_before(i):
             jobs[f"plan-{name}"] = _plan_job(name, env_file, needs)
             needs = [*needs, f"plan-{name}"]
@@ -158,4 +188,7 @@ def render(loaded: LoadedPipeline) -> str:
         "# the pipeline asks for an approval, its required reviewers (README: Release pipelines).\n"
     )
     # "on" stays a key: PyYAML would quote it, and GitHub reads the quoted form the same way.
-    return header + yaml.dump(workflow(loaded), Dumper=_Dumper, sort_keys=False, width=120)
+    text = yaml.dump(workflow(loaded), Dumper=_Dumper, sort_keys=False, width=120)
+    for action in ACTIONS:  # the release each commit is, beside it
+        text = text.replace(f"uses: {action.uses}\n", f"uses: {action.uses} # {action.tag}\n")
+    return header + text

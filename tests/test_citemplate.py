@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from importlib import resources
@@ -16,7 +17,7 @@ import jsonschema
 import pytest
 import yaml
 
-from kvfleet.citemplate import render, workflow
+from kvfleet.citemplate import ACTIONS, render, workflow
 from kvfleet.config.pipeline import load_pipeline
 from tests.infra.helpers import REPO
 
@@ -53,7 +54,7 @@ def test_the_schema_check_can_fail(rendered: dict[str, Any]) -> None:
 
 def test_deploys_follow_the_pipeline_order_and_approvals(rendered: dict[str, Any]) -> None:
     jobs = rendered["jobs"]
-    assert jobs["deploy-dev"].get("needs") is None
+    assert jobs["deploy-dev"]["needs"] == ["test"]  # nothing deploys before the tests pass
     assert jobs["deploy-staging"]["needs"] == ["deploy-dev"]
     # Production: its plan diff after staging, then GitHub's environment (its required reviewers) holds it.
     assert jobs["plan-prod"]["needs"] == ["deploy-staging"]
@@ -88,7 +89,7 @@ def test_every_stage_with_approval_gets_its_diff(tmp_path: Path) -> None:
     )
     (tmp_path / "pipeline.yaml").write_text(text)
     jobs = workflow(load_pipeline(tmp_path / "pipeline.yaml"))["jobs"]
-    assert "needs" not in jobs["plan-dev"] and jobs["deploy-dev"]["needs"] == ["plan-dev"]
+    assert jobs["plan-dev"]["needs"] == ["test"] and jobs["deploy-dev"]["needs"] == ["test", "plan-dev"]
     _validate(json.loads(json.dumps(workflow(load_pipeline(tmp_path / "pipeline.yaml")))))
 
 
@@ -119,3 +120,41 @@ def test_the_json_form_is_the_same_workflow(capsys: pytest.CaptureFixture[str], 
 
     assert main(["ci-template", str(REPO / "pipeline.yaml"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == rendered
+
+
+def test_the_tests_run_on_a_push_and_every_deploy_waits_for_them(rendered: dict[str, Any]) -> None:
+    jobs = rendered["jobs"]
+    assert "if" not in jobs["test"]  # on a pull request and on a push
+    assert any(s.get("run") == "make test" for s in jobs["test"]["steps"])
+
+    def upstream(name: str) -> set[str]:
+        needs = set(jobs[name].get("needs", []))
+        return needs.union(*(upstream(n) for n in needs)) if needs else set()
+
+    for name in jobs:
+        if name.startswith("deploy-"):
+            assert "test" in upstream(name), name
+            assert jobs[name]["concurrency"] == {"group": name, "cancel-in-progress": False}
+
+
+def test_each_deploy_pushes_its_images_before_it_deploys(rendered: dict[str, Any]) -> None:
+    for name, job in rendered["jobs"].items():
+        if name.startswith("deploy-"):
+            runs = [s.get("run", "") for s in job["steps"]]
+            image = runs.index(f"make image ENV={job['environment']}")
+            assert image < next(i for i, r in enumerate(runs) if "cdk deploy" in r)
+            uses = [s.get("uses", "") for s in job["steps"]]
+            assert image > next(i for i, u in enumerate(uses) if "configure-aws-credentials" in u)  # OIDC first
+
+
+def test_every_action_is_pinned_by_a_full_commit_with_its_tag_beside_it() -> None:
+    text = render(load_pipeline(REPO / "pipeline.yaml"))
+    uses = re.findall(r"uses: (\S+)(.*)", text)
+    assert uses
+    by_repo = {a.repository: a for a in ACTIONS}
+    for ref, comment in uses:
+        repo, _, commit = ref.partition("@")
+        assert re.fullmatch(r"[0-9a-f]{40}", commit), ref  # a tag or branch can be moved; a commit cannot
+        assert comment == f" # {by_repo[repo].tag}" and by_repo[repo].commit == commit
+        assert re.fullmatch(r"v\d+\.\d+\.\d+", by_repo[repo].tag)  # a release, not a moving major tag
+    assert yaml.safe_load(text) == workflow(load_pipeline(REPO / "pipeline.yaml"))  # the comments change nothing
