@@ -210,6 +210,7 @@ ENVIRONMENT = """
 name: toys
 account: "222222222222"
 region: us-east-1
+notifications: none
 deployments:
   - name: chat
     model:
@@ -227,6 +228,8 @@ deployments:
     scaling:
       min_replicas: 1
       max_replicas: 2
+    serving:
+      tenancy: single
 """
 
 

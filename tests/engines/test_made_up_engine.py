@@ -93,6 +93,7 @@ ENVIRONMENT = """
 name: toy
 account: "222222222222"
 region: us-east-1
+notifications: none
 deployments:
   - name: chat
     model:
@@ -109,6 +110,8 @@ deployments:
     scaling:
       min_replicas: 1
       max_replicas: 2
+    serving:
+      tenancy: single
 """
 
 
