@@ -3,6 +3,7 @@ what deployments sharing a cluster need of each other."""
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -161,6 +162,42 @@ class EksAddons(Frozen):
         return v
 
 
+class EksClients(Frozen):
+    """Who may reach the serving pods: the NetworkPolicy admits these to the serving port and nothing else in the
+    cluster (Prometheus's own namespace is added for its scrape). The cluster's CNI must enforce NetworkPolicy
+    (the VPC CNI with enableNetworkPolicy, EKS User Guide, "Limit Pod traffic with Kubernetes network policies")."""
+
+    namespaces: tuple[str, ...] = Field(
+        default=(),
+        description="Namespaces whose pods call the model (an ingress controller, the applications).",
+    )
+    cidrs: tuple[str, ...] = Field(
+        default=(),
+        description=(
+            "Source CIDRs admitted, e.g. the subnets of an AWS Load Balancer Controller ALB with target-type ip, "
+            "whose ENIs connect to the pods' addresses."
+        ),
+    )
+
+    @field_validator("namespaces")
+    @classmethod
+    def _namespaces(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for ns in v:
+            if not aws.DNS_LABEL.fullmatch(ns):
+                raise ValueError(f"{ns!r} is not a namespace name (lowercase letters, digits and '-', at most 63)")
+        return v
+
+    @field_validator("cidrs")
+    @classmethod
+    def _cidrs(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for cidr in v:
+            try:
+                ipaddress.ip_network(cidr, strict=True)
+            except ValueError:
+                raise ValueError(f"{cidr!r} is not a CIDR block like 10.0.0.0/24") from None
+        return v
+
+
 class EksTarget(TargetSection):
     pattern_words: ClassVar[Mapping[str, str]] = {
         "security_group_id": "a security group id like sg-0123456789abcdef0",
@@ -187,6 +224,7 @@ class EksTarget(TargetSection):
     namespace: str = Field(
         default="kvfleet", pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$", description="Namespace of the workload."
     )
+    clients: EksClients = Field(default_factory=EksClients)
     shm_size_gib: Int = Field(
         default=16, ge=1, le=512, description="Shared memory for the engine (tensor parallelism)."
     )

@@ -98,7 +98,7 @@ def triggers(ms: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def test_core_manifests_validate_strictly(text: str, opts: WorkloadOptions) -> None:
     ms = [k8s.namespace(opts), *k8s.manifests(resolve(text), opts)]
     core = [m for m in ms if m["kind"] != "ScaledObject"]
-    assert {m["kind"] for m in core} == {"Namespace", "Deployment", "Service", "PodDisruptionBudget"}
+    assert {m["kind"] for m in core} == {"Namespace", "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"}
     for m in core:
         assert kubernetes_validate.validate(m, K8S_VERSION, strict=True) == "1.33"
 
@@ -548,6 +548,7 @@ def test_manifests_are_plain_json_data(small: ResolvedDeployment) -> None:
         "Service",
         "PodDisruptionBudget",
         "ScaledObject",
+        "NetworkPolicy",
     ]
 
 

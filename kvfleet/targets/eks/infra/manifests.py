@@ -88,6 +88,11 @@ class WorkloadOptions:
     prometheus_aws_region: str | None = None
     # Also publish the signals to CloudWatch (the deployment's dashboard and alarms read them there).
     put_metric_data: bool = False
+    # Who the NetworkPolicy admits to the serving port: pods in these namespaces (an ingress controller, the
+    # applications that call the model, Prometheus for its scrape) and these CIDRs (the subnets of an ALB with
+    # target-type ip, whose ENIs connect to the pods' addresses). Nothing else in the cluster reaches the pods.
+    client_namespaces: tuple[str, ...] = ()
+    client_cidrs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not MIN_SCALE_DOWN_STABILIZATION_S <= self.scale_down_stabilization_s <= 3600:
@@ -489,6 +494,35 @@ def namespace(opts: WorkloadOptions) -> Manifest:
     return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": opts.namespace, "labels": labels}}
 
 
+# The label the API server sets on every namespace, its name (Kubernetes docs, "Well-Known Labels, Annotations and
+# Taints": kubernetes.io/metadata.name, immutable, since 1.22): a namespaceSelector by name.
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+
+
+def network_policy(r: ResolvedDeployment, opts: WorkloadOptions) -> Manifest:
+    """Ingress to the serving pods on the serving port from the client namespaces and CIDRs only; with neither,
+    none (a policy selecting a pod isolates it for ingress: Kubernetes docs, "Network Policies", "Isolated and
+    Non-isolated Pods"). kubectl port-forward and the kubelet's probes are not pod-to-pod traffic and still reach
+    the pods (same page: "traffic to and from the node where a Pod is running is always allowed")."""
+    sources: list[dict[str, Any]] = [
+        {"namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: ns}}} for ns in sorted(set(opts.client_namespaces))
+    ]
+    sources += [{"ipBlock": {"cidr": cidr}} for cidr in opts.client_cidrs]
+    rules = [{"from": sources, "ports": [{"protocol": "TCP", "port": SERVING_PORT}]}] if sources else []
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(r, opts),
+        "spec": {"podSelector": {"matchLabels": selector_labels(r)}, "policyTypes": ["Ingress"], "ingress": rules},
+    }
+
+
 def manifests(r: ResolvedDeployment, opts: WorkloadOptions) -> list[Manifest]:
     """Every object of the deployment in its namespace, in apply order (the Namespace is applied first, apart)."""
-    return [deployment(r, opts), service(r, opts), pod_disruption_budget(r, opts), scaled_object(r, opts)]
+    return [
+        deployment(r, opts),
+        service(r, opts),
+        pod_disruption_budget(r, opts),
+        scaled_object(r, opts),
+        network_policy(r, opts),
+    ]

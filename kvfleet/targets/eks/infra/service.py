@@ -478,6 +478,8 @@ class EksService(Construct):
             shm_size_gib=target.shm_size_gib,
             model_sync_image=MODEL_SYNC_IMAGE if r.deployment.model.s3_uri else None,
             put_metric_data=True,
+            client_namespaces=(*target.clients.namespaces, *_scrape_namespaces(target)),
+            client_cidrs=target.clients.cidrs,
         )
         self.manifests = k8s.manifests(r, self.options)
         self._check_workload(r)
@@ -574,6 +576,16 @@ class EksService(Construct):
 
 
 _PINS = (charts.DEVICE_PLUGIN_CHART, charts.KEDA_CHART, charts.PROMETHEUS_CHART, charts.CLUSTER_AUTOSCALER_CHART)
+
+
+def _scrape_namespaces(target: EksTarget) -> tuple[str, ...]:
+    """Where Prometheus scrapes the pods from: the chart's namespace, or the one a cluster-local prometheus_url
+    names (<service>.<namespace>.svc...); a Prometheus elsewhere is the file's to admit (target.clients)."""
+    url = target.addons.prometheus_url
+    if url is None:
+        return (charts.PROMETHEUS_NAMESPACE,)
+    host = url.split("://", 1)[1].split("/", 1)[0].split(":", 1)[0].split(".")
+    return (host[1],) if len(host) >= 3 and host[2] == "svc" else ()
 
 
 def _endpoint_service(name: Any) -> str:
