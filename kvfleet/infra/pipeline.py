@@ -41,7 +41,7 @@ from kvfleet.config.schema import Environment
 from kvfleet.errors import KvfleetError
 from kvfleet.infra.app import add_environment
 from kvfleet.infra.image_build import SOURCE_ROOT, ImageBuild, push_script
-from kvfleet.infra.live_check import LiveCheckStack, live_check_stack_name
+from kvfleet.infra.live_check import LiveCheckStack, check_step_role, live_check_stack_name
 from kvfleet.infra.nag import acknowledge, condition_id, logical_id
 from kvfleet.infra.repository import REPOSITORIES_STACK, ImageRepositoriesStack, builds_by_place, publishing_role_arn
 
@@ -318,6 +318,8 @@ class PipelineStack(Stack):
             ],
             env={"PLANS_BUCKET": self.plans.bucket_name},
             env_from_cfn_outputs={"KVFLEET_CHECK_ROLE_ARN": live.role_arn},
+            # Under the path the stage's live-check role trusts, so no other job of this account can assume it.
+            role=check_step_role(self.pipeline, f"CheckRole-{env.name}", environment=env.name),
             role_policy_statements=[
                 iam.PolicyStatement(
                     actions=["sts:AssumeRole"],

@@ -19,6 +19,7 @@ from kvfleet.config.loader import load_located
 from kvfleet.config.pipeline import CHECK_ROLE_PATH, load_pipeline
 from kvfleet.errors import KvfleetError
 from kvfleet.infra.app import build_app
+from kvfleet.infra.live_check import check_step_role_path
 from kvfleet.infra.pipeline import PipelineStack, build_pipeline, locked_version, stage_stacks
 from tests.infra.helpers import REPO, make_app
 from tests.infra.test_cfn_lint import cfn_lint
@@ -87,6 +88,10 @@ def test_every_stage_ends_with_its_live_check_reading_the_stages_role(synthesize
         commands = spec["phases"]["build"]["commands"]
         assert commands[0].startswith(f".venv/bin/kvfleet check environments/{env}.yaml --role-arn")
         assert f"deployed/{env}.json" in commands[-1]  # kept only when the check passed (commands stop at a failure)
+        # The project runs as the role under the path only the stage's live-check role trusts.
+        project = projects[check["Configuration"]["ProjectName"]["Ref"]]["Properties"]
+        role = Template.from_stack(stack).find_resources("AWS::IAM::Role")[project["ServiceRole"]["Fn::GetAtt"][0]]
+        assert role["Properties"]["Path"] == check_step_role_path(env)
 
 
 def test_the_synth_step_runs_the_tests_before_it_synthesizes(synthesized: tuple[PipelineStack, Path]) -> None:
