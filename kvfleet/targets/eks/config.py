@@ -35,10 +35,6 @@ EKS_VERSION_CALENDAR: dict[str, tuple[date, date, date]] = {
     "1.35": (date(2026, 1, 27), date(2027, 3, 27), date(2028, 3, 27)),
 }
 EksVersion = Literal["1.33", "1.34", "1.35"]
-# A new cluster starts with at least this much standard support left, so its first upgrade is planned, not forced
-# into extended-support pricing within weeks.
-NEW_CLUSTER_MIN_STANDARD_SUPPORT_DAYS = 90
-
 # The day the support window is checked on: today (UTC) unless a caller fixes it (support_window_at).
 _SUPPORT_DATE: ContextVar[date | None] = ContextVar("kvfleet_eks_support_date", default=None)
 
@@ -59,27 +55,24 @@ def support_window_at(day: date) -> Iterator[None]:
 
 
 def support_problem(version: str, *, new_cluster: bool, today: date) -> str | None:
-    """What the EKS calendar says against ``version`` on ``today``; None when it may be used. A new cluster needs
-    NEW_CLUSTER_MIN_STANDARD_SUPPORT_DAYS of standard support left; an existing one may run in extended support,
-    but not past its end (EKS then upgrades the control plane itself, and the manifests were validated for this
-    version)."""
+    """What the EKS calendar says against ``version`` on ``today``; None when it may be used. A new cluster needs the
+    version released and in standard support: EKS would create it past that date, but bill extended support from
+    its first hour. An existing one may run in extended support, but not past its end (EKS then upgrades the control
+    plane itself, and the manifests were validated for this version)."""
     released, standard_end, extended_end = EKS_VERSION_CALENDAR[version]
-    usable = [
-        v
-        for v, (_, end, _) in EKS_VERSION_CALENDAR.items()
-        if (end - today).days >= NEW_CLUSTER_MIN_STANDARD_SUPPORT_DAYS
-    ]
-    instead = (
-        f"create a new cluster on {max(usable, key=_minor)}" if usable else "no version kvfleet knows has enough left"
-    )
     if new_cluster:
-        left = (standard_end - today).days
+        usable = [v for v, (start, end, _) in EKS_VERSION_CALENDAR.items() if start <= today <= end]
+        instead = (
+            f"create a new cluster on {max(usable, key=_minor)}"
+            if usable
+            else "no version this kvfleet knows is in standard support: upgrade kvfleet"
+        )
         if today < released:
             return f"EKS releases {version} on {released}, after {today}; {instead}"
-        if left < NEW_CLUSTER_MIN_STANDARD_SUPPORT_DAYS:
+        if today > standard_end:
             return (
-                f"EKS standard support for {version} ends {standard_end} ({max(left, 0)} days after {today}, fewer "
-                f"than {NEW_CLUSTER_MIN_STANDARD_SUPPORT_DAYS}); {instead}"
+                f"EKS standard support for {version} ended {standard_end}: a new cluster on it is billed for "
+                f"extended support from its first hour; {instead}"
             )
         return None
     if today > extended_end:
@@ -218,7 +211,7 @@ class EksTarget(TargetSection):
         default="1.35",
         description=(
             "Kubernetes version of a new cluster, or of the existing one (pinned: manifests are validated for it). "
-            f"A new cluster needs {NEW_CLUSTER_MIN_STANDARD_SUPPORT_DAYS} days of EKS standard support left."
+            "A new cluster needs a version in EKS standard support on the day synth runs."
         ),
     )
     namespace: str = Field(

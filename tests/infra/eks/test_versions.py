@@ -13,7 +13,6 @@ from kvfleet.errors import ConfigError
 from kvfleet.targets.eks.config import (
     EKS_CALENDAR_CHECKED,
     EKS_VERSION_CALENDAR,
-    NEW_CLUSTER_MIN_STANDARD_SUPPORT_DAYS,
     EksTarget,
     EksVersion,
     support_date,
@@ -51,21 +50,13 @@ def test_every_accepted_version_is_supported_and_has_kubectl_and_an_autoscaler()
         assert CLUSTER_AUTOSCALER_IMAGE_TAGS[v].startswith(f"v{v}."), v
 
 
-def test_the_default_is_a_version_in_standard_support() -> None:
-    default = EksTarget.model_fields["kubernetes_version"].default
-    left = (EKS_VERSION_CALENDAR[default][1] - EKS_CALENDAR_CHECKED).days
-    assert left >= NEW_CLUSTER_MIN_STANDARD_SUPPORT_DAYS, (default, left)
-    # 1.33 entered extended support on 2026-07-29 and 1.34's standard support ends 2026-12-02.
-    assert default == "1.35"
-
-
 @pytest.mark.parametrize("version", ["1.33", "1.34"])
-def test_a_new_cluster_on_a_version_leaving_standard_support_is_refused(version: str) -> None:
+def test_a_new_cluster_on_a_version_past_standard_support_is_refused(version: str) -> None:
     text = PLATFORM.replace('kubernetes_version: "1.35"', f'kubernetes_version: "{version}"')
-    with pytest.raises(ConfigError) as err, support_window_at(EKS_CALENDAR_CHECKED):
+    with pytest.raises(ConfigError) as err, support_window_at(date(2026, 12, 7)):
         environment(text)
     [line] = err.value.lines
-    assert f"deployments[0].target.kubernetes_version: EKS standard support for {version} ends" in line
+    assert f"deployments[0].target.kubernetes_version: EKS standard support for {version} ended" in line
     assert "create a new cluster on 1.35" in line
     version_line = text.splitlines().index(f'      kubernetes_version: "{version}"') + 1
     assert line.startswith(f"test.yaml:{version_line}:"), line
@@ -77,12 +68,12 @@ def test_an_existing_cluster_may_still_run_an_extended_support_version() -> None
 
 
 def test_the_window_is_the_day_synth_runs_not_a_fixed_date() -> None:
-    # 1.35's standard support ends 2027-03-27: a new cluster gets it until 90 days before, then is refused.
-    with support_window_at(date(2026, 12, 27)):
+    # 1.35's standard support ends 2027-03-27: a new cluster gets it to that day, and is refused the day after.
+    with support_window_at(date(2027, 3, 27)):
         environment(PLATFORM)
-    with support_window_at(date(2026, 12, 28)), pytest.raises(ConfigError) as err:
+    with support_window_at(date(2027, 3, 28)), pytest.raises(ConfigError) as err:
         environment(PLATFORM)
-    assert "EKS standard support for 1.35 ends 2027-03-27 (89 days after 2026-12-28" in err.value.lines[0]
+    assert "EKS standard support for 1.35 ended 2027-03-27: a new cluster on it is billed" in err.value.lines[0]
     # An existing cluster may stay in extended support, to its end and not a day past it.
     text = SHARED.replace('kubernetes_version: "1.34"', 'kubernetes_version: "1.33"')
     with support_window_at(date(2027, 7, 29)):
@@ -103,12 +94,13 @@ def test_without_a_fixed_day_the_window_is_today() -> None:
     assert support_date() == datetime.now(UTC).date()
 
 
-def test_the_default_gives_a_new_cluster_today_enough_standard_support() -> None:
-    # Fails on the day the default's standard support has fewer than 90 days left: time to add and default to the
-    # next version (its calendar row, kubectl layer and Cluster Autoscaler image).
+def test_the_default_gives_a_new_cluster_standard_support_on_the_calendars_day() -> None:
+    # On the day the calendar was read the default must be in standard support; when the calendar is read again
+    # (EKS_CALENDAR_CHECKED moves), the default moves with it to the newest version kvfleet covers.
     default = EksTarget.model_fields["kubernetes_version"].default
-    left = (EKS_VERSION_CALENDAR[default][1] - support_date()).days
-    assert left >= NEW_CLUSTER_MIN_STANDARD_SUPPORT_DAYS, (default, left)
+    released, standard_end, _ = EKS_VERSION_CALENDAR[default]
+    assert released <= EKS_CALENDAR_CHECKED <= standard_end
+    assert default == max(ACCEPTED, key=lambda v: int(v.split(".")[1]))
 
 
 def _cdk_versions() -> set[str]:
