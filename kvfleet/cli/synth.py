@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvfleet.cli.args import progress
-from kvfleet.errors import KvfleetError
+from kvfleet.errors import ConfigError, KvfleetError
+
+if TYPE_CHECKING:
+    from kvfleet.config.loader import LoadedEnvironment
 
 
 def add_parser(sub: Any) -> None:
@@ -48,25 +51,46 @@ def run(a: argparse.Namespace) -> int:
 
 
 def _checked_context(a: argparse.Namespace) -> str:
-    """The environment file (or every stage's of a pipeline) loaded and planned as synth will: the CDK app's context."""
+    """The environment file (or every stage's of a pipeline) loaded and planned as synth will: the CDK app's context.
+    Every problem of every file is raised at once (``file:line: field: what to change``), before the CDK CLI starts:
+    the app's own refusal (``add_environment``) stays for ``cdk synth`` run directly."""
     from kvfleet.config.loader import environment_path, load_located
-    from kvfleet.deployments import resolve_environment
 
     if a.pipeline is not None:
         from kvfleet.config.pipeline import load_pipeline
 
-        for stage_env in load_pipeline(a.pipeline).environments:
-            try:
-                resolve_environment(stage_env.environment)
-            except KvfleetError as err:
-                raise stage_env.problem(err) from None
-        return f"pipeline={a.pipeline}"
-    loaded = load_located(environment_path(a.environment))
+        problems = [line for stage in load_pipeline(a.pipeline).environments for line in _problems(stage)]
+        context = f"pipeline={a.pipeline}"
+    else:
+        problems = _problems(load_located(environment_path(a.environment)))
+        context = f"env={a.environment}"
+    if problems:
+        raise ConfigError(problems)
+    return context
+
+
+def _problems(loaded: LoadedEnvironment) -> list[str]:
+    """What synth would refuse in one file, each at its line: a deployment that does not resolve, then the choices
+    the file leaves open (who hears the alarms, who shares each prefix cache) as the app's ``refuse_undecided``
+    sees them, with each deployment's prefix caching as the bridge resolves it."""
+    from kvfleet.config.choices import undecided
+    from kvfleet.deployments import config_error, plan_requests, resolve
+
+    env = loaded.environment
     try:
-        resolve_environment(loaded.environment)
+        requests = plan_requests(env)
     except KvfleetError as err:
-        raise loaded.problem(err) from None
-    return f"env={a.environment}"
+        return loaded.problem(err).lines
+    lines: list[str] = []
+    caching = [False] * len(env.deployments)  # one that does not resolve has its own problem already
+    for dr in requests:
+        try:
+            caching[dr.index] = resolve(env, dr).engine_args.enable_prefix_caching
+        except KvfleetError as err:
+            lines.extend(loaded.problem(config_error(err, dr.index) if err.field is None else err).lines)
+    for u in undecided(env, caching):
+        lines.extend(loaded.problem(KvfleetError(u.message, field=u.field)).lines)
+    return lines
 
 
 def _cdk_cli(given: str | None) -> str:

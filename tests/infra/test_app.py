@@ -183,6 +183,115 @@ def test_kvfleet_synth_refuses_a_file_that_leaves_its_choices_open(tmp_path: Pat
     out = tmp_path / "cdk.out"
     result = kvfleet_synth(str(f), out)
     assert result.returncode == 2, result.stderr
+    # Refused by kvfleet before the CDK CLI starts: the first line carries its "kvfleet: error: " prefix.
+    ours = [line.removeprefix("kvfleet: error: ") for line in result.stderr.splitlines()]
+    assert [line.split(": ", 2)[:2] for line in ours] == [
+        [f"{f}:1", "notifications"],
+        [f"{f}:4", "deployments[0].serving.tenancy"],
+        [f"{f}:10", "deployments[1].serving.tenancy"],
+    ]
+    assert "Traceback" not in result.stderr and not list(out.glob("*.template.json"))
+
+
+def _stub_cdk(tmp_path: Path) -> tuple[Path, Path]:
+    """A CDK CLI that only records that it was started: a refusal must come before it."""
+    started = tmp_path / "cdk-started"
+    stub = tmp_path / "cdk"
+    stub.write_text(f"#!/bin/sh\ntouch {started}\n", encoding="utf-8")
+    stub.chmod(0o755)
+    return stub, started
+
+
+def _each_line_at_a_file(stderr: str, files: list[Path]) -> list[str]:
+    """stderr's lines, each required to start (after the CLI's one prefix) with one of ``files``'s path and a line."""
+    lines = stderr.splitlines()
+    assert lines and lines[0].startswith("kvfleet: error: "), stderr
+    bare = [lines[0].removeprefix("kvfleet: error: "), *lines[1:]]
+    for line in bare:
+        assert any(line.startswith(f"{f}:") and line[len(f"{f}:") :].split(":")[0].isdigit() for f in files), line
+    return bare
+
+
+def test_kvfleet_synth_refuses_open_choices_before_the_cdk_cli_starts(tmp_path: Path) -> None:
+    f = tmp_path / "open.yaml"
+    f.write_text(UNDECIDED, encoding="utf-8")
+    stub, started = _stub_cdk(tmp_path)
+    result = subprocess.run(
+        [str(REPO / ".venv" / "bin" / "kvfleet"), "synth", str(f), "--cdk", str(stub)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stderr
+    assert not started.exists()
+    lines = _each_line_at_a_file(result.stderr, [f])
+    assert [line.split(": ", 2)[:2] for line in lines] == [
+        [f"{f}:1", "notifications"],
+        [f"{f}:4", "deployments[0].serving.tenancy"],
+        [f"{f}:10", "deployments[1].serving.tenancy"],
+    ]
+
+
+PIPELINE = """\
+name: open-choices
+account: "111111111111"
+region: us-east-1
+source:
+  connection_arn: arn:aws:codeconnections:us-east-1:111111111111:connection/3f1c0b2e-9a4d-4c6e-8b7f-2d5e6a7b8c9d
+  repository: example-org/llm-platform
+  branch: main
+stages:
+  - environment: first
+  - environment: second
+"""
+
+
+def test_kvfleet_synth_pipeline_names_every_stages_open_choices_before_the_cdk_cli_starts(tmp_path: Path) -> None:
+    # Every problem of every stage at its file and line (not the first of each stage, not without its line).
+    envs = tmp_path / "environments"
+    envs.mkdir()
+    staged = UNDECIDED.replace("region: us-east-1\n", 'account: "222222222222"\nregion: us-east-1\n')
+    first, second = envs / "first.yaml", envs / "second.yaml"
+    first.write_text(staged.replace("name: half", "name: first"), encoding="utf-8")
+    # The second decides who hears the alarms but leaves the coder's prefix cache open.
+    second.write_text(
+        staged.replace("name: half", "name: second").replace(
+            "\n  - name: chat", "\n    serving: {tenancy: single}\n  - name: chat"
+        )
+        + "notifications: none\n",
+        encoding="utf-8",
+    )
+    (tmp_path / "pipeline.yaml").write_text(PIPELINE, encoding="utf-8")
+    stub, started = _stub_cdk(tmp_path)
+    result = subprocess.run(
+        [str(REPO / ".venv" / "bin" / "kvfleet"), "synth", "--pipeline", "pipeline.yaml", "--cdk", str(stub)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stderr
+    assert not started.exists()
+    files = [Path("environments") / "first.yaml", Path("environments") / "second.yaml"]
+    lines = _each_line_at_a_file(result.stderr, files)
+    assert [line.split(": ", 2)[:2] for line in lines] == [
+        [f"{files[0]}:1", "notifications"],
+        [f"{files[0]}:5", "deployments[0].serving.tenancy"],
+        [f"{files[0]}:11", "deployments[1].serving.tenancy"],
+        [f"{files[1]}:12", "deployments[1].serving.tenancy"],
+    ]
+
+
+def test_the_app_itself_still_refuses_open_choices_when_cdk_synth_runs_it_directly(tmp_path: Path) -> None:
+    # The backstop behind `kvfleet synth`'s own check: `cdk synth -c env=...` runs the app with no kvfleet before it.
+    f = tmp_path / "open.yaml"
+    f.write_text(UNDECIDED, encoding="utf-8")
+    out = tmp_path / "cdk.out"
+    result = cdk_synth(str(f), out)
+    assert result.returncode != 0
     ours = [line for line in result.stderr.splitlines() if line.startswith(str(f))]
     assert [line.split(": ", 2)[:2] for line in ours] == [
         [f"{f}:1", "notifications"],
