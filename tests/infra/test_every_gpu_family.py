@@ -1,16 +1,21 @@
-"""Every NVIDIA GPU family in the instance catalog synthesizes on every target that offers it: the plan picks from
-the whole catalog, so a family one target's constructs (or CDK under them) cannot build is a synth failure waiting
-for the first user who plans onto it (CDK's eks-v2 refused the NVIDIA AMI type for p5 and newer)."""
+"""Every NVIDIA GPU family in the instance catalog synthesizes on every target that offers it, with cdk-nag on, and
+its templates pass cfn-lint: the plan picks from the whole catalog, so a family one target's constructs (or CDK under
+them) cannot build is a synth failure waiting for the first user who plans onto it (CDK's eks-v2 refused the NVIDIA
+AMI type for p5 and newer)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from aws_cdk.assertions import Template
 
 from kvfleet.sizing.hardware import instances
-from tests.infra.helpers import REPO, only, props
+from tests.infra.helpers import REPO, props, synth_all
+from tests.infra.test_cfn_lint import cfn_lint
 
 # One example environment per target, its first deployment re-pointed at each family.
 EXAMPLES = {"sagemaker": "dev.yaml", "ec2": "staging.yaml", "eks": "platform.yaml"}
@@ -68,13 +73,37 @@ def _environment(target: str, family: str) -> str:
     return yaml.safe_dump(doc, sort_keys=False)
 
 
+@pytest.fixture(scope="module")
+def written(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where each case's templates are written, to be linted together (cfn-lint starts once, not thirty times)."""
+    return tmp_path_factory.mktemp("families")
+
+
 @pytest.mark.parametrize(("target", "family"), CASES, ids=[f"{t}-{f}" for t, f in CASES])
-def test_the_family_synthesizes(target: str, family: str) -> None:
-    t = only(_environment(target, family))
+def test_the_family_synthesizes(target: str, family: str, written: Path) -> None:
+    templates = synth_all(_environment(target, family), nag=True)  # fails on any unacknowledged finding
+    [t] = [t for name, t in templates.items() if not name.endswith("-alerts")]
     assert f"{family}." in str(t.to_json()), f"{family} is not in the {target} template"
     if target == "eks":
         [gpu] = [n for n in props(t, "AWS::EKS::Nodegroup") if n["AmiType"] == "AL2023_x86_64_NVIDIA"]
         assert gpu["InstanceTypes"][0].split(".")[0] == family
+    _write(t, written / f"{target}-{family}.template.json")
+
+
+def _write(t: Template, path: Path) -> None:
+    path.write_text(json.dumps(t.to_json()), encoding="utf-8")
+
+
+def test_every_familys_template_lints_clean(written: Path) -> None:
+    templates = sorted(written.glob("*.template.json"))
+    if len(templates) != len(CASES):
+        pytest.skip("runs after every case's synth (the whole module)")
+    files = [REPO / "environments" / f for f in EXAMPLES.values()]
+    regions = {yaml.safe_load(f.read_text(encoding="utf-8"))["region"] for f in files}
+    [region] = regions  # the examples' one region, where cfn-lint checks each type is offered
+    result = cfn_lint(templates, region)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout == ""
 
 
 @pytest.mark.parametrize("family", sorted(NOT_PLANNED))
