@@ -13,11 +13,12 @@ Pure Python (no aws_cdk); the config schema is only a type here, so ``kvfleet pl
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from kvfleet import contract
+from kvfleet.config.host_lock import PinnedImage, PinsHostImage, pinned
 from kvfleet.engines import EngineAdapter, EngineArgs, adapter
 from kvfleet.errors import KvfleetError
 from kvfleet.scaling import ScalingPolicy
@@ -290,6 +291,9 @@ class ResolvedDeployment:
     # The scaling it deploys, decided once: the file's values, or with scaling.derive the replay's where the file
     # leaves them. Stacks, manifests, the plan and the simulator read this, never the file's scaling section.
     scaling: ScalingPolicy
+    # The host image the environment's lock pins for this deployment's target and region (kvfleet.config.host_lock,
+    # read by the loader beside the file); None: unpinned, the target resolves its image at deploy.
+    host_image: PinnedImage | None = None
 
     @property
     def model_id(self) -> str:
@@ -442,10 +446,16 @@ def file_scaling(d: Deployment) -> ScalingPolicy:
     )
 
 
-def resolve(env: Environment, dr: DeploymentRequest, *, derive: Deriver | None = None) -> ResolvedDeployment:
+def resolve(
+    env: Environment,
+    dr: DeploymentRequest,
+    *,
+    derive: Deriver | None = None,
+    host_images: Iterable[PinnedImage] = (),
+) -> ResolvedDeployment:
     """Plan one deployment and decide its scaling: the file's values, or with scaling.derive what ``derive`` chooses
-    for the planned deployment (without ``derive``, the values as written). A deployment that cannot be planned is
-    the user's error (one line)."""
+    for the planned deployment (without ``derive``, the values as written); ``host_images`` are the lock's (the
+    loader's ``LoadedEnvironment.host_images``). A deployment that cannot be planned is the user's error (one line)."""
     d = dr.deployment
     try:
         result = plan(dr.request)
@@ -481,6 +491,9 @@ def resolve(env: Environment, dr: DeploymentRequest, *, derive: Deriver | None =
         startup=startup_estimate(checkpoint_bytes=ckpt),
         workload=dr.request.workload,
         scaling=file_scaling(d),
+        host_image=pinned(host_images, d.target.host_image_parameter(), env.region)
+        if isinstance(d.target, PinsHostImage)
+        else None,
     )
     _check_disk(r, dr.index)
     if d.scaling.derive and derive is not None:
@@ -504,8 +517,11 @@ def _checkpoint_bytes(dr: DeploymentRequest, best: Candidate) -> int:
     return ckpt
 
 
-def resolve_environment(env: Environment, *, derive: Deriver | None = None) -> tuple[ResolvedDeployment, ...]:
-    return tuple(resolve(env, dr, derive=derive) for dr in plan_requests(env))
+def resolve_environment(
+    env: Environment, *, derive: Deriver | None = None, host_images: Iterable[PinnedImage] = ()
+) -> tuple[ResolvedDeployment, ...]:
+    images = tuple(host_images)
+    return tuple(resolve(env, dr, derive=derive, host_images=images) for dr in plan_requests(env))
 
 
 def _check_disk(r: ResolvedDeployment, index: int) -> None:

@@ -3,7 +3,8 @@
 ``environments/`` is found from the working directory (or the directory given), so an installed kvfleet
 works outside a checkout. A deployment's ``workload.trace`` is read here, once, relative to the file's directory:
 the values it implies fill what the workload leaves out before the file is validated, so everything after the
-loader receives plain numbers.
+loader receives plain numbers. So is the lock beside the file (``kvfleet.config.host_lock``): the host images it
+pins travel with the loaded file to every edge that deploys it (``kvfleet synth``, the app, a pipeline's stages).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -19,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from kvfleet.config.choices import UndecidedError
+from kvfleet.config.host_lock import LockError, PinnedImage, lock_path, read_lock
 from kvfleet.config.schema import REGION_PATTERN, TRACE_MAX_PERCENTILE, Environment, WorkloadTrace
 from kvfleet.config.targets import target_sections
 from kvfleet.errors import ConfigError, KvfleetError
@@ -165,6 +167,8 @@ class LoadedEnvironment:
     traces: Mapping[int, Trace] = field(default_factory=dict)
     # The workload keys each of those traces gave (those the file left out), so an error about one names the trace.
     from_trace: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
+    # The host images the lock beside the file pins (none without a lock, or for a file given as text).
+    host_images: tuple[PinnedImage, ...] = ()
 
     def line(self, field: str) -> int:
         return _line(self.lines, parse_field(field))
@@ -602,7 +606,12 @@ def load_located(path: str | Path) -> LoadedEnvironment:
         raw = p.read_bytes()
     except OSError as err:
         raise KvfleetError(f"cannot read {p}: {err.strerror}", field="environment") from None
-    return parse_located(raw, source=str(path), directory=p.parent)
+    loaded = parse_located(raw, source=str(path), directory=p.parent)
+    try:
+        images = read_lock(lock_path(p))
+    except LockError as err:  # already one line naming the lock and the field
+        raise ConfigError([str(err)]) from None
+    return replace(loaded, host_images=images)
 
 
 def environment_path(name: str, *, environments_dir: str | Path | None = None) -> Path:

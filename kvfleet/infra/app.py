@@ -16,7 +16,7 @@ import os
 import re
 import shutil
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from cdk_nag import AwsSolutionsChecks
 from constructs import Construct
 
 from kvfleet.config.choices import refuse_undecided
+from kvfleet.config.host_lock import PinnedImage
 from kvfleet.config.loader import LoadedEnvironment, environment_path, load_located, parse_field
 from kvfleet.config.schema import Environment
 from kvfleet.deployments import resolve_environment
@@ -55,14 +56,20 @@ def _in_deployment(err: KvfleetError, index: int, name: str) -> KvfleetError:
 
 
 def add_environment(
-    scope: Construct, env: Environment, *, traces: Mapping[int, Trace] | None = None
+    scope: Construct,
+    env: Environment,
+    *,
+    traces: Mapping[int, Trace] | None = None,
+    host_images: Sequence[PinnedImage] = (),
 ) -> list[cdk.Stack]:
     """An environment's stacks (its alerts topic where it has none of its own, then one stack per deployment) in
     ``scope``: the app for `make synth`, or a ``cdk.Stage`` of a pipeline, which then deploys the same stacks.
     ``traces`` are the deployments' workload traces as the loader read them (by deployment index):
-    ``scaling.derive`` replays them, and without one a step at the workload's peak."""
+    ``scaling.derive`` replays them, and without one a step at the workload's peak. ``host_images`` are the images
+    the lock beside the file pins (``LoadedEnvironment.host_images``); without them every host image is resolved
+    at deploy."""
     # The thresholds the file leaves to scaling.derive are those `kvfleet plan` prints (the same search, cached).
-    resolved = resolve_environment(env, derive=deriver(traces))
+    resolved = resolve_environment(env, derive=deriver(traces), host_images=host_images)
     # Who hears the alarms and who shares each prefix cache: planned without, never deployed without.
     refuse_undecided(env, [r.engine_args.enable_prefix_caching for r in resolved])
     alerts = (
@@ -85,13 +92,14 @@ def build_app(
     app: cdk.App | None = None,
     nag: bool = True,
     traces: Mapping[int, Trace] | None = None,
+    host_images: Sequence[PinnedImage] = (),
 ) -> cdk.App:
     """The app of an environment (``add_environment`` in an app, with cdk-nag)."""
     app = app or cdk.App()
     if nag:
         # Findings fail synth; each accepted one is acknowledged beside its cause, with a reason.
         cdk.Validations.of(app).add_plugins(AwsSolutionsChecks(app, verbose=True))
-    add_environment(app, env, traces=traces)
+    add_environment(app, env, traces=traces, host_images=host_images)
     return app
 
 
@@ -149,8 +157,8 @@ def main() -> None:
     try:
         loaded = load_located(environment_path(str(name), environments_dir=directory))
         env = loaded.environment
-        traces = loaded.traces
-        _cleaned_on_failure(Path(app.outdir), lambda: build_app(env, app=app, traces=traces))
+        traces, images = loaded.traces, loaded.host_images
+        _cleaned_on_failure(Path(app.outdir), lambda: build_app(env, app=app, traces=traces, host_images=images))
     except ConfigError as err:
         _exit(err.lines)
     except KvfleetError as err:

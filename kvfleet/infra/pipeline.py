@@ -250,7 +250,7 @@ class PipelineStack(Stack):
         # Beside the pipeline's stack in the app, not inside it: the stage's construct paths (and the names CDK
         # derives from them) are then those of a Stage of its own (tests/infra/test_stage.py).
         stage = cdk.Stage(app, stage_id(env.name), env=cdk.Environment(account=env.account, region=env.region))
-        stacks = add_environment(stage, env, traces=env_loaded.traces)
+        stacks = add_environment(stage, env, traces=env_loaded.traces, host_images=env_loaded.host_images)
         live = LiveCheckStack(
             stage, live_check_stack_name(env.name), environment=env, stacks=stacks, pipeline_account=p.account
         )

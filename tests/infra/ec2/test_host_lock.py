@@ -15,12 +15,13 @@ from botocore.stub import Stubber
 
 from kvfleet.cli.host_images import host_images, refresh_host_images
 from kvfleet.config.host_lock import LockError, PinnedImage, lock_path, lock_text, read_lock
-from kvfleet.errors import KvfleetError
+from kvfleet.config.loader import load_located
+from kvfleet.errors import ConfigError, KvfleetError
 from kvfleet.infra.app import build_app
 from kvfleet.plandiff import describe, diff_plans
 from kvfleet.targets.ec2.config import Ec2Target
 from tests.infra.ec2.envs import EC2_ENV
-from tests.infra.helpers import environment, make_app, props
+from tests.infra.helpers import make_app, props
 
 PARAMETER = Ec2Target.model_fields["ami_parameter"].default
 RELEASE = "Deep Learning Base OSS Nvidia Driver GPU AMI (Amazon Linux 2023) 20260901"
@@ -47,9 +48,10 @@ def env_file(tmp_path: Path, *images: PinnedImage) -> Path:
 
 
 def synth(path: Path) -> Template:
+    # The loader reads the lock beside the file; the app is given what it pinned (no context, no second read).
+    loaded = load_located(path)
     app = make_app()
-    app.node.set_context("env", str(path))  # what `kvfleet synth` gives the app: the lock is found beside it
-    build_app(environment(path.read_text(encoding="utf-8")), app=app, nag=False)
+    build_app(loaded.environment, app=app, nag=False, host_images=loaded.host_images)
     [stack] = [s for s in app.node.children if isinstance(s, cdk.Stack) and "chat" in s.node.id]
     return Template.from_stack(stack)
 
@@ -84,6 +86,32 @@ def test_a_malformed_lock_is_one_line_naming_the_field(tmp_path: Path, row: dict
     with pytest.raises(LockError, match=r"^[^\n]+$") as info:
         read_lock(path)
     assert says in str(info.value)
+
+
+def test_the_loader_reads_the_lock_beside_the_file_and_a_bad_one_is_one_line(tmp_path: Path) -> None:
+    path = env_file(tmp_path, pin())
+    assert load_located(path).host_images == (pin(),)
+    # The stack is not the one to read it: the app's context names no file here, and the pin is still deployed.
+    assert image_id(synth(path)) == "ami-0123456789abcdef0"
+    lock_path(path).write_text('{"images": [{"image_id": "ami-1"}]}', encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_located(path)
+    [line] = info.value.lines
+    assert line.startswith(f"{lock_path(path)}: images[0].") and "refresh-host-images" in line
+
+
+def test_the_bridge_pins_only_the_deployments_parameter_in_the_files_region(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from kvfleet.deployments import resolve_environment
+
+    env = load_located(env_file(tmp_path)).environment
+    other_region = replace(pin(), region="eu-west-1")
+    other_parameter = replace(pin(), parameter="/aws/service/other/ami-id")
+    [r] = resolve_environment(env, host_images=(other_region, other_parameter))
+    assert r.host_image is None
+    [r] = resolve_environment(env, host_images=(other_region, pin()))
+    assert r.host_image == pin()
 
 
 def test_synth_deploys_the_pinned_ami_and_checks_its_releases_driver(tmp_path: Path) -> None:

@@ -29,10 +29,8 @@ from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
 from kvfleet import contract
-from kvfleet.config.host_lock import LockError, PinnedImage, lock_path, pinned, read_lock
-from kvfleet.config.loader import environment_path
+from kvfleet.config.host_lock import PinnedImage
 from kvfleet.deployments import ResolvedDeployment
-from kvfleet.errors import KvfleetError
 from kvfleet.infra.context import ServingContext
 from kvfleet.infra.cuda import host_for_image, hosts, nvidia_gpu
 from kvfleet.infra.iam import grant_model_read, grant_token_read, put_metric_data
@@ -266,18 +264,11 @@ class Ec2Fleet(Construct):
     # ---- what an instance boots ----------------------------------------------------------------------------
 
     def _pinned_image(self, region: str | None) -> PinnedImage | None:
-        """The AMI the environment's lock pins for this deployment's parameter and region (kvfleet.config.host_lock),
-        found beside the environment file the app was given (the ``env`` and ``environments_dir`` context); None
-        without a lock row, or with the region unknown at synth."""
-        name = self.node.try_get_context("env")
-        if name is None or region is None:
-            return None
-        path = lock_path(environment_path(str(name), environments_dir=self.node.try_get_context("environments_dir")))
-        try:
-            images = read_lock(path)
-        except LockError as err:
-            raise KvfleetError(str(err), field="target.ami_parameter") from None
-        return pinned(images, self._target.host_image_parameter(), region)
+        """The AMI the environment's lock pins for this deployment's parameter and region, as the bridge resolved it
+        (``ResolvedDeployment.host_image``, from the lock the loader read beside the file); None without a lock row,
+        or with the region unknown at synth."""
+        pin = self._resolved.host_image
+        return pin if pin is not None and region is not None and pin.region == region else None
 
     def _check_driver(self, pin: PinnedImage | None) -> None:
         """The AMI's NVIDIA driver must run the image's CUDA. A pinned AMI is checked by its release (hosts.json
