@@ -262,3 +262,22 @@ def test_agent_extra_starts_the_agent(venv: Callable[[str], Venv]) -> None:
     assert done.stderr.startswith(f"{contract.AGENT_COMMAND}: {contract.ENV_MODEL}:"), done.stderr
     done = v.python(_import_all("kvfleet.agent"))
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.slow
+def test_cdk_extra_computes_the_checkouts_image_tag(venv: Callable[[str], Venv]) -> None:
+    # An install has no containers/: the Dockerfile and what it copies from there come as package data, so the
+    # installed kvfleet tags the image the pipeline builds from the checkout of the same source.
+    from kvfleet.infra.image_build import SOURCE_ROOT, kvfleet_build
+
+    args = {"engine": "vllm", "engine_version": "0.30.0", "region": "eu-west-1", "instance_type": "g6e.xlarge"}
+    done = venv("cdk").python(
+        "import json, kvfleet.infra.image_build as b\n"
+        f"print(json.dumps([str(b.SOURCE_ROOT), b.kvfleet_build(**{args!r}).tag]))"
+    )
+    assert done.returncode == 0, done.stderr
+    root, tag = json.loads(done.stdout)
+    assert root != str(SOURCE_ROOT) and not (Path(root) / "containers").exists()  # the install's, not this checkout
+    assert (
+        tag == kvfleet_build(engine="vllm", engine_version="0.30.0", region="eu-west-1", instance_type="g6e.xlarge").tag
+    )

@@ -22,14 +22,17 @@ from functools import cache
 from pathlib import Path
 
 import kvfleet
-from kvfleet import contract
+from kvfleet import contract, versions
 from kvfleet.config.dlc import kvfleet_image_on_dlc
 from kvfleet.engines import ENGINES
 from kvfleet.errors import KvfleetError
 
 # The checkout the image is built from: the repository root holding kvfleet/ and containers/.
 SOURCE_ROOT = Path(kvfleet.__file__).resolve().parent.parent
-DOCKERFILE = "containers/Dockerfile"
+CONTAINERS = "containers/"
+DOCKERFILE = f"{CONTAINERS}Dockerfile"
+# Where an installed kvfleet carries containers/ (pyproject's package data for kvfleet.infra).
+PACKAGED_CONTAINERS = "kvfleet/infra/containers/"
 BUILD_ID_DIGITS = 12  # 48 bits of SHA-256: no two builds of one release and contract share a tag by chance
 # Left out of the digest as they are of the build context (.dockerignore): caches the interpreter writes.
 _NOT_INPUTS = re.compile(r"(^|/)(__pycache__|\.pytest_cache|\.mypy_cache|\.ruff_cache)(/|$)|\.pyc$")
@@ -77,39 +80,50 @@ def copied_sources(dockerfile: str) -> tuple[str, ...]:
     return tuple(found)
 
 
-def _input_files(root: Path) -> list[str]:
-    dockerfile = root / DOCKERFILE
+def _located(root: Path, name: str) -> Path:
+    """Where build-context path ``name`` is read: under ``root`` (a checkout), else, for containers/, the copy an
+    installed kvfleet carries (package data, the same bytes: kvfleet/infra/containers is a link to containers/ in a
+    checkout), so the checkout and an install of the same source compute the same tag."""
+    path = root / name
+    if not path.exists() and name.startswith(CONTAINERS):
+        return root / PACKAGED_CONTAINERS / name.removeprefix(CONTAINERS)
+    return path
+
+
+def _input_files(root: Path) -> list[tuple[str, Path]]:
+    """(build-context path, where it is read) of each input, by path."""
+    dockerfile = _located(root, DOCKERFILE)
     if not dockerfile.is_file():
         raise KvfleetError(
-            f"no {DOCKERFILE} under {root}: the kvfleet image is built from a kvfleet checkout; run from one, or "
-            "set image.tag to the tag of an image you pushed",
+            f"no {DOCKERFILE} under {root}, nor the copy kvfleet ships in {PACKAGED_CONTAINERS}: reinstall kvfleet "
+            "or run from a checkout, or set image.tag to the tag of an image you pushed",
             field="image.tag",
         )
-    files = {DOCKERFILE}
+    files = {DOCKERFILE: dockerfile}
     for source in copied_sources(dockerfile.read_text(encoding="utf-8")):
-        path = root / source
+        path = _located(root, source)
         if path.is_dir():
-            files.update(p.relative_to(root).as_posix() for p in path.rglob("*") if p.is_file())
+            base = source.rstrip("/")
+            files.update((f"{base}/{p.relative_to(path).as_posix()}", p) for p in path.rglob("*") if p.is_file())
         elif path.is_file():
-            files.add(source)
+            files[source] = path
         else:
             raise KvfleetError(f"{DOCKERFILE} copies {source}, which is not in {root}", field="image")
-    return sorted(f for f in files if not _NOT_INPUTS.search(f))
+    return sorted((n, p) for n, p in files.items() if not _NOT_INPUTS.search(n))
 
 
 def _files_digest(root: Path) -> str:
     """The digest of the input files, read once per process while no file's size or mtime changes (synth asks for
     each deployment's tag)."""
-    names = _input_files(root)
-    stamp = tuple((n, (st := (root / n).stat()).st_size, st.st_mtime_ns) for n in names)
-    return _read_digest(root, stamp)
+    stamp = tuple((n, str(p), (st := p.stat()).st_size, st.st_mtime_ns) for n, p in _input_files(root))
+    return _read_digest(stamp)
 
 
 @cache
-def _read_digest(root: Path, stamp: tuple[tuple[str, int, int], ...]) -> str:
+def _read_digest(stamp: tuple[tuple[str, str, int, int], ...]) -> str:
     h = hashlib.sha256()
-    for name, _, _ in stamp:
-        data = (root / name).read_bytes()
+    for name, path, _, _ in stamp:
+        data = Path(path).read_bytes()
         h.update(f"{name}\0{len(data)}\0".encode())
         h.update(data)
     return h.hexdigest()
@@ -124,18 +138,55 @@ def inputs_digest(build_args: Mapping[str, str], *, root: Path = SOURCE_ROOT) ->
 
 
 def base_image(engine: str, engine_version: str, region: str | None, instance_type: str) -> str:
-    """What containers/Dockerfile builds the engine's image on: the engine's AWS container for this release in the
-    region (a DLC is published per region, so the pull stays in it), else the adapter's default base."""
+    """What containers/Dockerfile builds the engine's image on, always an image of ``engine_version`` (the tag names
+    that release): the engine's AWS container of this release, from the region (a DLC is published per region, so
+    the pull stays in it) or else from the Dockerfile's default region; without one, the adapter's default base
+    where that runs this release. Otherwise KvfleetError (engine.version): no base runs the release."""
     if kvfleet_image_on_dlc(engine):
         from kvfleet.infra.images import dlc_image
 
         sm_type = instance_type if instance_type.startswith("ml.") else f"ml.{instance_type}"
         try:
             dlc = dlc_image(engine=engine, engine_version=engine_version, instance_type=sm_type)
-            return dlc.in_region(region or DEFAULT_BASE_REGION).uri
         except KvfleetError:
-            pass  # no AWS container of this release (or region): the adapter's base, as the Dockerfile's default
-    return ENGINES[engine].default_base_image
+            pass  # no AWS container of this release: the adapter's base, if it runs the release
+        else:
+            published = dict(dlc.by_region)
+            found = published.get(region or DEFAULT_BASE_REGION) or published.get(DEFAULT_BASE_REGION)
+            return (found or dlc.by_region[0][1]).uri
+    default = ENGINES[engine].default_base_image
+    if (runs := base_release(default)) is not None and runs == versions.normalize(engine_version):
+        return default
+    raise KvfleetError(_no_base_message(engine, engine_version, default, runs), field="engine.version")
+
+
+def base_release(image: str) -> str | None:
+    """The engine release an image reference's tag names (``vllm:0.30.0-gpu-...``, ``release:1.0.0``), as the AWS
+    vLLM DLC's and NVIDIA's TensorRT-LLM tags do (containers/Dockerfile's header); None for a tag naming none."""
+    name = image.split("@", maxsplit=1)[0].rsplit("/", 1)[-1]
+    tag = name.split(":", 1)[1] if ":" in name else ""
+    m = re.match(r"v?(\d+(?:\.\d+)*)(?=$|[-+_])", tag)
+    return versions.normalize(m[1]) if m else None
+
+
+def _no_base_message(engine: str, engine_version: str, default: str, runs: str | None) -> str:
+    """One line: why no base image runs the release, and the two ways out (a release with a base, or a tag of an
+    image built on one the user chooses)."""
+    title = ENGINES[engine].title
+    if kvfleet_image_on_dlc(engine):
+        from kvfleet.config.dlc import published
+
+        releases = ", ".join(sorted(published(engine), key=versions.sort_key))
+        why = f"AWS publishes no {title} container of {engine_version} (published: {releases})"
+        fix = "pin engine.version to a published release"
+    else:
+        why = f"containers/Dockerfile's base for {title} is {default}"
+        fix = f"pin engine.version: {runs}" if runs else "pin engine.version to the release that image runs"
+    return (
+        f"the kvfleet image is tagged with the {title} release it runs, and no base runs {title} {engine_version}: "
+        f"{why}; {fix}, or build containers/Dockerfile with --build-arg BASE_IMAGE=<an image of {title} "
+        f"{engine_version}>, push it and set image.tag to its tag"
+    )
 
 
 def repository_name(engine: str) -> str:

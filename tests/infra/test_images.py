@@ -18,7 +18,16 @@ from sagemaker.core import image_uris
 from kvfleet import contract
 from kvfleet.engines import ENGINES
 from kvfleet.errors import KvfleetError
-from kvfleet.infra.image_build import copied_sources, kvfleet_build, push_script, repository_name
+from kvfleet.infra.image_build import (
+    DOCKERFILE,
+    PACKAGED_CONTAINERS,
+    base_image,
+    base_release,
+    copied_sources,
+    kvfleet_build,
+    push_script,
+    repository_name,
+)
 from kvfleet.infra.images import dlc_image, parse_ecr_uri
 from kvfleet.infra.repository import ImageRepositoriesStack, publishing_role_arn
 from tests.infra.helpers import REPO, make_app, only
@@ -145,7 +154,7 @@ def test_the_tag_names_release_contract_and_inputs_and_changes_with_each(tmp_pat
     (root / "kvfleet/agent/__pycache__/server.cpython-311.pyc").write_bytes(b"\0")
     assert _tag(root) == tag  # what the build context leaves out is no input
     assert _tag(root, region="eu-west-1") != tag  # another base image (the region's AWS container)
-    assert _tag(root, engine_version="0.31.0") != tag
+    assert _tag(root, engine_version="0.29.0") != tag
     server = root / "kvfleet/agent/server.py"
     server.write_text(server.read_text() + "\n# a change to the agent\n")
     changed = _tag(root)
@@ -214,10 +223,54 @@ def test_a_role_pushes_and_the_callers_credentials_pull_the_base() -> None:
     )
 
 
-def test_an_installed_kvfleet_without_the_dockerfile_asks_for_a_tag(tmp_path: Path) -> None:
+def test_without_the_dockerfile_or_its_packaged_copy_a_tag_is_asked_for(tmp_path: Path) -> None:
     with pytest.raises(KvfleetError) as err:
         _tag(tmp_path)
     assert err.value.field == "image.tag" and "\n" not in str(err.value)
+
+
+def test_an_installed_layout_computes_the_checkouts_tag(tmp_path: Path) -> None:
+    # An install has kvfleet/ and no containers/: the Dockerfile and the requirements it copies come as package data
+    # (kvfleet/infra/containers, a link to containers/ in the checkout). tests/test_install.py does it with the wheel.
+    root = _checkout(tmp_path / "checkout")
+    installed = tmp_path / "site-packages"
+    shutil.copytree(root / "kvfleet", installed / "kvfleet")
+    shutil.copytree(root / "containers", installed / PACKAGED_CONTAINERS)
+    assert _tag(installed) == _tag(root) == _tag(REPO)
+    assert (REPO / PACKAGED_CONTAINERS / "Dockerfile").read_bytes() == (REPO / DOCKERFILE).read_bytes()
+    (installed / PACKAGED_CONTAINERS / "agent-requirements.txt").write_text("aiohttp==0\n", encoding="utf-8")
+    assert _tag(installed) != _tag(root)  # the packaged copy is read, not skipped
+
+
+def test_the_base_runs_the_release_the_tag_names() -> None:
+    # The region's own container of the release; where AWS publishes it elsewhere only, the same release's from the
+    # Dockerfile's default region (the pushed image is the region's own; only its build pulls across regions).
+    assert base_release(base_image("vllm", "0.29.0", "eu-west-1", "g6e.xlarge")) == "0.29.0"
+    assert ".eu-west-1." in base_image("vllm", "0.29.0", "eu-west-1", "g6e.xlarge")
+    elsewhere = base_image("vllm", "0.29.0", "xx-nowhere-1", "g6e.xlarge")
+    assert ".us-east-1." in elsewhere and base_release(elsewhere) == "0.29.0"
+    assert base_image("trtllm", "1.0.0", "eu-west-1", "p5.48xlarge") == ENGINES["trtllm"].default_base_image
+    assert base_release("nvcr.io/nvidia/tensorrt-llm/release:1.0.0") == "1.0.0"
+    assert (
+        base_release("x.dkr.ecr.us-east-1.amazonaws.com/vllm:0.30.0-gpu-py312-cu130-ubuntu24.04-sagemaker") == "0.30.0"
+    )
+    assert base_release("example.com/img:latest") is None and base_release("localhost:5000/img") is None
+
+
+@pytest.mark.parametrize(
+    ("engine", "release", "fix"),
+    [
+        ("vllm", "0.34.0", "pin engine.version to a published release"),  # modelled, but no AWS container
+        ("trtllm", "0.21.0", "pin engine.version: 1.0.0"),  # NVIDIA's base runs 1.0.0
+    ],
+)
+def test_a_release_no_base_runs_is_refused_naming_what_to_set(engine: str, release: str, fix: str) -> None:
+    # Before, the build fell back to the adapter's default base: an image tagged for one release running another.
+    with pytest.raises(KvfleetError) as err:
+        kvfleet_build(engine=engine, engine_version=release, region="us-east-1", instance_type="p5.48xlarge")
+    e = err.value
+    assert e.field == "engine.version" and "\n" not in str(e)
+    assert fix in e.message and "image.tag" in e.message and "--build-arg BASE_IMAGE=<an image of " in e.message
 
 
 # ---- the repositories ----------------------------------------------------------------------------------------------
