@@ -35,6 +35,65 @@ def _outcome_json(o: Outcome) -> dict[str, Any]:
 
 
 def scaling_section(loaded: LoadedEnvironment, dr: DeploymentRequest, *, derive: bool) -> dict[str, Any] | None:
+    """The thresholds the deployment scales on, with scaling.derive (or --derive) how the replay chose them, and
+    what a scale-in cuts where the target kills a removed replica before the drain budget runs out."""
+    section = _thresholds(loaded, dr, derive=derive)
+    if (cut := scale_in_cut(dr)) is not None:
+        section = section or {"lines": []}
+        section["lines"] = [*section["lines"], cut.pop("line")]
+        section["scale_in"] = cut
+    return section
+
+
+def scale_in_cut(dr: DeploymentRequest) -> dict[str, Any] | None:
+    """Where the target's scale-in kill (its record's ``scale_in_drain``) comes before scaling.drain_budget_s: the
+    drain a removed replica gets, how long the plan says a generation of max_output_tokens takes under the planned
+    load, and the line plan prints. None where the budget is the drain."""
+    from kvfleet.targets import TARGETS
+
+    kill = TARGETS[dr.deployment.target.platform].scale_in_drain
+    budget = dr.deployment.scaling.drain_budget_s
+    if kill is None or (drain := kill.drain_s(budget)) >= budget:
+        return None
+    tokens = dr.deployment.workload.max_output_tokens
+    takes_s = _generation_s(dr, tokens)
+    if takes_s is None:
+        takes = "the plan predicts no finite TTFT under the planned load, so no generation time"
+    else:
+        verdict = "longer, so a scale-in cuts it" if takes_s > drain else "within that"
+        takes = (
+            f"a generation of max_output_tokens ({tokens:,}) takes about {takes_s:.0f} s under the planned load "
+            f"(TTFT p95, then each token at the mean ITL: {verdict})"
+        )
+    return {
+        "drain_s": drain,
+        "kill_after_s": kill.kill_after_s,
+        "drain_budget_s": budget,
+        "max_output_tokens": tokens,
+        "generation_s": None if takes_s is None else round(takes_s, 1),
+        "source": kill.source,
+        "line": (
+            f"  scale-in: cuts generations running longer than {drain} s (a removed replica is killed "
+            f"{kill.kill_after_s} s after SIGTERM, whatever drain_budget_s {budget} says); {takes}; updates "
+            f"(blue/green) still drain for the full {budget} s"
+        ),
+    }
+
+
+def _generation_s(dr: DeploymentRequest, tokens: int) -> float | None:
+    """A generation of ``tokens`` under the plan's planned load: TTFT p95, then each token at the mean ITL (over
+    that many tokens the gaps average out; a p95 of each gap would not add up). None if the TTFT is not finite."""
+    import math
+
+    from kvfleet.sizing.planner import plan
+    from kvfleet.sizing.step import latency_percentiles
+
+    load = plan(dr.request).best.planned_load
+    ttft = latency_percentiles(load).ttft.p95_s
+    return None if math.isinf(ttft) else ttft + tokens * load.itl_s
+
+
+def _thresholds(loaded: LoadedEnvironment, dr: DeploymentRequest, *, derive: bool) -> dict[str, Any] | None:
     """The thresholds the deployment scales on, and with scaling.derive (or --derive) how the replay chose them."""
     from kvfleet.deployments import resolve
     from kvfleet.tuning import decide, derivation
