@@ -289,8 +289,9 @@ def _print_rejections(console: Any, p: Plan, all_rejections: bool) -> None:
 
 
 def choices(environment: str, results: list[tuple[str, str, Plan]]) -> tuple[list[str], dict[str, dict[str, Any]]]:
-    """What the file says (or leaves open) of who hears the alarms and who shares each prefix cache: the lines plan
-    prints after the plans, and each deployment's part for its JSON row. Synth refuses what is left open."""
+    """What the file says (or leaves open) of who hears the alarms, who shares each prefix cache and what each
+    deployment's target asks it to decide: the lines plan prints after the plans, and each deployment's part for its
+    JSON row. Synth refuses what is left open."""
     from kvfleet.config.choices import undecided
     from kvfleet.config.loader import environment_path, load_located
     from kvfleet.deployments import engine_args
@@ -315,15 +316,18 @@ def choices(environment: str, results: list[tuple[str, str, Plan]]) -> tuple[lis
             lines.append(f"{d.name}: prefix cache: per tenant (header {d.serving.tenant_header}, salted by the agent)")
         else:
             lines.append(f"{d.name}: prefix cache: shared by every caller (serving.tenancy: single)")
+        # What the deployment's target asks the file to decide (TargetSection.undecided), at its line.
+        mine = f"deployments[{i}]."
+        lines += [
+            f"{d.name}: undecided, synth refuses: {line}"
+            for key, line in open_lines.items()
+            if key.startswith(mine) and key != f"{mine}serving.tenancy"
+        ]
         rows[d.name] = {
             "prefix_caching": flags[i],
             "tenancy": tenancy,
             "notifications": _notifications_kind(env),
-            "undecided": [
-                line
-                for key, line in open_lines.items()
-                if key in ("notifications", f"deployments[{i}].serving.tenancy")
-            ],
+            "undecided": [line for key, line in open_lines.items() if key == "notifications" or key.startswith(mine)],
         }
     return lines, rows
 

@@ -1,5 +1,6 @@
 """What an environment file must decide before it deploys, though it can be planned without: who hears the alarms,
-and who shares each deployment's prefix cache.
+who shares each deployment's prefix cache, and what each deployment's target asks of it (``TargetSection.undecided``:
+on EKS, who may call the serving pods).
 
 ``kvfleet plan`` prints what is left undecided (``undecided``); synth refuses it (``refuse_undecided``), one
 ``file:line: field: what to write`` per choice. The prefix cache's sharing is known only once the release's default
@@ -59,6 +60,8 @@ def undecided(env: Environment, prefix_caching: Sequence[bool]) -> tuple[Undecid
     for i, (d, caching) in enumerate(zip(env.deployments, prefix_caching, strict=True)):
         if caching and d.serving.declared_tenancy is None:
             out.append(Undecided(field=f"deployments[{i}].serving.tenancy", message=_tenancy_message(d)))
+        # The target's own, named from the deployment's top: this module never names a target.
+        out.extend(Undecided(field=f"deployments[{i}].{f}", message=m) for f, m in d.target.undecided(d))
     return tuple(out)
 
 

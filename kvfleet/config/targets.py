@@ -64,6 +64,12 @@ class TargetSection(Frozen):
         """The warm pool this section keeps (its state and its instances); None: none."""
         return None
 
+    def undecided(self, deployment: Deployment) -> list[tuple[str, str]]:
+        """The choices this target needs the file to make before synth, each ``(field, what to write)`` with the
+        field's path from the deployment's top (``target.clients``); ``kvfleet plan`` prints them, synth refuses
+        them (``kvfleet.config.choices``)."""
+        return []
+
 
 def target_sections() -> tuple[type[TargetSection], ...]:
     """Every registered target's section, in registry order."""

@@ -1,5 +1,6 @@
 """What a file must decide before synth, as `kvfleet plan` says it: who hears the alarms, who shares each prefix
-cache (synth's refusal is held in tests/infra/test_alerts.py and tests/infra/test_app.py)."""
+cache, what a target asks (EKS: who may call the model) (synth's refusal is held in tests/infra/test_alerts.py and
+tests/infra/test_app.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from kvfleet.cli import main
 from kvfleet.cli.plan_output import _notifications_line
-from kvfleet.config.choices import undecided
+from kvfleet.config.choices import UndecidedError, refuse_undecided, undecided
 from tests.envs import SAGEMAKER_ENV, environment
 
 UNDECIDED = SAGEMAKER_ENV.replace("notifications: none\n", "").replace("    serving:\n      tenancy: single\n", "")
@@ -80,3 +81,29 @@ def test_contradictory_tenancy_is_refused_at_its_line(serving: str, expect: str)
         environment(SAGEMAKER_ENV.replace("      tenancy: single\n", serving))
     [line] = info.value.lines
     assert expect in line and re.match(r"test.yaml:2[4-7]: deployments\[0\]\.serving\.", line), line
+
+
+EKS_EXAMPLE = Path(__file__).parents[2] / "environments" / "platform.yaml"
+EKS_CLIENTS = "      clients:\n        namespaces: [apps]\n"
+
+
+def test_a_target_asks_its_own_choice_and_plan_says_it_at_its_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = EKS_EXAMPLE.read_text(encoding="utf-8")
+    assert EKS_CLIENTS in text
+    f = tmp_path / "eks.yaml"
+    f.write_text(text.replace(EKS_CLIENTS, ""), encoding="utf-8")
+    env = environment(text.replace(EKS_CLIENTS, ""))
+    [problem] = undecided(env, [False])
+    assert problem.field == "deployments[0].target.clients"
+    assert "target.clients: cluster (every pod in the cluster)" in problem.message
+    with pytest.raises(UndecidedError):
+        refuse_undecided(env, [False])  # what synth calls before it builds a stack
+    assert main(["plan", str(f)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    target_line = next(i for i, line in enumerate(text.replace(EKS_CLIENTS, "").splitlines(), 1) if "target:" in line)
+    [line] = [line for line in out if line.startswith("coder: undecided")]
+    assert line.startswith(f"coder: undecided, synth refuses: {f}:{target_line}: deployments[0].target.clients: "), line
+    assert undecided(environment(text), [False]) == ()
+    assert undecided(environment(text.replace(EKS_CLIENTS, "      clients: cluster\n")), [False]) == ()

@@ -120,7 +120,7 @@ deployments:
     model: {id: Qwen/Qwen2.5-7B}
     engine: {name: vllm, version: "0.30.0"}
     workload: {max_input_tokens: 8192, max_output_tokens: 1024, concurrency_per_replica: 32}
-    target: {platform: eks, kubernetes_version: "1.35"}
+    target: {platform: eks, kubernetes_version: "1.35", clients: cluster}
     sizing: {families: [g6e, g5]}
     serving: {tenancy: single}
   - name: chat

@@ -8,9 +8,9 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import UTC, date, datetime
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidatorFunctionWrapHandler, field_validator, model_validator
 
 from kvfleet import contract
 from kvfleet.config import aws
@@ -155,10 +155,22 @@ class EksAddons(Frozen):
         return v
 
 
+# The word that names every pod of the cluster as a caller (target.clients: cluster).
+EVERY_POD = "cluster"
+# Where NetworkPolicy is enforced: a cluster kvfleet creates gets the VPC CNI add-on with enableNetworkPolicy
+# (kvfleet.targets.eks.infra.addons.VPC_CNI_ADDON); on an existing cluster it is the cluster's CNI's doing.
+ENFORCEMENT = (
+    "enforced where the cluster's CNI enforces NetworkPolicy: kvfleet turns it on (the VPC CNI add-on's "
+    "enableNetworkPolicy) in a cluster it creates; on an existing cluster enforcement is the cluster's (the VPC CNI "
+    'with enableNetworkPolicy, EKS User Guide, "Limit Pod traffic with Kubernetes network policies", or another '
+    "CNI that enforces it)"
+)
+
+
 class EksClients(Frozen):
     """Who may reach the serving pods: the NetworkPolicy admits these to the serving port and nothing else in the
-    cluster (Prometheus's own namespace is added for its scrape). The cluster's CNI must enforce NetworkPolicy
-    (the VPC CNI with enableNetworkPolicy, EKS User Guide, "Limit Pod traffic with Kubernetes network policies")."""
+    cluster (Prometheus's own namespace is added for its scrape). At least one namespace or CIDR: a policy naming
+    neither would leave the model reachable by nobody."""
 
     namespaces: tuple[str, ...] = Field(
         default=(),
@@ -190,6 +202,15 @@ class EksClients(Frozen):
                 raise ValueError(f"{cidr!r} is not a CIDR block like 10.0.0.0/24") from None
         return v
 
+    @model_validator(mode="after")
+    def _someone(self) -> EksClients:
+        if not (self.namespaces or self.cidrs):
+            raise ValueError(
+                f"names no caller, so the NetworkPolicy would admit nobody; give namespaces and/or cidrs, or write "
+                f"clients: {EVERY_POD} (every pod in the cluster)"
+            )
+        return self
+
 
 class EksTarget(TargetSection):
     pattern_words: ClassVar[Mapping[str, str]] = {
@@ -217,10 +238,31 @@ class EksTarget(TargetSection):
     namespace: str = Field(
         default="kvfleet", pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$", description="Namespace of the workload."
     )
-    clients: EksClients = Field(default_factory=EksClients)
+    clients: EksClients | Literal["cluster"] | None = Field(
+        default=None,
+        description=(
+            "Who may call the model (synth refuses a file that does not say): the callers' namespaces and/or source "
+            f"CIDRs, or `{EVERY_POD}` for every pod in the cluster (the NetworkPolicy then admits every namespace's "
+            "pods, still on the serving port only, and no address outside the cluster). The serving pods' "
+            f"NetworkPolicy admits only these and Prometheus's scrape; {ENFORCEMENT}."
+        ),
+    )
     shm_size_gib: Int = Field(
         default=16, ge=1, le=512, description="Shared memory for the engine (tensor parallelism)."
     )
+
+    @field_validator("clients", mode="wrap")
+    @classmethod
+    def _one_kind_of_clients(cls, v: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        """The word or the mapping, each with its own error (a union would report both kinds against either)."""
+        if v is None or v == EVERY_POD or isinstance(v, EksClients):
+            return v
+        if isinstance(v, str):
+            raise ValueError(
+                f"{v!r} is not a kind of caller; write {EVERY_POD} (every pod in the cluster), or namespaces and/or "
+                "cidrs below this key"
+            )
+        return EksClients.model_validate(v)
 
     @model_validator(mode="after")
     def _supported_version(self) -> EksTarget:
@@ -246,6 +288,19 @@ class EksTarget(TargetSection):
         return [
             "image.source: dlc runs the engine without the kvfleet agent, and on EKS the pod's drain hook and KEDA's "
             "triggers need it; use source kvfleet (or uri with a kvfleet image)"
+        ]
+
+    def undecided(self, deployment: Deployment) -> list[tuple[str, str]]:
+        if self.clients is not None:
+            return []
+        where = "the cluster kvfleet creates enforces it" if self.cluster is None else "where the cluster enforces it"
+        return [
+            (
+                "target.clients",
+                "nobody is named to call the model, and the serving pods' NetworkPolicy admits only the callers named "
+                f"({where}); write target.clients: {{namespaces: [...], cidrs: [...]}} (the callers' namespaces, a "
+                f"load balancer's subnets), or target.clients: {EVERY_POD} (every pod in the cluster)",
+            )
         ]
 
     def region_problems(self, region: str, at: str) -> list[str]:

@@ -483,7 +483,10 @@ def test_s3_weights_are_copied_by_an_init_container(small: ResolvedDeployment) -
 def test_service_and_pdb(small: ResolvedDeployment) -> None:
     svc = k8s.service(small, OPTS)
     assert svc["spec"]["type"] == "ClusterIP"
-    assert svc["spec"]["ports"] == [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}]
+    # The container's port, as the VPC CNI's NetworkPolicy enforcement requires (k8s.SERVICE_PORT).
+    assert svc["spec"]["ports"] == [
+        {"name": "http", "port": contract.SERVING_PORT, "targetPort": "http", "protocol": "TCP"}
+    ]
     pdb = k8s.pod_disruption_budget(small, OPTS)
     assert pdb["spec"]["maxUnavailable"] == 1
     assert pdb["spec"]["selector"]["matchLabels"] == svc["spec"]["selector"] == k8s.selector_labels(small)

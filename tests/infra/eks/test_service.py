@@ -428,3 +428,46 @@ def test_a_gpu_newer_than_cdks_list_gets_the_nvidia_node_group(instance_type: st
     assert text != PLATFORM
     ng = gpu_nodegroup(only(text))
     assert ng["InstanceTypes"] == [instance_type]
+
+
+def _node_role_policies(t: Template, nodegroup: dict[str, Any]) -> tuple[list[str], list[dict[str, Any]]]:
+    """The managed policies and the inline policy statements of a node group's role."""
+    role_id = nodegroup["NodeRole"]["Fn::GetAtt"][0]
+    role = t.find_resources("AWS::IAM::Role")[role_id]["Properties"]
+    managed = [json.dumps(a) for a in role["ManagedPolicyArns"]]
+    statements = [
+        s
+        for p in props(t, "AWS::IAM::Policy")
+        if {"Ref": role_id} in p["Roles"]
+        for s in p["PolicyDocument"]["Statement"]
+    ]
+    return managed, statements
+
+
+def test_the_node_roles_pull_the_addon_images_and_the_serving_image_only(template: Template) -> None:
+    for ng in props(template, "AWS::EKS::Nodegroup"):
+        managed, statements = _node_role_policies(template, ng)
+        assert len(managed) == 2 and all("ContainerRegistry" not in m for m in managed), managed
+        assert any("AmazonEKSWorkerNodePolicy" in m for m in managed)
+        pulls = [s for s in statements if "ecr:BatchGetImage" in s["Action"]]
+        resources = json.dumps([s["Resource"] for s in pulls])
+        # us-east-1's EKS add-on registry (registries.ADDON_REGISTRY_ACCOUNTS), and nothing with a bare "*".
+        assert ":602401143452:repository/*" in resources
+        assert all(s["Resource"] != "*" for s in pulls)
+        if ng["AmiType"] == "AL2023_x86_64_NVIDIA":  # and the serving image's one repository
+            assert len(pulls) == 2 and ":repository/kvfleet-vllm" in resources, resources
+        else:
+            assert len(pulls) == 1, resources
+    assert "AmazonEC2ContainerRegistryReadOnly" not in json.dumps(
+        [r for k, r in template.find_resources("AWS::IAM::Role").items() if "Kubectl" not in k]
+    )
+
+
+def test_a_region_without_a_known_addon_registry_is_refused() -> None:
+    from kvfleet.errors import ConfigError
+    from kvfleet.targets.eks.infra.registries import ADDON_REGISTRY_ACCOUNTS
+
+    assert "ap-east-2" not in ADDON_REGISTRY_ACCOUNTS
+    with pytest.raises((ConfigError, Exception)) as err:
+        only(PLATFORM.replace("region: us-east-1", "region: ap-east-2"))
+    assert "EKS add-on image registry for ap-east-2" in str(err.value)

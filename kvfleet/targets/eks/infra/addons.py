@@ -17,6 +17,7 @@ Choices, and why:
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from aws_cdk import CfnJson
@@ -172,6 +173,55 @@ def _coalesce(default: Any, given: Any) -> Any:
     if isinstance(default, Mapping) and isinstance(given, Mapping):
         return {k: _coalesce(default.get(k), given[k]) if k in given else default[k] for k in {*default, *given}}
     return default if given is None else given
+
+
+class ManagedAddon(NamedTuple):
+    """An EKS add-on (AWS::EKS::Addon) kvfleet sets on a cluster it creates."""
+
+    name: str
+    configuration: Mapping[str, Any]  # the add-on's configurationValues
+    # EKS creates the VPC CNI self-managed with a new cluster (CreateCluster bootstrapSelfManagedAddons, default
+    # true); the managed add-on takes over its objects only with OVERWRITE (EKS User Guide, "Create the Amazon VPC
+    # CNI (Amazon EKS add-on)": "--resolve-conflicts OVERWRITE" when the self-managed add-on is installed).
+    resolve_conflicts: str
+    source: str
+
+
+# The VPC CNI enforces NetworkPolicy only with this setting (EKS User Guide, "Limit Pod traffic with Kubernetes
+# network policies", "Configure your cluster for Kubernetes network policies", Amazon EKS add-on:
+# { "enableNetworkPolicy": "true" }). No addonVersion: EKS installs its default for the cluster's Kubernetes
+# version, as the self-managed one it replaces was.
+VPC_CNI_ADDON = ManagedAddon(
+    name="vpc-cni",
+    configuration={"enableNetworkPolicy": "true"},
+    resolve_conflicts="OVERWRITE",
+    source='EKS User Guide, "Limit Pod traffic with Kubernetes network policies" (Amazon EKS add-on)',
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetworkPolicySupport:
+    """What the VPC CNI's NetworkPolicy enforcement needs, and what kvfleet's nodes have."""
+
+    min_kubernetes: tuple[int, int]
+    min_vpc_cni: tuple[int, int]
+    min_kernel: tuple[int, int]
+    node_kernel: tuple[int, int]  # the AL2023 AMIs' kernel, GPU (NVIDIA) and system node groups alike
+    source: str
+
+
+# EKS User Guide, "Limit Pod traffic with Kubernetes network policies": clusters 1.25 and later, VPC CNI 1.14 or
+# later, Linux kernel 5.10 or later, and the BPF file system, which every EKS optimized Amazon Linux AMI for 1.27
+# or later mounts. Amazon Linux 2023's kernel is 6.1 or later (Amazon Linux 2023 User Guide, "Kernel"). The VPC CNI
+# version is EKS's default for the cluster's version: 1.14 came out in 2023, two years before the oldest
+# Kubernetes version kvfleet creates a cluster on (tests/infra/eks/test_network_policy.py holds the rest).
+NETWORK_POLICY_SUPPORT = NetworkPolicySupport(
+    min_kubernetes=(1, 25),
+    min_vpc_cni=(1, 14),
+    min_kernel=(5, 10),
+    node_kernel=(6, 1),
+    source='EKS User Guide, "Limit Pod traffic with Kubernetes network policies" (Prerequisites)',
+)
 
 
 # Namespaces the charts go into.

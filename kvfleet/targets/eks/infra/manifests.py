@@ -33,7 +33,10 @@ KEDA_SCALEDOBJECT_SCHEMA = Path(__file__).parent / "schemas" / "keda-scaledobjec
 APP_NAME = "kvfleet"
 CONTAINER_NAME = "serving"
 PORT_NAME = "http"
-SERVICE_PORT = 80
+# The Service listens on the container's port: the VPC CNI's NetworkPolicy enforcement requires "the service port
+# must be the same as the container port" (EKS User Guide, "Limit Pod traffic with Kubernetes network policies",
+# Considerations), so that a caller's egress policy matches the Service's address and port.
+SERVICE_PORT = SERVING_PORT
 STARTUP_ESTIMATE_ANNOTATION = "kvfleet.io/startup-estimate-s"
 # The startup probe allows twice the estimate, as the SageMaker and EC2 timeouts do: a probe that gives
 # up too early kills a replica that was about to come up, and it then starts the whole load over.
@@ -93,6 +96,9 @@ class WorkloadOptions:
     # target-type ip, whose ENIs connect to the pods' addresses). Nothing else in the cluster reaches the pods.
     client_namespaces: tuple[str, ...] = ()
     client_cidrs: tuple[str, ...] = ()
+    # Every namespace's pods are callers (target.clients: cluster): the policy still closes every other port and
+    # every address outside the cluster's pods.
+    clients_in_every_namespace: bool = False
 
     def __post_init__(self) -> None:
         if not MIN_SCALE_DOWN_STABILIZATION_S <= self.scale_down_stabilization_s <= 3600:
@@ -504,9 +510,16 @@ def network_policy(r: ResolvedDeployment, opts: WorkloadOptions) -> Manifest:
     none (a policy selecting a pod isolates it for ingress: Kubernetes docs, "Network Policies", "Isolated and
     Non-isolated Pods"). kubectl port-forward and the kubelet's probes are not pod-to-pod traffic and still reach
     the pods (same page: "traffic to and from the node where a Pod is running is always allowed")."""
-    sources: list[dict[str, Any]] = [
-        {"namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: ns}}} for ns in sorted(set(opts.client_namespaces))
-    ]
+    # An empty namespaceSelector selects every namespace (Kubernetes API reference, NetworkPolicyPeer.namespaceSelector:
+    # "if present but empty, it selects all namespaces"): every pod of the cluster, no address outside it.
+    sources: list[dict[str, Any]] = (
+        [{"namespaceSelector": {}}]
+        if opts.clients_in_every_namespace
+        else [
+            {"namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: ns}}}
+            for ns in sorted(set(opts.client_namespaces))
+        ]
+    )
     sources += [{"ipBlock": {"cidr": cidr}} for cidr in opts.client_cidrs]
     rules = [{"from": sources, "ports": [{"protocol": "TCP", "port": SERVING_PORT}]}] if sources else []
     return {

@@ -21,7 +21,7 @@ import math
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
-from aws_cdk import Aws, CfnJson, Stack
+from aws_cdk import Aws, CfnJson, CfnMapping, Fn, Stack
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_eks_v2 as eks
 from aws_cdk import aws_iam as iam
@@ -38,12 +38,16 @@ from kvfleet.infra.metrics import PlatformMetrics
 from kvfleet.infra.nag import acknowledge, condition_id, logical_id
 from kvfleet.infra.network import ServingNetwork
 from kvfleet.targets.eks import CLUSTER_OUTPUT, TARGET
-from kvfleet.targets.eks.config import EksTarget, ExistingCluster
-from kvfleet.targets.eks.infra import access, checks, nodes, scheduling
+from kvfleet.targets.eks.config import EVERY_POD, EksClients, EksTarget, ExistingCluster
+from kvfleet.targets.eks.infra import access, checks, nodes, registries, scheduling
 from kvfleet.targets.eks.infra import addons as charts
 from kvfleet.targets.eks.infra import manifests as k8s
 from kvfleet.targets.eks.infra.hosts import HOSTS
 
+# What EKS requires of a node role besides the image pulls (EKS User Guide, "Amazon EKS node IAM role"): the kubelet's
+# EC2 calls and the Pod Identity agent's, and the VPC CNI's, which kvfleet leaves on the node role (the guide
+# recommends a role of the aws-node service account's own; not done here).
+NODE_MANAGED_POLICIES = ("AmazonEKSWorkerNodePolicy", "AmazonEKS_CNI_Policy")
 # kubectl in the provider's layer: one minor either side of the API server is within kubectl's skew policy.
 KUBECTL_MINOR = "1.34"
 SERVING_ACCOUNT = "kvfleet-serving"
@@ -88,6 +92,7 @@ class EksService(Construct):
     cluster: eks.ICluster
     kubectl_provider: eks.IKubectlProvider
     kubectl_access: eks.AccessEntry | None
+    vpc_cni: eks.Addon | None
     nodegroup: eks.Nodegroup
     system_nodegroup: eks.Nodegroup | None
     device_plugin: eks.HelmChart | None
@@ -103,8 +108,8 @@ class EksService(Construct):
         target = r.deployment.target
         assert isinstance(target, EksTarget)
         identity = self._cluster(target, context.network)
-        self._nodegroup(r, context.network)
-        self._system_nodegroup(target, context.network)
+        self._nodegroup(r, context.network, context.region)
+        self._system_nodegroup(target, context.network, context.region)
         serving, image = self._serving_identity(r, target, identity, context.region)
         self._addons(target, identity)
         self._workload(r, target, serving, image)
@@ -123,6 +128,7 @@ class EksService(Construct):
         """A new cluster, or the existing one the config names; returns how the pods get their AWS role."""
         layer = KubectlV34Layer(self, "KubectlLayer")
         self.kubectl_access = None
+        self.vpc_cni = None  # an existing cluster's CNI is the cluster's
         if target.cluster is not None:
             self.cluster, self.kubectl_provider = self._attach(target.cluster, network, layer)
             # IRSA needs the cluster's OIDC provider; without one, EKS Pod Identity.
@@ -159,6 +165,7 @@ class EksService(Construct):
             "The managed policy EKS requires for the cluster's service role.",
         )
         assert created.kubectl_provider is not None
+        self._vpc_cni(created)
         endpoints_sg = getattr(network, "endpoint_security_group", None)  # a new VPC's interface endpoints
         if endpoints_sg is not None:
             # Managed node groups without a launch template carry only the cluster security group EKS creates
@@ -169,6 +176,20 @@ class EksService(Construct):
             )
         # jsii's generated ICluster protocol lists a member its own Cluster class lacks in Python.
         return cast(eks.ICluster, created), created.kubectl_provider
+
+    def _vpc_cni(self, cluster: eks.Cluster) -> None:
+        """The VPC CNI as an EKS add-on that enforces NetworkPolicy (addons.VPC_CNI_ADDON), so the serving pods'
+        policy holds on the cluster kvfleet creates."""
+        addon = charts.VPC_CNI_ADDON
+        self.vpc_cni = eks.Addon(
+            self,
+            "VpcCni",
+            cluster=cast(eks.ICluster, cluster),  # jsii's ICluster protocol, as in _new_cluster
+            addon_name=addon.name,
+            configuration_values=dict(addon.configuration),
+        )
+        resource = cast(eks.CfnAddon, self.vpc_cni.node.default_child)
+        resource.add_property_override("ResolveConflicts", addon.resolve_conflicts)
 
     def _attach(
         self, existing: ExistingCluster, network: ServingNetwork, layer: KubectlV34Layer
@@ -221,7 +242,7 @@ class EksService(Construct):
 
     # ---- the GPU nodes --------------------------------------------------------------------------------
 
-    def _nodegroup(self, r: ResolvedDeployment, network: ServingNetwork) -> None:
+    def _nodegroup(self, r: ResolvedDeployment, network: ServingNetwork, region: str | None) -> None:
         """The plan's instance type, tainted for GPU pods, sized for the replica range."""
         # The AL2023 NVIDIA AMI's driver must run the image's CUDA (hosts.json).
         gpu = nvidia_gpu(r)
@@ -250,12 +271,13 @@ class EksService(Construct):
             disk_size=nodes.gpu_node_disk_gib(model_cache_gib=k8s.model_cache_gib(r), pods_per_node=per_node),
             labels=gpu_node_labels(r),
             taints=[eks.TaintSpec(effect=eks.TaintEffect.NO_SCHEDULE, key=GPU_TAINT["key"], value=GPU_TAINT["value"])],
+            node_role=self._node_role("GpuNodeRole", region),
         )
         if not known:  # the instance type on the resource itself: EKS takes the NVIDIA AMI for every NVIDIA type
             resource = cast(eks.CfnNodegroup, self.nodegroup.node.default_child)
             resource.add_property_override("InstanceTypes", [r.candidate.instance.name])
 
-    def _system_nodegroup(self, target: EksTarget, network: ServingNetwork) -> None:
+    def _system_nodegroup(self, target: EksTarget, network: ServingNetwork, region: str | None) -> None:
         """A new cluster's untainted nodes for CoreDNS and the add-ons, none of which tolerates the GPU taint. An
         existing cluster brings its own (ExistingCluster says so)."""
         self.system_nodegroup = None
@@ -272,6 +294,70 @@ class EksService(Construct):
             max_size=nodes.SYSTEM_NODES,
             desired_size=nodes.SYSTEM_NODES,
             labels=dict([nodes.SYSTEM_NODE_LABEL]),
+            node_role=self._node_role("SystemNodeRole", region),
+        )
+
+    def _node_role(self, id: str, region: str | None) -> iam.Role:
+        """A node role with what EKS requires of it (kubelet, the VPC CNI) and the pull of the EKS add-on images from
+        their registry only (kvfleet.targets.eks.infra.registries), never AmazonEC2ContainerRegistryReadOnly's
+        every repository; the GPU role gets the serving image's repository besides (``_serving_identity``)."""
+        role = iam.Role(
+            self,
+            id,
+            assumed_by=iam.ServicePrincipal("ec2.amazonaws.com"),
+            managed_policies=[iam.ManagedPolicy.from_aws_managed_policy_name(n) for n in NODE_MANAGED_POLICIES],
+        )
+        for name in NODE_MANAGED_POLICIES:
+            acknowledge(
+                role,
+                f"AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/{name}]",
+                'The managed policies EKS requires of a node role (EKS User Guide, "Amazon EKS node IAM role").',
+            )
+        if region is not None:
+            if (problem := registries.addon_registry_problem(region)) is not None:
+                raise KvfleetError(problem, field="region")
+            account: str = registries.ADDON_REGISTRY_ACCOUNTS[region]
+            # cdk-nag's name of the statement's resource, acknowledged below.
+            finding = f"arn:<AWS::Partition>:ecr:{region}:{account}:repository/*"
+        else:  # the stack's region picks the row at deploy
+            account = self._addon_registries().find_in_map(Aws.REGION, "account")
+            finding = "arn:<AWS::Partition>:ecr:<AWS::Region>:<AddonRegistries.region.account>:repository/*"
+        addon_images = iam.Policy(
+            self,
+            f"{id}AddonImages",
+            roles=[role],
+            statements=[
+                iam.PolicyStatement(
+                    actions=list(registries.ADDON_PULL_ACTIONS),
+                    resources=[
+                        Fn.join("", [f"arn:{Aws.PARTITION}:ecr:{region or Aws.REGION}:", account, ":repository/*"])
+                    ],
+                ),
+                iam.PolicyStatement(actions=["ecr:GetAuthorizationToken"], resources=["*"]),
+            ],
+        )
+        acknowledge(
+            addon_images,
+            "AwsSolutions-IAM5[Resource::*]",
+            "ecr:GetAuthorizationToken has no resource-level permissions.",
+        )
+        acknowledge(
+            addon_images,
+            f"AwsSolutions-IAM5[Resource::{finding}]",
+            "AWS's EKS add-on registry of the region: every repository in it holds EKS add-on images (VPC CNI, "
+            "kube-proxy, CoreDNS, the Pod Identity agent), which the nodes pull.",
+        )
+        return role
+
+    def _addon_registries(self) -> CfnMapping:
+        """The EKS add-on registry of every region, for a stack whose region is known only at deploy."""
+        found = self.node.try_find_child("AddonRegistries")
+        if isinstance(found, CfnMapping):
+            return found
+        return CfnMapping(
+            self,
+            "AddonRegistries",
+            mapping={region: {"account": a} for region, a in registries.ADDON_REGISTRY_ACCOUNTS.items()},
         )
 
     def node_pools(self, r: ResolvedDeployment, target: EksTarget) -> list[scheduling.NodePool]:
@@ -478,8 +564,7 @@ class EksService(Construct):
             shm_size_gib=target.shm_size_gib,
             model_sync_image=MODEL_SYNC_IMAGE if r.deployment.model.s3_uri else None,
             put_metric_data=True,
-            client_namespaces=(*target.clients.namespaces, *_scrape_namespaces(target)),
-            client_cidrs=target.clients.cidrs,
+            **_clients(target),
         )
         self.manifests = k8s.manifests(r, self.options)
         self._check_workload(r)
@@ -565,17 +650,23 @@ class EksService(Construct):
             f"AwsSolutions-IAM5[Resource::<{logical_id(handler)}.Arn>:*]",
             why + "its framework invokes the handler's versions.",
         )
-        for group in (self.nodegroup, self.system_nodegroup):
-            for policy in ("AmazonEKSWorkerNodePolicy", "AmazonEKS_CNI_Policy", "AmazonEC2ContainerRegistryReadOnly"):
-                if group is not None:
-                    acknowledge(
-                        group,
-                        f"AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/{policy}]",
-                        "The managed policies EKS requires for worker nodes (kubelet, VPC CNI, image pulls).",
-                    )
 
 
 _PINS = (charts.DEVICE_PLUGIN_CHART, charts.KEDA_CHART, charts.PROMETHEUS_CHART, charts.CLUSTER_AUTOSCALER_CHART)
+
+
+def _clients(target: EksTarget) -> dict[str, Any]:
+    """The NetworkPolicy's callers as WorkloadOptions takes them: the file's, and Prometheus's for its scrape."""
+    clients = target.clients
+    if clients is None:  # synth refuses the file first (kvfleet.config.choices); a construct built alone too
+        raise KvfleetError(
+            "who may call the model is undecided; set target.clients (kvfleet plan says what to write)",
+            field="target.clients",
+        )
+    if clients == EVERY_POD:
+        return {"clients_in_every_namespace": True}
+    assert isinstance(clients, EksClients)
+    return {"client_namespaces": (*clients.namespaces, *_scrape_namespaces(target)), "client_cidrs": clients.cidrs}
 
 
 def _scrape_namespaces(target: EksTarget) -> tuple[str, ...]:
