@@ -22,7 +22,9 @@ from enum import StrEnum
 #    by KVFLEET_TENANT_SECRET_ARN, which an older agent would ignore (serving without isolation).
 # 3: KVFLEET_ENGINE_ARGS may carry hf_overrides (a RoPE scaling that extends the context), mamba_cache_dtype and
 #    mamba_ssm_cache_dtype (hybrid models' state), which an agent of contract 2 refuses as unknown settings.
-CONTRACT_VERSION = 3
+# 4: EC2's host watchdog polls LIVENESS_ROUTE and marks the instance unhealthy when it fails; an agent of contract 3
+#    answers 404 there, which would get every instance of a fleet replaced once its grace period ended.
+CONTRACT_VERSION = 4
 
 NAMESPACE = "Kvfleet"
 
@@ -45,6 +47,12 @@ ENGINE_PORT = 8081  # the engine behind the agent, on loopback only
 HEALTH_ROUTE = "/ping"
 METRICS_ROUTE = "/metrics"  # the agent's Prometheus re-export under the signals' names
 DRAIN_ROUTE = "/drain"
+# The replica as a host sees it, not as a load balancer does: 200 while the engine serves, or restarts within
+# ENV_RESTART_BUDGET_S of when it last served (or of the agent's start), and while the replica drains; 503 once the
+# engine has been down longer than that (a restart that failed, a crash loop). HEALTH_ROUTE answers 503 for the
+# whole restart, which takes the replica out of a load balancer's rotation; this route tells a restart from a dead
+# host (EC2's watchdog polls it on loopback and replaces the instance only when it fails).
+LIVENESS_ROUTE = "/alive"
 SERVE_ARG = "serve"
 MODEL_DIR = "/opt/ml/model"
 # The agent's user, which EC2 and EKS run the image as (the image's own user is root, for SageMaker). Fixed (not
@@ -85,6 +93,9 @@ ENV_ENGINE_PYTHON = "KVFLEET_ENGINE_PYTHON"  # the interpreter that has the engi
 ENV_ENGINE_COMMAND = "KVFLEET_ENGINE_COMMAND"  # JSON list replacing the engine's command line (tests)
 ENV_ENGINE_READY_TIMEOUT_S = "KVFLEET_ENGINE_READY_TIMEOUT_S"
 ENV_GPU_RELEASE_TIMEOUT_S = "KVFLEET_GPU_RELEASE_TIMEOUT_S"  # a restart's wait for the old engine's GPU memory
+# How long the engine may be down (since it last served, or since the agent started) before LIVENESS_ROUTE says the
+# replica failed; the agent adds what its own restart takes (the old engine's sweep, GPU release, backoff).
+ENV_RESTART_BUDGET_S = "KVFLEET_RESTART_BUDGET_S"
 ENV_ADMISSION = "KVFLEET_ADMISSION"
 ENV_ADMISSION_FACTOR = "KVFLEET_ADMISSION_FACTOR"
 # The agent admits up to this multiple of the KV tokens it is given (queued work included) unless told otherwise.

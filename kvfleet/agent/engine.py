@@ -47,6 +47,7 @@ GPU_POLL_S = 0.5  # between nvidia-smi queries while the old engine's memory is 
 _SMI_TIMEOUT_S = 15.0  # a wedged driver must not hang the restart
 _HEALTH_TICK_S = 5.0
 _TRACKER_GRACE_S = 5.0  # a resource tracker whose clients are gone: time to unlink what they leaked
+_SIGKILL_WAIT_S = 5.0  # after SIGKILL, how long the sweep waits for the processes to be gone
 
 
 def _load_libc() -> ctypes.CDLL | None:
@@ -244,7 +245,8 @@ def command(s: AgentSettings, *, options_file: str | None = None) -> list[str]:
 class EngineSupervisor:
     def __init__(self, settings: AgentSettings, *, extra_env: Mapping[str, str] | None = None) -> None:
         self.settings = settings
-        self.state = EngineState.STOPPED
+        self._down_since: float | None = time.monotonic()  # when the engine last stopped serving; None: serving
+        self._state = EngineState.STOPPED
         self.restarts = 0
         self._extra_env = dict(extra_env or {})
         self._proc: asyncio.subprocess.Process | None = None
@@ -261,8 +263,33 @@ class EngineSupervisor:
         self.last_killed: list[Proc] = []  # what the last sweep found left behind (tests, logs)
 
     @property
+    def state(self) -> EngineState:
+        return self._state
+
+    @state.setter
+    def state(self, value: EngineState) -> None:
+        # Every change of state goes through here, so the time the engine has been down is never missed.
+        if value is EngineState.READY:
+            self._down_since = None
+        elif self._down_since is None:
+            self._down_since = time.monotonic()
+        self._state = value
+
+    @property
     def ready(self) -> bool:
         return self.state is EngineState.READY
+
+    def down_s(self) -> float:
+        """Seconds since the engine last served (or since it was first started); 0 while it serves."""
+        return 0.0 if self._down_since is None else time.monotonic() - self._down_since
+
+    @property
+    def restart_overhead_s(self) -> float:
+        """The most one restart spends before the new engine starts loading: the sweep of the old tree (SIGTERM grace,
+        the resource trackers' grace, the SIGKILL wait), the wait for its GPU memory, the longest backoff step."""
+        s = self.settings
+        sweep = s.engine_kill_grace_s + _TRACKER_GRACE_S + _SIGKILL_WAIT_S
+        return sweep + s.gpu_release_timeout_s + max(s.restart_backoff_s, default=0.0)
 
     @property
     def pid(self) -> int | None:
@@ -282,6 +309,7 @@ class EngineSupervisor:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)
             self._options_file = path
+        self._down_since = time.monotonic()  # the first start is held to the same budget as a restart
         self._task = asyncio.create_task(self._run(), name="engine-supervisor")
 
     async def _run(self) -> None:
@@ -424,7 +452,7 @@ class EngineSupervisor:
         for pid, p in procs.items():
             how[pid] = signal.SIGKILL.name
             self._kill(p, signal.SIGKILL)
-        await self._wait_gone(procs, 5.0)
+        await self._wait_gone(procs, _SIGKILL_WAIT_S)
 
     @staticmethod
     def _is_running(p: Proc) -> bool:

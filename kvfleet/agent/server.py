@@ -163,6 +163,7 @@ class Agent:
         # The agent's own routes (HEAD with GET, as HTTP has it); every other path is the engine's route table.
         self._own: dict[str, tuple[frozenset[str], _Handler]] = {
             contract.HEALTH_ROUTE: (frozenset({"GET", "HEAD", "POST"}), self.ping),
+            contract.LIVENESS_ROUTE: (frozenset({"GET", "HEAD"}), self.alive),
             contract.METRICS_ROUTE: (frozenset({"GET", "HEAD"}), self.prometheus),
             contract.DRAIN_ROUTE: (frozenset({"POST"}), self.drain_route),
         }
@@ -329,6 +330,24 @@ class Agent:
         if not self.engine.ready:
             return web.json_response({"status": str(self.engine.state)}, status=503)
         return web.json_response({"status": "ok"})
+
+    async def alive(self, request: web.BaseRequest) -> web.Response:
+        """The replica as its host sees it (contract.LIVENESS_ROUTE): a restart within the budget is alive, one that
+        has not brought the engine back by then has failed. Not a server error: a deliberate answer, polled often."""
+        if self.draining:
+            return web.json_response({"status": "draining"})
+        down = self.engine.down_s()
+        budget = self.settings.restart_budget_s + self.engine.restart_overhead_s
+        body = {"down_s": round(down, 1), "budget_s": round(budget, 1), "restarts": self.engine.restarts}
+        if self.engine.ready:
+            return web.json_response({"status": "ready", **body})
+        if down <= budget:
+            # Starting: the first start (the group's grace period covers a longer one); restarting: a later one.
+            status = "restarting" if self.engine.restarts else "starting"
+            return web.json_response({"status": status, "engine": str(self.engine.state), **body})
+        resp = web.json_response({"status": "failed", "engine": str(self.engine.state), **body}, status=503)
+        resp[_DELIBERATE] = True
+        return resp
 
     async def prometheus(self, request: web.BaseRequest) -> web.Response:
         own = (

@@ -58,6 +58,9 @@ class AgentSettings:
     # Before a restart on a GPU host: how long to wait for the old engine's device memory to be free
     # (a new engine started while it is still held fails its own allocation); 0 does not wait.
     gpu_release_timeout_s: float = 120.0
+    # How long the engine may be down (since it last served, or since the agent started) before the liveness route
+    # says the replica failed; the supervisor adds its own restart overhead. The stacks that poll the route set it.
+    restart_budget_s: float = 3600.0
 
     @property
     def adapter(self) -> EngineAdapter:
@@ -256,4 +259,5 @@ def from_env(env: Mapping[str, str] | None = None) -> AgentSettings:
         tenant_secret_arn=None if secret else env.get(contract.ENV_TENANT_SECRET_ARN) or None,
         engine_ready_timeout_s=_float(env, contract.ENV_ENGINE_READY_TIMEOUT_S, 3600.0),
         gpu_release_timeout_s=_float(env, contract.ENV_GPU_RELEASE_TIMEOUT_S, 120.0),
+        restart_budget_s=_float(env, contract.ENV_RESTART_BUDGET_S, 3600.0),
     )

@@ -22,6 +22,7 @@ from kvfleet.sizing.units import GiB, MiB
 from kvfleet.targets import TARGETS
 from kvfleet.targets.ec2.infra import fleet, lifecycle
 from kvfleet.targets.ec2.infra.fleet import (
+    GROUP_ACTIONS_SOURCE,
     LIFECYCLE_HOOK,
     UPDATE_POLICY,
     UPDATE_POLICY_REPLACES,
@@ -174,6 +175,7 @@ def test_the_agents_internal_routes_never_pass_the_load_balancer(template: Templ
     for path in (
         contract.METRICS_ROUTE,
         contract.DRAIN_ROUTE,
+        contract.LIVENESS_ROUTE,
         f"{contract.METRICS_ROUTE}/",
         f"{contract.DRAIN_ROUTE}/",
     ):
@@ -330,7 +332,9 @@ def test_group_sizes_health_warmup_and_overrides(template: Template) -> None:
     r = resolved()
     assert (g["MinSize"], g["MaxSize"]) == ("1", "4")
     assert g["DesiredCapacity"] == str(r.initial_instance_count)
-    assert g["HealthCheckType"] == "ELB"
+    # EC2's health check alone: the load balancer's (the agent's health route, 503 through an engine restart) takes a
+    # restarting replica out of rotation but must not replace it; the host's watchdog marks a failed one.
+    assert g["HealthCheckType"] == "EC2"
     # The padded start-up wait every target uses, not the bare estimate.
     assert g["DefaultInstanceWarmup"] == g["HealthCheckGracePeriod"] == r.ready_window_s
     assert r.ready_window_s >= LOAD_PADDING * r.startup.ready_s
@@ -354,10 +358,15 @@ def test_lifecycle_hook_covers_the_drain_budget(template: Template) -> None:
 def test_instance_role_completes_lifecycle_actions_on_this_group_only(template: Template) -> None:
     stmts = [s for p in props(template, "AWS::IAM::Policy") for s in p["PolicyDocument"]["Statement"]]
     [life] = [s for s in stmts if "autoscaling:CompleteLifecycleAction" in s["Action"]]
+    # Each takes the autoScalingGroup resource type (Service Authorization Reference, EC2 Auto Scaling's Actions
+    # table): the watchdog can mark unhealthy an instance of this group only, never another group's.
     assert sorted(life["Action"]) == [
         "autoscaling:CompleteLifecycleAction",
         "autoscaling:RecordLifecycleActionHeartbeat",
+        "autoscaling:SetInstanceHealth",
     ]
+    assert GROUP_ACTIONS_SOURCE.startswith("https://docs.aws.amazon.com/service-authorization/")
+    assert not [s for s in stmts if "autoscaling:SetInstanceHealth" in s["Action"] and s is not life]
     res = json.dumps(life["Resource"])
     assert "autoScalingGroupName/" in res and '"Ref": "FleetGroupASG' in res
     [get] = [s for s in stmts if s["Action"] == "s3:GetObject"]

@@ -208,6 +208,13 @@ CURL = (
     state=$(head -n 1 "$STATES")
     if [ "$(wc -l < "$STATES")" -gt 1 ]; then sed -i 1d "$STATES"; fi
     if [ -n "$state" ]; then echo "$state"; else exit 22; fi ;;
+  *127.0.0.1*"$LIVE_PATH"*)
+    # The agent's liveness route, one answer per poll from $ANSWERS, with curl's exit status for it (0: a 200;
+    # 22: an HTTP error under -f; 7: connection refused; 28: timed out); none left: the test is over.
+    answer=$(head -n 1 "$ANSWERS")
+    if [ -z "$answer" ]; then kill -TERM "$PPID"; exit 7; fi
+    sed -i 1d "$ANSWERS"
+    case "$answer" in 200) exit 0 ;; 503) exit 22 ;; refused) exit 7 ;; timeout) exit 28 ;; esac ;;
   *127.0.0.1*) if [ -n "$UNHEALTHY" ]; then exit 7; fi ;;
   *) exit 22 ;;
 esac
@@ -219,6 +226,7 @@ AWS = (
   "ecr get-login-password") echo password ;;
   "autoscaling describe-auto-scaling-instances") echo group-from-the-api ;;
   "autoscaling complete-lifecycle-action") if [ -n "$NOTHING_PENDING" ]; then exit 254; fi ;;
+  "autoscaling set-instance-health") if [ -n "$API_DOWN" ]; then exit 255; fi ;;
 esac
 """
 )
@@ -240,6 +248,8 @@ MOUNTPOINT = STUB + 'case " $MOUNTED " in *" $2 "*) exit 0 ;; esac\nexit 1\n'
 BLKID = STUB + 'if [ -n "$BLKID_TYPE" ]; then echo "$BLKID_TYPE"; else exit 2; fi\n'
 RECORDED = ("mdadm", "mkfs.xfs", "mount", "chown", "systemctl")
 NVME_DISKS = "/dev/nvme1n1 Amazon EC2 NVMe Instance Storage\n/dev/nvme2n1 Amazon EC2 NVMe Instance Storage\n"
+# In service the lifecycle step starts the container, then the watchdog beside it.
+SERVE = ["systemctl start kvfleet.service", f"systemctl start {ud.WATCHDOG_UNIT}"]
 
 
 @dataclass(frozen=True)
@@ -290,6 +300,7 @@ class Instance:
             "ENV_FILE": str(tmp_path / "etc" / "env"),
             "UNIT_FILE": str(tmp_path / "kvfleet.service"),
             "LIFECYCLE_UNIT_FILE": str(tmp_path / ud.LIFECYCLE_UNIT),
+            "WATCHDOG_UNIT_FILE": str(tmp_path / ud.WATCHDOG_UNIT),
             "BOOT_SCRIPT": str(self.boot_script),
             "POLL_S": 0,
         }
@@ -316,9 +327,10 @@ class Instance:
                 "UNHEALTHY",
                 "NOTHING_PENDING",
                 "PULL_S",
+                "API_DOWN",
             ),
             "",
-        )
+        ) | {"LIVE_PATH": contract.LIVENESS_ROUTE, "ANSWERS": str(self.tmp / "answers")}
         environ = (
             defaults
             | env
@@ -392,7 +404,7 @@ def test_hugging_face_model_on_one_nvme_disk_straight_into_service(tmp_path: Pat
     # No warm pool: the engine downloads when it starts in service; the lifecycle step starts it, no hook to complete.
     assert "systemctl start kvfleet.service" not in run.calls
     step = instance.boot(ud.LIFECYCLE_ARG, MOUNTED=model)
-    assert step.called("systemctl") == ["systemctl start kvfleet.service"] and step.completions == []
+    assert step.called("systemctl") == SERVE and step.completions == []
 
 
 def test_without_nvme_the_weights_stay_on_the_root_volume(tmp_path: Path) -> None:
@@ -406,6 +418,7 @@ def test_the_container_gets_the_deployments_environment_and_the_lifecycle_variab
     assert run.env_file == resolved_for(case).container_environment() | {
         contract.ENV_LIFECYCLE_HOOK: LIFECYCLE_HOOK,
         contract.ENV_LIFECYCLE_HEARTBEAT_S: str(HEARTBEAT_S),
+        contract.ENV_RESTART_BUDGET_S: str(ud.restart_budget_s(resolved_for(case))),
         contract.ENV_ASG_NAME: "kvfleet-test-chat-group",
         contract.REGION_VARIABLE: "us-east-1",
     }
@@ -473,7 +486,7 @@ def test_first_boot_into_a_stopped_pool_then_a_resume_boot_into_service(tmp_path
     assert "systemctl start kvfleet.service" not in entry.calls
     # Scale-out starts it again: cloud-init does not run the user data, the unit runs the step (Pending:Wait).
     resume = instance.boot(ud.LIFECYCLE_ARG, states=("InService",))
-    assert resume.called("systemctl") == ["systemctl start kvfleet.service"]
+    assert resume.called("systemctl") == SERVE
     assert resume.completions == [WARM_HOOK]
     assert resume.calls.index("systemctl start kvfleet.service") < next(
         i for i, c in enumerate(resume.calls) if "complete-lifecycle-action" in c
@@ -488,7 +501,7 @@ def test_a_running_pool_is_left_without_a_boot_and_the_step_is_still_watching(tm
     run = instance.boot(ud.LIFECYCLE_ARG, states=("Warmed:Running", "Warmed:Running", "InService"))
     # Once for the entry, once for the exit, and the container started between them.
     assert run.completions == [WARM_HOOK, WARM_HOOK]
-    assert run.called("systemctl") == ["systemctl start kvfleet.service"]
+    assert run.called("systemctl") == SERVE
     assert run.called("sleep") == ["sleep 0", "sleep 0"]
 
 
@@ -504,7 +517,7 @@ def test_a_reboot_in_service_has_no_hook_pending_and_still_serves(tmp_path: Path
     instance = Instance(Case(nvme=False, s3=True, warm=True), tmp_path)
     instance.boot(states=("InService",))
     run = instance.boot(ud.LIFECYCLE_ARG, states=("InService",), NOTHING_PENDING="1")
-    assert run.called("systemctl") == ["systemctl start kvfleet.service"]
+    assert run.called("systemctl") == SERVE
 
 
 def _transition_runs(t: lifecycle.Transition) -> list[tuple[str, ...]]:
@@ -546,7 +559,7 @@ def test_without_a_warm_pool_the_launch_is_not_held_and_the_step_serves(tmp_path
     instance = Instance(Case(nvme=False, s3=True, warm=False), tmp_path)
     instance.boot()
     run = instance.boot(ud.LIFECYCLE_ARG, states=("InService",))
-    assert run.completions == [] and run.called("systemctl") == ["systemctl start kvfleet.service"]
+    assert run.completions == [] and run.called("systemctl") == SERVE
 
 
 def test_the_transitions_are_the_documented_ones() -> None:
@@ -626,7 +639,7 @@ def test_an_array_from_an_earlier_boot_is_mounted_not_recreated_or_formatted(tmp
     )
     assert run.called("mdadm") == [] and run.called("mkfs.xfs") == []
     assert run.called("mount") == [f"mount /dev/md127 {tmp_path / 'model'}"]
-    assert run.called("systemctl") == ["systemctl start kvfleet.service"]
+    assert run.called("systemctl") == SERVE
 
 
 def test_a_mounted_model_directory_is_left_alone(tmp_path: Path) -> None:
@@ -665,3 +678,87 @@ def test_without_a_warm_pool_or_past_the_estimate_nothing_is_held(tmp_path: Path
     text = late.user_data.read_text(encoding="utf-8")
     late.user_data.write_text(re.sub(r"^WARM_READY_S=.*$", "WARM_READY_S=0", text, flags=re.M), encoding="utf-8")
     assert heartbeats(late.boot(states=("Warmed:Stopped",), PULL_S="0.3")) == []
+
+
+# ---- in service: the watchdog tells a restart from a dead host ------------------------------------------------
+
+
+def watch(tmp_path: Path, answers: list[str], *, state: str = "InService", **env: str) -> Run:
+    """The installed script's watchdog (as its unit runs it) polling a liveness route that gives ``answers`` in turn;
+    it runs until they are used up (the stub then ends it) or it powers the instance off."""
+    instance = Instance(Case(nvme=False, s3=True, warm=True), tmp_path)
+    instance.boot(states=("InService",))
+    (tmp_path / "answers").write_text("".join(f"{a}\n" for a in answers), encoding="utf-8")
+    run = instance.run((ud.WATCHDOG_ARG,), states=(state,), ok="poweroff" in env.pop("expect", ""), tags=True, env=env)
+    assert (tmp_path / "answers").read_text(encoding="utf-8") == "", "the watchdog stopped polling early"
+    return run
+
+
+def marked(run: Run) -> list[list[str]]:
+    return [shlex.split(c)[1:] for c in run.called("aws") if "set-instance-health" in c]
+
+
+N = ud.WATCH_FAILURES
+
+
+def test_the_first_boot_installs_the_watchdog_beside_the_container(tmp_path: Path) -> None:
+    instance = Instance(Case(nvme=False, s3=True, warm=False), tmp_path)
+    instance.boot()
+    unit = (tmp_path / ud.WATCHDOG_UNIT).read_text(encoding="utf-8")
+    # Run by the installed script, stopped with the container's unit, restarted if it ever exits.
+    assert f"ExecStart={instance.boot_script} {ud.WATCHDOG_ARG}\n" in unit
+    assert "PartOf=kvfleet.service\n" in unit and "Restart=always\n" in unit
+    assert "[Install]" not in unit  # only the lifecycle step starts it, in service
+
+
+def test_a_healthy_replica_is_left_alone(tmp_path: Path) -> None:
+    run = watch(tmp_path, ["200"] * (2 * N))
+    polls = [c for c in run.called("curl") if contract.LIVENESS_ROUTE in c]
+    assert len(polls) == 2 * N + 1  # the last one found no answer left: the stub ended the watchdog
+    assert all(
+        f"-m {ud.WATCH_TIMEOUT_S} " in c and f":{contract.SERVING_PORT}{contract.LIVENESS_ROUTE}" in c for c in polls
+    )
+    assert marked(run) == [] and f"sleep {ud.WATCH_POLL_S}" in run.calls
+
+
+def test_a_restarting_container_is_not_a_dead_host(tmp_path: Path) -> None:
+    """A container restart leaves no agent answering for a few polls (refused), then the agent answers through the
+    engine's restart (the route's 200): fewer than WATCH_FAILURES failures in a row mark nothing."""
+    run = watch(tmp_path, ["200", *["refused"] * (N - 1), "200", *["timeout"] * (N - 1), "200"])
+    assert marked(run) == []
+
+
+@pytest.mark.parametrize("failure", ["503", "refused", "timeout"])
+def test_a_failed_replica_is_marked_unhealthy_after_n_failures_in_a_row(tmp_path: Path, failure: str) -> None:
+    """503: the agent says the engine has been down past its budget; refused or timed out: no agent at all."""
+    run = watch(tmp_path, ["200", *[failure] * (N - 1)])
+    assert marked(run) == []
+    (tmp_path / "again").mkdir()
+    run = watch(tmp_path / "again", ["200", *[failure] * (N + 2)])
+    # Once at the Nth failure, then at every poll after it: within the grace period the group ignores the call.
+    call = [
+        "autoscaling", "set-instance-health", "--region", "us-east-1", "--instance-id", "i-0123456789abcdef0",
+        "--health-status", "Unhealthy", "--should-respect-grace-period",
+    ]  # fmt: skip
+    assert marked(run) == [call] * 3
+    assert "systemctl poweroff" not in run.calls
+
+
+@pytest.mark.parametrize("state", ["Terminating:Wait", "Warmed:Running"])
+def test_an_instance_out_of_service_is_never_marked(tmp_path: Path, state: str) -> None:
+    """Draining for the termination hook, the agent's exit is the group's own doing."""
+    assert marked(watch(tmp_path, ["503"] * (N + 2), state=state)) == []
+
+
+def test_an_instance_that_cannot_reach_the_api_powers_off_for_the_group_to_replace(tmp_path: Path) -> None:
+    tries = ud.WATCH_API_TRIES
+    run = watch(tmp_path, ["503"] * (N + tries - 1), API_DOWN="1", expect="poweroff")
+    assert len(marked(run)) == tries
+    assert run.calls[-1] == "systemctl poweroff"
+
+
+def test_the_watchdog_waits_out_a_container_restart() -> None:
+    """WATCH_FAILURES polls span NO_AGENT_S: the container's restart (its unit's RestartSec) fits well inside."""
+    assert ud.WATCH_FAILURES * ud.WATCH_POLL_S >= ud.NO_AGENT_S
+    assert "RestartSec=5\n" in template() and ud.NO_AGENT_S >= 5 * 3
+    assert ud.WATCH_TIMEOUT_S < ud.WATCH_POLL_S

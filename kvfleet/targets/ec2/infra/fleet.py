@@ -66,7 +66,8 @@ _ADDRESS = TARGET.address_output or ""  # the stack output `kvfleet bench --env`
 # Sources: https://docs.aws.amazon.com/elasticloadbalancing/latest/application/listener-rules.html,
 # https://docs.aws.amazon.com/elasticloadbalancing/latest/application/rule-condition-types.html,
 # https://docs.aws.amazon.com/elasticloadbalancing/latest/application/load-balancer-limits.html
-INTERNAL_PATHS = (f"{contract.METRICS_ROUTE}*", f"{contract.DRAIN_ROUTE}*")
+# contract.LIVENESS_ROUTE is the host watchdog's, polled on loopback: no client reaches it either.
+INTERNAL_PATHS = (f"{contract.METRICS_ROUTE}*", f"{contract.DRAIN_ROUTE}*", f"{contract.LIVENESS_ROUTE}*")
 # The characters a path pattern may hold; ELB rejects any other ("contains a character that is not valid"). Elastic
 # Load Balancing API Reference, RuleCondition, Values: "A-Z, a-z, 0-9; _ - . $ / ~ " ' @ : +; & (using &amp;);
 # * (matches 0 or more characters); ? (matches exactly 1 character)".
@@ -105,6 +106,19 @@ SLOW_START_MIN_S = 30
 LIFECYCLE_HOOK = "kvfleet-group-drain"  # named: the instances read it at boot, before the hook's id is known
 WARM_HOOK = "kvfleet-group-launch"  # with a warm pool: held until the image and weights are on the instance
 HEARTBEAT_S = 60  # how often the agent heartbeats the hook while draining
+# What the instances do to their own group, each allowed on that group alone: every one takes the autoScalingGroup
+# resource type (required) and the autoscaling:ResourceTag/${TagKey} and aws:ResourceTag/${TagKey} condition keys
+# (Service Authorization Reference, "Actions, resources, and condition keys for Amazon EC2 Auto Scaling", Actions
+# table). The ARN names the group; no tag condition is needed for that. The agent completes and heartbeats the
+# drain hook, the user data the launch hook, and the watchdog marks its own instance unhealthy (SetInstanceHealth).
+GROUP_ACTIONS = (
+    "autoscaling:CompleteLifecycleAction",
+    "autoscaling:RecordLifecycleActionHeartbeat",
+    "autoscaling:SetInstanceHealth",
+)
+GROUP_ACTIONS_SOURCE = (
+    "https://docs.aws.amazon.com/service-authorization/latest/reference/list_amazonec2autoscaling.html"
+)
 ROOT_DEVICE = "/dev/xvda"  # Amazon Linux 2023 AMIs
 MAX_HOOK_TIMEOUT_S = 7200  # the longest heartbeat timeout a lifecycle hook accepts
 MAX_OVERRIDES = 10  # instance types a mixed-instances policy accepts
@@ -361,10 +375,11 @@ class Ec2Fleet(Construct):
             ),
             min_capacity=s.min_replicas,
             max_capacity=s.max_replicas,
-            # The load balancer's health check decides, after the model has had time to load.
-            health_checks=autoscaling.HealthChecks.with_additional_checks(
-                additional_types=[autoscaling.AdditionalHealthCheckType.ELB], grace_period=self._warmup
-            ),
+            # EC2's status checks, not the load balancer's: an engine restart fails the target group's check (the
+            # replica leaves the rotation, which routes by least outstanding requests and would send most new
+            # requests to a replica answering 503 at once) and must not replace the instance. The host's watchdog
+            # replaces it (SetInstanceHealth) when the restart fails; the grace covers the first start.
+            health_checks=autoscaling.HealthChecks.ec2(grace_period=self._warmup),
             default_instance_warmup=self._warmup,
             capacity_rebalance=target.capacity_rebalance,
             group_metrics=[autoscaling.GroupMetrics.all()],
@@ -438,7 +453,8 @@ class Ec2Fleet(Construct):
         return tuple(hooks)
 
     def _lifecycle_policy(self) -> iam.Policy:
-        """The agent (drain hook) and the user data (warm hook) complete and heartbeat this group's hooks only."""
+        """The agent (drain hook) and the user data (warm hook) complete and heartbeat this group's hooks, and the
+        watchdog marks its instance unhealthy: GROUP_ACTIONS, on this group only."""
         group_arn = (
             f"arn:{Aws.PARTITION}:autoscaling:{Aws.REGION}:{Aws.ACCOUNT_ID}:autoScalingGroup:*:"
             f"autoScalingGroupName/{self.group.auto_scaling_group_name}"
@@ -447,12 +463,7 @@ class Ec2Fleet(Construct):
             self,
             "LifecyclePolicy",
             roles=[self.role],
-            statements=[
-                iam.PolicyStatement(
-                    actions=["autoscaling:CompleteLifecycleAction", "autoscaling:RecordLifecycleActionHeartbeat"],
-                    resources=[group_arn],
-                )
-            ],
+            statements=[iam.PolicyStatement(actions=list(GROUP_ACTIONS), resources=[group_arn])],
         )
         acknowledge(
             lifecycle,

@@ -45,6 +45,15 @@ POLL_S={{POLL_S}}
 # The container's environment and its systemd unit (started by the lifecycle step, in service only).
 ENV_FILE={{ENV_FILE}}
 UNIT_FILE={{UNIT_FILE}}
+# The watchdog (in service only): it polls the agent's liveness route every WATCH_POLL_S (each poll given
+# WATCH_TIMEOUT_S), and after WATCH_FAILURES failures in a row marks the instance unhealthy; after WATCH_API_TRIES
+# refused calls in a row it powers the instance off instead, which the group's EC2 health check replaces.
+LIVENESS_ROUTE={{LIVENESS_ROUTE}}
+WATCH_POLL_S={{WATCH_POLL_S}}
+WATCH_TIMEOUT_S={{WATCH_TIMEOUT_S}}
+WATCH_FAILURES={{WATCH_FAILURES}}
+WATCH_API_TRIES={{WATCH_API_TRIES}}
+WATCHDOG_UNIT_FILE={{WATCHDOG_UNIT_FILE}}
 # Where this script installs itself, and the unit that runs its lifecycle step at every boot.
 BOOT_SCRIPT={{BOOT_SCRIPT}}
 LIFECYCLE_UNIT_FILE={{LIFECYCLE_UNIT_FILE}}
@@ -152,6 +161,17 @@ TimeoutStopSec=$((DRAIN_BUDGET_S + 60))
 Restart=always
 RestartSec=5
 KVFLEET_UNIT
+  # Started beside the container in service; stopped with it (PartOf), kept across the container's own restarts.
+  cat > "$WATCHDOG_UNIT_FILE" <<KVFLEET_UNIT
+[Unit]
+Description=kvfleet watchdog: replace this instance when its replica has failed
+After=kvfleet.service
+PartOf=kvfleet.service
+[Service]
+ExecStart=$BOOT_SCRIPT watchdog
+Restart=always
+RestartSec=$WATCH_POLL_S
+KVFLEET_UNIT
   # cloud-init runs user data at first boot only; this unit runs the lifecycle step at every boot.
   install -m 0755 "$0" "$BOOT_SCRIPT"
   cat > "$LIFECYCLE_UNIT_FILE" <<KVFLEET_UNIT
@@ -233,6 +253,7 @@ lifecycle() {
         Warmed:*) complete_hook "$WARM_HOOK" "$state" ;;  # ready on disk, not loaded on the GPU
         InService)  # a failed start ends the step: systemd runs it again
           systemctl start kvfleet.service
+          systemctl start "$(basename "$WATCHDOG_UNIT_FILE")"
           complete_hook "$WARM_HOOK" "$state"
           ;;
         *) ;;  # Terminated: the agent drains for the termination hook and completes it
@@ -246,7 +267,46 @@ lifecycle() {
   done
 }
 
+# ---- in service: the watchdog ------------------------------------------------------------------------------
+# The group's health check is EC2's, not the load balancer's: an engine restart takes the instance out of the load
+# balancer's rotation (the health route answers 503) without replacing it. This replaces it when the replica has
+# failed: the liveness route answers 503 once the engine has been down past its restart budget, and a refused
+# connection or a timeout (no agent, no container) fails the same way. Only an instance in service is marked: a
+# draining or pooled one is the group's own to end. Marking respects the grace period, so a first start that is
+# still within it is left alone; the call is repeated each poll until the group acts. When the API cannot be reached
+# (no route to it, the role refused), the instance powers off: a stopped instance fails the group's EC2 health check.
+watchdog() {
+  local failures=0 refused=0
+  while :; do
+    if curl -sf -o /dev/null -m "$WATCH_TIMEOUT_S" "http://127.0.0.1:$SERVING_PORT$LIVENESS_ROUTE"; then
+      failures=0
+      refused=0
+    else
+      failures=$((failures + 1))
+    fi
+    if [ "$failures" -ge "$WATCH_FAILURES" ]; then
+      TOKEN=$(imds_token || true)
+      if [ "$(target_state)" = InService ]; then
+        echo "kvfleet: $LIVENESS_ROUTE failed $failures times in a row: marking $INSTANCE_ID unhealthy" >&2
+        if aws autoscaling set-instance-health --region "$REGION" --instance-id "$INSTANCE_ID" \
+          --health-status Unhealthy --should-respect-grace-period; then
+          refused=0
+        else
+          refused=$((refused + 1))
+        fi
+        if [ "$refused" -ge "$WATCH_API_TRIES" ]; then
+          echo "kvfleet: set-instance-health failed $refused times: powering off for the group to replace" >&2
+          systemctl poweroff
+          return 0
+        fi
+      fi
+    fi
+    sleep "$WATCH_POLL_S"
+  done
+}
+
 case "${1:-}" in
   lifecycle) lifecycle ;;
+  watchdog) watchdog ;;
   *) first_boot ;;
 esac

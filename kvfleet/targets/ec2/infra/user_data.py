@@ -7,6 +7,7 @@ bash conditionals on the variables set here rather than Python deciding which li
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 from collections.abc import Mapping
@@ -15,7 +16,7 @@ from functools import cache
 from importlib import resources
 
 from kvfleet import contract
-from kvfleet.deployments import ResolvedDeployment
+from kvfleet.deployments import LOAD_PADDING, ResolvedDeployment
 from kvfleet.targets.ec2.config import Ec2Target
 
 # The template's header still names this renderer by its path before targets had folders
@@ -29,6 +30,26 @@ BOOT_SCRIPT = "/usr/local/sbin/kvfleet-boot"  # the user data installs itself he
 LIFECYCLE_UNIT = "kvfleet-lifecycle.service"  # runs `kvfleet-boot lifecycle` at every boot
 LIFECYCLE_UNIT_FILE = f"/etc/systemd/system/{LIFECYCLE_UNIT}"
 LIFECYCLE_ARG = "lifecycle"
+WATCHDOG_UNIT = "kvfleet-watchdog.service"  # runs `kvfleet-boot watchdog` beside the container, in service
+WATCHDOG_UNIT_FILE = f"/etc/systemd/system/{WATCHDOG_UNIT}"
+WATCHDOG_ARG = "watchdog"
+# The watchdog polls the agent's liveness route (contract.LIVENESS_ROUTE) this often, each poll given this long.
+WATCH_POLL_S = 10
+WATCH_TIMEOUT_S = 5
+# The longest a healthy host may have no agent answering: the container's unit restarts it 5 s after it exits
+# (RestartSec in the script), then the agent imports and listens; a Docker daemon restart takes its containers down
+# as long. The engine's own restarts are not counted here: the agent answers through them, and the route itself says
+# when one has gone on past the budget (restart_budget_s).
+NO_AGENT_S = 60
+# Failures in a row (503, refused, timed out) before the instance is marked unhealthy: NO_AGENT_S of polls, so a
+# container restart is never taken for a dead host, and a failed engine is replaced about a minute after the agent
+# says so.
+WATCH_FAILURES = math.ceil(NO_AGENT_S / WATCH_POLL_S)
+# SetInstanceHealth calls refused in a row (no route to the API, the role refused, throttled) before the watchdog
+# powers the instance off instead: a stopped instance fails the group's EC2 health check ("checks that the instance
+# is running", EC2 Auto Scaling User Guide, "About the health checks for your Auto Scaling group").
+WATCH_API_TRIES = 3
+HEALTH_CHECKS_SOURCE = "https://docs.aws.amazon.com/autoscaling/ec2/userguide/health-checks-overview.html"
 POLL_S = 5  # how often the lifecycle step reads the target lifecycle state while the instance is in a pool
 # The DLAMI release notes list each GPU AMI's "nvme_location": the Base OSS NVIDIA Driver AMIs assemble and mount
 # the instance store there at boot, so the script reuses a mounted instance store instead of formatting it.
@@ -99,6 +120,14 @@ class Boot:
     warm_hook: str | None  # the launch hook to complete once ready on disk; None without a warm pool
 
 
+def restart_budget_s(r: ResolvedDeployment) -> int:
+    """How long the engine may be down before the replica counts as failed (contract.ENV_RESTART_BUDGET_S): its start
+    from the weights already on the host (no image pull, no download: a restart reads the host's copy and the
+    container's compile cache), padded as every start-up wait is, in whole minutes. The agent adds its own restart
+    overhead (the old engine's sweep, the GPU's release, the backoff)."""
+    return int(math.ceil(LOAD_PADDING * r.startup.container_start_s / 60) * 60)
+
+
 def user_data_script(r: ResolvedDeployment, boot: Boot) -> str:
     """The script ``r``'s instances run at first boot (and, installed, its lifecycle step at every boot)."""
     return render(template(), user_data_values(r, boot))
@@ -113,6 +142,8 @@ def user_data_values(r: ResolvedDeployment, boot: Boot) -> dict[str, Value]:
     # The agent drains for this hook and heartbeats it; the group's name it is only told on the instance.
     env[contract.ENV_LIFECYCLE_HOOK] = boot.drain_hook
     env[contract.ENV_LIFECYCLE_HEARTBEAT_S] = str(boot.heartbeat_s)
+    # The watchdog replaces the instance when the liveness route fails, which it does past this budget.
+    env[contract.ENV_RESTART_BUDGET_S] = str(restart_budget_s(r))
     return {
         "IMAGE": boot.image,
         "SERVE_ARG": contract.SERVE_ARG,
@@ -137,6 +168,12 @@ def user_data_values(r: ResolvedDeployment, boot: Boot) -> dict[str, Value]:
         "POLL_S": POLL_S,
         "ENV_FILE": ENV_FILE,
         "UNIT_FILE": UNIT_FILE,
+        "LIVENESS_ROUTE": contract.LIVENESS_ROUTE,
+        "WATCH_POLL_S": WATCH_POLL_S,
+        "WATCH_TIMEOUT_S": WATCH_TIMEOUT_S,
+        "WATCH_FAILURES": WATCH_FAILURES,
+        "WATCH_API_TRIES": WATCH_API_TRIES,
+        "WATCHDOG_UNIT_FILE": WATCHDOG_UNIT_FILE,
         "BOOT_SCRIPT": BOOT_SCRIPT,
         "LIFECYCLE_UNIT_FILE": LIFECYCLE_UNIT_FILE,
         "CONTAINER_ENV": env_file(env),
