@@ -299,3 +299,16 @@ def test_the_app_itself_still_refuses_open_choices_when_cdk_synth_runs_it_direct
         [f"{f}:10", "deployments[1].serving.tenancy"],
     ]
     assert "Traceback" not in result.stderr and not list(out.glob("*.template.json"))
+
+
+def test_kvfleet_synth_refuses_a_release_no_base_image_runs_at_its_line(tmp_path: Path) -> None:
+    # AWS publishes no vLLM container of 0.34.0: an image built on another base would run another release than its
+    # tag names (kvfleet/infra/image_build.py), so the app refuses at engine.version and stages nothing.
+    f = tmp_path / "newer.yaml"
+    f.write_text(HALF_BUILT.replace('version: "0.30.0"', 'version: "0.34.0"', 1), encoding="utf-8")
+    out = tmp_path / "cdk.out"
+    result = kvfleet_synth(str(f), out)
+    assert result.returncode == 2, result.stderr
+    ours = [line for line in result.stderr.splitlines() if line.startswith(str(f))]
+    assert len(ours) == 1 and ours[0].startswith(f"{f}:6: deployments[0].engine.version: the kvfleet image "), ours
+    assert "set image.tag" in ours[0] and "Traceback" not in result.stderr and not list(out.glob("*.template.json"))
