@@ -85,7 +85,7 @@ def _problems(loaded: LoadedEnvironment) -> list[str]:
     caching = [False] * len(env.deployments)  # one that does not resolve has its own problem already
     for dr in requests:
         try:
-            caching[dr.index] = resolve(env, dr).engine_args.enable_prefix_caching
+            caching[dr.index] = resolve(env, dr, host_images=loaded.host_images).engine_args.enable_prefix_caching
         except KvfleetError as err:
             lines.extend(loaded.problem(config_error(err, dr.index) if err.field is None else err).lines)
     for u in undecided(env, caching):
