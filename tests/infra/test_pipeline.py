@@ -21,6 +21,7 @@ from kvfleet.errors import KvfleetError
 from kvfleet.infra.app import build_app
 from kvfleet.infra.live_check import check_step_role_path
 from kvfleet.infra.pipeline import PipelineStack, build_pipeline, locked_version, stage_stacks
+from tests.envs import FEATURE_FLAGS
 from tests.infra.helpers import REPO, make_app
 from tests.infra.test_cfn_lint import cfn_lint
 from tests.infra.test_stage import _without_stage
@@ -31,7 +32,8 @@ BOOTSTRAP = "hnb659fds"  # the CDK bootstrap's default qualifier
 @pytest.fixture(scope="module")
 def synthesized(tmp_path_factory: pytest.TempPathFactory) -> tuple[PipelineStack, Path]:
     out = tmp_path_factory.mktemp("pipeline")
-    app = make_app(outdir=str(out))
+    # CloudFormation validation on, as `kvfleet synth --pipeline` runs it (the pipeline's own Synth step).
+    app = cdk.App(context=FEATURE_FLAGS, outdir=str(out))
     from cdk_nag import AwsSolutionsChecks
 
     cdk.Validations.of(app).add_plugins(AwsSolutionsChecks(app, verbose=True))
