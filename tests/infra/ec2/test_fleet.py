@@ -27,6 +27,7 @@ from kvfleet.targets.ec2.infra.fleet import (
     UPDATE_POLICY,
     UPDATE_POLICY_REPLACES,
     WARM_HOOK,
+    WARM_POOL_EXCLUDES_MIXED_INSTANCES,
     fleet_instance_types,
     refresh_healthy_percentages,
 )
@@ -339,7 +340,26 @@ def test_group_sizes_health_warmup_and_overrides(template: Template) -> None:
     assert g["DefaultInstanceWarmup"] == g["HealthCheckGracePeriod"] == r.ready_window_s
     assert r.ready_window_s >= LOAD_PADDING * r.startup.ready_s
     assert g["CapacityRebalance"] is True
+
+
+def test_a_group_with_a_warm_pool_has_no_mixed_instances_policy(template: Template) -> None:
+    # EC2 Auto Scaling refuses a warm pool on a group with a mixed instances policy (User Guide, Warm pools,
+    # Limitations; PutWarmPool): the base environment keeps a warm pool, so its group launches the template alone.
+    assert WARM_POOL_EXCLUDES_MIXED_INSTANCES
+    [g] = props(template, "AWS::AutoScaling::AutoScalingGroup")
+    assert template.find_resources("AWS::AutoScaling::WarmPool")
+    assert "MixedInstancesPolicy" not in g and "LaunchTemplate" in g
+    [lt] = props(template, "AWS::EC2::LaunchTemplate")
+    assert lt["LaunchTemplateData"]["InstanceType"] == resolved().candidate.instance.name
+
+
+def test_without_a_warm_pool_the_group_tries_alternatives_in_the_plans_order() -> None:
+    text = without_warm_pool()
+    t = only(text)
+    [g] = props(t, "AWS::AutoScaling::AutoScalingGroup")
+    r = resolved(text)
     overrides = [o["InstanceType"] for o in g["MixedInstancesPolicy"]["LaunchTemplate"]["Overrides"]]
+    assert len(overrides) > 1, "the base plan has alternatives of the same accelerator"
     assert overrides[0] == r.candidate.instance.name and overrides == fleet_instance_types(r)
     for name in overrides:  # the same engine settings must run unchanged on every override
         c = next(x for x in (r.candidate, *r.alternatives) if x.instance.name == name)

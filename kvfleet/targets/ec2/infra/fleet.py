@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import string
 from collections.abc import Mapping
+from typing import Any
 
 from aws_cdk import Aws, Duration, IResolvable, RemovalPolicy
 from aws_cdk import aws_autoscaling as autoscaling
@@ -147,11 +148,25 @@ def refresh_healthy_percentages(min_healthy: int) -> tuple[int, int]:
     return min_healthy, min(200, high)
 
 
-def fleet_instance_types(r: ResolvedDeployment) -> list[str]:
+# A warm pool and a mixed instances policy exclude each other: "You cannot add a warm pool to Auto Scaling groups
+# that have a mixed instances policy or that launch Spot Instances" (Amazon EC2 Auto Scaling User Guide, Warm pools,
+# Limitations; PutWarmPool API Reference: "cannot be called on an Auto Scaling group that has a mixed instances
+# policy"). A group with a warm pool therefore launches the launch template's one type, without capacity overrides.
+WARM_POOL_EXCLUDES_MIXED_INSTANCES = True
+WARM_POOL_LIMITATION_SOURCES = (
+    "https://docs.aws.amazon.com/autoscaling/ec2/userguide/ec2-auto-scaling-warm-pools.html#warm-pools-limitations",
+    "https://docs.aws.amazon.com/autoscaling/ec2/APIReference/API_PutWarmPool.html",
+)
+
+
+def fleet_instance_types(r: ResolvedDeployment, *, warm_pool: bool = False) -> list[str]:
     """The plan's type first, then alternatives the same engine settings run unchanged on (capacity overrides):
-    the same accelerator, as many of them, so tensor parallelism and the KV-cache budget still hold."""
+    the same accelerator, as many of them, so tensor parallelism and the KV-cache budget still hold. With a warm
+    pool, the plan's type alone (WARM_POOL_EXCLUDES_MIXED_INSTANCES)."""
     best = r.candidate
     out = [best.instance.name]
+    if warm_pool and WARM_POOL_EXCLUDES_MIXED_INSTANCES:
+        return out
     for c in r.alternatives:
         i = c.instance
         same = (
@@ -197,7 +212,7 @@ class Ec2Fleet(Construct):
         policy, image = self._instance_policy(context.region)
         self.instance_security_group: ec2.ISecurityGroup = self._network.security_group
         self.launch_template = self._launch_template(image, context.region)
-        self.instance_types = fleet_instance_types(self._resolved)
+        self.instance_types = fleet_instance_types(self._resolved, warm_pool=target.warm_pool.enabled)
         self.group = self._group()
         self.hooks = self._hooks()
         self._lifecycle_policy()
@@ -355,14 +370,13 @@ class Ec2Fleet(Construct):
 
     # ---- the group and its hooks ---------------------------------------------------------------------------
 
-    def _group(self) -> autoscaling.AutoScalingGroup:
-        s, target = self._scaling, self._target
-        group = autoscaling.AutoScalingGroup(
-            self,
-            "Group",
-            vpc=self._network.vpc,
-            vpc_subnets=self._network.subnet_selection,
-            mixed_instances_policy=autoscaling.MixedInstancesPolicy(
+    def _launch(self) -> dict[str, Any]:
+        """What the group launches: the launch template alone when it has one type (always, with a warm pool),
+        else a mixed instances policy trying the plan's type first and the alternatives when it has no capacity."""
+        if len(self.instance_types) == 1:
+            return {"launch_template": self.launch_template}
+        return {
+            "mixed_instances_policy": autoscaling.MixedInstancesPolicy(
                 launch_template=self.launch_template,
                 launch_template_overrides=[
                     autoscaling.LaunchTemplateOverrides(instance_type=ec2.InstanceType(t)) for t in self.instance_types
@@ -372,7 +386,17 @@ class Ec2Fleet(Construct):
                     on_demand_allocation_strategy=autoscaling.OnDemandAllocationStrategy.PRIORITIZED,
                     on_demand_percentage_above_base_capacity=100,
                 ),
-            ),
+            )
+        }
+
+    def _group(self) -> autoscaling.AutoScalingGroup:
+        s, target = self._scaling, self._target
+        group = autoscaling.AutoScalingGroup(
+            self,
+            "Group",
+            vpc=self._network.vpc,
+            vpc_subnets=self._network.subnet_selection,
+            **self._launch(),
             min_capacity=s.min_replicas,
             max_capacity=s.max_replicas,
             # EC2's status checks, not the load balancer's: an engine restart fails the target group's check (the
