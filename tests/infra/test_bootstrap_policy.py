@@ -1,7 +1,8 @@
 """The stage accounts' CloudFormation execution policies (docs/bootstrap/, written by tools/bootstrap_policy.py):
 current with every example environment's synthesized stage stacks, covering each resource type's handler
-permissions from its CloudFormation registry schema, naming every action (no global or service-wide wildcard),
-and each under IAM's managed policy size limit."""
+permissions from its CloudFormation registry schema and what each intrinsic function CloudFormation resolves with the
+stack's role needs (Fn::GetStackOutput: cloudformation:DescribeStacks on the alerts stacks), naming every action (no
+global or service-wide wildcard), and each under IAM's managed policy size limit."""
 
 from __future__ import annotations
 
@@ -79,3 +80,61 @@ def test_custom_resources_need_only_to_invoke_their_provider() -> None:
     assert tool.required_actions(["Custom::AWSCDK-EKS-HelmChart", "AWS::CDK::Metadata"]) == {
         "Custom::AWSCDK-EKS-HelmChart": ["lambda:InvokeFunction"]
     }
+
+
+def _functions() -> dict[str, list[str]]:
+    return json.loads((OUT / "intrinsic-functions.json").read_text(encoding="utf-8"))  # type: ignore[no-any-return]
+
+
+def _stack_arn(region: str, name: str) -> str:
+    # As CloudFormation names a stack: its id, a UUID made at creation, last.
+    return f"arn:aws:cloudformation:{region}:{tool.PIPELINE_ACCOUNT}:stack/{name}/0f1e2d3c-aaaa-bbbb-cccc-000000000000"
+
+
+def test_every_intrinsic_function_of_every_example_template_is_covered() -> None:
+    functions = _functions()
+    read: list[str] = []
+    for where, text in tool.example_templates():
+        body = json.loads(text)
+        for fn, arg in tool.template_functions(body, where):
+            assert fn in tool.NO_CALL_FUNCTIONS or fn in functions, f"{where}: {fn}"
+            if fn != "Fn::GetStackOutput":
+                continue
+            # The role that resolves it is the stack's execution role (no RoleArn): DescribeStacks on that stack.
+            assert "RoleArn" not in arg, where
+            arn = _stack_arn(arg["Region"], arg["StackName"])
+            assert tool.uncovered(_documents(), {fn: functions[fn]}, {fn: arn}) == [], f"{where}: {arn}"
+            read.append(arg["StackName"])
+    # Every example's deployment stacks send their alarms to the alerts stack's topic by a weak reference.
+    assert {n.removeprefix("kvfleet-").removesuffix("-alerts") for n in read} >= {"dev", "staging", "prod"}
+    assert functions["Fn::GetStackOutput"] == ["cloudformation:DescribeStacks"]
+    assert tool.uncovered(_documents(), {f: a for f, a in functions.items() if f != "Fn::GetStackOutput"}) == []
+
+
+def test_describe_stacks_is_allowed_on_the_alerts_stacks_only() -> None:
+    fn = {"Fn::GetStackOutput": ["cloudformation:DescribeStacks"]}
+    alerts = {"Fn::GetStackOutput": _stack_arn("eu-west-1", "kvfleet-prod-alerts")}
+    other = {"Fn::GetStackOutput": _stack_arn("eu-west-1", "kvfleet-prod-chat")}
+    assert tool.uncovered(_documents(), fn, alerts) == []
+    assert tool.uncovered(_documents(), fn, other) == ["Fn::GetStackOutput: cloudformation:DescribeStacks"]
+    # Without the statement the deployment stacks could not be created: the check finds it missing.
+    documents = _documents()
+    for doc in documents:
+        doc["Statement"] = [st for st in doc["Statement"] if "cloudformation:DescribeStacks" not in st["Action"]]
+    assert tool.uncovered(documents, fn, alerts) == ["Fn::GetStackOutput: cloudformation:DescribeStacks"]
+
+
+def test_a_function_or_reference_without_a_rule_stops_the_tool() -> None:
+    with pytest.raises(SystemExit, match="Fn::Transform: no rule"):
+        tool.function_actions(["Fn::Sub", "Fn::Transform"])
+    secret = {
+        "Resources": {"K": {"Type": "AWS::X::Y", "Properties": {"P": "{{resolve:secretsmanager:db:SecretString}}"}}}
+    }
+    with pytest.raises(SystemExit, match=r"t\.json: dynamic reference \{\{resolve:secretsmanager:"):
+        list(tool.template_functions(secret, "t.json"))
+    with pytest.raises(SystemExit, match="Transform"):
+        list(tool.template_functions({"Transform": "AWS::Serverless-2016-10-31", "Resources": {}}, "t.json"))
+    elsewhere = {"Outputs": {"O": {"Value": {"Fn::GetStackOutput": {"StackName": "shared-vpc", "OutputName": "Id"}}}}}
+    with pytest.raises(SystemExit, match="alerts"):
+        tool.referenced_stacks(elsewhere, "t.json")
+    assert tool.function_actions(["Ref", "Fn::GetAZs"]) == {"Fn::GetAZs": list(tool.FUNCTION_ACTIONS["Fn::GetAZs"])}
