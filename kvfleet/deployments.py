@@ -372,6 +372,15 @@ class ResolvedDeployment:
         client's retries) before the idle rule can remove it."""
         return max(self.scaling.scale_in_wait_s, self.ready_window_s)
 
+    @property
+    def restart_budget_s(self) -> int:
+        """How long the engine may be down before the replica counts as failed (contract.ENV_RESTART_BUDGET_S, the
+        agent's liveness route): its start from the weights already on the host (no image pull, no download: a
+        restart reads the host's copy and the container's compile cache), padded as every start-up wait is, in
+        whole minutes. The agent adds its own restart overhead (the old engine's sweep, the GPU's release, the
+        backoff)."""
+        return int(math.ceil(LOAD_PADDING * self.startup.container_start_s / 60) * 60)
+
     def container_environment(self, *, isolated: bool = False) -> dict[str, str]:
         """Environment of the serving container. AWS's own engine images take their engine's variables."""
         if self.deployment.image.source == "dlc":
@@ -392,6 +401,7 @@ class ResolvedDeployment:
             contract.ENV_DEPLOYMENT: self.deployment_id,
             contract.ENV_NAMESPACE: contract.NAMESPACE,
             contract.ENV_DRAIN_BUDGET_S: str(self.scaling.drain_budget_s),
+            contract.ENV_RESTART_BUDGET_S: str(self.restart_budget_s),
             contract.ENV_TOKEN_BUDGET: str(self.kv_cache_tokens),
             contract.ENV_ADMISSION_FACTOR: f"{self.admission_factor:.6f}",
             # EMF lines on stdout become metrics through the container's log stream, which also works with

@@ -418,7 +418,7 @@ def test_the_container_gets_the_deployments_environment_and_the_lifecycle_variab
     assert run.env_file == resolved_for(case).container_environment() | {
         contract.ENV_LIFECYCLE_HOOK: LIFECYCLE_HOOK,
         contract.ENV_LIFECYCLE_HEARTBEAT_S: str(HEARTBEAT_S),
-        contract.ENV_RESTART_BUDGET_S: str(ud.restart_budget_s(resolved_for(case))),
+        contract.ENV_RESTART_BUDGET_S: str(resolved_for(case).restart_budget_s),
         contract.ENV_ASG_NAME: "kvfleet-test-chat-group",
         contract.REGION_VARIABLE: "us-east-1",
     }

@@ -383,11 +383,15 @@ def test_a_bigger_model_waits_longer(small: ResolvedDeployment, big: ResolvedDep
     assert k8s.startup_window_s(big) > k8s.startup_window_s(small)
 
 
-def test_liveness_survives_a_drain(small: ResolvedDeployment) -> None:
-    # /health is 503 while draining: liveness must not look at it.
-    live = container(k8s.manifests(small, OPTS))["livenessProbe"]
-    assert live["tcpSocket"] == {"port": "http"}
-    assert "httpGet" not in live
+def test_liveness_survives_a_drain_and_an_engine_restart_but_not_a_failed_one(small: ResolvedDeployment) -> None:
+    # /ping is 503 while draining and restarting: liveness must not look at it. The liveness route is 200 through
+    # both (tests/agent/test_liveness.py) and 503 once the restart budget, in the container's environment, is spent.
+    c = container(k8s.manifests(small, OPTS))
+    live = c["livenessProbe"]
+    assert live["httpGet"] == {"path": contract.LIVENESS_ROUTE, "port": "http"}
+    assert live["httpGet"]["path"] != contract.HEALTH_ROUTE
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env[contract.ENV_RESTART_BUDGET_S] == str(small.restart_budget_s)
 
 
 def test_prestop_drains_within_the_grace_period(small: ResolvedDeployment) -> None:

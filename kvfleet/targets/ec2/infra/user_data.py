@@ -16,7 +16,7 @@ from functools import cache
 from importlib import resources
 
 from kvfleet import contract
-from kvfleet.deployments import LOAD_PADDING, ResolvedDeployment
+from kvfleet.deployments import ResolvedDeployment
 from kvfleet.targets.ec2.config import Ec2Target
 
 # The template's header still names this renderer by its path before targets had folders
@@ -120,14 +120,6 @@ class Boot:
     warm_hook: str | None  # the launch hook to complete once ready on disk; None without a warm pool
 
 
-def restart_budget_s(r: ResolvedDeployment) -> int:
-    """How long the engine may be down before the replica counts as failed (contract.ENV_RESTART_BUDGET_S): its start
-    from the weights already on the host (no image pull, no download: a restart reads the host's copy and the
-    container's compile cache), padded as every start-up wait is, in whole minutes. The agent adds its own restart
-    overhead (the old engine's sweep, the GPU's release, the backoff)."""
-    return int(math.ceil(LOAD_PADDING * r.startup.container_start_s / 60) * 60)
-
-
 def user_data_script(r: ResolvedDeployment, boot: Boot) -> str:
     """The script ``r``'s instances run at first boot (and, installed, its lifecycle step at every boot)."""
     return render(template(), user_data_values(r, boot))
@@ -142,8 +134,8 @@ def user_data_values(r: ResolvedDeployment, boot: Boot) -> dict[str, Value]:
     # The agent drains for this hook and heartbeats it; the group's name it is only told on the instance.
     env[contract.ENV_LIFECYCLE_HOOK] = boot.drain_hook
     env[contract.ENV_LIFECYCLE_HEARTBEAT_S] = str(boot.heartbeat_s)
-    # The watchdog replaces the instance when the liveness route fails, which it does past this budget.
-    env[contract.ENV_RESTART_BUDGET_S] = str(restart_budget_s(r))
+    # The watchdog replaces the instance when the liveness route fails, which it does past
+    # ResolvedDeployment.restart_budget_s (in the environment of every target's container).
     return {
         "IMAGE": boot.image,
         "SERVE_ARG": contract.SERVE_ARG,

@@ -20,7 +20,15 @@ from typing import Any, Literal
 
 from kvfleet import contract
 from kvfleet.config.schema import SCALE_IN_MIN_S
-from kvfleet.contract import AGENT_UID, DRAIN_COMMAND, HEALTH_ROUTE, METRICS_ROUTE, SERVE_ARG, SERVING_PORT
+from kvfleet.contract import (
+    AGENT_UID,
+    DRAIN_COMMAND,
+    HEALTH_ROUTE,
+    LIVENESS_ROUTE,
+    METRICS_ROUTE,
+    SERVE_ARG,
+    SERVING_PORT,
+)
 from kvfleet.contract import HF_HOME as HF_CACHE_DIR
 from kvfleet.contract import MODEL_DIR as SAGEMAKER_MODEL_DIR
 from kvfleet.deployments import IMAGE_DISK_GIB, LOAD_PADDING, ResolvedDeployment
@@ -264,16 +272,12 @@ def _serving_container(r: ResolvedDeployment, opts: WorkloadOptions, *, synced: 
         # Readiness takes the pod out of the Service within ~10 s of /ping turning 503 (draining, engine
         # restarting) and back in when it recovers.
         "readinessProbe": _http_probe(HEALTH_ROUTE, period=5, failures=2, timeout=3),
-        # Liveness is a TCP check, not the health route: it answers 503 while the replica drains and while the
-        # agent restarts a crashed engine, both states the agent handles itself; an HTTP liveness probe
-        # would kill the pod mid-drain or mid-reload. The socket check restarts only a pod whose agent no
-        # longer listens.
-        "livenessProbe": {
-            "tcpSocket": {"port": PORT_NAME},
-            "periodSeconds": 10,
-            "timeoutSeconds": 5,
-            "failureThreshold": 6,
-        },
+        # Liveness is the agent's liveness route, not the health route: /ping answers 503 while the replica drains
+        # and while the agent restarts a crashed engine, both states the agent handles itself, and a probe on it
+        # would kill the pod mid-drain or mid-reload. LIVENESS_ROUTE stays 200 through both and turns 503 once the
+        # engine has been down past its restart budget (a restart that failed), which a TCP check never saw; a
+        # refused or timed-out request (the agent gone) fails it too. Six misses, 60 s, ride out a slow answer.
+        "livenessProbe": _http_probe(LIVENESS_ROUTE, period=10, failures=6, timeout=5),
         "lifecycle": {"preStop": {"exec": {"command": list(DRAIN_COMMAND)}}},
         "securityContext": _security_context(),
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, model_mount],
