@@ -254,4 +254,21 @@ def run(a: argparse.Namespace) -> int:
                     print(line)  # whole lines: a reason is one sentence, and tests and pipelines grep them
         for line in decided:
             print(line)
+        for line in host_image_lines(a.environment, images):
+            print(line)
     return 0
+
+
+def host_image_lines(environment: str, images: dict[str, dict[str, Any]]) -> list[str]:
+    """What each deployment's hosts boot: the image the lock beside the file pins, or the parameter read again at
+    every deploy, which moves to each new release and replaces the fleet in a deploy that changed nothing else."""
+    out = []
+    for name, i in images.items():
+        if i["image_id"]:
+            out.append(f"{name}: host image pinned: {i['image_id']} ({i['image_name']}) in {i['region']}")
+        else:
+            out.append(
+                f"{name}: host image unpinned: {i['parameter']} is read at every deploy, and a new release of it "
+                f"replaces the fleet; pin it: kvfleet plan {environment} --refresh-host-images (AWS credentials)"
+            )
+    return out

@@ -199,3 +199,16 @@ def test_kvfleet_diff_shows_a_new_host_image() -> None:
     assert f"-> ami-0aaaaaaaaaaaaaaaa ({OLDER})" in describe(diff_plans(plan(unpinned), plan(old)))
     # A deployed plan written before plans said their image: the first pinned release shows what it pins.
     assert "host image: - -> ami-0aaaaaaaaaaaaaaaa" in describe(diff_plans(plan(None), plan(old)))
+
+
+def test_kvfleet_plan_says_whether_each_host_image_is_pinned(tmp_path: Path) -> None:
+    from kvfleet.cli.plan import host_image_lines
+
+    (tmp_path / "unlocked").mkdir()
+    unpinned = env_file(tmp_path / "unlocked")
+    [line] = host_image_lines(str(unpinned), host_images(str(unpinned)))
+    assert line.startswith("chat: host image unpinned: ") and PARAMETER in line
+    assert f"kvfleet plan {unpinned} --refresh-host-images" in line
+    pinned_file = env_file(tmp_path, pin())
+    [line] = host_image_lines(str(pinned_file), host_images(str(pinned_file)))
+    assert line == f"chat: host image pinned: ami-0123456789abcdef0 ({RELEASE}) in us-east-1"
