@@ -48,11 +48,14 @@ synth: $(BIN)/kvfleet $(CDK)
 # kvfleet-images stack (the account's repositories, one stack per account and region whichever environment deploys
 # it), then each image built from containers/Dockerfile and pushed unless its tag (which digests the image's inputs)
 # is there already. Needs Docker and credentials for that account; the release pipeline does the same in its Images
-# stage. The assembly goes to cdk.out/images, beside the one `make synth` writes.
+# stage. ASSUME_PUBLISHING_ROLE=1 pushes as the account's CDK image-publishing role, which the repositories let push
+# (the GitHub workflow's OIDC role may assume it but not push itself); the base image is pulled as the caller either
+# way. The assembly goes to cdk.out/images, beside the one `make synth` writes.
 image: $(BIN)/kvfleet $(CDK)
 	$(CDK) deploy --app '$(BIN)/python -m kvfleet.infra.repository' -c env=$(ENV) --output cdk.out/images \
 		--require-approval never kvfleet-images
-	$(BIN)/python -m kvfleet.infra.repository --script $(ENV) > cdk.out/images/push.sh
+	$(BIN)/python -m kvfleet.infra.repository --script $(ENV) \
+		$(if $(ASSUME_PUBLISHING_ROLE),--assume-publishing-role) > cdk.out/images/push.sh
 	sh -eu cdk.out/images/push.sh
 
 # What this working tree changes in an environment's plan against BASE (a git ref, default HEAD): the file at BASE

@@ -8,7 +8,10 @@
   required reviewers hold the deployment (set in the repository's settings: the
   workflow cannot set them). Each job takes AWS credentials from the environment's OIDC role
   (``vars.AWS_DEPLOY_ROLE_ARN``, no stored keys), builds and pushes the serving images the stacks name where
-  their tag is missing (`make image`), deploys with `cdk deploy`, and runs `kvfleet check`.
+  their tag is missing (`make image`, pushing as the account's CDK image-publishing role, which the repositories let
+  push: the OIDC role only assumes it), deploys with `cdk deploy`, deploys the environment's live-check role trusted by
+  the OIDC role (kvfleet/infra/live_check.py's app), and runs `kvfleet check` as that role, as the release pipeline's
+  check step does. What the OIDC role itself must be allowed: ``python -m kvfleet.infra.github_role <environment>``.
 
 Every action is pinned by the full commit of a release, its tag in a comment: a tag can be moved, a commit cannot,
 and the deploy jobs hold an OIDC token (GitHub Docs, "Security hardening for GitHub Actions", "Using third-party
@@ -114,6 +117,37 @@ def _plan_job(name: str, env_file: str, needs: list[str]) -> dict[str, Any]:
     }
 
 
+# Where the live-check stack's outputs are written (cdk deploy --outputs-file: {stack: {output: value}}), and the output
+# naming its role (kvfleet/infra/live_check.py's RoleArn).
+LIVE_CHECK_OUT = "cdk.out/live-check"
+LIVE_CHECK_ROLE_OUTPUT = "RoleArn"
+
+
+def _live_check(env_file: str) -> list[dict[str, Any]]:
+    """The environment's live-check role, trusted by this job's OIDC role, then `kvfleet check` as that role. The
+    role ARN reaches the shell through the step's environment, not the script's text (GitHub Docs, "Security
+    hardening for GitHub Actions": an intermediate environment variable, not an expression in the script)."""
+    read_role = (
+        f".venv/bin/python -c 'import json, sys; [o] = json.load(open(sys.argv[1])).values(); "
+        f'print(o["{LIVE_CHECK_ROLE_OUTPUT}"])\' {LIVE_CHECK_OUT}/outputs.json'
+    )
+    return [
+        {
+            "name": "Live-check role",
+            "env": {"DEPLOY_ROLE_ARN": "${{ vars.AWS_DEPLOY_ROLE_ARN }}"},
+            "run": (
+                "node_modules/.bin/cdk deploy --app '.venv/bin/python -m kvfleet.infra.live_check' "
+                f'-c env={env_file} -c deploy_role_arn="$DEPLOY_ROLE_ARN" --output {LIVE_CHECK_OUT} '
+                f"--outputs-file {LIVE_CHECK_OUT}/outputs.json --require-approval never --all"
+            ),
+        },
+        {
+            "name": "Live check",
+            "run": f'.venv/bin/kvfleet check {env_file} --role-arn "$({read_role})"',
+        },
+    ]
+
+
 def _deploy_job(name: str, env_file: str, region: str | None, needs: list[str]) -> dict[str, Any]:
     """One stage: synth, deploy with the environment's OIDC role, then the live check."""
     job: dict[str, Any] = {
@@ -132,14 +166,15 @@ def _deploy_job(name: str, env_file: str, region: str | None, needs: list[str]) 
                 "uses": AWS_CREDENTIALS.uses,
                 "with": {"role-to-assume": "${{ vars.AWS_DEPLOY_ROLE_ARN }}", "aws-region": region},
             },
-            # The images the stacks name, built and pushed where their tag is missing, before anything deploys.
-            {"name": "Image", "run": f"make image ENV={name}"},
+            # The images the stacks name, built and pushed where their tag is missing, before anything deploys; pushed
+            # as the image-publishing role, the one the repositories' policy lets push.
+            {"name": "Image", "run": f"make image ENV={name} ASSUME_PUBLISHING_ROLE=1"},
             {"name": "Synth", "run": f".venv/bin/kvfleet synth {env_file} -- --quiet"},
             {
                 "name": "Deploy",
                 "run": "node_modules/.bin/cdk deploy --app cdk.out --all --require-approval never",
             },
-            {"name": "Live check", "run": f".venv/bin/kvfleet check {env_file}"},
+            *_live_check(env_file),
         ],
     }
     if needs:

@@ -1,6 +1,8 @@
 """`kvfleet ci-template`: the GitHub Actions workflow it writes validates against GitHub's workflow schema
 (SchemaStore's, as check-jsonschema vendors it, offline), keeps the pipeline file's order and approvals, takes
-credentials only through OIDC, and its plan-diff step, run by bash in a git checkout, writes the diff's table."""
+credentials only through OIDC, and its plan-diff step, run by bash in a git checkout, writes the diff's table; each
+deploy job pushes as the image-publishing role and checks as the live-check role it deploys, trusted by its OIDC
+role, and its live-check step, run by bash, passes that role to `kvfleet check`."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -73,6 +76,7 @@ def test_credentials_come_from_oidc_only(rendered: dict[str, Any]) -> None:
             assert job["permissions"]["id-token"] == "write"
             assert uses[0]["with"]["role-to-assume"] == "${{ vars.AWS_DEPLOY_ROLE_ARN }}"
             assert job["steps"][-1]["run"].startswith(".venv/bin/kvfleet check environments/")
+            assert " --role-arn " in job["steps"][-1]["run"]  # as the live-check role, not the OIDC role
         else:
             assert not uses and "permissions" not in job
 
@@ -141,7 +145,8 @@ def test_each_deploy_pushes_its_images_before_it_deploys(rendered: dict[str, Any
     for name, job in rendered["jobs"].items():
         if name.startswith("deploy-"):
             runs = [s.get("run", "") for s in job["steps"]]
-            image = runs.index(f"make image ENV={job['environment']}")
+            # Pushed as the image-publishing role, which the repositories let push; the OIDC role only assumes it.
+            image = runs.index(f"make image ENV={job['environment']} ASSUME_PUBLISHING_ROLE=1")
             assert image < next(i for i, r in enumerate(runs) if "cdk deploy" in r)
             uses = [s.get("uses", "") for s in job["steps"]]
             assert image > next(i for i, u in enumerate(uses) if "configure-aws-credentials" in u)  # OIDC first
@@ -158,3 +163,27 @@ def test_every_action_is_pinned_by_a_full_commit_with_its_tag_beside_it() -> Non
         assert comment == f" # {by_repo[repo].tag}" and by_repo[repo].commit == commit
         assert re.fullmatch(r"v\d+\.\d+\.\d+", by_repo[repo].tag)  # a release, not a moving major tag
     assert yaml.safe_load(text) == workflow(load_pipeline(REPO / "pipeline.yaml"))  # the comments change nothing
+
+
+def test_each_deploy_checks_as_the_live_check_role_it_deploys(tmp_path: Path, rendered: dict[str, Any]) -> None:
+    job = rendered["jobs"]["deploy-staging"]
+    names = [s.get("name") for s in job["steps"]]
+    assert names.index("Deploy") < names.index("Live-check role") < names.index("Live check") == len(names) - 1
+    role, check = job["steps"][-2:]
+    # The role ARN reaches the shell by the step's environment, never spliced into the script.
+    assert role["env"] == {"DEPLOY_ROLE_ARN": "${{ vars.AWS_DEPLOY_ROLE_ARN }}"} and "${{" not in role["run"]
+    assert "--app '.venv/bin/python -m kvfleet.infra.live_check' -c env=environments/staging.yaml" in role["run"]
+    assert '-c deploy_role_arn="$DEPLOY_ROLE_ARN"' in role["run"] and "--outputs-file " in role["run"]
+    # The check step, run by bash beside the outputs file cdk deploy writes and a stand-in for kvfleet.
+    out = tmp_path / "cdk.out" / "live-check"
+    out.mkdir(parents=True)
+    arn = "arn:aws:iam::333333333333:role/kvfleet-check/kvfleet-staging-live-check-Role-ABC"
+    (out / "outputs.json").write_text(json.dumps({"kvfleet-staging-live-check": {"RoleArn": arn}}))
+    bin_ = tmp_path / ".venv" / "bin"
+    bin_.mkdir(parents=True)
+    (bin_ / "python").symlink_to(sys.executable)
+    log = tmp_path / "args"
+    (bin_ / "kvfleet").write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {log}\n')
+    (bin_ / "kvfleet").chmod(0o755)
+    subprocess.run(["bash", "-euo", "pipefail", "-c", check["run"]], cwd=tmp_path, check=True, timeout=60)
+    assert log.read_text().splitlines() == ["check", "environments/staging.yaml", "--role-arn", arn]

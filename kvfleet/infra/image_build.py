@@ -218,12 +218,28 @@ def _ecr_registry(image: str) -> tuple[str, str] | None:
     return (m[1], m[2]) if m else None
 
 
+def base_repositories(builds: Sequence[ImageBuild], partition: str = "aws") -> list[str]:
+    """The ARNs of the ECR repositories the builds' bases are pulled from (AWS's containers, in AWS's account). The push
+    script pulls them with the caller's own credentials: the CDK image-publishing role may pull only from the
+    bootstrap's asset repository (aws-cdk 2.1148.1, bootstrap-template.yaml, ImagePublishingRoleDefaultPolicy), and a
+    pull from another account's repository needs the caller's own policy to allow it as well as the repository's
+    (IAM User Guide, "Cross-account policy evaluation logic"). So the caller needs ecr:GetAuthorizationToken and
+    these repositories' pull actions (kvfleet.infra.iam.ECR_PULL_ACTIONS)."""
+    found = {
+        f"arn:{partition}:ecr:{m[2]}:{m[1]}:repository/{m[3]}"
+        for b in builds
+        if (m := re.match(r"^(\d{12})\.dkr\.ecr\.([a-z0-9-]+)\.amazonaws\.com(?:\.cn)?/([^:@]+)", b.base_image))
+    }
+    return sorted(found)
+
+
 def push_script(builds: Sequence[ImageBuild], *, account: str, region: str, role_arn: str | None = None) -> list[str]:
     """Shell commands (one per line, each complete, stopping at the first failure of a build: CodeBuild fails a step
     on a command's exit status, and runs them in one shell, so ``creds`` persists) that build and push each image
     into ``account``'s repository in ``region`` unless its tag is there. With ``role_arn``, the pushes run as that
-    role (a pipeline in another account assumes the stage account's CDK image-publishing role); the base image is
-    pulled with the caller's own credentials."""
+    role (the stage account's CDK image-publishing role, which the repositories' policy lets push: the release
+    pipeline's image step and the GitHub workflow's both assume it); the base image is pulled with the caller's own
+    credentials (base_repositories says why)."""
     q = shlex.quote
     lines: list[str] = []
     target = "aws"

@@ -1,8 +1,18 @@
-"""The role a release pipeline's live check assumes in a stage's account (``kvfleet check``), and what it may ask:
-each target's folder adds its own part (``kvfleet.targets.<name>.pipeline.grant_live_check``)."""
+"""The role a release's live check assumes in a stage's account (``kvfleet check --role-arn``), and what it may ask:
+each target's folder adds its own part (``kvfleet.targets.<name>.pipeline.grant_live_check``).
+
+The release pipeline deploys it in each stage, trusted by that stage's check step. The GitHub workflow deploys it
+with this module as a CDK app, trusted by the job's OIDC role (``vars.AWS_DEPLOY_ROLE_ARN``), which then checks
+through it as the pipeline does, so that role needs no read rights of its own:
+``cdk deploy --app 'python -m kvfleet.infra.live_check' -c env=<name> -c deploy_role_arn=<arn>``.
+"""
 
 from __future__ import annotations
 
+import os
+import re
+import sys
+import tempfile
 from collections.abc import Callable, Sequence
 
 import aws_cdk as cdk
@@ -12,6 +22,7 @@ from constructs import Construct
 
 from kvfleet.config.pipeline import CHECK_ROLE_PATH
 from kvfleet.config.schema import Environment
+from kvfleet.errors import ConfigError, KvfleetError
 from kvfleet.infra.nag import acknowledge
 from kvfleet.targets import TARGET_MODULES, part
 
@@ -51,6 +62,34 @@ def check_step_role(scope: Construct, id: str, *, environment: str) -> iam.Role:
     )
 
 
+# An IAM role's ARN (IAM User Guide, "IAM identifiers": arn:<partition>:iam::<account>:role/<path><name>).
+ROLE_ARN = re.compile(r"arn:aws(-[a-z-]+)?:iam::\d{12}:role/[\w+=,.@/-]+")
+DEPLOY_ROLE_CONTEXT = "deploy_role_arn"
+
+
+def live_check_principal(
+    environment: str, *, pipeline_account: str | None, deploy_role_arn: str | None
+) -> iam.IPrincipal:
+    """Who may assume the live-check role: the pipeline account's check step of this environment only (by its role's
+    path), or, where a GitHub workflow deploys the environment, that workflow's deploy role by its ARN (a role ARN
+    as principal matches that role's sessions: IAM User Guide, "AWS JSON policy elements: Principal", role
+    principals). One of the two."""
+    if (pipeline_account is None) == (deploy_role_arn is None):
+        raise KvfleetError("the live-check role is trusted by a pipeline account or a deploy role ARN, one of them")
+    if deploy_role_arn is not None:
+        if not ROLE_ARN.fullmatch(deploy_role_arn):
+            raise KvfleetError(
+                f"{deploy_role_arn!r} is not an IAM role ARN; set it to the workflow's role "
+                "(arn:aws:iam::<account>:role/<name>, vars.AWS_DEPLOY_ROLE_ARN)",
+                field=DEPLOY_ROLE_CONTEXT,
+            )
+        return iam.ArnPrincipal(deploy_role_arn)
+    assert pipeline_account is not None
+    return iam.AccountPrincipal(pipeline_account).with_conditions(
+        check_step_trust(cdk.Aws.PARTITION, pipeline_account, environment)
+    )
+
+
 # A cdk-nag IAM5 finding's resource and the reason the wildcard stands.
 _Wildcard = tuple[str, str]
 
@@ -60,22 +99,28 @@ class LiveCheckStack(Stack):
     asks its endpoints, instances and node groups what `kvfleet check` asks, and nothing else."""
 
     def __init__(
-        self, scope: Construct, id: str, *, environment: Environment, stacks: Sequence[Stack], pipeline_account: str
+        self,
+        scope: Construct,
+        id: str,
+        *,
+        environment: Environment,
+        stacks: Sequence[Stack],
+        pipeline_account: str | None = None,
+        deploy_role_arn: str | None = None,
     ) -> None:
         super().__init__(
             scope,
             id,
             env=cdk.Environment(account=environment.account, region=environment.region),
             stack_name=id,
-            description=f"kvfleet {environment.name}: the role a release pipeline's live checks assume",
+            description=f"kvfleet {environment.name}: the role a release's live checks assume",
         )
         Tags.of(self).add("kvfleet:environment", environment.name)
         self.role = iam.Role(
             self,
             "Role",
-            # The pipeline account's check step of this environment only (check_step_role), by its role's path.
-            assumed_by=iam.AccountPrincipal(pipeline_account).with_conditions(
-                check_step_trust(cdk.Aws.PARTITION, pipeline_account, environment.name)
+            assumed_by=live_check_principal(
+                environment.name, pipeline_account=pipeline_account, deploy_role_arn=deploy_role_arn
             ),
             path=CHECK_ROLE_PATH,
             max_session_duration=Duration.hours(1),
@@ -106,3 +151,40 @@ class LiveCheckStack(Stack):
             (f"arn:<AWS::Partition>:cloudformation:{region}:{account}:stack/{s.stack_name}/*", "a stack's id")
             for s in stacks
         ]
+
+
+def main() -> None:
+    """The CDK app of the GitHub workflow's live-check stack: ``-c env=<name> -c deploy_role_arn=<arn>``."""
+    from kvfleet.config.loader import environment_path, load_located
+    from kvfleet.infra.app import add_environment
+
+    app = cdk.App()
+    try:
+        loaded = load_located(environment_path(str(app.node.try_get_context("env") or "dev")))
+        env = loaded.environment
+        if env.account is None or env.region is None:
+            raise KvfleetError(
+                f"{env.name}: the live-check stack deploys into the file's account; set account and region in it",
+                field="account",
+            )
+        with tempfile.TemporaryDirectory() as scratch:
+            # The environment's stacks, for the names the role may read; built apart, never synthesized.
+            stacks = add_environment(cdk.App(outdir=scratch), env, traces=loaded.traces, host_images=loaded.host_images)
+            role = app.node.try_get_context(DEPLOY_ROLE_CONTEXT)
+            LiveCheckStack(
+                app,
+                live_check_stack_name(env.name),
+                environment=env,
+                stacks=stacks,
+                deploy_role_arn=str(role) if role is not None else "",
+            )
+    except ConfigError as err:
+        sys.exit("\n".join(err.lines))
+    except KvfleetError as err:
+        sys.exit(f"kvfleet: {err}")
+    app.synth()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION", "20")
+    main()

@@ -6,13 +6,16 @@ two environments (or a pipeline and a person) deploying it into one account and 
 template, and no second stack ever tries to create a repository that exists. It is not in an environment's app, so
 ``cdk destroy --all`` of one environment leaves the images the others run; the repositories are retained.
 
-The pushes come from ``make image`` (the person's own credentials) or from the release pipeline's image step in
-another account, which assumes the account's CDK image-publishing role (bootstrapped with ``--trust <pipeline
-account>``, as every stage already is); each repository's policy lets that role push to it.
+The pushes come from ``make image`` (the person's own credentials, or with ``ASSUME_PUBLISHING_ROLE=1`` the role
+below), from the GitHub workflow's deploy job (``make image ASSUME_PUBLISHING_ROLE=1``: its OIDC role may assume the
+account's ``cdk-*`` roles and has no ECR rights on the repositories), or from the release pipeline's image step in
+another account; the last two assume the account's CDK image-publishing role (bootstrapped with ``--trust <pipeline
+account>``, as every stage already is), and each repository's policy lets that role push to it.
 
 Run as a CDK app for ``make image``: ``cdk deploy --app 'python -m kvfleet.infra.repository' -c env=<name>``
 deploys the stack into the environment file's account and region; ``python -m kvfleet.infra.repository --script
-<name>`` prints the shell that builds and pushes that environment's images (kvfleet/infra/image_build.py).
+<name> [--assume-publishing-role]`` prints the shell that builds and pushes that environment's images
+(kvfleet/infra/image_build.py), pushing as the caller or as the image-publishing role.
 """
 
 from __future__ import annotations
@@ -56,6 +59,16 @@ PUSH_ACTIONS = (
 # Untagged manifests only: every tag names a build some stack may still run, and an EC2 or EKS node pulls it again
 # when it replaces a replica, so no tagged image is expired.
 UNTAGGED_DAYS = 30
+
+
+# The partition of a region's ARNs (AWS General Reference, "Amazon Resource Names": aws, aws-cn for the China regions,
+# aws-us-gov for GovCloud).
+_PARTITIONS = (("cn-", "aws-cn"), ("us-gov-", "aws-us-gov"))
+ASSUME_FLAG = "--assume-publishing-role"
+
+
+def partition_of(region: str) -> str:
+    return next((p for prefix, p in _PARTITIONS if region.startswith(prefix)), "aws")
 
 
 def publishing_role_arn(account: str, region: str, partition: str = "aws") -> str:
@@ -141,12 +154,20 @@ def _load(name: str) -> Environment:
     return loaded.environment
 
 
+def _script(args: list[str]) -> list[str]:
+    """``--script <name> [--assume-publishing-role]``: the push script of the environment's images."""
+    if len(args) not in (1, 2) or args[1:] not in ([], [ASSUME_FLAG]):
+        raise KvfleetError(f"usage: python -m kvfleet.infra.repository --script <environment> [{ASSUME_FLAG}]")
+    env = _load(args[0])
+    assert env.account is not None and env.region is not None
+    role = publishing_role_arn(env.account, env.region, partition_of(env.region)) if args[1:] else None
+    return push_script(environment_builds(env), account=env.account, region=env.region, role_arn=role)
+
+
 def main(argv: list[str]) -> None:
     try:
-        if argv[:1] == ["--script"] and len(argv) == 2:
-            env = _load(argv[1])
-            assert env.account is not None and env.region is not None
-            print("\n".join(push_script(environment_builds(env), account=env.account, region=env.region)))
+        if argv[:1] == ["--script"]:
+            print("\n".join(_script(argv[1:])))
             return
         app = cdk.App()
         env = _load(str(app.node.try_get_context("env") or "dev"))

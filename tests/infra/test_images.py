@@ -1,6 +1,7 @@
 """DLC image URIs come from the SageMaker SDK's own table, offline, for every region; the kvfleet image's tag digests
-what it is built from, its build and push script skips a pushed tag, and its repositories are one stack per account
-and region."""
+what it is built from, its build and push script skips a pushed tag (and, asked to, pushes as the CDK
+image-publishing role while the base is pulled as the caller), and its repositories are one stack per account and
+region."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from kvfleet.errors import KvfleetError
 from kvfleet.infra.image_build import (
     DOCKERFILE,
     PACKAGED_CONTAINERS,
+    ImageBuild,
     base_image,
     base_release,
     copied_sources,
@@ -310,3 +312,75 @@ def test_the_stacks_name_the_built_tag() -> None:
     t = only()
     want = kvfleet_build(engine="vllm", engine_version="0.30.0", region=None, instance_type="g6e.xlarge").tag
     assert f"kvfleet-vllm:{want}" in json.dumps(t.to_json())
+
+
+# ---- pushing as the image-publishing role ----------------------------------------------------------------------------
+
+
+def _fakes(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    """aws and docker stand-ins logging each call with the access key it ran under; `aws sts assume-role` answers
+    with the role's keys as the script's --query prints them, and any call matching $FAIL fails."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    log = tmp_path / "log"
+    for tool in ("aws", "docker"):
+        body = f'#!/bin/sh\necho "[${{AWS_ACCESS_KEY_ID:-caller}}] {tool} $*" >> {log}\n'
+        if tool == "aws":
+            body += 'if [ "$1 $2" = "sts assume-role" ]; then printf "ROLEKEY\\tROLESECRET\\tROLETOKEN\\n"; fi\n'
+        body += '! echo "$1 $2" | grep -Eqx "$FAIL"\n'
+        (bin_ / tool).write_text(body)
+        (bin_ / tool).chmod(0o755)
+    return {"PATH": f"{bin_}:/usr/bin:/bin", "FAIL": "ecr describe-images"}, log
+
+
+def test_make_image_can_push_as_the_publishing_role_and_pulls_the_base_as_the_caller(tmp_path: Path) -> None:
+    from kvfleet.infra.repository import ASSUME_FLAG, _script
+
+    # The script `make image ENV=dev ASSUME_PUBLISHING_ROLE=1` writes and runs (sh -eu), with stand-ins.
+    dev = str(REPO / "environments" / "dev.yaml")
+    lines = _script([dev, ASSUME_FLAG])
+    env, log = _fakes(tmp_path)
+    subprocess.run(["sh", "-euc", "\n".join(lines)], env=env, check=True, timeout=60)
+    calls = log.read_text().splitlines()
+    role = publishing_role_arn("222222222222", "us-east-1")
+    assert calls[0].startswith(f"[caller] aws sts assume-role --role-arn {role} ")
+    by_key = {c.split("] ", 1)[1].split(" --")[0]: c.split("]")[0] for c in calls}
+    assert by_key["aws ecr describe-images"] == "[ROLEKEY"  # the repository's policy lets the role read its tags
+    pushed = [c for c in calls if " docker push " in c]
+    assert pushed and pushed[0].split(" docker push ")[1].startswith("222222222222.dkr.ecr.us-east-1.amazonaws.com/")
+    logins = [c for c in calls if "aws ecr get-login-password" in c]
+    # The base from AWS's registry as the caller (the role may pull only from the bootstrap's own repository), the
+    # push registry's login as the role.
+    assert [c.split("]")[0] for c in logins] == ["[caller", "[ROLEKEY"]
+    # Without the flag every call runs as the caller, as before.
+    log.unlink()
+    subprocess.run(["sh", "-euc", "\n".join(_script([dev]))], env=env, check=True, timeout=60)
+    assert all(c.startswith("[caller]") for c in log.read_text().splitlines())
+    with pytest.raises(KvfleetError, match=r"usage: python -m kvfleet\.infra\.repository --script"):
+        _script([dev, "--as-me"])
+
+
+def test_the_make_target_passes_the_flag_only_when_asked() -> None:
+    def dry(*args: str) -> str:
+        done = subprocess.run(
+            ["make", "-n", "image", "ENV=dev", *args], check=False, cwd=REPO, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+        [line] = [x for x in done.stdout.replace("\\\n", " ").splitlines() if "--script dev" in x]
+        return " ".join(line.split())
+
+    assert "--script dev --assume-publishing-role > cdk.out/images/push.sh" in dry("ASSUME_PUBLISHING_ROLE=1")
+    assert "--script dev > cdk.out/images/push.sh" in dry()
+
+
+def test_the_bases_are_pulled_from_their_repositories_in_awss_account() -> None:
+    from kvfleet.infra.image_build import base_repositories
+    from kvfleet.infra.repository import partition_of
+
+    b = kvfleet_build(engine="vllm", engine_version="0.30.0", region="eu-west-1", instance_type="g6e.xlarge")
+    assert base_repositories([b, b]) == ["arn:aws:ecr:eu-west-1:763104351884:repository/vllm"]
+    assert [partition_of(r) for r in ("us-east-1", "cn-north-1", "us-gov-west-1")] == ["aws", "aws-cn", "aws-us-gov"]
+    nvidia = ImageBuild(
+        engine="trtllm", engine_version="1.0.0", base_image="nvcr.io/nvidia/x:1", repository="r", tag="t"
+    )
+    assert base_repositories([nvidia]) == []  # a public registry: no AWS permission involved

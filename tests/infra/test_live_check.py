@@ -1,14 +1,19 @@
 """The live check's least privilege: the stage's live-check role trusts the pipeline's check step of its environment
-only (by its role's path, aws:PrincipalArn), and on EC2 it may send the fleet's own probe document, which reads
-/ping and /metrics and takes no parameters, never AWS-RunShellScript. The document's lines run here by bash
-against the real agent (with the fake engine), as Run Command runs them on an instance."""
+only (by its role's path, aws:PrincipalArn), or in the GitHub flow the workflow's deploy role by its ARN alone, and
+on EC2 it may send the fleet's own probe document, which reads /ping and /metrics and takes no parameters, never
+AWS-RunShellScript. The document's lines run here by bash against the real agent (with the fake engine), as Run
+Command runs them on an instance."""
 
 from __future__ import annotations
 
 import asyncio
 import fnmatch
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import aws_cdk as cdk
@@ -17,11 +22,12 @@ from aws_cdk.assertions import Template
 
 from kvfleet import contract
 from kvfleet.bench.live import read_probe
+from kvfleet.errors import KvfleetError
 from kvfleet.infra.app import add_environment
-from kvfleet.infra.live_check import LiveCheckStack, check_step_role, check_step_trust
+from kvfleet.infra.live_check import LiveCheckStack, check_step_role, check_step_trust, live_check_principal
 from kvfleet.targets.ec2.infra.probe import PROBE_OUTPUT, probe_commands, probe_content
 from tests.agent.harness import running, settings
-from tests.infra.helpers import SAGEMAKER_ENV, environment, make_app
+from tests.infra.helpers import REPO, SAGEMAKER_ENV, environment, make_app
 
 PIPELINE_ACCOUNT = "111111111111"
 
@@ -123,3 +129,67 @@ def test_the_documents_lines_read_the_agents_health_and_cache() -> None:
     assert ping == 200
     assert (generation, events) == (None, 0)  # nothing is generated
     assert contract.PROM_ENGINE_KV_BLOCKS in metrics and contract.PROM_ENGINE_KV_BLOCK_TOKENS in metrics
+
+
+# ---- the GitHub workflow's live-check role -------------------------------------------------------------------------
+
+DEPLOY_ROLE = "arn:aws:iam::333333333333:role/github/kvfleet-deploy"
+
+
+def test_a_workflow_deploy_role_is_trusted_by_its_arn_alone(staging: tuple[LiveCheckStack, list[cdk.Stack]]) -> None:
+    _, stacks = staging
+    env = environment(
+        SAGEMAKER_ENV.replace("platform: sagemaker", "platform: ec2")
+        .replace("ml.g6e.xlarge", "g6e.xlarge")
+        .replace("name: test", 'name: staging\naccount: "333333333333"', 1)
+    )
+    app = make_app()
+    live = LiveCheckStack(
+        app, "kvfleet-staging-live-check", environment=env, stacks=stacks, deploy_role_arn=DEPLOY_ROLE
+    )
+    [role] = Template.from_stack(live).find_resources("AWS::IAM::Role").values()
+    [statement] = role["Properties"]["AssumeRolePolicyDocument"]["Statement"]
+    # That role's sessions only: no account principal, so no other principal of the account may assume it.
+    assert statement["Principal"] == {"AWS": DEPLOY_ROLE} and "Condition" not in statement
+    assert role["Properties"]["Path"] == "/kvfleet-check/"  # where the deploy role's policy lets it assume roles
+    assert Template.from_stack(live).find_outputs("RoleArn")  # what the workflow's check step reads
+
+
+def test_the_trust_is_one_principal_and_a_role_arn() -> None:
+    with pytest.raises(KvfleetError, match=r"^deploy_role_arn: 'arn:aws:iam::333333333333:user/me' is not an IAM role"):
+        live_check_principal("dev", pipeline_account=None, deploy_role_arn="arn:aws:iam::333333333333:user/me")
+    with pytest.raises(KvfleetError, match="one of them"):
+        live_check_principal("dev", pipeline_account=None, deploy_role_arn=None)
+    with pytest.raises(KvfleetError, match="one of them"):
+        live_check_principal("dev", pipeline_account=PIPELINE_ACCOUNT, deploy_role_arn=DEPLOY_ROLE)
+
+
+def test_the_workflows_app_deploys_the_environments_role_trusted_by_the_deploy_role(tmp_path: Path) -> None:
+    # As `cdk deploy --app 'python -m kvfleet.infra.live_check' -c env=... -c deploy_role_arn=...` runs it.
+    context = {"env": "environments/dev.yaml", "deploy_role_arn": DEPLOY_ROLE}
+    env = {**os.environ, "CDK_CONTEXT_JSON": json.dumps(context), "CDK_OUTDIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "kvfleet.infra.live_check"],
+        check=False,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    body = json.loads((tmp_path / "kvfleet-dev-live-check.template.json").read_text(encoding="utf-8"))
+    [role] = [r for r in body["Resources"].values() if r["Type"] == "AWS::IAM::Role"]
+    assert role["Properties"]["AssumeRolePolicyDocument"]["Statement"][0]["Principal"] == {"AWS": DEPLOY_ROLE}
+    # It may read the environment's own stacks, as the pipeline's does.
+    assert "stack/kvfleet-dev-alerts/*" in json.dumps(body)
+    bad = {**env, "CDK_CONTEXT_JSON": json.dumps({**context, "deploy_role_arn": "nope"})}
+    done = subprocess.run(
+        [sys.executable, "-m", "kvfleet.infra.live_check"],
+        check=False,
+        cwd=REPO,
+        env=bad,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode != 0 and done.stderr.strip().splitlines()[-1].startswith("kvfleet: deploy_role_arn: 'nope'")
+    assert "Traceback" not in done.stderr
