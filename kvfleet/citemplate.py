@@ -72,13 +72,14 @@ def _diff(env_file: str, name: str, base: str) -> dict[str, Any]:
     old = f"environments/.base-{name}.yaml"
     return {
         "name": f"Plan diff: {name}",
+        # The copy goes on exit, also when the diff refuses the change (a step's shell stops at the first failure).
         "run": (
+            f"trap 'rm -f {old}' EXIT\n"
             f'if git show "{base}:{env_file}" > {old} 2>/dev/null; then\n'
             f'  .venv/bin/kvfleet diff {old} {env_file} --markdown >> "$GITHUB_STEP_SUMMARY"\n'
             "else\n"
             f"  echo '{name}: new in this change' >> \"$GITHUB_STEP_SUMMARY\"\n"
             "fi\n"
-            f"rm -f {old}\n"
         ),
     }
 

@@ -97,7 +97,9 @@ def test_every_stage_with_approval_gets_its_diff(tmp_path: Path) -> None:
     _validate(json.loads(json.dumps(workflow(load_pipeline(tmp_path / "pipeline.yaml")))))
 
 
-def test_the_plan_diff_step_runs_in_a_checkout(tmp_path: Path, rendered: dict[str, Any]) -> None:
+def _plan_diff_step(tmp_path: Path, rendered: dict[str, Any], peak: str) -> tuple[int, str, Path]:
+    """The PR's plan-diff step for dev, run by bash in a checkout whose change sets the peak rate to ``peak``:
+    its exit status, its stderr and where its table went."""
     [step] = [s for s in rendered["jobs"]["test"]["steps"] if s.get("name") == "Plan diff: dev"]
     repo = tmp_path / "repo"
     (repo / "environments").mkdir(parents=True)
@@ -108,15 +110,42 @@ def test_the_plan_diff_step_runs_in_a_checkout(tmp_path: Path, rendered: dict[st
     subprocess.run([*git, "add", "environments"], cwd=repo, check=True)
     subprocess.run([*git, "commit", "-q", "-m", "base"], cwd=repo, check=True)
     dev = repo / "environments" / "dev.yaml"
-    dev.write_text(dev.read_text().replace("peak_requests_per_s: ", "peak_requests_per_s: 2"), encoding="utf-8")
+    text = dev.read_text()
+    assert "peak_requests_per_s: 2\n" in text
+    dev.write_text(text.replace("peak_requests_per_s: 2\n", f"peak_requests_per_s: {peak}\n"), encoding="utf-8")
     summary = tmp_path / "summary.md"
     script = step["run"].replace("origin/${{ github.base_ref }}", "main")
     env = {**os.environ, "GITHUB_STEP_SUMMARY": str(summary)}
-    subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=repo, env=env, check=True, timeout=300)
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert not (repo / "environments" / ".base-dev.yaml").exists()
+    return done.returncode, done.stderr, summary
+
+
+def test_the_plan_diff_step_runs_in_a_checkout(tmp_path: Path, rendered: dict[str, Any]) -> None:
+    code, err, summary = _plan_diff_step(tmp_path, rendered, "6")
+    assert code == 0, err
     table = summary.read_text()
     assert table.startswith("### Plan changes: `environments/.base-dev.yaml` -> `environments/dev.yaml`"), table
-    assert "| instances | 2 |" in table  # 2 -> 22 requests/s at peak: more replicas
-    assert not (repo / "environments" / ".base-dev.yaml").exists()
+    assert "| instances | 2 |" in table  # 2 -> 6 requests/s at peak: more replicas of the same type
+
+
+def test_the_plan_diff_step_fails_a_change_sagemaker_cannot_deploy_in_one_update(
+    tmp_path: Path, rendered: dict[str, Any]
+) -> None:
+    # 22 requests/s moves dev (SageMaker, 1-2 replicas, autoscaled) to another instance type: the step shows the
+    # table and fails with the two-deploy procedure, before anyone merges a release that would fail to deploy.
+    code, err, summary = _plan_diff_step(tmp_path, rendered, "22")
+    assert code == 2
+    assert "instance type ml.g6e.xlarge ->" in err and "deploy first with scaling.max_replicas" in err
+    assert "| instance type |" in summary.read_text()
 
 
 def test_the_json_form_is_the_same_workflow(capsys: pytest.CaptureFixture[str], rendered: dict[str, Any]) -> None:
