@@ -23,7 +23,6 @@ bucket encrypted with a KMS key the stages' roles may use: ``cross_account_keys`
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -40,7 +39,8 @@ from kvfleet.config.pipeline import CHECK_ROLE_PATH, LoadedPipeline
 from kvfleet.config.schema import Environment
 from kvfleet.errors import KvfleetError
 from kvfleet.infra.app import add_environment
-from kvfleet.infra.image_build import SOURCE_ROOT, ImageBuild, push_script
+from kvfleet.infra.iam import ECR_PULL_ACTIONS
+from kvfleet.infra.image_build import SOURCE_ROOT, ImageBuild, base_repositories, push_script
 from kvfleet.infra.live_check import LiveCheckStack, check_step_role, live_check_stack_name
 from kvfleet.infra.nag import acknowledge, condition_id, logical_id
 from kvfleet.infra.repository import REPOSITORIES_STACK, ImageRepositoriesStack, builds_by_place, publishing_role_arn
@@ -71,7 +71,6 @@ IMAGE_TIMEOUT = Duration.minutes(60)
 # runs executions one after another, in order; SUPERSEDED would let a newer one overtake an older one mid-way.
 EXECUTION_MODE = codepipeline.ExecutionMode.QUEUED
 LOCKFILE = "package-lock.json"
-_ECR = re.compile(r"^(?P<account>\d{12})\.dkr\.ecr\.(?P<region>[a-z0-9-]+)\.amazonaws\.com(\.cn)?/(?P<repo>[^:@]+)")
 
 
 def stage_id(environment: str) -> str:
@@ -212,22 +211,13 @@ class PipelineStack(Stack):
         self, source: pipelines.CodePipelineSource, account: str, region: str, builds: Sequence[ImageBuild]
     ) -> pipelines.CodeBuildStep:
         role = publishing_role_arn(account, region, self.partition)
-        pulls = [
-            f"arn:{self.partition}:ecr:{m['region']}:{m['account']}:repository/{m['repo']}"
-            for m in (_ECR.match(b.base_image) for b in builds)
-            if m is not None
-        ]
+        pulls = base_repositories(builds, self.partition)  # as the GitHub workflow's OIDC role is granted them
         statements = [
             iam.PolicyStatement(actions=["sts:AssumeRole"], resources=[role]),
             iam.PolicyStatement(actions=["ecr:GetAuthorizationToken"], resources=["*"]),
         ]
         if pulls:
-            statements.append(
-                iam.PolicyStatement(
-                    actions=["ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer", "ecr:BatchCheckLayerAvailability"],
-                    resources=sorted(set(pulls)),
-                )
-            )
+            statements.append(iam.PolicyStatement(actions=list(ECR_PULL_ACTIONS), resources=pulls))
         return pipelines.CodeBuildStep(
             f"Image-{account}-{region}",
             input=source,
