@@ -89,10 +89,12 @@ def _minor(version: str) -> int:
 
 class ExistingCluster(Frozen):
     """An EKS cluster kvfleet attaches to: it adds the GPU node group, the add-ons asked for and the workload in its
-    own namespace (target.namespace, created and deleted with the stack: give each deployment one of its own).
+    own namespace (target.namespace: give each deployment one of its own; with access cluster it is created and
+    deleted with the stack, with access namespace it must exist).
 
     Nothing is looked up at synth, so the config names what the templates need. kvfleet's kubectl function gets
-    cluster-admin through an EKS access entry, which needs the cluster's authentication mode to be API or
+    in through an EKS access entry (cluster-admin, or with access namespace the Edit policy in target.namespace
+    only), which needs the cluster's authentication mode to be API or
     API_AND_CONFIG_MAP (`aws eks update-cluster-config --name NAME --access-config
     authenticationMode=API_AND_CONFIG_MAP` switches a ConfigMap-only cluster without disruption). It runs in the
     cluster security group inside network.private_subnet_ids, so those subnets need a route to the EKS and STS
@@ -119,6 +121,17 @@ class ExistingCluster(Frozen):
         description=(
             "The cluster's IAM OIDC provider: pods get their AWS roles through IRSA. Without it they get them "
             "through EKS Pod Identity, which needs the eks-pod-identity-agent add-on on the cluster."
+        ),
+    )
+    access: Literal["cluster", "namespace"] = Field(
+        default="cluster",
+        description=(
+            "What kvfleet's kubectl function may touch. `cluster`: cluster-admin (AmazonEKSClusterAdminPolicy), "
+            "which the add-ons need (charts with CRDs, cluster roles, webhooks); kvfleet creates target.namespace. "
+            "`namespace`: AmazonEKSEditPolicy in target.namespace only, for a cluster that already runs every add-on "
+            "(every addons switch false, prometheus_url set); the namespace must exist, and its owner applies once the "
+            "Role and RoleBinding synth prints, which let kvfleet manage KEDA's ScaledObject (no EKS access policy "
+            "grants custom resources)."
         ),
     )
 
@@ -279,6 +292,28 @@ class EksTarget(TargetSection):
                 raise ValueError(
                     f"addons.{missing[0]}: a new cluster has nothing else to provide it; set it to true, or attach "
                     "to an existing cluster with target.cluster"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _namespace_access_installs_nothing(self) -> EksTarget:
+        """With namespace access kvfleet can write only in target.namespace, and every add-on's chart installs
+        cluster-scoped objects or objects in its own namespace (kvfleet.targets.eks.infra.addons)."""
+        if self.cluster is None or self.cluster.access != "namespace":
+            return self
+        a = self.addons
+        for addon, installed in (
+            ("device_plugin", a.device_plugin),
+            ("keda", a.keda),
+            ("prometheus_url", a.prometheus_url is None),
+            ("cluster_autoscaler", a.cluster_autoscaler),
+        ):
+            if installed:
+                fix = "set it to the cluster's Prometheus" if addon == "prometheus_url" else "set it to false"
+                raise ValueError(
+                    f"addons.{addon}: cluster.access namespace lets kvfleet write in namespace {self.namespace} only, "
+                    f"and this add-on's chart installs outside it; {fix} (the cluster runs its own), or set "
+                    "cluster.access: cluster"
                 )
         return self
 

@@ -21,7 +21,7 @@ import math
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
-from aws_cdk import Aws, CfnJson, CfnMapping, Fn, Stack
+from aws_cdk import Annotations, Aws, CfnJson, CfnMapping, Fn, Stack
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_eks_v2 as eks
 from aws_cdk import aws_iam as iam
@@ -39,7 +39,7 @@ from kvfleet.infra.nag import acknowledge, condition_id, logical_id
 from kvfleet.infra.network import ServingNetwork
 from kvfleet.targets.eks import CLUSTER_OUTPUT, TARGET
 from kvfleet.targets.eks.config import EVERY_POD, EksClients, EksTarget, ExistingCluster
-from kvfleet.targets.eks.infra import access, checks, nodes, registries, scheduling
+from kvfleet.targets.eks.infra import access, checks, namespace_access, nodes, registries, scheduling
 from kvfleet.targets.eks.infra import addons as charts
 from kvfleet.targets.eks.infra import manifests as k8s
 from kvfleet.targets.eks.infra.hosts import HOSTS
@@ -101,12 +101,14 @@ class EksService(Construct):
     cluster_autoscaler: eks.HelmChart | None
     options: k8s.WorkloadOptions
     manifests: list[k8s.Manifest]
+    owner_setup: list[k8s.Manifest]  # what the cluster's owner applies once (namespace access); else empty
 
     def __init__(self, scope: Construct, id: str, *, context: ServingContext) -> None:
         super().__init__(scope, id)
         r = context.resolved
         target = r.deployment.target
         assert isinstance(target, EksTarget)
+        self.owner_setup = []
         identity = self._cluster(target, context.network)
         self._nodegroup(r, context.network, context.region)
         self._system_nodegroup(target, context.network, context.region)
@@ -130,7 +132,7 @@ class EksService(Construct):
         self.kubectl_access = None
         self.vpc_cni = None  # an existing cluster's CNI is the cluster's
         if target.cluster is not None:
-            self.cluster, self.kubectl_provider = self._attach(target.cluster, network, layer)
+            self.cluster, self.kubectl_provider = self._attach(target.cluster, target.namespace, network, layer)
             # IRSA needs the cluster's OIDC provider; without one, EKS Pod Identity.
             return eks.IdentityType.IRSA if target.cluster.oidc_provider_arn else eks.IdentityType.POD_IDENTITY
         self.cluster, self.kubectl_provider = self._new_cluster(target, network, layer)
@@ -192,7 +194,7 @@ class EksService(Construct):
         resource.add_property_override("ResolveConflicts", addon.resolve_conflicts)
 
     def _attach(
-        self, existing: ExistingCluster, network: ServingNetwork, layer: KubectlV34Layer
+        self, existing: ExistingCluster, namespace: str, network: ServingNetwork, layer: KubectlV34Layer
     ) -> tuple[eks.ICluster, eks.IKubectlProvider]:
         """The existing cluster, a kubectl provider that can reach it, and the access entry that lets it in."""
         cluster_sg = ec2.SecurityGroup.from_security_group_id(
@@ -219,6 +221,8 @@ class EksService(Construct):
             vpc=network.vpc,
             cluster_security_group_id=existing.security_group_id,
             kubectl_provider=provider,
+            # kubectl's prune lists cluster-scoped kinds, which namespace access may not (namespace_access).
+            prune=existing.access == "cluster",
             open_id_connect_provider=(
                 iam.OpenIdConnectProvider.from_open_id_connect_provider_arn(self, "Oidc", existing.oidc_provider_arn)
                 if existing.oidc_provider_arn
@@ -231,13 +235,12 @@ class EksService(Construct):
             "KubectlAccess",
             cluster=cluster,
             principal=provider.role.role_arn,
-            # Cluster-wide: the charts install CRDs, cluster roles and webhooks.
-            access_policies=[
-                eks.AccessPolicy.from_access_policy_name(
-                    "AmazonEKSClusterAdminPolicy", access_scope_type=eks.AccessScopeType.CLUSTER
-                )
-            ],
+            access_policies=[_kubectl_policy(existing, namespace)],
         )
+        if existing.access == "namespace":
+            # The group the owner's RoleBinding binds: the ScaledObject, which no access policy grants.
+            entry = cast(eks.CfnAccessEntry, self.kubectl_access.node.default_child)
+            entry.add_property_override("KubernetesGroups", [namespace_access.scaler_group(namespace)])
         return cluster, provider
 
     # ---- the GPU nodes --------------------------------------------------------------------------------
@@ -568,15 +571,34 @@ class EksService(Construct):
         )
         self.manifests = k8s.manifests(r, self.options)
         self._check_workload(r)
-        ns = self._manifest("Namespace", k8s.namespace(self.options))
-        serving.node.add_dependency(ns)
+        ns = self._namespace(r, target)
+        if ns is not None:
+            serving.node.add_dependency(ns)
         for m in self.manifests:
             kind = str(m["kind"])
             applied = self._manifest(kind, m)
-            applied.node.add_dependency(ns)
+            if ns is not None:
+                applied.node.add_dependency(ns)
             applied.node.add_dependency(serving)
             if kind == "ScaledObject" and self.keda is not None:
                 applied.node.add_dependency(self.keda)  # the CRD comes with the chart
+
+    def _namespace(self, r: ResolvedDeployment, target: EksTarget) -> eks.KubernetesManifest | None:
+        """The namespace kvfleet creates; with namespace access none (it exists, its owner's), and synth checks that
+        the access covers every kind applied and says what the owner applies once."""
+        namespace = k8s.namespace(self.options)
+        if target.cluster is None or target.cluster.access == "cluster":
+            return self._manifest("Namespace", namespace)
+        kinds = [str(m["kind"]) for m in self.manifests] + ["ServiceAccount"]
+        if problems := namespace_access.uncovered(kinds):
+            raise KvfleetError("; ".join(problems), field=f"deployments.{r.deployment.name}.target.cluster.access")
+        self.owner_setup = namespace_access.owner_setup(namespace)
+        Annotations.of(self).add_info(
+            f"cluster {target.cluster.name}: kvfleet's access is {namespace_access.NAMESPACE_POLICY} in namespace "
+            f"{target.namespace}; before the first deploy the cluster's owner applies this once (kubectl apply -f -):\n"
+            + namespace_access.render(self.owner_setup)
+        )
+        return None
 
     def _check_workload(self, r: ResolvedDeployment) -> None:
         """The manifests fit the node group built above and the agent in the pod, or synth fails."""
@@ -653,6 +675,18 @@ class EksService(Construct):
 
 
 _PINS = (charts.DEVICE_PLUGIN_CHART, charts.KEDA_CHART, charts.PROMETHEUS_CHART, charts.CLUSTER_AUTOSCALER_CHART)
+
+
+def _kubectl_policy(existing: ExistingCluster, namespace: str) -> eks.IAccessPolicy:
+    """Cluster-admin where kvfleet installs add-ons (their charts hold CRDs, cluster roles and webhooks) and creates
+    the namespace; otherwise the Edit policy in the deployment's namespace (namespace_access)."""
+    if existing.access == "cluster":
+        return eks.AccessPolicy.from_access_policy_name(
+            "AmazonEKSClusterAdminPolicy", access_scope_type=eks.AccessScopeType.CLUSTER
+        )
+    return eks.AccessPolicy.from_access_policy_name(
+        namespace_access.NAMESPACE_POLICY, access_scope_type=eks.AccessScopeType.NAMESPACE, namespaces=[namespace]
+    )
 
 
 def _clients(target: EksTarget) -> dict[str, Any]:
