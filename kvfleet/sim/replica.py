@@ -99,6 +99,10 @@ class Replica:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_blocks = limits.kv_blocks
+        # Every block ever freed: with free_blocks, how many were allocated since a moment (see preempt).
+        self.freed_blocks = 0
+        # A preempted request's full blocks kept in the prefix cache: (blocks, allocated then, free before them).
+        self.kept: dict[Request, tuple[int, int, int]] = {}
         self.reserved_tokens = 0
         self.draining = False
         # The prefix cache as block hashes of the trace's own size, as many as the engine's cache holds in tokens.
@@ -140,8 +144,17 @@ class Replica:
     # ---- what the engine's scheduler calls on (EngineState) ------------------------------------------------
 
     def preempt(self, victim: Request) -> None:
+        """With prefix caching on, vLLM frees a preempted request's blocks with their hashes kept, tail blocks
+        first in the eviction order (vllm/v1/core/single_type_kv_cache_manager.py ``free``: "reversed order so
+        that the tail blocks are evicted first"; block_pool.py: a freed block keeps its hash until reallocated),
+        so its recompute starts after those of its full blocks no later allocation took (``start``)."""
         self.running.remove(victim)
+        before = self.free_blocks
+        full = victim.computed // self.limits.block_tokens if self.limits.prefix_caching else 0
         self.free_blocks += victim.blocks
+        self.freed_blocks += victim.blocks
+        if full:
+            self.kept[victim] = (min(full, victim.blocks), self._allocated(), before)
         victim.blocks = 0
         victim.computed = 0
         victim.target = victim.prompt + victim.generated  # recompute what it had, then go on
@@ -151,10 +164,22 @@ class Replica:
         self.stats.preemptions += 1
         self.waiting.appendleft(victim)
 
+    def _allocated(self) -> int:
+        return self.limits.kv_blocks + self.freed_blocks - self.free_blocks
+
     def start(self, req: Request) -> int:
-        return req.cached if req.preemptions == 0 and req.computed == 0 else req.computed
+        if req.preemptions == 0 and req.computed == 0:
+            return req.cached
+        kept = self.kept.get(req)
+        if kept is None:
+            return req.computed
+        # Allocations take the blocks that were free before the victim's first (the pool is LRU), then its own.
+        blocks, allocated_then, free_before = kept
+        evicted = max(0, self._allocated() - allocated_then - free_before)
+        return min(max(0, blocks - evicted) * self.limits.block_tokens, req.target - 1)
 
     def admitted(self, req: Request, start: int) -> None:
+        self.kept.pop(req, None)
         if start > req.computed:
             self.stats.prefix_hit_tokens += start - req.computed
             req.computed = start
@@ -174,6 +199,7 @@ class Replica:
     def _finish(self, r: Request, t: float) -> None:
         r.done_s = t
         self.free_blocks += r.blocks
+        self.freed_blocks += r.blocks
         r.blocks = 0
         self.reserved_tokens -= r.prompt + r.output
         self.stats.finished.append(r)
@@ -200,6 +226,8 @@ class Replica:
         without chunking): the engine refuses it rather than stall."""
         r = self.waiting.popleft() if self.waiting else self.running.pop(0)
         self.free_blocks += r.blocks
+        self.freed_blocks += r.blocks
+        self.kept.pop(r, None)
         r.blocks = 0
         self.reserved_tokens -= r.prompt + r.output
         self.stats.aborted += 1
@@ -332,10 +360,12 @@ class Replica:
         n = 0
         for r in [*self.running, *self.waiting]:
             self.free_blocks += r.blocks
+            self.freed_blocks += r.blocks
             r.blocks = 0
             self.reserved_tokens -= r.prompt + r.output
             n += 1
         self.running.clear()
         self.waiting.clear()
+        self.kept.clear()
         self.stats.aborted += n
         return n
