@@ -8,10 +8,11 @@ gives one; the step model prices its steps; the engine's own scheduler runs them
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass, replace
 
 from kvfleet.engines import adapter
 from kvfleet.engines.base import EngineArgs
+from kvfleet.engines.scheduling import Scheduler
 from kvfleet.errors import KvfleetError
 from kvfleet.scaling import AutoscalerKind
 from kvfleet.sim.fleet import FleetSpec, Scaling
@@ -48,6 +49,9 @@ class EngineStart:
     max_num_batched_tokens: int | None = None
     gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool | None = None
+    # Chunked prefill where an engine has it off by default (TensorRT-LLM's enable_chunked_prefill); None: the
+    # engine's default. vLLM V1 always chunks.
+    enable_chunked_prefill: bool | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,7 +128,7 @@ def start(e: EngineStart, *, longest_request_tokens: int, constants: StepConstan
                 prefix_caching=prefix_caching(e.model, settings),
             ),
             model=RooflineSteps(rep, constants),
-            scheduler=adapter(e.engine).scheduler(args),
+            scheduler=_scheduler(e, args),
             scaling=ONE_FIXED,
             initial_replicas=1,
             cold_start_s=0.0,
@@ -135,6 +139,21 @@ def start(e: EngineStart, *, longest_request_tokens: int, constants: StepConstan
         instance=it,
         where=it.name if it is not None else f"{e.tp} x {acc.name}",
     )
+
+
+def _scheduler(e: EngineStart, args: EngineArgs) -> Scheduler:
+    """The engine's scheduler, with chunked prefill as the start gives it where the engine's scheduler has the
+    switch (a scheduler without one always chunks or never does)."""
+    sched = adapter(e.engine).scheduler(args)
+    switch = e.enable_chunked_prefill
+    if (
+        switch is not None
+        and is_dataclass(sched)
+        and not isinstance(sched, type)
+        and "enable_chunked_context" in {f.name for f in fields(sched)}
+    ):
+        sched = replace(sched, enable_chunked_context=switch)
+    return sched
 
 
 # The planned load is simulated for this long at the peak rate (at least PLANNED_REQUESTS_MIN requests, at most

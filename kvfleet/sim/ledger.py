@@ -164,6 +164,7 @@ def _engine(case: Mapping[str, Any], model: ModelSpec) -> tuple[EngineStart, tup
         "max_num_seqs": seqs,
         "max_num_batched_tokens": tokens,
         "gpu_memory_utilization": memory,
+        "enable_chunked_prefill": s.get("enable_chunked_prefill"),  # a published serve flag (trtllm-serve's)
     }
     return EngineStart(**start_args, engine_version=version), tuple(notes)
 
