@@ -269,16 +269,24 @@ def _size(document: Mapping[str, Any]) -> int:
 
 @cache
 def example_templates() -> tuple[tuple[str, str], ...]:
-    """Every example environment's stage stacks (its stacks and its live-check stack), synthesized as cdk.json
-    configures them: (where, template JSON) in order, synthesized once per process."""
+    """Every stack a stage account's execution role deploys: each example environment's stage stacks (its stacks and
+    its live-check stack) and the account's ``kvfleet-images`` stack (the pipeline's Images wave and `make image`
+    deploy it with the same role), synthesized as cdk.json configures them: (where, template JSON) in order."""
     import aws_cdk as cdk
 
     from kvfleet.config.loader import load_located
     from kvfleet.infra.app import add_environment
     from kvfleet.infra.live_check import LiveCheckStack, live_check_stack_name
+    from kvfleet.infra.repository import REPOSITORIES_STACK, ImageRepositoriesStack
 
     flags = json.loads((REPO / "cdk.json").read_text(encoding="utf-8"))["context"]
     out: list[tuple[str, str]] = []
+    with tempfile.TemporaryDirectory() as outdir:
+        app = cdk.App(context=flags, outdir=outdir)
+        where = cdk.Environment(account=PIPELINE_ACCOUNT, region="us-east-1")
+        ImageRepositoriesStack(app, REPOSITORIES_STACK, env=where)
+        for template in sorted(Path(app.synth().directory).glob("*.template.json")):
+            out.append((f"images: {template.stem}", template.read_text(encoding="utf-8")))
     for path in sorted((REPO / "environments").glob("*.yaml")):
         loaded = load_located(path)
         env = loaded.environment

@@ -1,8 +1,8 @@
 """The stage accounts' CloudFormation execution policies (docs/bootstrap/, written by tools/bootstrap_policy.py):
-current with every example environment's synthesized stage stacks, covering each resource type's handler
-permissions from its CloudFormation registry schema and what each intrinsic function CloudFormation resolves with the
-stack's role needs (Fn::GetStackOutput: cloudformation:DescribeStacks on the alerts stacks), naming every action (no
-global or service-wide wildcard), and each under IAM's managed policy size limit."""
+current with every example environment's synthesized stage stacks and the account's kvfleet-images stack, covering
+each resource type's handler permissions from its CloudFormation registry schema and what each intrinsic function
+CloudFormation resolves with the stack's role needs (Fn::GetStackOutput: cloudformation:DescribeStacks on the alerts
+stacks), naming every action (no global or service-wide wildcard), and each under IAM's managed policy size limit."""
 
 from __future__ import annotations
 
@@ -41,6 +41,8 @@ def test_the_checked_in_policies_are_those_the_example_stacks_need() -> None:
 def test_every_resource_types_handler_permissions_are_allowed() -> None:
     by_type = _by_type()
     assert {"AWS::SageMaker::Endpoint", "AWS::EKS::Cluster", "AWS::AutoScaling::AutoScalingGroup"} <= set(by_type)
+    # The account's kvfleet-images stack is deployed with the same role (the pipeline's Images wave, make image).
+    assert "ecr:CreateRepository" in by_type["AWS::ECR::Repository"]
     assert by_type["AWS::SSM::Document"] == tool.schema_permissions("AWS::SSM::Document")
     assert "ssm:CreateDocument" in by_type["AWS::SSM::Document"]
     assert tool.uncovered(_documents(), by_type) == []
