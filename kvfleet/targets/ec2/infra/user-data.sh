@@ -161,12 +161,13 @@ TimeoutStopSec=$((DRAIN_BUDGET_S + 60))
 Restart=always
 RestartSec=5
 KVFLEET_UNIT
-  # Started beside the container in service; stopped with it (PartOf), kept across the container's own restarts.
+  # Started beside the container in service, and not bound to it: systemd restarts the units PartOf a unit with
+  # each of its automatic restarts (systemd.unit(5), PartOf=; service.c, service_enter_restart), which would reset
+  # the count of a container that keeps exiting. The watchdog acts only while the instance is InService.
   cat > "$WATCHDOG_UNIT_FILE" <<KVFLEET_UNIT
 [Unit]
 Description=kvfleet watchdog: replace this instance when its replica has failed
 After=kvfleet.service
-PartOf=kvfleet.service
 [Service]
 ExecStart=$BOOT_SCRIPT watchdog
 Restart=always
