@@ -145,9 +145,10 @@ class Replica:
 
     def preempt(self, victim: Request) -> None:
         """With prefix caching on, vLLM frees a preempted request's blocks with their hashes kept, tail blocks
-        first in the eviction order (vllm/v1/core/single_type_kv_cache_manager.py ``free``: "reversed order so
-        that the tail blocks are evicted first"; block_pool.py: a freed block keeps its hash until reallocated),
-        so its recompute starts after those of its full blocks no later allocation took (``start``)."""
+        first in the eviction order (vllm/v1/core/kv_cache_manager.py ``free``, read at vllm-project/vllm 003df296:
+        "We free the blocks in reverse order so that the tail blocks are evicted first when caching is enabled";
+        block_pool.py: a freed block keeps its hash until ``get_new_blocks`` reuses it), so its recompute starts
+        after those of its full blocks no later allocation took (``start``)."""
         self.running.remove(victim)
         before = self.free_blocks
         full = victim.computed // self.limits.block_tokens if self.limits.prefix_caching else 0

@@ -1,9 +1,9 @@
 """A preempted request keeps its full blocks in vLLM's prefix cache until later allocations take them.
 
-vllm/v1/core/single_type_kv_cache_manager.py ``free`` returns a request's blocks to the pool in reverse order ("so
-that the tail blocks are evicted first") and block_pool.py keeps a freed block's hash until it is reallocated, so a
-preempted request that is scheduled again hits its own prefix; only what was allocated since, past the blocks that
-were already free, is recomputed.
+vllm/v1/core/kv_cache_manager.py ``free`` (vllm-project/vllm 003df296) returns a request's blocks to the pool in
+reverse order ("so that the tail blocks are evicted first") and block_pool.py keeps a freed block's hash until it is
+reallocated, so a preempted request that is scheduled again hits its own prefix; only what was allocated since, past
+the blocks that were already free, is recomputed.
 """
 
 from __future__ import annotations
