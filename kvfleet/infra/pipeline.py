@@ -124,12 +124,30 @@ class PipelineStack(Stack):
         for i, (env_loaded, env_file) in enumerate(zip(loaded.environments, env_files, strict=True)):
             self._add_stage(i, env_loaded, env_file, source)
         self.pipeline.build_pipeline()
+        self._grant_connection_prefix(p.source.connection_arn)
         cfn = self.pipeline.pipeline.node.default_child
         assert isinstance(cfn, cdk.CfnResource)
         # cfn-lint's E3703 ("prefer Fn::Sub over Fn::Join with an empty delimiter") is a style rule; CDK Pipelines
         # writes the stages' role ARNs as such joins. Ignored on the pipeline resource only.
         cfn.add_metadata("cfn-lint", {"config": {"ignore_checks": ["E3703"]}})
         self._acknowledge()
+
+    def _grant_connection_prefix(self, connection_arn: str) -> None:
+        """CDK grants the source action codestar-connections:UseConnection whatever the connection's ARN; a connection
+        created since the rename is arn:...:codeconnections:..., and "when specifying a resource in the IAM policy,
+        the service prefix needs to match that of the resource" (Developer Tools console User Guide, "Connections
+        rename - Summary of changes"). The action of the ARN's own prefix is granted too."""
+        prefix = connection_arn.split(":")[2]
+        roles = [
+            c
+            for c in self.pipeline.node.find_all()
+            if isinstance(c, iam.Role) and "/Source/" in c.node.path and c.node.id == "CodePipelineActionRole"
+        ]
+        assert roles, "CDK Pipelines' source action role was not found"
+        for role in roles:
+            role.add_to_principal_policy(
+                iam.PolicyStatement(actions=[f"{prefix}:UseConnection"], resources=[connection_arn])
+            )
 
     def _plans_bucket(self) -> s3.Bucket:
         plans = s3.Bucket(

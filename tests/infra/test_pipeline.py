@@ -303,3 +303,19 @@ def test_a_lockfile_without_the_cli_says_what_to_pin(tmp_path: Path) -> None:
         locked_version("cdk-assets", root=tmp_path)
     assert "pins no cdk-assets" in str(err.value) and "\n" not in str(err.value)
     assert locked_version("aws-cdk") == json.loads((REPO / "package.json").read_text())["devDependencies"]["aws-cdk"]
+
+
+def test_the_source_may_use_the_connection_under_its_own_prefix(synthesized: tuple[PipelineStack, Path]) -> None:
+    # A connection made since the rename is arn:...:codeconnections:...; the policy's action prefix must match the
+    # resource's (Developer Tools console User Guide, "Connections rename - Summary of changes").
+    arn = load_pipeline(REPO / "pipeline.yaml").pipeline.source.connection_arn
+    assert arn.split(":")[2] == "codeconnections"
+    policies = Template.from_stack(synthesized[0]).find_resources("AWS::IAM::Policy")
+    granted = {
+        action
+        for p in policies.values()
+        for s in p["Properties"]["PolicyDocument"]["Statement"]
+        if s.get("Resource") == arn
+        for action in ([s["Action"]] if isinstance(s["Action"], str) else s["Action"])
+    }
+    assert "codeconnections:UseConnection" in granted
