@@ -8,7 +8,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import UTC, date, datetime
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, ValidatorFunctionWrapHandler, field_validator, model_validator
 
@@ -134,6 +134,17 @@ class ExistingCluster(Frozen):
             "grants custom resources)."
         ),
     )
+    node_image_repositories: tuple[
+        Annotated[str, Field(pattern=r"^arn:aws[a-z-]*:ecr:[a-z0-9-]+:[0-9]{12}:repository/[a-z0-9._/*-]+$")], ...
+    ] = Field(
+        default=(),
+        description=(
+            "ECR repositories (ARNs; '*' in the name for a prefix) the cluster's own DaemonSets pull onto every node. "
+            'kvfleet\'s GPU nodes pull with their role (EKS User Guide, "Amazon EKS node IAM role"), which may pull '
+            "only the EKS add-on registry and the serving image: a log shipper or node agent that tolerates the GPU "
+            "taint and comes from another repository would not start there until it is named here."
+        ),
+    )
 
 
 class EksAddons(Frozen):
@@ -233,6 +244,9 @@ class EksTarget(TargetSection):
             "ID"
         ),
         "namespace": "a Kubernetes namespace: lowercase letters, digits and '-' (not first or last), at most 63",
+        "node_image_repositories": (
+            "an ECR repository ARN like arn:aws:ecr:us-east-1:123456789012:repository/logging/fluent-bit"
+        ),
         "prometheus_url": "an http:// or https:// URL",
     }
 

@@ -14,6 +14,7 @@ from aws_cdk.assertions import Template
 from kvfleet import contract
 from kvfleet.deployments import resolve_environment
 from kvfleet.engines import EngineArgs
+from kvfleet.errors import ConfigError
 from kvfleet.infra.app import build_app
 from kvfleet.targets.eks.config import EksTarget
 from kvfleet.targets.eks.infra.addons import (
@@ -471,3 +472,24 @@ def test_a_region_without_a_known_addon_registry_is_refused() -> None:
     with pytest.raises((ConfigError, Exception)) as err:
         only(PLATFORM.replace("region: us-east-1", "region: ap-east-2"))
     assert "EKS add-on image registry for ap-east-2" in str(err.value)
+
+
+def test_the_gpu_nodes_may_pull_the_clusters_own_daemonset_images(shared: Template) -> None:
+    # The shared cluster's log shipper tolerates the GPU taint and comes from its own repository: the node role
+    # pulls it (EKS User Guide, "Amazon EKS node IAM role"), so the file names it and nothing wider is granted.
+    named = "arn:aws:ecr:us-east-1:123456789012:repository/platform/*"
+    policies = shared.find_resources("AWS::IAM::Policy")
+    [pull] = [p["Properties"] for k, p in policies.items() if "ImagePull" in k]
+    statements = pull["PolicyDocument"]["Statement"]
+    pulls = [s for s in statements if "ecr:BatchGetImage" in s["Action"]]
+    assert any(named in (s["Resource"] if isinstance(s["Resource"], list) else [s["Resource"]]) for s in pulls)
+    without = only(SHARED.replace(f"        node_image_repositories: [{named}]\n", ""))
+    assert named not in json.dumps(without.to_json())
+
+
+def test_a_node_image_repository_must_be_an_ecr_repository_arn() -> None:
+    text = SHARED.replace("repository/platform/*]", "repository/platform/*, docker.io/fluent/fluent-bit]")
+    with pytest.raises(ConfigError) as err:
+        environment(text)
+    [line] = err.value.lines
+    assert "node_image_repositories" in line and "an ECR repository ARN like" in line, line

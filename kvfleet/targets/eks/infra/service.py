@@ -32,7 +32,7 @@ from kvfleet.deployments import ResolvedDeployment
 from kvfleet.errors import KvfleetError
 from kvfleet.infra.context import ServingContext
 from kvfleet.infra.cuda import host_for_image, nvidia_gpu
-from kvfleet.infra.iam import grant_model_read, grant_token_read, put_metric_data
+from kvfleet.infra.iam import ECR_PULL_ACTIONS, grant_model_read, grant_token_read, put_metric_data
 from kvfleet.infra.images import serving_image, serving_image_cuda
 from kvfleet.infra.metrics import PlatformMetrics
 from kvfleet.infra.nag import acknowledge, condition_id, logical_id
@@ -470,6 +470,17 @@ class EksService(Construct):
         )
         pull = iam.Policy(self, "ImagePull", roles=[self.nodegroup.role])
         image = serving_image(self, r, pull, region)
+        if target.cluster is not None and target.cluster.node_image_repositories:
+            # The existing cluster's own DaemonSets run on these nodes too, pulled with this role.
+            repositories = list(target.cluster.node_image_repositories)
+            pull.add_statements(iam.PolicyStatement(actions=list(ECR_PULL_ACTIONS), resources=repositories))
+            for arn in (a for a in repositories if "*" in a):
+                acknowledge(
+                    pull,
+                    f"AwsSolutions-IAM5[Resource::{arn}]",
+                    "repositories the file names by prefix (target.cluster.node_image_repositories) for the "
+                    "cluster's own DaemonSets",
+                )
         access = iam.Policy(self, "ServingPolicy", roles=[serving.role])
         if d.model.s3_uri:
             grant_model_read(access, d.model.s3_uri)
