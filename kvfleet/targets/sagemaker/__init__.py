@@ -1,4 +1,5 @@
-"""SageMaker: a real-time endpoint, one production variant of the plan's instances.
+"""SageMaker: a real-time endpoint, one production variant of the plan's instances, or (``target.shape:
+inference_components``) an endpoint whose instances hold copies of one inference component, several per instance.
 
 Its parts: ``config`` (the ``target:`` section and its checks), ``infra`` (the endpoint construct and the inference
 AMIs it runs on), ``live`` (`kvfleet check`: the endpoint's status and one streamed generation), ``pipeline`` (the
@@ -6,6 +7,8 @@ live-check role's grants).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, replace
 
 from kvfleet.scaling.kinds import AutoscalerKind
 from kvfleet.sizing.hosting import Hosting, PriceList, Routing
@@ -77,3 +80,54 @@ TARGET = Target(
     scale_in_drain=SCALE_IN,
     type_change=TYPE_CHANGE,
 )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ComponentRules:
+    """The inference-component shape's platform rules, with where each is written: the endpoint config's variant
+    carries no model and lets SageMaker add and remove instances for the copies (managed instance scaling), and
+    Application Auto Scaling scales the component's copy count."""
+
+    managed_scaling_status: str
+    # Which instances managed scaling removes: IDLE_RELEASE only those that hold no copy, so a copy is never moved
+    # (stopped and started elsewhere) to empty an instance, as CONSOLIDATION would.
+    scale_in_strategy: str
+    managed_scaling_source: str
+    scalable_dimension: str
+    resource_id_prefix: str
+    scaling_source: str
+    capacity_unit: str  # InferenceComponentCapacitySize Type of a rolling update's batch
+    update_source: str
+
+    def resource_id(self, component_name: str) -> str:
+        """Application Auto Scaling's ResourceId of the component."""
+        return f"{self.resource_id_prefix}{component_name}"
+
+
+COMPONENTS = ComponentRules(
+    managed_scaling_status="ENABLED",
+    scale_in_strategy="IDLE_RELEASE",
+    managed_scaling_source=(
+        "SageMaker API Reference, ProductionVariantManagedInstanceScaling (Status: ENABLED | DISABLED; "
+        "MinInstanceCount minimum 0, MaxInstanceCount minimum 1) and "
+        "ProductionVariantManagedInstanceScalingScaleInPolicy "
+        "(Strategy IDLE_RELEASE: 'Releases instances that have no hosted inference component copies'; CONSOLIDATION "
+        "moves copies onto fewer instances), botocore 1.44.18 sagemaker/2017-07-24 service-2.json"
+    ),
+    scalable_dimension="sagemaker:inference-component:DesiredCopyCount",
+    resource_id_prefix="inference-component/",
+    scaling_source=(
+        "Application Auto Scaling API Reference, RegisterScalableTarget: ResourceId 'SageMaker inference component - "
+        "The resource type is inference-component and the unique identifier is the resource ID', ScalableDimension "
+        "sagemaker:inference-component:DesiredCopyCount (botocore 1.44.18 application-autoscaling/2016-02-06)"
+    ),
+    capacity_unit="COPY_COUNT",
+    update_source=(
+        "CloudFormation, AWS::SageMaker::InferenceComponent InferenceComponentRollingUpdatePolicy and "
+        "InferenceComponentCapacitySize (Type COPY_COUNT | CAPACITY_PERCENT)"
+    ),
+)
+
+# The inference-component shape lets the planner pack copies: an instance holds accelerators // GPUs per copy of
+# them (InferenceComponentComputeResourceRequirements NumberOfAcceleratorDevicesRequired, SageMaker API Reference).
+COMPONENT_HOSTING = replace(TARGET.hosting, one_engine_per_instance=False)

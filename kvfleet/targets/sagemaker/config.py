@@ -1,4 +1,5 @@
-"""SageMaker's ``target:`` section: network isolation, how an update replaces instances, the inference AMI."""
+"""SageMaker's ``target:`` section: the endpoint's shape, network isolation, how an update replaces instances, the
+inference AMI."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pydantic import Field, model_validator
 
 from kvfleet.config.base import Bool, Int
 from kvfleet.config.targets import TargetSection
+from kvfleet.sizing.hosting import Hosting
+from kvfleet.targets.sagemaker import COMPONENT_HOSTING, TARGET
 
 if TYPE_CHECKING:
     from kvfleet.config.schema import Deployment
@@ -20,6 +23,15 @@ class SageMakerTarget(TargetSection):
     }
 
     platform: Literal["sagemaker"] = Field(description="A SageMaker real-time endpoint.")
+    shape: Literal["variant", "inference_components"] = Field(
+        default="variant",
+        description=(
+            "variant: one production variant, one engine per instance spanning its GPUs. inference_components: an "
+            "inference component whose copies (one engine each, on the plan's GPUs per engine) SageMaker packs "
+            "onto the instances, adding and removing instances as the copies scale (managed instance scaling); "
+            "the plan may then put several engines on a multi-GPU instance."
+        ),
+    )
     network_isolation: Bool = Field(
         default=False,
         description="Run the container with no network access: the model must come from S3 (model.s3_uri).",
@@ -54,7 +66,16 @@ class SageMakerTarget(TargetSection):
     def _canary(self) -> SageMakerTarget:
         if self.canary_percent is not None and self.update != "blue_green":
             raise ValueError("canary_percent applies to update blue_green only")
+        if self.canary_percent is not None and self.shape == "inference_components":
+            # An inference component's update replaces copies in batches (its RollingUpdatePolicy); a variant's
+            # canary traffic shift has no counterpart there.
+            raise ValueError("canary_percent applies to shape variant only; inference components update copy by copy")
         return self
+
+    @property
+    def hosting(self) -> Hosting:
+        # The inference-component shape lets the planner put several engines on one instance.
+        return COMPONENT_HOSTING if self.shape == "inference_components" else TARGET.hosting
 
     def deployment_problems(self, deployment: Deployment) -> list[str]:
         problems = []

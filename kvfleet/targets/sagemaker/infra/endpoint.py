@@ -1,4 +1,5 @@
-"""SageMaker real-time endpoint for one planned deployment, scaling on replica saturation and queue depth."""
+"""SageMaker real-time endpoint for one planned deployment, scaling on replica saturation and queue depth: a
+variant's instances, or (target.shape inference_components) an inference component's copies (components.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from kvfleet.scaling import TargetTracking
 from kvfleet.sizing.hosting import Routing
 from kvfleet.targets.sagemaker import TARGET
 from kvfleet.targets.sagemaker.config import SageMakerTarget
+from kvfleet.targets.sagemaker.infra import components
 from kvfleet.targets.sagemaker.infra.hosts import HOSTS
 
 _ADDRESS = TARGET.address_output or ""  # the stack output `kvfleet bench --env` reads
@@ -67,6 +69,7 @@ class SageMakerEndpoint(Construct):
     endpoint_name: str
     host: HostChoice | None
     scalable_target: appscaling.ScalableTarget | None
+    component: sagemaker.CfnInferenceComponent | None
 
     def __init__(self, scope: Construct, id: str, *, context: ServingContext) -> None:
         super().__init__(scope, id)
@@ -104,8 +107,20 @@ class SageMakerEndpoint(Construct):
             if gpu
             else None
         )
-        self._endpoint_config(r, target, local_storage=local_storage, host=self.host)
+        self._endpoint_config(r, target, local_storage=local_storage, host=self.host, context=context)
         self._endpoint(r, target, rollback_alarms=list(context.rollback_alarms))
+        self.component = (
+            components.inference_component(
+                self,
+                r,
+                endpoint_name=self.endpoint_name,
+                variant=VARIANT,
+                model_name=self.model.attr_model_name,
+                rollback_alarms=list(context.rollback_alarms),
+            )
+            if _packs(target)
+            else None
+        )
         self.platform_metrics = PlatformMetrics(
             errors_4xx=self._endpoint_metric("Invocation4XXErrors", "4xx (SageMaker)"),
             errors_5xx=self._endpoint_metric("Invocation5XXErrors", "5xx (SageMaker)"),
@@ -229,22 +244,33 @@ class SageMakerEndpoint(Construct):
         self.model.node.add_dependency(policy)
 
     def _endpoint_config(
-        self, r: ResolvedDeployment, target: SageMakerTarget, *, local_storage: bool, host: HostChoice | None
+        self,
+        r: ResolvedDeployment,
+        target: SageMakerTarget,
+        *,
+        local_storage: bool,
+        host: HostChoice | None,
+        context: ServingContext,
     ) -> None:
         """One variant on the plan's instance type, on the inference AMI whose NVIDIA driver runs the image's
         CUDA (SageMaker's default hosts run driver 470 or 535), with timeouts from the startup estimate, routing
-        as the target's hosting declares."""
+        as the target's hosting declares. For inference components the variant names no model (the component
+        does, with the timeouts), SageMaker manages its instance count, and the endpoint config carries the role
+        and the VPC the copies run with (CreateEndpointConfig ExecutionRoleArn, VpcConfig)."""
+        packs = _packs(target)
+        c = components.copies(r)
         variant = sagemaker.CfnEndpointConfig.ProductionVariantProperty(
             variant_name=VARIANT,
-            model_name=self.model.attr_model_name,
+            model_name=None if packs else self.model.attr_model_name,
             instance_type=r.instance_type,
-            initial_instance_count=r.initial_instance_count,
-            initial_variant_weight=1.0,
+            initial_instance_count=c.instances(c.initial) if packs else r.initial_instance_count,
+            initial_variant_weight=None if packs else 1.0,
             inference_ami_version=host.host.setting if host else None,
             # SageMaker accepts a volume size only for instance types without local storage.
             volume_size_in_gb=None if local_storage else r.disk_gib,
-            model_data_download_timeout_in_seconds=r.download_timeout_s,
-            container_startup_health_check_timeout_in_seconds=r.startup_timeout_s,
+            model_data_download_timeout_in_seconds=None if packs else r.download_timeout_s,
+            container_startup_health_check_timeout_in_seconds=None if packs else r.startup_timeout_s,
+            managed_instance_scaling=components.managed_instance_scaling(r) if packs else None,
             routing_config=sagemaker.CfnEndpointConfig.RoutingConfigProperty(
                 routing_strategy=routing_strategy(target.hosting.routing)
             ),
@@ -254,15 +280,25 @@ class SageMakerEndpoint(Construct):
             "EndpointConfig",
             production_variants=[variant],
             kms_key_id=self.key.key_arn if self.key else None,
+            execution_role_arn=self.role.role_arn if packs else None,
+            vpc_config=sagemaker.CfnEndpointConfig.VpcConfigProperty(
+                security_group_ids=[context.network.security_group.security_group_id],
+                subnets=context.network.subnet_ids,
+            )
+            if packs
+            else None,
         )
 
     def _endpoint(self, r: ResolvedDeployment, target: SageMakerTarget, *, rollback_alarms: list[cw.IAlarm]) -> None:
-        retained = RETAINED_WHEN_SCALING if r.scaling.scales else ()
+        # With inference components the copies scale, not the variant: nothing to retain, and the component's own
+        # rolling update replaces copies (components.inference_component).
+        packs = _packs(target)
+        retained = RETAINED_WHEN_SCALING if r.scaling.scales and not packs else ()
         self.endpoint = sagemaker.CfnEndpoint(
             self,
             "Endpoint",
             endpoint_config_name=self.endpoint_config.attr_endpoint_config_name,
-            deployment_config=_deployment_config(r, target, rollback_alarms),
+            deployment_config=None if packs else _deployment_config(r, target, rollback_alarms),
             retain_all_variant_properties=bool(retained),
             exclude_retained_variant_properties=[
                 sagemaker.CfnEndpoint.VariantPropertyProperty(variant_property_type=p)
@@ -277,9 +313,13 @@ class SageMakerEndpoint(Construct):
     # ---- autoscaling on the signals ---------------------------------------------------------------------
 
     def _autoscaling(self, r: ResolvedDeployment) -> None:
-        """The variant's instance count tracks the saturation and queue signals (none for a fixed size)."""
+        """The variant's instance count, or the component's copy count, tracks the saturation and queue signals (none
+        for a fixed size)."""
         self.scalable_target = None
         s = r.scaling
+        if self.component is not None:
+            self.scalable_target = components.copy_scaling(self, r, self.component)
+            return
         if not s.scales:
             return
         self.scalable_target = appscaling.ScalableTarget(
@@ -320,6 +360,11 @@ def agent_drain_s(r: ResolvedDeployment) -> int:
     """The agent's drain budget on SageMaker: scaling.drain_budget_s, cut to what the kill after SIGTERM leaves."""
     stop = TARGET.scale_in_drain
     return stop.drain_s(r.scaling.drain_budget_s) if stop is not None else r.scaling.drain_budget_s
+
+
+def _packs(target: SageMakerTarget) -> bool:
+    """Whether the endpoint is built from inference components (copies packed on instances)."""
+    return target.shape == "inference_components"
 
 
 def routing_strategy(routing: Routing) -> str:

@@ -1,0 +1,211 @@
+"""SageMaker's inference-component shape (target.shape inference_components): the planner may pack several engines on
+a multi-GPU instance, and the template holds a model-less variant with managed instance scaling, one inference
+component whose copies and accelerators are the plan's, and target tracking on its copy count."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aws_cdk.assertions import Template
+
+from kvfleet import contract
+from kvfleet.deployments import resolve_environment
+from kvfleet.errors import ConfigError
+from kvfleet.infra.app import build_app
+from kvfleet.targets.sagemaker import COMPONENT_HOSTING, COMPONENTS, TARGET
+from kvfleet.targets.sagemaker.infra.components import HOST_MEMORY_SHARE
+from tests.envs import SAGEMAKER_ENV, environment
+from tests.infra.helpers import make_app, only, props
+from tests.infra.test_cfn_lint import cfn_lint
+
+SHAPE = "platform: sagemaker\n      shape: inference_components"
+COMPONENTS_ENV = SAGEMAKER_ENV.replace("platform: sagemaker", SHAPE)
+
+# Llama-3.1-8B at 20 requests/s, the planner free to choose the instance (the issue's case).
+AT_RATE = (
+    SAGEMAKER_ENV.replace("      concurrency_per_replica: 16\n", "      peak_requests_per_s: 20\n")
+    .replace("    sizing:\n      instance_type: ml.g6e.xlarge\n", "")
+    .replace("max_replicas: 4", "max_replicas: 16")
+)
+
+
+def at_rate(shape: str) -> str:
+    return AT_RATE.replace("platform: sagemaker", f"platform: sagemaker\n      shape: {shape}")
+
+
+@pytest.fixture(scope="module")
+def packed_text() -> str:
+    return at_rate("inference_components")
+
+
+@pytest.fixture(scope="module")
+def packed(packed_text: str) -> Template:
+    return only(packed_text)
+
+
+def one(t: Template, kind: str) -> dict[str, Any]:
+    [p] = props(t, kind)
+    return p
+
+
+# ---- the shape and what the planner may do -------------------------------------------------------------------
+
+
+def test_the_default_shape_is_the_variant_with_one_engine_per_instance() -> None:
+    target = environment().deployments[0].target
+    assert target.hosting is TARGET.hosting
+    assert target.hosting.one_engine_per_instance
+
+
+def test_inference_components_let_the_planner_pack() -> None:
+    target = environment(COMPONENTS_ENV).deployments[0].target
+    assert target.hosting is COMPONENT_HOSTING
+    assert not target.hosting.one_engine_per_instance
+    # Everything else is the variant's shape.
+    assert target.hosting.routing is TARGET.hosting.routing
+    assert target.hosting.max_volume_gib == TARGET.hosting.max_volume_gib
+
+
+def test_at_20_requests_per_s_the_plan_packs_copies_on_a_multi_gpu_instance_when_cheaper() -> None:
+    [variant] = resolve_environment(environment(at_rate("variant")))
+    [packed] = resolve_environment(environment(at_rate("inference_components")))
+    c = packed.candidate
+    assert c.instance.accelerator_count > 1
+    assert c.engines_per_instance == c.instance.accelerator_count // c.gpus_per_replica > 1
+    assert c.fleet_usd_per_hour <= variant.candidate.fleet_usd_per_hour
+    assert variant.candidate.engines_per_instance == 1
+
+
+def test_a_canary_is_refused_for_inference_components() -> None:
+    text = COMPONENTS_ENV.replace(SHAPE, SHAPE + "\n      canary_percent: 10")
+    with pytest.raises(ConfigError, match=r"test\.yaml:\d+: .*canary_percent applies to shape variant only"):
+        environment(text)
+
+
+def test_an_unknown_shape_is_one_line() -> None:
+    with pytest.raises(ConfigError, match=r"test\.yaml:\d+: .*shape"):
+        environment(SAGEMAKER_ENV.replace("platform: sagemaker", "platform: sagemaker\n      shape: packed"))
+
+
+# ---- the template ---------------------------------------------------------------------------------------------
+
+
+def test_the_variant_names_no_model_and_lets_sagemaker_manage_the_instances(packed_text: str, packed: Template) -> None:
+    [r] = resolve_environment(environment(packed_text))
+    config = one(packed, "AWS::SageMaker::EndpointConfig")
+    [variant] = config["ProductionVariants"]
+    assert "ModelName" not in variant
+    assert "ModelDataDownloadTimeoutInSeconds" not in variant
+    assert "ContainerStartupHealthCheckTimeoutInSeconds" not in variant
+    assert variant["InstanceType"] == r.instance_type
+    per = r.candidate.engines_per_instance
+    assert variant["ManagedInstanceScaling"] == {
+        "Status": COMPONENTS.managed_scaling_status,
+        "MinInstanceCount": math.ceil(r.scaling.min_replicas / per),
+        "MaxInstanceCount": math.ceil(r.scaling.max_replicas / per),
+        "ScaleInPolicy": {"Strategy": "IDLE_RELEASE"},
+    }
+    assert variant["InitialInstanceCount"] == math.ceil(
+        one(packed, "AWS::SageMaker::InferenceComponent")["RuntimeConfig"]["CopyCount"] / per
+    )
+    # The copies run as the execution role, in the VPC, named at the endpoint config.
+    assert config["ExecutionRoleArn"]["Fn::GetAtt"][0].startswith("EndpointExecutionRole")
+    assert set(config["VpcConfig"]) == {"SecurityGroupIds", "Subnets"}
+
+
+def test_the_component_holds_the_plan(packed_text: str, packed: Template) -> None:
+    [r] = resolve_environment(environment(packed_text))
+    c = one(packed, "AWS::SageMaker::InferenceComponent")
+    spec = c["Specification"]
+    assert spec["ModelName"]["Fn::GetAtt"][0].startswith("EndpointModel")
+    ram_gib = r.candidate.instance.ram_gib
+    assert ram_gib is not None
+    per = r.candidate.engines_per_instance
+    need = spec["ComputeResourceRequirements"]
+    assert need == {
+        "NumberOfAcceleratorDevicesRequired": r.candidate.gpus_per_replica,
+        "MinMemoryRequiredInMb": int(ram_gib * 1024 * HOST_MEMORY_SHARE / per),
+    }
+    # Copies on one instance never ask for more accelerators or memory than it has.
+    assert need["NumberOfAcceleratorDevicesRequired"] * per <= r.candidate.instance.accelerator_count
+    assert need["MinMemoryRequiredInMb"] * per <= ram_gib * 1024
+    assert spec["StartupParameters"] == {
+        "ModelDataDownloadTimeoutInSeconds": r.download_timeout_s,
+        "ContainerStartupHealthCheckTimeoutInSeconds": r.startup_timeout_s,
+    }
+    assert c["RuntimeConfig"] == {
+        "CopyCount": min(max(r.candidate.replicas, r.scaling.min_replicas), r.scaling.max_replicas)
+    }
+    assert c["VariantName"] == "AllTraffic"
+    assert c["EndpointName"]["Fn::GetAtt"][1] == "EndpointName"
+
+
+def test_the_component_keeps_the_containers_environment(packed: Template) -> None:
+    # The model (image, environment, VPC) is the variant shape's; the component runs it.
+    [model] = props(packed, "AWS::SageMaker::Model")
+    assert model["PrimaryContainer"]["Environment"]
+    assert "VpcConfig" in model
+
+
+def test_an_update_replaces_one_copy_at_a_time_with_the_drain_budget_and_rolls_back_on_alarms(packed: Template) -> None:
+    c = one(packed, "AWS::SageMaker::InferenceComponent")
+    policy = c["DeploymentConfig"]["RollingUpdatePolicy"]
+    assert policy["MaximumBatchSize"] == {"Type": "COPY_COUNT", "Value": 1}
+    assert policy["WaitIntervalInSeconds"] == 420
+    assert 600 <= policy["MaximumExecutionTimeoutInSeconds"] <= 14400
+    assert c["DeploymentConfig"]["AutoRollbackConfiguration"]["Alarms"]
+    # The endpoint's own blue/green does not apply: the variant carries no model.
+    endpoint = one(packed, "AWS::SageMaker::Endpoint")
+    assert "DeploymentConfig" not in endpoint
+    assert endpoint["RetainAllVariantProperties"] is False
+
+
+def test_copies_scale_on_the_same_target_tracking_as_the_variant(packed_text: str, packed: Template) -> None:
+    [r] = resolve_environment(environment(packed_text))
+    target = one(packed, "AWS::ApplicationAutoScaling::ScalableTarget")
+    assert target["ScalableDimension"] == "sagemaker:inference-component:DesiredCopyCount"
+    assert target["ServiceNamespace"] == "sagemaker"
+    prefix, name = target["ResourceId"]["Fn::Join"][1]
+    assert prefix == "inference-component/"
+    assert name["Fn::Select"][1]["Fn::Split"][1]["Fn::GetAtt"][1] == "InferenceComponentArn"
+    assert (target["MinCapacity"], target["MaxCapacity"]) == (r.scaling.min_replicas, r.scaling.max_replicas)
+    # The same policies as the variant's: one per tracked signal, on the deployment's signals.
+    variant = only()
+    assert len(props(packed, "AWS::ApplicationAutoScaling::ScalingPolicy")) == len(
+        props(variant, "AWS::ApplicationAutoScaling::ScalingPolicy")
+    )
+    for p in props(packed, "AWS::ApplicationAutoScaling::ScalingPolicy"):
+        spec = p["TargetTrackingScalingPolicyConfiguration"]["CustomizedMetricSpecification"]
+        assert {"Name": contract.DEPLOYMENT_DIMENSION, "Value": r.deployment_id} in spec["Dimensions"]
+
+
+def test_a_fixed_size_has_no_copy_scaling_and_a_fixed_instance_range() -> None:
+    t = only(COMPONENTS_ENV.replace("max_replicas: 4", "max_replicas: 1"))
+    assert not props(t, "AWS::ApplicationAutoScaling::ScalableTarget")
+    [variant] = one(t, "AWS::SageMaker::EndpointConfig")["ProductionVariants"]
+    scaling = variant["ManagedInstanceScaling"]
+    assert scaling["MinInstanceCount"] == scaling["MaxInstanceCount"] == 1
+
+
+def test_the_variant_shape_has_no_component() -> None:
+    t = only()
+    assert not props(t, "AWS::SageMaker::InferenceComponent")
+    [variant] = one(t, "AWS::SageMaker::EndpointConfig")["ProductionVariants"]
+    assert "ManagedInstanceScaling" not in variant
+    assert "ModelName" in variant
+
+
+def test_cdk_nag_and_cfn_lint_pass(packed_text: str, tmp_path: Path) -> None:
+    env = environment(packed_text)
+    app = build_app(env, app=make_app(outdir=str(tmp_path)), nag=True)
+    app.synth()
+    report = json.loads((tmp_path / "validation-report.json").read_text())
+    assert report["pluginReports"] == []
+    templates = sorted(tmp_path.glob("*.template.json"))
+    result = cfn_lint(templates, env.region or "us-east-1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout == ""
