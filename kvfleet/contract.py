@@ -24,7 +24,9 @@ from enum import StrEnum
 #    mamba_ssm_cache_dtype (hybrid models' state), which an agent of contract 2 refuses as unknown settings.
 # 4: EC2's host watchdog polls LIVENESS_ROUTE and marks the instance unhealthy when it fails; an agent of contract 3
 #    answers 404 there, which would get every instance of a fleet replaced once its grace period ended.
-CONTRACT_VERSION = 4
+# 5: KVFLEET_ENGINE_ARGS may carry data_parallel_size (vLLM's data-parallel attention), which an agent of contract 4
+#    refuses as an unknown setting.
+CONTRACT_VERSION = 5
 
 NAMESPACE = "Kvfleet"
 

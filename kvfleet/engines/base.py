@@ -41,6 +41,9 @@ class EngineArgs:
     # spreads them over the tensor-parallel ranks (None / False: the engine's default, off).
     pipeline_parallel_size: int | None = None
     enable_expert_parallel: bool = False
+    # Data-parallel attention (vLLM --data-parallel-size): this many engine cores of tensor x pipeline GPUs each
+    # behind one server; with expert parallelism the experts spread over all of their ranks. None: one.
+    data_parallel_size: int | None = None
     max_model_len: int | None = None
     max_num_seqs: int | None = None  # concurrent sequences (TensorRT-LLM: max_batch_size)
     max_num_batched_tokens: int | None = None  # tokens per step (TensorRT-LLM: max_num_tokens)
@@ -82,6 +85,7 @@ class EngineArgs:
         for f in (
             "tensor_parallel_size",
             "pipeline_parallel_size",
+            "data_parallel_size",
             "max_model_len",
             "max_num_seqs",
             "max_num_batched_tokens",
@@ -144,8 +148,8 @@ class EngineArgs:
 
     @property
     def gpus(self) -> int:
-        """GPUs one engine start takes."""
-        return (self.tensor_parallel_size or 1) * (self.pipeline_parallel_size or 1)
+        """GPUs one engine start takes: every data-parallel rank's tensor x pipeline GPUs."""
+        return (self.tensor_parallel_size or 1) * (self.pipeline_parallel_size or 1) * (self.data_parallel_size or 1)
 
     def to_json(self) -> str:
         """Compact JSON without the defaults: what the stacks put in ``contract.ENV_ENGINE_ARGS``."""

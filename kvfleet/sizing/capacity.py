@@ -65,6 +65,8 @@ class EngineSettings:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1  # vLLM --pipeline-parallel-size, TRT-LLM pipeline_parallel_size
     enable_expert_parallel: bool = False  # vLLM --enable-expert-parallel, TRT-LLM moe_expert_parallel_size = tp
+    # vLLM --data-parallel-size: engine cores of tp x pp GPUs each behind one server, the experts over tp x dp ranks.
+    data_parallel_size: int = 1
     gpu_memory_utilization: float | None = None  # TRT-LLM: free_gpu_memory_fraction
     max_model_len: int | None = None
     max_num_seqs: int | None = None
@@ -126,6 +128,9 @@ class Capacity:
     # every stage that many (vllm/v1/core/kv_cache_utils.py get_kv_cache_configs, vLLM 0.32.0).
     pipeline_parallel_size: int = 1
     expert_parallel: bool = False
+    # Data-parallel attention: every figure above is one rank's (each engine core logs its own "GPU KV cache size"
+    # and schedules its own max_num_seqs); the replica holds data_parallel_size of them.
+    data_parallel_size: int = 1
     stage_num_blocks: tuple[int, ...] = field(default=())  # each stage's own count before the minimum
     # Each stage's own start-up (weights, activation peak, cache) before the minimum, first stage first. A log
     # shows the first stage's: vLLM prints "Model loading took" and "Available KV cache memory" once per node, from
@@ -148,7 +153,12 @@ class Capacity:
 
     @property
     def gpus_per_replica(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+
+    @property
+    def replica_kv_cache_tokens(self) -> int:
+        """KV tokens the whole replica holds: every data-parallel rank's cache (one sequence fits one rank's)."""
+        return self.kv_cache_tokens * self.data_parallel_size
 
     @property
     def weights_bytes_per_gpu(self) -> int:
@@ -161,8 +171,9 @@ class Capacity:
 
     @property
     def concurrent_sequences(self) -> int:
-        """Sequences of max_model_len that run at once: cache-bound, and capped by max_num_seqs."""
-        return min(int(self.max_concurrency), self.max_num_seqs)
+        """Sequences of max_model_len that run at once: cache-bound, and capped by max_num_seqs, on every
+        data-parallel rank (each rank's scheduler admits its own)."""
+        return min(int(self.max_concurrency), self.max_num_seqs) * self.data_parallel_size
 
     def as_dict(self) -> dict[str, object]:
         g = GiB
@@ -173,6 +184,8 @@ class Capacity:
             "tensor_parallel_size": self.tensor_parallel_size,
             "pipeline_parallel_size": self.pipeline_parallel_size,
             "expert_parallel": self.expert_parallel,
+            "data_parallel_size": self.data_parallel_size,
+            "replica_kv_cache_tokens": self.replica_kv_cache_tokens,
             "stage_num_blocks": list(self.stage_num_blocks),
             "gpu_memory_gib": round(self.gpu_memory_bytes / g, 3),
             "gpu_memory_utilization": self.gpu_memory_utilization,
@@ -788,7 +801,9 @@ def capacity(
     version = s.version or default_version(s.engine)
     engine_profile(s.engine, s.version)
     _check_pipeline_size(s)
-    layout = Layout(tp=s.tensor_parallel_size, pp=s.pipeline_parallel_size, ep=s.enable_expert_parallel)
+    layout = Layout(
+        tp=s.tensor_parallel_size, pp=s.pipeline_parallel_size, ep=s.enable_expert_parallel, dp=s.data_parallel_size
+    )
     layout_notes = check_layout(
         model,
         layout,
@@ -806,7 +821,10 @@ def capacity(
             accelerator_name=accelerator_name,
             measured_kv_cache_tokens=measured_kv_cache_tokens,
         )
-        return replace(cap, expert_parallel=layout.ep, notes=cap.notes + layout_notes)
+        dp_notes = _data_parallel_notes(cap, layout)
+        return replace(
+            cap, expert_parallel=layout.ep, data_parallel_size=layout.dp, notes=cap.notes + layout_notes + dp_notes
+        )
     return _pipeline_capacity(
         model,
         layout,
@@ -815,6 +833,17 @@ def capacity(
         s=s,
         accelerator_name=accelerator_name,
         measured_kv_cache_tokens=measured_kv_cache_tokens,
+    )
+
+
+def _data_parallel_notes(cap: Capacity, layout: Layout) -> tuple[str, ...]:
+    if layout.dp == 1:
+        return ()
+    return (
+        f"data-parallel attention: {layout.dp} engine cores of {layout.tp * layout.pp} GPU(s) each, every one with "
+        f"{cap.kv_cache_tokens:,} KV tokens and up to {cap.max_num_seqs} sequences of its own "
+        f"({cap.kv_cache_tokens * layout.dp:,} tokens in the replica; one request is held by one rank); the experts "
+        f"spread over {layout.expert_ranks} ranks",
     )
 
 
@@ -992,6 +1021,8 @@ def _stage_memory(
     tp = s.tensor_parallel_size
     limits = mm_limits(s)
     weights = weight_bytes(model, tp=tp, scheme=scheme, ep=s.enable_expert_parallel, without=without)
+    if s.data_parallel_size > 1:
+        weights = _experts_over_ranks(model, weights, scheme, ranks=tp * s.data_parallel_size, without=without)
     if engine_traits(profile.engine).holds_rope_cache:
         weights = replace(weights, buffer_bytes=rope_cache_bytes(full))
     kv = kv_layout(
@@ -1007,10 +1038,12 @@ def _stage_memory(
     _check_kv_dtype(full, s, profile)
     drafter = _drafter(model, s, k, profile, tp=tp, scheme=scheme)
     act = _activation_bytes(model, full, profile, k, without=without, tp=tp, drafter=drafter)
+    act += all_to_all_bytes(model, tp=tp, dp=s.data_parallel_size, max_num_batched_tokens=k.batched)
     encoder, weights, act, mm_notes = _vision_encoder(
         model, s, profile, k, without=without, limits=limits, weights=weights, scheme=scheme, act=act
     )
-    non_torch = non_torch_bytes(tp=tp)
+    # The data-parallel and expert-parallel groups' communicators join the tensor-parallel group's.
+    non_torch = non_torch_bytes(tp=tp * s.data_parallel_size)
     graphs = 0 if s.enforce_eager else cuda_graph_bytes(model)
     graphs_counted = cuda_graphs_counted(profile, full, enforce_eager=s.enforce_eager)
     if drafter is not None:
@@ -1033,6 +1066,52 @@ def _stage_memory(
         graphs_counted=graphs_counted,
         runner_buffer_bytes=_runner_buffer_bytes(full, profile, k, without=without),
     )
+
+
+def _experts_over_ranks(
+    model: ModelSpec, weights: WeightBreakdown, scheme: WeightScheme, *, ranks: int, without: frozenset[Part]
+) -> WeightBreakdown:
+    """The routed experts whole over ``ranks`` (tensor x data parallel): the fullest rank holds ceil(E / ranks)
+    (vllm/config/parallel.py data_parallel_size: MoE layers are sharded over the product of the sizes; vLLM's
+    determine_expert_map gives the first E % ranks ranks one more); the rest stays as tensor parallelism holds it."""
+    moe = model.moe
+    if moe is None:
+        return weights
+    inter = moe.expert_intermediate_size
+    pad = max(1, scheme.expert_intermediate_pad)
+    padded = cdiv(inter, pad) * pad
+    per_param = scheme.bytes_per_param(Part.EXPERTS, unquantized_bytes=2.0)
+    held = [g for g in model.param_groups if g.part not in without]  # weight_bytes' order, one entry per group
+    parts = tuple(
+        (p, round(g.count * cdiv(moe.num_experts, ranks) // moe.num_experts * padded // inter * per_param))
+        if p is Part.EXPERTS
+        else (p, b)
+        for g, (p, b) in zip(held, weights.bytes_by_part, strict=True)
+    )
+    return replace(weights, bytes_by_part=parts)
+
+
+# vllm/envs.py VLLM_FUSED_MOE_CHUNK_SIZE (16 * 1024): fused_moe runs its intermediate caches over at most this many
+# tokens at a time (vllm-project/vllm at 00193b82).
+FUSED_MOE_CHUNK_TOKENS = 16 * 1024
+
+
+def all_to_all_bytes(model: ModelSpec, *, tp: int, dp: int, max_num_batched_tokens: int, act_bytes: int = 2) -> int:
+    """What data-parallel attention adds to one rank's profile-run peak: its MoE layers take every rank's tokens.
+
+    With the default all2all backend (vllm/config/parallel.py all2all_backend "allgather_reducescatter",
+    use_all2all when data_parallel_size > 1) a rank all-gathers the dp ranks' hidden states before the experts and
+    reduce-scatters after: dp x max_num_batched_tokens rows of the hidden size, and fused_moe's caches grow from
+    this rank's tokens to the gathered ones, up to its chunk (FUSED_MOE_CHUNK_TOKENS)."""
+    moe = model.moe
+    if dp == 1 or moe is None:
+        return 0
+    n = max_num_batched_tokens
+    gathered = dp * n
+    inter = moe.expert_intermediate_size // tp
+    per_token = moe.experts_per_token * (max(2 * inter, model.hidden_size) + inter)
+    grown = max(0, min(gathered, FUSED_MOE_CHUNK_TOKENS) - min(n, FUSED_MOE_CHUNK_TOKENS)) * per_token
+    return (gathered * model.hidden_size + grown) * act_bytes
 
 
 def _activation_bytes(

@@ -3,7 +3,9 @@
 A replica runs on ``tp x pp`` GPUs. Tensor parallelism shards every layer; pipeline parallelism gives each stage
 a contiguous run of layers (the first stage the embedding, the last the lm_head); expert parallelism keeps MoE
 experts whole and spreads them over the ``tp`` ranks of a stage instead of splitting each expert's width
-(attention stays tensor-parallel).
+(attention stays tensor-parallel). Data-parallel attention (``dp``) runs ``dp`` engine cores behind one server,
+each with its own ``tp x pp`` GPUs, KV cache and scheduler, while the MoE layers span all ``dp x tp`` ranks: an
+MLA model's latent is held once per data-parallel rank instead of once per tensor-parallel rank.
 
 The divisibility rules an engine checks at start-up are data in the engine's folder (``EngineCapacity.layout_rules``
 in kvfleet/engines/<name>/profiles.py), each with the release and the file it was read from; ``check_layout``
@@ -37,16 +39,26 @@ class Layout:
 
     tp: int = 1
     pp: int = 1
-    ep: bool = False  # experts whole and spread over the tp ranks of a stage
+    ep: bool = False  # experts whole and spread over the tp (x dp) ranks
+    # Data-parallel attention: dp engine cores behind one server, each with its own tp x pp GPUs, KV cache and
+    # scheduler; MoE layers span all dp x tp ranks (vLLM --data-parallel-size).
+    dp: int = 1
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp
+        return self.tp * self.pp * self.dp
+
+    @property
+    def expert_ranks(self) -> int:
+        """Ranks the experts are spread over: the tensor-parallel ranks times the data-parallel ones."""
+        return self.tp * self.dp
 
     def label(self) -> str:
         out = f"tp={self.tp}"
         if self.pp > 1:
             out += f" pp={self.pp}"
+        if self.dp > 1:
+            out += f" dp={self.dp}"
         if self.ep:
             out += " ep"
         return out
@@ -175,11 +187,35 @@ def layout_problems(
             f"{engine_title(engine)} gives each of {layout.tp} expert-parallel ranks {model.moe.num_experts} // "
             f"{layout.tp} experts, which leaves some out"
         )
+    problems += _data_parallel_problems(model, layout, engine, v)
     p, n = _fp8_block_problems(model, layout.tp, layout.ep, v, engine)
     problems += p
     notes += n
     problems += _group_problems(model, layout.tp, scheme, v, engine)
     return tuple(problems), tuple(notes)
+
+
+def _data_parallel_problems(model: ModelSpec, layout: Layout, engine: str, version: Version) -> list[str]:
+    """Why a data-parallel layout does not start, or is not one kvfleet sizes (the engine's data-parallel rule)."""
+    if layout.dp == 1:
+        return []
+    if layout.dp < 1:
+        return [f"data_parallel_size must be at least 1, got {layout.dp}"]
+    rule = _rule("data-parallel-attention", engine, version)
+    if rule is None:
+        return [f"data-parallel attention is not modelled for {engine_title(engine)} {'.'.join(map(str, version))}"]
+    if model.moe is None or not layout.ep:
+        # The engine starts it, but for a dense model (or experts split in width) its ranks share nothing: dp
+        # separate engines, which kvfleet plans as replicas (engines per instance) instead.
+        return ["data-parallel attention is sized only for a mixture-of-experts model with expert parallelism"]
+    if layout.pp > 1:
+        return ["data-parallel attention with pipeline parallelism is not modelled"]
+    if model.moe.num_experts < layout.expert_ranks:
+        return [
+            f"{model.moe.num_experts} experts over {layout.expert_ranks} expert-parallel ranks leave a rank "
+            f"without experts ({rule.source})"
+        ]
+    return []
 
 
 def check_layout(
@@ -195,13 +231,19 @@ def check_layout(
         if not layout_problems(model, alt, engine=engine, version=version, scheme=scheme)[0]
     ]
     fix = f"; {' or '.join(alternatives[:3])} starts" if alternatives else ""
-    raise SizingError(f"{engine} {version} refuses {layout.label()}: {problems[0]}{fix}", field="tensor_parallel_size")
+    dp_problems = _data_parallel_problems(model, layout, engine, parse_version(version))
+    field = "data_parallel_size" if dp_problems and problems[0] in dp_problems else "tensor_parallel_size"
+    raise SizingError(f"{engine} {version} refuses {layout.label()}: {problems[0]}{fix}", field=field)
 
 
 def _alternatives(model: ModelSpec, layout: Layout) -> list[Layout]:
     """Layouts on the same GPUs first (expert parallelism, tp x pp), then smaller tensor-parallel degrees."""
     gpus = layout.gpus
     out: list[Layout] = []
+    if layout.dp > 1:
+        # The same GPUs as one tensor-parallel engine, or data parallel with the experts whole.
+        out += [Layout(tp=layout.tp, dp=layout.dp, ep=True), Layout(tp=gpus, ep=model.moe is not None)]
+        return out
     if model.moe is not None and not layout.ep:
         out.append(Layout(tp=layout.tp, pp=layout.pp, ep=True))
     for pp in range(2, gpus + 1):

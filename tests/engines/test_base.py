@@ -15,6 +15,7 @@ FULL = EngineArgs(
     tensor_parallel_size=2,
     pipeline_parallel_size=2,
     enable_expert_parallel=True,
+    data_parallel_size=2,
     max_model_len=8192,
     max_num_seqs=64,
     max_num_batched_tokens=8192,

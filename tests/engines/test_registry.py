@@ -51,6 +51,7 @@ def test_an_engine_refuses_the_settings_it_says_it_refuses(name: str) -> None:
         "mm_max_pixels": 1003520,
         "mamba_cache_dtype": "float32",
         "mamba_ssm_cache_dtype": "float32",
+        "data_parallel_size": 2,
     }
     for setting, value in values.items():
         args = EngineArgs(**{setting: value})  # type: ignore[arg-type]

@@ -82,6 +82,7 @@ class TensorRtLlm(EngineAdapter):
             *("enforce_eager", "kv_cache_memory_bytes", "served_model_name", "hf_overrides"),
             *("limit_mm_per_prompt", "mm_encoder_tp_mode", "mm_max_pixels"),
             *("mamba_cache_dtype", "mamba_ssm_cache_dtype"),
+            "data_parallel_size",
         }
     )
 
@@ -96,6 +97,9 @@ class TensorRtLlm(EngineAdapter):
             raise ValueError(
                 "enforce_eager, kv_cache_memory_bytes, served_model_name and hf_overrides are vLLM settings"
             )
+        if args.data_parallel_size not in (None, 1):
+            # TensorRT-LLM's attention data parallelism (enable_attention_dp) is another layout, not sized here.
+            raise ValueError("data_parallel_size is a vLLM setting: kvfleet sizes data-parallel attention on vLLM only")
         if args.limit_mm_per_prompt or args.mm_encoder_tp_mode is not None or args.mm_max_pixels is not None:
             raise ValueError("limit_mm_per_prompt, mm_encoder_tp_mode and mm_max_pixels are vLLM settings")
         if args.mamba_cache_dtype is not None or args.mamba_ssm_cache_dtype is not None:

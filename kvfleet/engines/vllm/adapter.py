@@ -79,6 +79,9 @@ class Vllm(EngineAdapter):
         for flag, value in (
             ("tensor-parallel-size", args.tensor_parallel_size),
             ("pipeline-parallel-size", args.pipeline_parallel_size),
+            # One server, data_parallel_size engine cores on this node (vllm/engine/arg_utils.py
+            # --data-parallel-size; --data-parallel-size-local defaults to it on a single node).
+            ("data-parallel-size", args.data_parallel_size),
             ("max-model-len", args.max_model_len),
             ("max-num-seqs", args.max_num_seqs),
             ("max-num-batched-tokens", args.max_num_batched_tokens),

@@ -368,6 +368,22 @@ LAYOUT_RULES: tuple[LayoutRule, ...] = (
         source="vllm/config/model.py ModelConfig._verify_with_expert_parallelism (vLLM 0.32.0)",
         what="--enable-expert-parallel needs a model with experts",
     ),
+    LayoutRule(
+        name="data-parallel-attention",
+        # Read in the source at commit 00193b82 of vllm-project/vllm; the pinned release is the oldest it is
+        # applied to, so older pins are refused rather than sized by a rule not read for them.
+        since=(0, 34, 0),
+        until=None,
+        source=(
+            "vllm/config/parallel.py ParallelConfig data_parallel_size ('MoE layers will be sharded according to "
+            "the product of the tensor, prefill-context, and data parallel sizes'), world_size (TP x PP per engine "
+            "core) and use_all2all (data_parallel_size > 1), vllm-project/vllm at 00193b82"
+        ),
+        what=(
+            "--data-parallel-size N starts N engine cores of tp x pp GPUs each, every one with its own KV cache and "
+            "scheduler; with --enable-expert-parallel the experts spread over tp x N ranks, exchanged by all-to-all"
+        ),
+    ),
 )
 
 # vLLM's bitsandbytes loader turns every double-quantized absmax back into float32 at load, "at the cost of increased

@@ -1,0 +1,127 @@
+"""Data-parallel attention with expert parallelism (vLLM --data-parallel-size with --enable-expert-parallel)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfleet.engines import ENGINES, EngineArgs
+from kvfleet.errors import SizingError
+from kvfleet.sizing.capacity import FUSED_MOE_CHUNK_TOKENS, Capacity, EngineSettings, all_to_all_bytes, capacity
+from kvfleet.sizing.catalog import catalog_model
+from kvfleet.sizing.engines import EngineName, engine_capacity
+from kvfleet.sizing.hardware import instance
+from kvfleet.sizing.models import ModelSpec
+from kvfleet.sizing.parallel import Layout
+from kvfleet.sizing.precision import Part
+
+P5EN = instance("p5en.48xlarge")
+
+
+def _v3() -> ModelSpec:
+    return catalog_model("deepseek-ai/DeepSeek-V3")
+
+
+def _cap(model: ModelSpec, **settings: object) -> Capacity:
+    assert P5EN.usable_gpu_memory_bytes is not None
+    return capacity(
+        model,
+        gpu_memory_bytes=P5EN.usable_gpu_memory_bytes,
+        settings=EngineSettings(max_model_len=32768, **settings),  # type: ignore[arg-type]
+        accelerator_name=P5EN.accelerator.name,
+    )
+
+
+def _experts(cap: Capacity) -> int:
+    return sum(b for p, b in cap.weights.bytes_by_part if p is Part.EXPERTS)
+
+
+def test_deepseek_v3_dp8_ep_on_p5en_holds_the_latent_once_per_rank_and_an_eighth_of_the_experts() -> None:
+    dp8 = _cap(_v3(), data_parallel_size=8, enable_expert_parallel=True)
+    tp8 = _cap(_v3(), tensor_parallel_size=8, enable_expert_parallel=True)
+    assert not dp8.problems and not tp8.problems
+    assert dp8.gpus_per_replica == tp8.gpus_per_replica == 8
+    # The MLA latent is one 576-wide row per layer whichever the layout: 61 x 576 x 2 bytes per token per GPU.
+    assert dp8.kv_bytes_per_token_per_gpu == tp8.kv_bytes_per_token_per_gpu == 61 * 576 * 2
+    # 256 experts over 8 ranks: 32 each, the same share TP8 + EP gives; the rest is whole on every DP rank.
+    assert _experts(dp8) == pytest.approx(_experts(tp8), rel=1e-6)
+    assert dp8.weights_bytes_per_gpu > tp8.weights_bytes_per_gpu
+    # Each rank logs its own cache; the replica holds eight of them, several times TP8's single one.
+    assert dp8.replica_kv_cache_tokens == 8 * dp8.kv_cache_tokens
+    assert dp8.replica_kv_cache_tokens > 4 * tp8.replica_kv_cache_tokens
+    # The issue's target: 64 sequences of 32k on one p5en, which TP8 cannot hold.
+    assert tp8.concurrent_sequences < 64 <= dp8.concurrent_sequences
+    assert dp8.concurrent_sequences % 8 == 0  # each rank's scheduler admits its own
+    assert dp8.as_dict()["data_parallel_size"] == 8
+    assert any("8 engine cores" in n for n in dp8.notes)
+
+
+def test_the_all_to_all_buffers_join_each_ranks_activation_peak() -> None:
+    m = _v3()
+    assert all_to_all_bytes(m, tp=1, dp=1, max_num_batched_tokens=8192) == 0
+    assert (
+        all_to_all_bytes(catalog_model("meta-llama/Llama-3.1-8B-Instruct"), tp=1, dp=8, max_num_batched_tokens=8192)
+        == 0
+    )
+    got = all_to_all_bytes(m, tp=1, dp=8, max_num_batched_tokens=8192)
+    assert m.moe is not None
+    gathered = 8 * 8192 * m.hidden_size * 2
+    per_token = m.moe.experts_per_token * (max(2 * 2048, m.hidden_size) + 2048) * 2
+    assert got == gathered + (FUSED_MOE_CHUNK_TOKENS - 8192) * per_token
+    dp8 = _cap(m, data_parallel_size=8, enable_expert_parallel=True)
+    dp1 = _cap(m, tensor_parallel_size=8, enable_expert_parallel=True)
+    assert dp8.activation_peak_bytes > dp1.activation_peak_bytes
+
+
+@pytest.mark.parametrize(
+    ("model_id", "settings", "why", "starts"),
+    [
+        ("deepseek-ai/DeepSeek-V3", {"data_parallel_size": 8}, "expert parallelism", "tp=1 dp=8 ep"),
+        ("meta-llama/Llama-3.1-8B-Instruct", {"data_parallel_size": 2}, "mixture-of-experts", "tp=2"),
+        (
+            "deepseek-ai/DeepSeek-V3",
+            {"data_parallel_size": 4, "pipeline_parallel_size": 2, "enable_expert_parallel": True},
+            "pipeline",
+            "tp=8 ep",
+        ),
+    ],
+)
+def test_a_data_parallel_layout_kvfleet_does_not_size_is_refused_naming_one_that_starts(
+    model_id: str, settings: dict[str, object], why: str, starts: str
+) -> None:
+    with pytest.raises(SizingError, match=why) as err:
+        _cap(catalog_model(model_id), **settings)
+    assert err.value.field == "data_parallel_size"
+    assert starts in str(err.value)
+
+
+def test_data_parallel_attention_is_vllm_only_and_from_the_release_whose_source_was_read() -> None:
+    rule = next(r for r in engine_capacity(EngineName.VLLM).layout_rules if r.name == "data-parallel-attention")
+    assert "vllm/config/parallel.py" in rule.source and rule.since == (0, 34, 0)
+    with pytest.raises(SizingError, match=r"not modelled for vLLM 0\.28"):
+        _cap(_v3(), version="0.28.0", data_parallel_size=8, enable_expert_parallel=True)
+    with pytest.raises(SizingError, match="data-parallel attention is not modelled"):
+        _cap(_v3(), engine=EngineName.TRTLLM, data_parallel_size=8, enable_expert_parallel=True)
+
+
+def test_a_layout_counts_every_data_parallel_ranks_gpus() -> None:
+    lay = Layout(tp=2, dp=4, ep=True)
+    assert lay.gpus == 8 and lay.expert_ranks == 8 and lay.label() == "tp=2 dp=4 ep"
+
+
+def test_vllm_renders_the_data_parallel_flag_and_trtllm_refuses_it() -> None:
+    args = EngineArgs(tensor_parallel_size=1, data_parallel_size=8, enable_expert_parallel=True)
+    flags = ENGINES["vllm"].server_command(args, model="m", port=8080, python="python", options_file=None)
+    i = flags.index("--data-parallel-size")
+    assert flags[i + 1] == "8" and "--enable-expert-parallel" in flags
+    assert args.gpus == 8
+    assert EngineArgs.from_json(args.to_json()) == args
+    assert (
+        ENGINES["vllm"].dlc_environment(args, model="m", max_input_tokens=1, max_output_tokens=1)[
+            "SM_VLLM_DATA_PARALLEL_SIZE"
+        ]
+        == "8"
+    )
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        EngineArgs(data_parallel_size=0)
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        ENGINES["trtllm"].settings(args)
