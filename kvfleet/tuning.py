@@ -159,10 +159,11 @@ def sim_scaling(r: ResolvedDeployment) -> Scaling:
     """The scaling ``r`` deploys as the simulator runs it."""
     s = r.scaling
     target = TARGETS[r.deployment.target.platform]
+    can_zero = r.deployment.target.no_scale_to_zero() is None
     return Scaling(
         kind=s.kind,
         # The config refuses 0 where the target cannot wake from zero; floored anyway, as its stacks would be.
-        min_replicas=s.min_replicas if target.no_scale_to_zero is None else max(1, s.min_replicas),
+        min_replicas=s.min_replicas if can_zero else max(1, s.min_replicas),
         max_replicas=s.max_replicas,
         kv_cache_target=s.saturation_target,
         queue_target=s.queue_depth_target,
@@ -296,7 +297,7 @@ def derivation(r: ResolvedDeployment, trace: Trace | None = None, *, pin_all: bo
     pins = {SETTINGS_BY_FIELD[k]: _file_value(r, k) for k in pinned_names}
     # The search keeps at least one replica (whether to scale to zero is the standby comparison's question); a
     # file that pins 0 where its target can wake from zero is replayed at 0.
-    low = 0 if TARGETS[d.target.platform].no_scale_to_zero is None else 1
+    low = 0 if d.target.no_scale_to_zero() is None else 1
     floor = max(low, s.min_replicas) if "min_replicas" in pinned_names else 1
     pins = {k: (max(v, float(low)) if k == "min_replicas" else v) for k, v in pins.items()}
     key = (
@@ -473,10 +474,13 @@ def _standby_wanted(r: ResolvedDeployment, min_replicas: int) -> tuple[list[tupl
     else:
         able = " or ".join(name for name, t in TARGETS.items() if t.warm_pools)
         unavailable.append(f"warm pools: {able} only, not {target.name}")
-    if target.no_scale_to_zero is None:
-        wanted += [(0, "none", 0), (0, "Stopped", max(1, configured_size))]
+    no_zero = r.deployment.target.no_scale_to_zero()
+    if no_zero is None:
+        wanted.append((0, "none", 0))
+        if target.warm_pools:
+            wanted.append((0, "Stopped", max(1, configured_size)))
     else:
-        unavailable.append(f"scale to zero: not on {target.name}: {target.no_scale_to_zero}")
+        unavailable.append(f"scale to zero: not on {target.name}: {no_zero}")
     return wanted, unavailable
 
 

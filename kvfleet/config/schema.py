@@ -717,12 +717,12 @@ class Deployment(Frozen):
         what its own section checks."""
         problems = []
         target = TARGETS[self.target.platform]
-        if self.scaling.min_replicas < 1 and target.no_scale_to_zero is not None:
+        no_zero = self.target.no_scale_to_zero()  # the section's say: its shape may allow what the record does not
+        if self.scaling.min_replicas < 1 and no_zero is not None:
             able = [name for name, t in TARGETS.items() if t.no_scale_to_zero is None]
             instead = f" (scale to zero is for target.platform {' or '.join(able)})" if able else ""
             problems.append(
-                f"scaling.min_replicas: {target.name} cannot scale to zero ({target.no_scale_to_zero}); set 1 or "
-                f"more{instead}"
+                f"scaling.min_replicas: {target.name} cannot scale to zero ({no_zero}); set 1 or more{instead}"
             )
         return problems + self.target.deployment_problems(self)
 

@@ -39,6 +39,11 @@ class TargetSection(Frozen):
     def hosting(self) -> Hosting:
         return TARGETS[self.platform].hosting
 
+    def no_scale_to_zero(self) -> str | None:
+        """Why this deployment cannot scale to zero (scaling.min_replicas 0), None where it can: the target record's
+        reason, unless the section's own shape allows it."""
+        return TARGETS[self.platform].no_scale_to_zero
+
     def deployment_problems(self, deployment: Deployment) -> list[str]:
         """What this target cannot do with the rest of its deployment, each problem ``field.path: what to change``
         (the deployment's own keys)."""

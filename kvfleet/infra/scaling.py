@@ -19,6 +19,7 @@ from aws_cdk import Duration
 from aws_cdk import aws_applicationautoscaling as appscaling
 from aws_cdk import aws_autoscaling as autoscaling
 from aws_cdk import aws_cloudwatch as cw
+from aws_cdk import aws_cloudwatch_actions as cw_actions
 from aws_cdk import aws_elasticloadbalancingv2 as elbv2
 from constructs import Construct
 
@@ -141,6 +142,36 @@ def scale_group_to_zero(
     )
     woken.add_alarm_action(_PolicyAction(wake))
     return to_zero, wake
+
+
+def wake_scalable_target(
+    scope: Construct, target: appscaling.ScalableTarget, *, refused: cw.IMetric, rule: ScaleToZero
+) -> appscaling.StepScalingAction:
+    """Application Auto Scaling at zero (SageMaker inference components): back to one on the first request refused
+    with no capacity (``refused``, a per-period Sum the platform reports only then), the ScaleToZero rule's wake
+    alarm; a step policy, as target tracking cannot leave zero with no replica to report its signals. The way down is
+    the target tracking itself (its scalable target's minimum 0)."""
+    wake = appscaling.StepScalingAction(
+        scope,
+        "Wake",
+        scaling_target=target,
+        adjustment_type=appscaling.AdjustmentType.EXACT_CAPACITY,
+        metric_aggregation_type=appscaling.MetricAggregationType.MAXIMUM,
+        cooldown=Duration.seconds(rule.WAKE_COOLDOWN_S),
+    )
+    wake.add_adjustment(adjustment=1, lower_bound=0)
+    woken = cw.Alarm(
+        scope,
+        "WakeAlarm",
+        metric=refused,
+        threshold=rule.WAKE_THRESHOLD,
+        comparison_operator=_cdk(cw.ComparisonOperator, rule.WAKE_COMPARISON),
+        evaluation_periods=rule.WAKE_PERIODS,
+        treat_missing_data=_cdk(cw.TreatMissingData, rule.WAKE_MISSING_DATA),
+        alarm_description="wake from zero: a request was refused with no capacity",
+    )
+    woken.add_alarm_action(cw_actions.ApplicationScalingAction(wake))
+    return wake
 
 
 def _group_metric(group: autoscaling.AutoScalingGroup, name: str, statistic: str) -> cw.Metric:

@@ -339,9 +339,15 @@ def test_sagemaker_needs_one_instance_and_points_at_the_field() -> None:
     lines = problems(BASE.replace("min_replicas: 1", "min_replicas: 0"))
     assert lines == [
         "envs/test.yaml:19: deployments[0].scaling.min_replicas: sagemaker cannot scale to zero (a real-time "
-        "endpoint's production variant keeps at least one instance); set 1 or more (scale to zero is for "
-        "target.platform ec2)"
+        "endpoint's production variant keeps at least one instance; target.shape inference_components scales to "
+        "zero); set 1 or more (scale to zero is for target.platform ec2)"
     ]
+
+
+def test_sagemaker_inference_components_scale_to_zero() -> None:
+    text = BASE.replace("platform: sagemaker", "platform: sagemaker\n      shape: inference_components")
+    env = parse_environment(text.replace("min_replicas: 1", "min_replicas: 0"), source=SOURCE)
+    assert env.deployments[0].scaling.min_replicas == 0
 
 
 def test_cross_field_problems_each_get_a_line() -> None:

@@ -74,9 +74,12 @@ TARGET = Target(
     ),
     autoscaler=AutoscalerKind.TARGET_TRACKING,
     address_output="EndpointName",
-    # Application Auto Scaling takes a variant to zero only for endpoints built from inference components
-    # (SageMaker Developer Guide, "Scale an endpoint to zero instances"); kvfleet deploys variants.
-    no_scale_to_zero="a real-time endpoint's production variant keeps at least one instance",
+    # Application Auto Scaling takes an endpoint to zero only where it is built from inference components (SageMaker
+    # Developer Guide, "Scale an endpoint to zero instances"): the section's shape lifts this (config.py).
+    no_scale_to_zero=(
+        "a real-time endpoint's production variant keeps at least one instance; target.shape inference_components "
+        "scales to zero"
+    ),
     scale_in_drain=SCALE_IN,
     type_change=TYPE_CHANGE,
 )
@@ -98,6 +101,11 @@ class ComponentRules:
     scaling_source: str
     capacity_unit: str  # InferenceComponentCapacitySize Type of a rolling update's batch
     update_source: str
+    # At zero: the metric SageMaker reports for a request it could not serve for want of capacity, and its dimension.
+    refused_namespace: str
+    refused_metric: str
+    refused_dimension: str
+    zero_source: str
 
     def resource_id(self, component_name: str) -> str:
         """Application Auto Scaling's ResourceId of the component."""
@@ -125,6 +133,17 @@ COMPONENTS = ComponentRules(
     update_source=(
         "CloudFormation, AWS::SageMaker::InferenceComponent InferenceComponentRollingUpdatePolicy and "
         "InferenceComponentCapacitySize (Type COPY_COUNT | CAPACITY_PERCENT)"
+    ),
+    refused_namespace="AWS/SageMaker",
+    refused_metric="NoCapacityInvocationFailures",
+    refused_dimension="InferenceComponentName",
+    zero_source=(
+        "SageMaker Developer Guide, 'Scale an endpoint to zero instances': an endpoint scales to and from zero only if "
+        "it hosts inference components, with ManagedInstanceScaling MinInstanceCount 0 and the component's scalable "
+        "target at minimum capacity 0; out of zero by a step scaling policy run by a CloudWatch alarm on "
+        "AWS/SageMaker NoCapacityInvocationFailures (dimension InferenceComponentName, Sum, period 60), which "
+        "'SageMaker AI emits ... when an endpoint receives an inference request, but the endpoint has no active "
+        "instances'; requests fail while it provisions ('several minutes')"
     ),
 )
 

@@ -72,6 +72,10 @@ class SageMakerTarget(TargetSection):
             raise ValueError("canary_percent applies to shape variant only; inference components update copy by copy")
         return self
 
+    def no_scale_to_zero(self) -> str | None:
+        # Only an endpoint built from inference components scales to zero (TARGET.no_scale_to_zero's source).
+        return None if self.shape == "inference_components" else TARGET.no_scale_to_zero
+
     @property
     def hosting(self) -> Hosting:
         # The inference-component shape lets the planner put several engines on one instance.

@@ -16,8 +16,10 @@ from kvfleet import contract
 from kvfleet.deployments import resolve_environment
 from kvfleet.errors import ConfigError
 from kvfleet.infra.app import build_app
+from kvfleet.scaling import ScaleToZero
 from kvfleet.targets.sagemaker import COMPONENT_HOSTING, COMPONENTS, TARGET
 from kvfleet.targets.sagemaker.infra.components import HOST_MEMORY_SHARE
+from kvfleet.tuning import sim_scaling
 from tests.envs import SAGEMAKER_ENV, environment
 from tests.infra.helpers import make_app, only, props
 from tests.infra.test_cfn_lint import cfn_lint
@@ -207,5 +209,77 @@ def test_cdk_nag_and_cfn_lint_pass(packed_text: str, tmp_path: Path) -> None:
     assert report["pluginReports"] == []
     templates = sorted(tmp_path.glob("*.template.json"))
     result = cfn_lint(templates, env.region or "us-east-1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout == ""
+
+
+# ---- scale to zero --------------------------------------------------------------------------------------------
+
+TO_ZERO = COMPONENTS_ENV.replace("min_replicas: 1", "min_replicas: 0")
+
+
+@pytest.fixture(scope="module")
+def to_zero() -> Template:
+    return only(TO_ZERO)
+
+
+def test_the_variant_shape_still_refuses_scale_to_zero() -> None:
+    with pytest.raises(ConfigError, match=r"sagemaker cannot scale to zero .*target\.shape inference_components"):
+        environment(SAGEMAKER_ENV.replace("min_replicas: 1", "min_replicas: 0"))
+
+
+def test_scale_to_zero_lets_copies_and_instances_reach_zero(to_zero: Template) -> None:
+    [variant] = one(to_zero, "AWS::SageMaker::EndpointConfig")["ProductionVariants"]
+    assert variant["ManagedInstanceScaling"]["MinInstanceCount"] == 0
+    assert one(to_zero, "AWS::ApplicationAutoScaling::ScalableTarget")["MinCapacity"] == 0
+    # It deploys serving: one copy first, whatever the minimum.
+    assert one(to_zero, "AWS::SageMaker::InferenceComponent")["RuntimeConfig"]["CopyCount"] >= 1
+
+
+def test_a_request_refused_at_zero_wakes_one_copy(to_zero: Template) -> None:
+    policies = props(to_zero, "AWS::ApplicationAutoScaling::ScalingPolicy")
+    [step] = [p for p in policies if p["PolicyType"] == "StepScaling"]
+    assert step["StepScalingPolicyConfiguration"] == {
+        "AdjustmentType": "ExactCapacity",
+        "Cooldown": ScaleToZero.WAKE_COOLDOWN_S,
+        "MetricAggregationType": "Maximum",
+        "StepAdjustments": [{"MetricIntervalLowerBound": 0, "ScalingAdjustment": 1}],
+    }
+    # The way down is the target tracking on the signals, as above zero.
+    assert sum(p["PolicyType"] == "TargetTrackingScaling" for p in policies) == 2
+    [wake] = [a for a in props(to_zero, "AWS::CloudWatch::Alarm") if COMPONENTS.refused_metric in json.dumps(a)]
+    [m] = wake["Metrics"]
+    metric = m["MetricStat"]["Metric"]
+    assert metric["Namespace"] == "AWS/SageMaker"
+    [dimension] = metric["Dimensions"]
+    assert dimension["Name"] == "InferenceComponentName"
+    assert dimension["Value"]["Fn::Select"][1]["Fn::Split"][1]["Fn::GetAtt"][1] == "InferenceComponentArn"
+    assert (m["MetricStat"]["Stat"], m["MetricStat"]["Period"]) == ("Sum", 60)
+    assert wake["Threshold"] == ScaleToZero.WAKE_THRESHOLD
+    assert wake["ComparisonOperator"] == ScaleToZero.WAKE_COMPARISON
+    assert wake["EvaluationPeriods"] == ScaleToZero.WAKE_PERIODS
+    assert wake["TreatMissingData"] == ScaleToZero.WAKE_MISSING_DATA
+    [action] = wake["AlarmActions"]
+    assert action["Ref"].startswith("EndpointWake")
+
+
+def test_no_wake_above_zero(packed: Template) -> None:
+    policies = props(packed, "AWS::ApplicationAutoScaling::ScalingPolicy")
+    assert all(p["PolicyType"] == "TargetTrackingScaling" for p in policies)
+
+
+def test_the_simulator_replays_the_zero() -> None:
+    [r] = resolve_environment(environment(TO_ZERO))
+    assert sim_scaling(r).min_replicas == 0
+    [variant] = resolve_environment(environment())
+    assert sim_scaling(variant).min_replicas == 1
+
+
+def test_scale_to_zero_passes_cdk_nag_and_cfn_lint(tmp_path: Path) -> None:
+    env = environment(TO_ZERO)
+    app = build_app(env, app=make_app(outdir=str(tmp_path)), nag=True)
+    app.synth()
+    assert json.loads((tmp_path / "validation-report.json").read_text())["pluginReports"] == []
+    result = cfn_lint(sorted(tmp_path.glob("*.template.json")), env.region or "us-east-1")
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout == ""

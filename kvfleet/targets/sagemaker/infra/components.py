@@ -19,7 +19,8 @@ from aws_cdk import aws_sagemaker as sagemaker
 from constructs import Construct
 
 from kvfleet.deployments import ResolvedDeployment
-from kvfleet.infra.scaling import scale_scalable_target
+from kvfleet.infra.metrics import PERIOD
+from kvfleet.infra.scaling import scale_scalable_target, wake_scalable_target
 from kvfleet.scaling import TargetTracking
 from kvfleet.targets.sagemaker import COMPONENTS
 
@@ -160,4 +161,16 @@ def copy_scaling(
     rule = s.autoscaler
     assert isinstance(rule, TargetTracking)  # kvfleet.targets: SageMaker's autoscaler
     scale_scalable_target(target, deployment_id=r.deployment_id, rule=rule)
+    to_zero = s.to_zero(float(r.idle_to_zero_s))
+    if to_zero is not None:
+        # Target tracking takes the copies to zero (the minimum 0); a request refused there wakes one.
+        refused = cw.Metric(
+            namespace=COMPONENTS.refused_namespace,
+            metric_name=COMPONENTS.refused_metric,
+            dimensions_map={COMPONENTS.refused_dimension: component_name(component)},
+            statistic="Sum",
+            period=PERIOD,
+            label="requests refused with no copy",
+        )
+        wake_scalable_target(scope, target, refused=refused, rule=to_zero)
     return target
