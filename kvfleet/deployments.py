@@ -321,8 +321,10 @@ class ResolvedDeployment:
 
     @property
     def initial_instance_count(self) -> int:
-        s = self.scaling
-        return min(max(self.candidate.instance_count, s.min_replicas, 1), s.max_replicas)
+        # The scaling bounds count replicas; an instance holds engines_per_instance of them.
+        s, per = self.scaling, self.candidate.engines_per_instance
+        least, most = math.ceil(s.min_replicas / per), math.ceil(s.max_replicas / per)
+        return min(max(self.candidate.instance_count, least, 1), most)
 
     @property
     def kv_cache_tokens(self) -> int:

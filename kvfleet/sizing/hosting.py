@@ -34,6 +34,8 @@ class Hosting:
     endpoint_types_only: bool = False
     # One engine per instance, spanning all its GPUs; otherwise an instance holds GPUs / TP engines.
     one_engine_per_instance: bool = False
+    # The most engines one instance may hold where the host routes to each engine separately; None: no limit.
+    max_engines_per_instance: int | None = None
     # The largest attached volume for image and weights, where the host limits it (GiB); instance store
     # replaces the volume on instance types that have it.
     max_volume_gib: int | None = None

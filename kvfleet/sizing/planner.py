@@ -643,6 +643,9 @@ def _layout_reason(o: _Option) -> str | None:
             f"this target runs one engine per instance; it would leave "
             f"{o.it.accelerator_count - o.gpus} of {o.it.accelerator_count} GPUs idle"
         )
+    most, packed = o.req.hosting.max_engines_per_instance, o.it.accelerator_count // o.gpus
+    if not o.req.hosting.one_engine_per_instance and most is not None and packed > most:
+        return f"this target routes to at most {most} engines per instance; this layout would put {packed} on one"
     return None
 
 

@@ -10,9 +10,11 @@ from pydantic import Field, field_validator, model_validator
 from kvfleet.config import aws
 from kvfleet.config.base import Bool, Frozen, Int
 from kvfleet.config.targets import PoolState, TargetSection
+from kvfleet.sizing.hosting import Hosting
+from kvfleet.targets.ec2 import PACKED
 
 if TYPE_CHECKING:
-    from kvfleet.config.schema import Environment
+    from kvfleet.config.schema import Deployment, Environment
 
 
 class LoadBalancerConfig(Frozen):
@@ -123,6 +125,14 @@ class Ec2Target(TargetSection):
     capacity_rebalance: Bool = Field(
         default=True, description="Replace instances at elevated risk of interruption before they are reclaimed."
     )
+    pack_engines: Bool = Field(
+        default=False,
+        description=(
+            "Several engines per instance where the plan's layout takes fewer GPUs than the instance has (at most "
+            "5: each engine slot is a target group on its own port behind one forward action). Default: one engine "
+            "per instance, spanning its GPUs."
+        ),
+    )
     shm_size_gib: Int = Field(
         default=16, ge=1, le=512, description="Shared memory for the engine (tensor parallelism)."
     )
@@ -130,6 +140,19 @@ class Ec2Target(TargetSection):
     def host_image_parameter(self) -> str:
         """The parameter the environment's lock pins (kvfleet.config.host_lock.PinsHostImage)."""
         return self.ami_parameter
+
+    @property
+    def hosting(self) -> Hosting:
+        return PACKED if self.pack_engines else super().hosting
+
+    def deployment_problems(self, deployment: Deployment) -> list[str]:
+        if self.pack_engines and deployment.scaling.min_replicas == 0:
+            # Scale to zero wakes on the requests of the fleet's one target group (kvfleet.infra.scaling).
+            return [
+                "target.pack_engines: scale to zero counts one target group's requests and a packed instance has "
+                "one per engine; set scaling.min_replicas to 1 or more, or pack_engines: false"
+            ]
+        return []
 
     def region_problems(self, region: str, at: str) -> list[str]:
         cert = self.load_balancer.certificate_arn

@@ -275,7 +275,7 @@ class Run:
 class Instance:
     """One instance's disk (under ``tmp_path``) and its commands (stubs): boot it as often as a test needs."""
 
-    def __init__(self, case: Case, tmp_path: Path) -> None:
+    def __init__(self, case: Case, tmp_path: Path, r: ResolvedDeployment | None = None) -> None:
         self.case, self.tmp = case, tmp_path
         stubs = tmp_path / "bin"
         stubs.mkdir()
@@ -294,13 +294,14 @@ class Instance:
         self.path = f"{stubs}:{os.environ['PATH']}"
         self.model = str(tmp_path / "model")
         self.boot_script = tmp_path / "sbin" / "kvfleet-boot"
-        values = ud.user_data_values(resolved_for(case), case.boot())
+        values = ud.user_data_values(r or resolved_for(case), case.boot())
         values |= {
             "HOST_MODEL_DIR": self.model,
             "ENV_FILE": str(tmp_path / "etc" / "env"),
             "UNIT_FILE": str(tmp_path / "kvfleet.service"),
             "LIFECYCLE_UNIT_FILE": str(tmp_path / ud.LIFECYCLE_UNIT),
             "WATCHDOG_UNIT_FILE": str(tmp_path / ud.WATCHDOG_UNIT),
+            "DRAIN_UNIT_FILE": str(tmp_path / ud.DRAIN_UNIT),
             "BOOT_SCRIPT": str(self.boot_script),
             "POLL_S": 0,
         }
@@ -765,3 +766,19 @@ def test_the_watchdog_waits_out_a_container_restart() -> None:
     assert ud.WATCH_FAILURES * ud.WATCH_POLL_S >= ud.NO_AGENT_S
     assert "RestartSec=5\n" in template() and ud.NO_AGENT_S >= 5 * 3
     assert ud.WATCH_TIMEOUT_S < ud.WATCH_POLL_S
+
+
+def test_the_instance_gets_the_script_without_its_comment_lines() -> None:
+    """EC2 takes 16 KB of user data: the instance's copy drops the comment lines, and nothing else."""
+    case = CASES[0]
+    text = script(case)
+    assert not [line for line in text.splitlines()[1:] if line.lstrip().startswith("#")]
+    full = render(template(), ud.user_data_values(resolved_for(case), case.boot()))
+    kept = [line for line in full.splitlines() if line.startswith("#!") or not line.lstrip().startswith("#")]
+    assert kept == text.splitlines()
+
+
+def test_a_script_over_the_user_data_limit_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ud, "USER_DATA_LIMIT_BYTES", 1024)
+    with pytest.raises(TemplateError, match="EC2 takes 1024"):
+        script(CASES[0])

@@ -42,7 +42,7 @@ from kvfleet.infra.network import ServingNetwork
 from kvfleet.infra.scaling import scale_group, scale_group_to_zero
 from kvfleet.scaling import OneFewer, ScalingPolicy
 from kvfleet.sizing.hosting import Routing
-from kvfleet.targets.ec2 import TARGET
+from kvfleet.targets.ec2 import MAX_TARGET_GROUPS_PER_ACTION, TARGET
 from kvfleet.targets.ec2.config import Ec2Target
 from kvfleet.targets.ec2.infra.hosts import HOSTS
 from kvfleet.targets.ec2.infra.lifecycle import LAUNCHING, TERMINATING
@@ -204,6 +204,7 @@ class Ec2Fleet(Construct):
         self._scaling: ScalingPolicy = context.resolved.scaling
         # Boot to healthy: health-check grace and instance warm-up get the one padded start-up wait of every target.
         self._warmup = Duration.seconds(context.resolved.ready_window_s)
+        self._engines = context.resolved.candidate.engines_per_instance
 
         self.log_group = logs.LogGroup(
             self, "Logs", retention=logs.RetentionDays.ONE_MONTH, removal_policy=RemovalPolicy.DESTROY
@@ -222,7 +223,8 @@ class Ec2Fleet(Construct):
         self.load_balancer = self._load_balancer(context.region)
         self.listener = self._listener(port)
         self.internal_routes_rule = self._refuse_internal_routes(self.listener)
-        self.target_group = self._target_group(self.listener)
+        self.target_groups = self._target_groups(self.listener)
+        self.target_group = self.target_groups[0]
         if self._scaling.scales:
             rule = self._scaling.autoscaler
             assert isinstance(rule, OneFewer)  # kvfleet.targets: EC2's autoscaler
@@ -397,8 +399,9 @@ class Ec2Fleet(Construct):
             vpc=self._network.vpc,
             vpc_subnets=self._network.subnet_selection,
             **self._launch(),
-            min_capacity=s.min_replicas,
-            max_capacity=s.max_replicas,
+            # The scaling bounds count replicas, the group instances of engines_per_instance replicas each.
+            min_capacity=math.ceil(s.min_replicas / self._engines),
+            max_capacity=math.ceil(s.max_replicas / self._engines),
             # EC2's status checks, not the load balancer's: an engine restart fails the target group's check (the
             # replica leaves the rotation, which routes by least outstanding requests and would send most new
             # requests to a replica answering 503 at once) and must not replace the instance. The host's watchdog
@@ -605,17 +608,49 @@ class Ec2Fleet(Construct):
             ),
         )
 
+    def _target_groups(self, listener: elbv2.ApplicationListener) -> list[elbv2.ApplicationTargetGroup]:
+        """One target group per engine slot: the group registers every instance in each, on the group's own port
+        (AWS::AutoScaling::AutoScalingGroup TargetGroupARNs), which is slot N's host port (the user data maps it to
+        the agent's). One engine: the listener's default forward to the one group, as before packing existed.
+        Several: one forward action splitting by equal weight between the slots' groups, each health-checking its
+        own engine, so an engine restart takes that engine alone out of rotation. An agent balancing its
+        instance's engines instead would add a hop and hide each engine from the load balancer's least
+        outstanding requests and health checks."""
+        if self._engines == 1:
+            return [self._target_group(listener)]
+        if self._engines > MAX_TARGET_GROUPS_PER_ACTION:  # the planner never packs more (kvfleet.targets.ec2.PACKED)
+            raise ValueError(f"{self._engines} engines per instance; a forward action takes 5 target groups")
+        groups = [
+            elbv2.ApplicationTargetGroup(
+                self,
+                "Replicas" if slot == 0 else f"Replicas{slot}",
+                vpc=self._network.vpc,
+                targets=[self.group],
+                **self._target_group_props(contract.SERVING_PORT + slot),
+            )
+            for slot in range(self._engines)
+        ]
+        listener.add_action(
+            "Engines",
+            action=elbv2.ListenerAction.weighted_forward(
+                [elbv2.WeightedTargetGroup(target_group=g, weight=1) for g in groups]
+            ),
+        )
+        return groups
+
     def _target_group(self, listener: elbv2.ApplicationListener) -> elbv2.ApplicationTargetGroup:
         """The group's instances on the agent's port, healthy when the agent's health route answers, routed as the
         target's hosting declares (ALGORITHMS)."""
+        return listener.add_targets("Replicas", targets=[self.group], **self._target_group_props(contract.SERVING_PORT))
+
+    def _target_group_props(self, port: int) -> dict[str, Any]:
+        """A target group's settings on ``port``: the health check goes to the traffic port, the engine's own."""
         s = self._scaling
         algorithm = ALGORITHMS[self._target.hosting.routing]
-        return listener.add_targets(
-            "Replicas",
-            port=contract.SERVING_PORT,
-            protocol=elbv2.ApplicationProtocol.HTTP,
-            targets=[self.group],
-            health_check=elbv2.HealthCheck(
+        return {
+            "port": port,
+            "protocol": elbv2.ApplicationProtocol.HTTP,
+            "health_check": elbv2.HealthCheck(
                 path=contract.HEALTH_ROUTE,
                 healthy_http_codes="200",
                 interval=Duration.seconds(10),
@@ -624,10 +659,10 @@ class Ec2Fleet(Construct):
                 unhealthy_threshold_count=2,
             ),
             # A deregistered instance keeps its open streams this long: the drain budget.
-            deregistration_delay=Duration.seconds(min(3600, s.drain_budget_s)),
-            load_balancing_algorithm_type=algorithm,
-            slow_start=self._slow_start(algorithm),
-        )
+            "deregistration_delay": Duration.seconds(min(3600, s.drain_budget_s)),
+            "load_balancing_algorithm_type": algorithm,
+            "slow_start": self._slow_start(algorithm),
+        }
 
     def _slow_start(self, algorithm: elbv2.TargetGroupLoadBalancingAlgorithmType) -> Duration | None:
         """Round robin: a replica that just loaded its model gets traffic gradually (cold caches, first compiles).
@@ -646,7 +681,8 @@ class Ec2Fleet(Construct):
 
     def _platform_metrics(self) -> PlatformMetrics:
         """Errors as the load balancer saw them from the targets, and the group's own count of replicas."""
-        metrics = self.target_group.metrics
+        # Several engine slots: the load balancer's counts over all their target groups.
+        metrics = self.target_group.metrics if self._engines == 1 else self.load_balancer.metrics
         return PlatformMetrics(
             errors_4xx=metrics.http_code_target(
                 elbv2.HttpCodeTarget.TARGET_4XX_COUNT, period=PERIOD, label="4xx (targets)"

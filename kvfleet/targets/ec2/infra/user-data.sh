@@ -26,6 +26,11 @@ CONTAINER_HF_HOME={{CONTAINER_HF_HOME}}
 # The image's non-root user, who writes the Hugging Face cache.
 AGENT_UID={{AGENT_UID}}
 SERVING_PORT={{SERVING_PORT}}
+# The engines on this instance, each with GPUS_PER_ENGINE GPUs of its own. Engine N (from 0) is the container
+# kvfleet (0) or kvfleet-N, its unit UNIT_FILE or UNIT_FILE with -N before .service, its host port SERVING_PORT + N
+# (the port of its own target group) and GPUs N*GPUS_PER_ENGINE onwards. One engine takes every GPU.
+ENGINES={{ENGINES}}
+GPUS_PER_ENGINE={{GPUS_PER_ENGINE}}
 SHM_SIZE_GIB={{SHM_SIZE_GIB}}
 DRAIN_BUDGET_S={{DRAIN_BUDGET_S}}
 # The variables the agent reads its group's name (for the drain hook) and its region from.
@@ -54,6 +59,9 @@ WATCH_TIMEOUT_S={{WATCH_TIMEOUT_S}}
 WATCH_FAILURES={{WATCH_FAILURES}}
 WATCH_API_TRIES={{WATCH_API_TRIES}}
 WATCHDOG_UNIT_FILE={{WATCHDOG_UNIT_FILE}}
+# With several engines the agents are not given the termination hook (only one may complete it, once all have
+# drained): this unit's `drain` step stops every engine at once (each agent drains on SIGTERM) and completes it.
+DRAIN_UNIT_FILE={{DRAIN_UNIT_FILE}}
 # Where this script installs itself, and the unit that runs its lifecycle step at every boot.
 BOOT_SCRIPT={{BOOT_SCRIPT}}
 LIFECYCLE_UNIT_FILE={{LIFECYCLE_UNIT_FILE}}
@@ -80,6 +88,24 @@ complete_hook() {
   aws autoscaling complete-lifecycle-action --region "$REGION" --lifecycle-hook-name "$1" \
     --auto-scaling-group-name "$GROUP" --instance-id "$INSTANCE_ID" --lifecycle-action-result CONTINUE \
     || echo "kvfleet: no $1 action pending (target state $2)" >&2
+}
+
+# ---- the engines -------------------------------------------------------------------------------------------
+# Engine $1's container, unit file, unit and host port; engine 0 keeps the names of a one-engine instance.
+engine_name() { if [ "$1" = 0 ]; then echo kvfleet; else echo "kvfleet-$1"; fi; }
+engine_unit_file() { if [ "$1" = 0 ]; then echo "$UNIT_FILE"; else echo "${UNIT_FILE%.service}-$1.service"; fi; }
+engine_unit() { basename "$(engine_unit_file "$1")"; }
+engine_port() { echo "$((SERVING_PORT + $1))"; }
+# Its GPUs as docker's --gpus takes them: a device list is quoted, or the option's CSV parser splits it at the commas
+# (Docker docs, "GPU access": --gpus '"device=1,2"').
+engine_gpus() {
+  if [ "$ENGINES" = 1 ]; then echo all; return 0; fi
+  echo "\"device=$(seq -s, "$(($1 * GPUS_PER_ENGINE))" "$((($1 + 1) * GPUS_PER_ENGINE - 1))")\""
+}
+# systemctl $1 on every engine's unit, in order.
+engines_systemctl() {
+  local i
+  for ((i = 0; i < ENGINES; i++)); do systemctl "$1" "$(engine_unit "$i")"; done
 }
 
 # ---- the instance store ------------------------------------------------------------------------------------
@@ -116,6 +142,34 @@ local_storage() {
   mount "$dev" "$HOST_MODEL_DIR"
 }
 
+# Engine $1's container (weights mounted as $2) and its unit: started by the lifecycle step when the instance goes
+# into service, not at boot. Docker waits the drain budget (and a margin for the agent to exit) before it kills the
+# container; systemd waits longer than docker. As the agent user: the image's own user is root, for SageMaker, which
+# cannot choose one. Engine 0 logs to the instance's stream, engine N to the instance's with -N.
+create_engine() {
+  local name stream=$INSTANCE_ID
+  name=$(engine_name "$1")
+  [ "$1" = 0 ] || stream="$INSTANCE_ID-$1"
+  docker create --name "$name" --gpus "$(engine_gpus "$1")" --user "$AGENT_UID:$AGENT_UID" \
+    --shm-size "${SHM_SIZE_GIB}g" -p "$(engine_port "$1"):$SERVING_PORT" \
+    --stop-timeout "$((DRAIN_BUDGET_S + 30))" \
+    --log-driver awslogs --log-opt awslogs-region="$REGION" --log-opt awslogs-group="$LOG_GROUP" \
+    --log-opt awslogs-stream="$stream" \
+    --env-file "$ENV_FILE" -v "$2" "$IMAGE" "$SERVE_ARG"
+  cat > "$(engine_unit_file "$1")" <<KVFLEET_UNIT
+[Unit]
+Description=kvfleet serving container
+After=docker.service
+Requires=docker.service
+[Service]
+ExecStart=/usr/bin/docker start -a $name
+ExecStop=/usr/bin/docker stop $name
+TimeoutStopSec=$((DRAIN_BUDGET_S + 60))
+Restart=always
+RestartSec=5
+KVFLEET_UNIT
+}
+
 # ---- first boot: everything on disk ------------------------------------------------------------------------
 prepare() {
   mkdir -p "$HOST_MODEL_DIR" "$(dirname "$ENV_FILE")" "$(dirname "$BOOT_SCRIPT")"
@@ -142,25 +196,8 @@ KVFLEET_ENV
   # Docker waits the drain budget (and a margin for the agent to exit) before it kills the container; systemd
   # waits longer than docker.
   # As the agent user: the image's own user is root, for SageMaker, which cannot choose one.
-  docker create --name kvfleet --gpus all --user "$AGENT_UID:$AGENT_UID" \
-    --shm-size "${SHM_SIZE_GIB}g" -p "$SERVING_PORT:$SERVING_PORT" \
-    --stop-timeout "$((DRAIN_BUDGET_S + 30))" \
-    --log-driver awslogs --log-opt awslogs-region="$REGION" --log-opt awslogs-group="$LOG_GROUP" \
-    --log-opt awslogs-stream="$INSTANCE_ID" \
-    --env-file "$ENV_FILE" -v "$mount" "$IMAGE" "$SERVE_ARG"
-  # Started by the lifecycle step when the instance goes into service, not at boot.
-  cat > "$UNIT_FILE" <<KVFLEET_UNIT
-[Unit]
-Description=kvfleet serving container
-After=docker.service
-Requires=docker.service
-[Service]
-ExecStart=/usr/bin/docker start -a kvfleet
-ExecStop=/usr/bin/docker stop kvfleet
-TimeoutStopSec=$((DRAIN_BUDGET_S + 60))
-Restart=always
-RestartSec=5
-KVFLEET_UNIT
+  local i
+  for ((i = 0; i < ENGINES; i++)); do create_engine "$i" "$mount"; done
   # Started beside the container in service, and not bound to it: systemd restarts the units PartOf a unit with
   # each of its automatic restarts (systemd.unit(5), PartOf=; service.c, service_enter_restart), which would reset
   # the count of a container that keeps exiting. The watchdog acts only while the instance is InService.
@@ -173,6 +210,17 @@ ExecStart=$BOOT_SCRIPT watchdog
 Restart=always
 RestartSec=$WATCH_POLL_S
 KVFLEET_UNIT
+  if [ "$ENGINES" -gt 1 ]; then
+    cat > "$DRAIN_UNIT_FILE" <<KVFLEET_UNIT
+[Unit]
+Description=kvfleet drain: drain every engine for the termination hook, then complete it once
+After=kvfleet.service
+[Service]
+ExecStart=$BOOT_SCRIPT drain
+Restart=on-failure
+RestartSec=10
+KVFLEET_UNIT
+  fi
   # cloud-init runs user data at first boot only; this unit runs the lifecycle step at every boot.
   install -m 0755 "$0" "$BOOT_SCRIPT"
   cat > "$LIFECYCLE_UNIT_FILE" <<KVFLEET_UNIT
@@ -200,17 +248,19 @@ KVFLEET_UNIT
 #   profile and leaves a smaller KV cache than planned (1.18 against 0.19 GiB of activation peak on a public
 #   vLLM 0.27.1 log, kvfleet/sizing/capacity.py), and spends the compile time at scale-out.
 warm_cache() {
-  systemctl start kvfleet.service
-  local deadline=$((SECONDS + WARM_READY_S))
-  until curl -sf -o /dev/null "http://127.0.0.1:$SERVING_PORT$HEALTH_ROUTE"; do
-    if [ "$SECONDS" -ge "$deadline" ]; then
-      echo "kvfleet: the engine did not answer within ${WARM_READY_S}s" >&2
-      systemctl stop kvfleet.service
-      return 1
-    fi
-    sleep "$POLL_S"
+  engines_systemctl start
+  local i deadline=$((SECONDS + WARM_READY_S))
+  for ((i = 0; i < ENGINES; i++)); do
+    until curl -sf -o /dev/null "http://127.0.0.1:$(engine_port "$i")$HEALTH_ROUTE"; do
+      if [ "$SECONDS" -ge "$deadline" ]; then
+        echo "kvfleet: engine $i did not answer within ${WARM_READY_S}s" >&2
+        engines_systemctl stop
+        return 1
+      fi
+      sleep "$POLL_S"
+    done
   done
-  systemctl stop kvfleet.service
+  engines_systemctl stop
 }
 
 # A lifecycle hook waits two hours at most, and a big checkpoint may take longer to put on disk: while the first
@@ -218,9 +268,14 @@ warm_cache() {
 # abandoned at the hook's timeout).
 hold_launch_hook() {
   [ -n "$WARM_HOOK" ] || return 0
-  local deadline=$((SECONDS + WARM_READY_S))
+  heartbeat_hook "$WARM_HOOK" "$WARM_READY_S"
+}
+
+# Heartbeats hook $1 every HEARTBEAT_S for $2 seconds at most.
+heartbeat_hook() {
+  local deadline=$((SECONDS + $2))
   while [ "$SECONDS" -lt "$deadline" ] && sleep "$HEARTBEAT_S"; do
-    aws autoscaling record-lifecycle-action-heartbeat --region "$REGION" --lifecycle-hook-name "$WARM_HOOK" \
+    aws autoscaling record-lifecycle-action-heartbeat --region "$REGION" --lifecycle-hook-name "$1" \
       --auto-scaling-group-name "$GROUP" --instance-id "$INSTANCE_ID" || true
   done
 }
@@ -253,11 +308,12 @@ lifecycle() {
         Warmed:Terminated) complete_hook "$DRAIN_HOOK" "$state" ;;  # out of the pool: nothing to drain
         Warmed:*) complete_hook "$WARM_HOOK" "$state" ;;  # ready on disk, not loaded on the GPU
         InService)  # a failed start ends the step: systemd runs it again
-          systemctl start kvfleet.service
+          engines_systemctl start
           systemctl start "$(basename "$WATCHDOG_UNIT_FILE")"
+          if [ "$ENGINES" -gt 1 ]; then systemctl start "$(basename "$DRAIN_UNIT_FILE")"; fi
           complete_hook "$WARM_HOOK" "$state"
           ;;
-        *) ;;  # Terminated: the agent drains for the termination hook and completes it
+        *) ;;  # Terminated: the agent (several: the drain step) drains for the termination hook and completes it
       esac
       done_for=$state
     fi
@@ -276,19 +332,28 @@ lifecycle() {
 # draining or pooled one is the group's own to end. Marking respects the grace period, so a first start that is
 # still within it is left alone; the call is repeated each poll until the group acts. When the API cannot be reached
 # (no route to it, the role refused), the instance powers off: a stopped instance fails the group's EC2 health check.
+# With several engines each has its own count, and one failed engine replaces the instance (its GPUs would idle).
 watchdog() {
-  local failures=0 refused=0
+  local refused=0 i failed
+  local -a failures=()
+  for ((i = 0; i < ENGINES; i++)); do failures[i]=0; done
   while :; do
-    if curl -sf -o /dev/null -m "$WATCH_TIMEOUT_S" "http://127.0.0.1:$SERVING_PORT$LIVENESS_ROUTE"; then
-      failures=0
+    failed=""  # the first engine whose liveness route has failed WATCH_FAILURES times in a row
+    for ((i = 0; i < ENGINES; i++)); do
+      if curl -sf -o /dev/null -m "$WATCH_TIMEOUT_S" "http://127.0.0.1:$(engine_port "$i")$LIVENESS_ROUTE"; then
+        failures[i]=0
+      else
+        failures[i]=$((failures[i] + 1))
+      fi
+      if [ -z "$failed" ] && [ "${failures[i]}" -ge "$WATCH_FAILURES" ]; then failed=$i; fi
+    done
+    if [ -z "$failed" ]; then
       refused=0
     else
-      failures=$((failures + 1))
-    fi
-    if [ "$failures" -ge "$WATCH_FAILURES" ]; then
       TOKEN=$(imds_token || true)
       if [ "$(target_state)" = InService ]; then
-        echo "kvfleet: $LIVENESS_ROUTE failed $failures times in a row: marking $INSTANCE_ID unhealthy" >&2
+        echo "kvfleet: engine $failed's $LIVENESS_ROUTE failed ${failures[failed]} times in a row:" \
+          "marking $INSTANCE_ID unhealthy" >&2
         if aws autoscaling set-instance-health --region "$REGION" --instance-id "$INSTANCE_ID" \
           --health-status Unhealthy --should-respect-grace-period; then
           refused=0
@@ -306,8 +371,31 @@ watchdog() {
   done
 }
 
+# ---- several engines: one drain for the termination hook ---------------------------------------------------
+# Each agent drains when its container is stopped (SIGTERM: admission closes, in-flight requests finish within the
+# drain budget). Once the group is terminating the instance, every engine is stopped at once, the hook heartbeaten
+# meanwhile, and completed once, after the last engine has exited: the instance never ends under a draining engine.
+drain() {
+  local i holder
+  local -a stops=()
+  until [ "$(target_state)" = Terminated ]; do
+    sleep "$POLL_S"
+    TOKEN=$(imds_token || true)  # in service longer than a token lives
+  done
+  heartbeat_hook "$DRAIN_HOOK" "$((DRAIN_BUDGET_S + 60))" &
+  holder=$!
+  for ((i = 0; i < ENGINES; i++)); do
+    systemctl stop "$(engine_unit "$i")" &
+    stops+=("$!")
+  done
+  for i in "${stops[@]}"; do wait "$i" || echo "kvfleet: an engine's stop failed; completing the hook anyway" >&2; done
+  kill "$holder" 2>/dev/null || true
+  complete_hook "$DRAIN_HOOK" Terminated
+}
+
 case "${1:-}" in
   lifecycle) lifecycle ;;
   watchdog) watchdog ;;
+  drain) drain ;;
   *) first_boot ;;
 esac

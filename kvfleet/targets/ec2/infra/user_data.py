@@ -2,7 +2,8 @@
 
 The script holds every command; rendering only substitutes values, so the same script can be read, linted and
 syntax-checked on its own, and the choices a deployment makes (local NVMe, weights from S3, a warm pool) are
-bash conditionals on the variables set here rather than Python deciding which lines exist.
+bash conditionals on the variables set here rather than Python deciding which lines exist. The instance gets the
+script without its comment lines (``commands``): EC2 takes 16 KB of user data at most.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ LIFECYCLE_ARG = "lifecycle"
 WATCHDOG_UNIT = "kvfleet-watchdog.service"  # runs `kvfleet-boot watchdog` beside the container, in service
 WATCHDOG_UNIT_FILE = f"/etc/systemd/system/{WATCHDOG_UNIT}"
 WATCHDOG_ARG = "watchdog"
+# With several engines on an instance: runs `kvfleet-boot drain`, which stops every engine once the group terminates
+# the instance and completes the termination hook after the last has drained (the agents are not given the hook).
+DRAIN_UNIT = "kvfleet-drain.service"
+DRAIN_UNIT_FILE = f"/etc/systemd/system/{DRAIN_UNIT}"
+DRAIN_ARG = "drain"
 # The watchdog polls the agent's liveness route (contract.LIVENESS_ROUTE) this often, each poll given this long.
 WATCH_POLL_S = 10
 WATCH_TIMEOUT_S = 5
@@ -57,6 +63,12 @@ DLAMI_NVME_MOUNT = "/opt/dlami/nvme"
 DLAMI_NVME_SOURCE = "https://docs.aws.amazon.com/dlami/latest/devguide/appendix-ami-release-notes.html"
 
 _PLACEHOLDER = re.compile(r"\{\{([A-Z][A-Z0-9_]*)\}\}")
+# A whole-line comment; not the "#!" line. The script's heredocs (units, env file) hold no such line.
+_COMMENT_LINE = re.compile(r"^[ \t]*#(?!!).*\n", flags=re.MULTILINE)
+# "User data is limited to 16 KB, in raw form, before it is base64-encoded" (Amazon EC2 User Guide, "Run commands
+# when you launch an EC2 instance with user data input", user data limits).
+USER_DATA_LIMIT_BYTES = 16 * 1024
+USER_DATA_SOURCE = "https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/user-data.html"
 
 
 @dataclass(frozen=True)
@@ -120,9 +132,17 @@ class Boot:
     warm_hook: str | None  # the launch hook to complete once ready on disk; None without a warm pool
 
 
+def commands(text: str) -> str:
+    """``text`` without its whole-line comments: what the instance runs, the same commands in fewer bytes."""
+    return _COMMENT_LINE.sub("", text)
+
+
 def user_data_script(r: ResolvedDeployment, boot: Boot) -> str:
     """The script ``r``'s instances run at first boot (and, installed, its lifecycle step at every boot)."""
-    return render(template(), user_data_values(r, boot))
+    script = render(commands(template()), user_data_values(r, boot))
+    if len(script.encode()) > USER_DATA_LIMIT_BYTES:  # a bug in kvfleet: no setting makes the script this long
+        raise TemplateError(f"the user data is {len(script.encode())} bytes, EC2 takes {USER_DATA_LIMIT_BYTES}")
+    return script
 
 
 def user_data_values(r: ResolvedDeployment, boot: Boot) -> dict[str, Value]:
@@ -131,9 +151,13 @@ def user_data_values(r: ResolvedDeployment, boot: Boot) -> dict[str, Value]:
     target = d.target
     assert isinstance(target, Ec2Target)
     env = r.container_environment()
-    # The agent drains for this hook and heartbeats it; the group's name it is only told on the instance.
-    env[contract.ENV_LIFECYCLE_HOOK] = boot.drain_hook
-    env[contract.ENV_LIFECYCLE_HEARTBEAT_S] = str(boot.heartbeat_s)
+    engines = r.candidate.engines_per_instance
+    if engines == 1:
+        # The agent drains for this hook and heartbeats it; the group's name it is only told on the instance.
+        env[contract.ENV_LIFECYCLE_HOOK] = boot.drain_hook
+        env[contract.ENV_LIFECYCLE_HEARTBEAT_S] = str(boot.heartbeat_s)
+    # Several engines: the script's drain step holds and completes the hook once, after every agent has drained
+    # (CompleteLifecycleAction ends the wait for the whole instance: one agent completing it would end the others).
     # The watchdog replaces the instance when the liveness route fails, which it does past
     # ResolvedDeployment.restart_budget_s (in the environment of every target's container).
     return {
@@ -147,6 +171,8 @@ def user_data_values(r: ResolvedDeployment, boot: Boot) -> dict[str, Value]:
         "CONTAINER_HF_HOME": contract.HF_HOME,
         "AGENT_UID": contract.AGENT_UID,
         "SERVING_PORT": contract.SERVING_PORT,
+        "ENGINES": engines,
+        "GPUS_PER_ENGINE": r.candidate.gpus_per_replica,
         "SHM_SIZE_GIB": target.shm_size_gib,
         "DRAIN_BUDGET_S": r.scaling.drain_budget_s,
         "ENV_ASG_NAME": contract.ENV_ASG_NAME,
@@ -166,6 +192,7 @@ def user_data_values(r: ResolvedDeployment, boot: Boot) -> dict[str, Value]:
         "WATCH_FAILURES": WATCH_FAILURES,
         "WATCH_API_TRIES": WATCH_API_TRIES,
         "WATCHDOG_UNIT_FILE": WATCHDOG_UNIT_FILE,
+        "DRAIN_UNIT_FILE": DRAIN_UNIT_FILE,
         "BOOT_SCRIPT": BOOT_SCRIPT,
         "LIFECYCLE_UNIT_FILE": LIFECYCLE_UNIT_FILE,
         "CONTAINER_ENV": env_file(env),
