@@ -189,6 +189,13 @@ def test_in_service_both_engines_the_watchdog_and_the_drain_step_start(
 def test_the_hook_is_completed_once_after_every_engine_has_drained(packed: ResolvedDeployment, tmp_path: Path) -> None:
     instance = Instance(CASE, tmp_path, packed)
     instance.boot(states=("Warmed:Stopped",))
+    # A stop takes as long as its agent's drain: here a moment, recorded when it ends.
+    systemctl = tmp_path / "bin" / "systemctl"
+    systemctl.write_text(
+        '#!/bin/bash\nif [ "$1" = stop ]; then /bin/sleep 0.3; fi\n'
+        'printf \'%s\\n\' "$(basename "$0") $*" >> "$CALLS"\n',
+        encoding="utf-8",
+    )
     run = instance.boot(ud.DRAIN_ARG, states=("InService", "InService", "Terminated"))
     stops = [i for i, c in enumerate(run.calls) if c.startswith("systemctl stop")]
     assert sorted(run.calls[i] for i in stops) == ["systemctl stop kvfleet-1.service", "systemctl stop kvfleet.service"]
