@@ -52,8 +52,9 @@ def engine_args(c: Candidate) -> EngineArgs:
         tensor_parallel_size=c.tensor_parallel_size,
         pipeline_parallel_size=c.pipeline_parallel_size if c.pipeline_parallel_size > 1 else None,
         enable_expert_parallel=c.expert_parallel,
+        data_parallel_size=c.data_parallel_size if c.data_parallel_size > 1 else None,
         max_model_len=cap.max_model_len,
-        max_num_seqs=c.concurrency_per_replica,
+        max_num_seqs=c.concurrency_per_replica // c.data_parallel_size,  # each data-parallel engine core's share
         max_num_batched_tokens=cap.max_num_batched_tokens,
         # vLLM's extensible cache (0.34 on) takes an explicit utilization as a cap below its measured size: left to
         # the engine unless the settings give one.
@@ -328,7 +329,7 @@ class ResolvedDeployment:
 
     @property
     def kv_cache_tokens(self) -> int:
-        return self.candidate.capacity.kv_cache_tokens
+        return self.candidate.capacity.replica_kv_cache_tokens  # every data-parallel engine core's cache
 
     @property
     def admission(self) -> Admission:

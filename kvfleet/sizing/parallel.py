@@ -195,6 +195,12 @@ def layout_problems(
     return tuple(problems), tuple(notes)
 
 
+def data_parallel_sized(engine: str, version: str | None) -> bool:
+    """Whether kvfleet sizes data-parallel attention on this engine release (its data-parallel-attention rule)."""
+    v = parse_version(version or engine_capacity(engine).default_version)
+    return _rule("data-parallel-attention", engine, v) is not None
+
+
 def _data_parallel_problems(model: ModelSpec, layout: Layout, engine: str, version: Version) -> list[str]:
     """Why a data-parallel layout does not start, or is not one kvfleet sizes (the engine's data-parallel rule)."""
     if layout.dp == 1:

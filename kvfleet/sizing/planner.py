@@ -23,7 +23,7 @@ from kvfleet.sizing.engines import EngineName, default_version, engine_profile, 
 from kvfleet.sizing.hardware import AcceleratorKind, InstanceType, instance, instances, offered_in_region
 from kvfleet.sizing.hosting import Hosting, PriceList, Routing
 from kvfleet.sizing.models import ModelSpec
-from kvfleet.sizing.parallel import Layout
+from kvfleet.sizing.parallel import Layout, data_parallel_sized
 from kvfleet.sizing.perf import PerfEstimate, estimate, missing_perf_data
 from kvfleet.sizing.precision import KvDtype, Part, WeightScheme, weight_scheme
 from kvfleet.sizing.quantization import checkpoint_note, checkpoint_refusal, scheme_refusal
@@ -153,6 +153,7 @@ class Rejection:
     available_gib: float | None = None
     pipeline_parallel_size: int = 1
     expert_parallel: bool = False
+    data_parallel_size: int = 1
 
     def describe(self) -> str:
         parts = [self.instance_type]
@@ -160,6 +161,8 @@ class Rejection:
             parts.append(f"tp={self.tensor_parallel_size}")
         if self.pipeline_parallel_size > 1:
             parts.append(f"pp={self.pipeline_parallel_size}")
+        if self.data_parallel_size > 1:
+            parts.append(f"dp={self.data_parallel_size}")
         if self.expert_parallel:
             parts.append("ep")
         if self.weight_precision:
@@ -200,17 +203,25 @@ class Candidate:
     measured: Measured | None = None  # the calibration this candidate was priced with
     pipeline_parallel_size: int = 1
     expert_parallel: bool = False  # MoE experts whole, spread over the tensor-parallel ranks
+    # Data-parallel attention: engine cores in this one engine start, each of tp x pp GPUs with its own cache and
+    # scheduler (concurrency_per_replica counts all of them).
+    data_parallel_size: int = 1
     # The engine settings this candidate was sized with, at its batch: what the engine must start with.
     settings: EngineSettings = field(default_factory=EngineSettings)
 
     @property
     def gpus_per_replica(self) -> int:
-        """GPUs one engine start takes: tensor x pipeline parallelism."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        """GPUs one engine start takes: tensor x pipeline x data parallelism."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
 
     @property
     def layout(self) -> Layout:
-        return Layout(tp=self.tensor_parallel_size, pp=self.pipeline_parallel_size, ep=self.expert_parallel)
+        return Layout(
+            tp=self.tensor_parallel_size,
+            pp=self.pipeline_parallel_size,
+            ep=self.expert_parallel,
+            dp=self.data_parallel_size,
+        )
 
     @property
     def fleet_usd_per_hour(self) -> float:
@@ -297,8 +308,8 @@ def binding(c: Candidate, wl: Workload) -> Binding:
     """The limit that binds at the planned load. A sequence mid-generation holds its prompt and about half its
     output; max_num_seqs of those against the cache's tokens is the KV use when every slot is taken."""
     n, cap = c.concurrency_per_replica, c.capacity
-    typical = n * (wl.input_tokens + wl.output_tokens / 2) / cap.kv_cache_tokens
-    ceiling = min(1.0, n * cap.max_model_len / cap.kv_cache_tokens)
+    typical = n * (wl.input_tokens + wl.output_tokens / 2) / cap.replica_kv_cache_tokens
+    ceiling = min(1.0, n * cap.max_model_len / cap.replica_kv_cache_tokens)
     if typical < 1.0:
         return Binding(
             limit="sequence slots",
@@ -345,18 +356,22 @@ def _tp_degrees(model: ModelSpec, gpus: int) -> list[int]:
     return out
 
 
-def _layouts(model: ModelSpec, gpus: int) -> list[Layout]:
+def _layouts(model: ModelSpec, gpus: int, *, data_parallel: bool = False) -> list[Layout]:
     """The layouts planned on an instance of ``gpus`` GPUs, each using a divisor of them.
 
     Tensor parallelism at every valid degree; for MoE models the same degrees with expert parallelism (both engines
     run it: vLLM --enable-expert-parallel, TensorRT-LLM moe_expert_parallel_size). Pipeline parallelism only where
     no tensor-parallel degree fills the instance (e.g. 40 heads on 8 GPUs: tp=4 pp=2): inside one NVLink instance
     the step model prices a pipeline as one batch passing its stages in turn, never faster than tensor parallelism
-    over the same GPUs, so it is worth planning only where it lets one replica use GPUs TP alone cannot."""
+    over the same GPUs, so it is worth planning only where it lets one replica use GPUs TP alone cannot.
+    ``data_parallel`` (the engine sizes data-parallel attention): for MoE models, every tensor-parallel degree
+    below the GPU count as that many engine cores with expert parallelism over all the GPUs (tp x dp = gpus)."""
     tps = _tp_degrees(model, gpus)
     out = [Layout(tp=t) for t in tps]
     if model.moe is not None:
         out += [Layout(tp=t, ep=True) for t in tps if t > 1]
+    if model.moe is not None and data_parallel:
+        out += [Layout(tp=t, dp=gpus // t, ep=True) for t in tps if t < gpus]
     if gpus not in tps:
         for pp in range(2, min(gpus, model.num_layers) + 1):
             t = gpus // pp
@@ -509,10 +524,11 @@ class _Option:
     measured: Measured | None = None
     pp: int = 1
     ep: bool = False
+    dp: int = 1
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp
+        return self.tp * self.pp * self.dp
 
     def reject(self, reason: str, *, needed_gib: float | None = None, available_gib: float | None = None) -> Rejection:
         return Rejection(
@@ -525,6 +541,7 @@ class _Option:
             available_gib=available_gib,
             pipeline_parallel_size=self.pp,
             expert_parallel=self.ep,
+            data_parallel_size=self.dp,
         )
 
     def settings(self, *, max_num_seqs: int | None = None) -> EngineSettings:
@@ -535,9 +552,11 @@ class _Option:
             tensor_parallel_size=self.tp,
             pipeline_parallel_size=self.pp,
             enable_expert_parallel=self.ep,
+            data_parallel_size=self.dp,
             gpu_memory_utilization=req.gpu_memory_utilization,
             max_model_len=req.workload.max_model_len,
-            max_num_seqs=max_num_seqs,
+            # The replica's batch; every data-parallel engine core schedules its share.
+            max_num_seqs=None if max_num_seqs is None else max(1, max_num_seqs // self.dp),
             kv_cache_dtype=self.kv,
             quantization=self.scheme.name if self.scheme.name != req.model.native_scheme.name else None,
             speculative=req.speculative,
@@ -568,6 +587,7 @@ class _Option:
             nvlink=self.it.nvlink,
             scheme=self.scheme,
             kv_dtype=self.kv,
+            dp=self.dp,
         )
         if self.measured:
             rep = replace(rep, time_scale=self.measured.step_time_scale)
@@ -591,29 +611,32 @@ class _Option:
         """The batch step model in steady state with ``batch`` sequences kept running: every step carries the
         decodes and its share of prefill chunks, within the engine's token budget."""
         wl = self.req.workload
+        ranks = min(self.dp, batch)  # data parallel: the batch spread evenly over the busy engine cores
         state = steady_state(
             rep or self.step_replica(cap),
-            StepWorkload(input_tokens=wl.input_tokens, output_tokens=wl.output_tokens, concurrency=batch),
-            limits=Limits(max_num_batched_tokens=cap.max_num_batched_tokens, max_running=batch),
+            StepWorkload(input_tokens=wl.input_tokens, output_tokens=wl.output_tokens, concurrency=batch / ranks),
+            limits=Limits(max_num_batched_tokens=cap.max_num_batched_tokens, max_running=max(1, batch // ranks)),
         )
-        return replace(state, request_overhead_s=request_overhead_s(self.req.engine.value))
+        return _whole_replica(state, ranks, request_overhead_s(self.req.engine.value))
 
     def at_rate(self, cap: Capacity, batch: int, requests_per_s: float, replicas: int) -> SteadyState:
         """Poisson arrivals at ``requests_per_s`` per replica, each running at most ``batch`` sequences, at the
         workload's average lengths (what ``kvfleet simulate`` replays without a trace), queued as the host routes."""
         wl = self.req.workload
         pooled = replicas if self.req.hosting.routing is Routing.LEAST_OUTSTANDING else 1
+        # Data parallel: the server's balancer sends each request to the least-loaded engine core, so the cores
+        # queue as one pool of their own.
         state = steady_state(
             self.step_replica(cap),
             StepWorkload(
                 input_tokens=wl.input_tokens,
                 output_tokens=wl.output_tokens,
-                arrival_rate_per_s=requests_per_s,
-                pooled_replicas=pooled,
+                arrival_rate_per_s=requests_per_s / self.dp,
+                pooled_replicas=pooled * self.dp,
             ),
-            limits=Limits(max_num_batched_tokens=cap.max_num_batched_tokens, max_running=batch),
+            limits=Limits(max_num_batched_tokens=cap.max_num_batched_tokens, max_running=max(1, batch // self.dp)),
         )
-        return replace(state, request_overhead_s=request_overhead_s(self.req.engine.value))
+        return _whole_replica(state, self.dp, request_overhead_s(self.req.engine.value))
 
     def perf(self, cap: Capacity, batch: int) -> PerfEstimate:
         wl = self.req.workload
@@ -631,6 +654,17 @@ class _Option:
             input_tokens=wl.input_tokens,
             output_tokens=wl.output_tokens,
         )
+
+
+def _whole_replica(state: SteadyState, ranks: int, overhead_s: float) -> SteadyState:
+    """One engine core's steady state as the replica's: ``ranks`` of them side by side (latencies are each one's)."""
+    return replace(
+        state,
+        running=state.running * ranks,
+        output_tokens_per_s=state.output_tokens_per_s * ranks,
+        requests_per_s=state.requests_per_s * ranks,
+        request_overhead_s=overhead_s,
+    )
 
 
 def _layout_reason(o: _Option) -> str | None:
@@ -677,6 +711,7 @@ def _batch(o: _Option, cap: Capacity) -> tuple[int, str] | Rejection:
             available_gib=cap.requested_bytes / GiB,
         )
     batch = min(cache_conc, target) if target is not None else cache_conc
+    batch = max(o.dp, batch // o.dp * o.dp)  # data parallel: every engine core the same share
     limited = "concurrency-target" if target is not None and target <= cache_conc else "kv-cache"
     if batch == cap.max_num_seqs and target is None:
         limited = "max_num_seqs"
@@ -707,7 +742,7 @@ def _meet_latency(
                 lo = mid
             else:
                 hi = mid - 1
-        batch, limited = lo, "itl-target"
+        batch, limited = max(o.dp, lo // o.dp * o.dp), "itl-target"
         load = o.under_load(cap, batch, rep)
     perf = o.perf(cap, batch)
     if wl.ttft_target_s is not None and load.ttft_s > wl.ttft_target_s:
@@ -788,7 +823,9 @@ def _evaluate(
     measured = None
     if layout.pp == 1 and not layout.ep:  # a calibration names a tensor-parallel degree only
         measured = next((m for m in req.measured if m.applies(it, tp, req.model.model_id, req.engine, version)), None)
-    o = _Option(req=req, it=it, tp=tp, scheme=scheme, kv=kv, measured=measured, pp=layout.pp, ep=layout.ep)
+    o = _Option(
+        req=req, it=it, tp=tp, scheme=scheme, kv=kv, measured=measured, pp=layout.pp, ep=layout.ep, dp=layout.dp
+    )
     reason = _layout_reason(o)
     if reason:
         return o.reject(reason)
@@ -891,6 +928,7 @@ def _candidate(
         price_as_of=price[1],
         price_source=price[2],
         limited_by=s.limited,
+        data_parallel_size=o.dp,
         notes=price[3]
         + s.answer
         + _precision_notes(it, o.kv, req)
@@ -913,8 +951,13 @@ def _layout_notes(layout: Layout) -> tuple[str, ...]:
             f"pipeline parallel over {layout.pp} stages: speed is priced as one batch passing the stages in turn "
             "(the engine's overlap of several batches across stages is not counted)"
         )
-    if layout.ep:
+    if layout.ep and layout.dp == 1:
         out.append("expert parallel: speed is priced as tensor parallelism over the same GPUs (no all-to-all term)")
+    if layout.dp > 1:
+        out.append(
+            f"data-parallel attention: speed is priced per engine core with its share of the batch, the experts' "
+            f"all-gather and reduce-scatter over {layout.dp} cores included, and even load on every core"
+        )
     return tuple(out)
 
 
@@ -957,7 +1000,9 @@ def enumerate_candidates(req: PlanRequest) -> Plan:
     rejs: list[Rejection] = []
     schemes = _schemes(req)
     for it in _instances(req):
-        layouts = _layouts(req.model, it.accelerator_count)
+        layouts = _layouts(
+            req.model, it.accelerator_count, data_parallel=data_parallel_sized(req.engine, req.engine_version)
+        )
         reason = _hardware_reason(it, req) or (
             None
             if layouts
@@ -988,6 +1033,7 @@ def enumerate_candidates(req: PlanRequest) -> Plan:
             c.instance.name,
             c.expert_parallel,
             c.pipeline_parallel_size,
+            c.data_parallel_size,
         )
     )
     return Plan(request=req, candidates=tuple(cands), rejections=tuple(rejs))
@@ -1043,6 +1089,7 @@ def _longest_fitting_context(req: PlanRequest, best: Rejection) -> str | None:
         kv=KvDtype(best.kv_cache_dtype or "auto"),
         pp=best.pipeline_parallel_size,
         ep=best.expert_parallel,
+        dp=best.data_parallel_size,
     )
     try:
         cap = o.capacity()

@@ -203,6 +203,11 @@ class Replica:
     experts_per_token: int
     kv_bytes_per_token: int  # per rank, every KV layer (full-attention equivalent)
     cuda_graphs: bool = True
+    # Data-parallel attention: this rank is one of dp engine cores whose MoE layers exchange their tokens (an
+    # all-gather before the experts and a reduce-scatter after, vLLM's default all2all backend), each rank holding
+    # 1/dp of the routed experts; the rank's own batch is what a step here carries.
+    dp: int = 1
+    moe_layers: int = 0
     # Measured over modelled step time on this hardware and engine release (a calibration; 1: the model alone).
     time_scale: float = 1.0
     # Speculative decoding: every decoding sequence verifies K + 1 tokens a step and keeps tau of them (None: off).
@@ -244,8 +249,9 @@ def replica(
     kv_dtype: KvDtype = KvDtype.AUTO,
     cuda_graphs: bool = True,
     constants: StepConstants | None = None,
+    dp: int = 1,
 ) -> Replica:
-    """Precompute a replica. Raises SizingError where the catalog lacks the GPU's bandwidth or FLOPs."""
+    """Precompute a replica (dp > 1: one engine core of it). SizingError where the catalog lacks bandwidth/FLOPs."""
     c = constants or default_constants()
     acc = accelerator
     sixteen = acc.bf16_flops or acc.fp16_flops
@@ -254,12 +260,7 @@ def replica(
     cls = compute_class(scheme, acc)
     peak = acc.fp8_flops if cls is ComputeClass.FP8 and acc.fp8_flops else sixteen
     link = (nvlink_bytes_per_s(acc) if nvlink else None) or c.pcie_bytes_per_s
-    w = weight_bytes(model, tp=tp, scheme=scheme)
-    by_part = dict(w.bytes_by_part)
-    expert_bytes = float(by_part.get(Part.EXPERTS, 0))
-    embed_bytes = float(by_part.get(Part.EMBEDDING, 0)) if not model.tie_word_embeddings else 0.0
-    vision_bytes = float(by_part.get(Part.VISION, 0))
-    dense_bytes = float(w.weights_bytes_per_gpu) - expert_bytes - embed_bytes - vision_bytes
+    dense_bytes, expert_bytes = _rank_weight_bytes(model, scheme, tp=tp, dp=dp)
     dense_params = 0.0
     expert_params = 0.0
     for g in model.param_groups:
@@ -291,7 +292,25 @@ def replica(
         experts_per_token=model.moe.experts_per_token if model.moe else 0,
         kv_bytes_per_token=kv.kv_bytes_per_token_per_gpu,
         cuda_graphs=cuda_graphs,
+        dp=dp,
+        moe_layers=sum(1 for layer in model.layers if layer.moe and model.moe is not None),
     )
+
+
+def _rank_weight_bytes(model: ModelSpec, scheme: WeightScheme, *, tp: int, dp: int) -> tuple[float, float]:
+    """(dense, routed-expert) bytes one rank reads every step. The embedding is a lookup, not a read; experts are
+    split in width over tp, or under data parallelism whole over tp x dp ranks, the fullest holding
+    ceil(E / (tp x dp)) of them."""
+    w = weight_bytes(model, tp=tp, scheme=scheme)
+    by_part = dict(w.bytes_by_part)
+    expert_bytes = float(by_part.get(Part.EXPERTS, 0))
+    embed_bytes = float(by_part.get(Part.EMBEDDING, 0)) if not model.tie_word_embeddings else 0.0
+    vision_bytes = float(by_part.get(Part.VISION, 0))
+    dense_bytes = float(w.weights_bytes_per_gpu) - expert_bytes - embed_bytes - vision_bytes
+    if dp > 1 and model.moe is not None:
+        e = model.moe.num_experts
+        expert_bytes = expert_bytes * tp * math.ceil(e / (tp * dp)) / e
+    return dense_bytes, expert_bytes
 
 
 def speculative_replica(
@@ -432,7 +451,10 @@ def step_time(rep: Replica, batch: StepBatch, constants: StepConstants | None = 
     linear = _roofline(dense_c, dense_m, c.roofline_sharpness)
     bound = "compute" if dense_c > dense_m else "memory"
     if rep.is_moe:
-        frac = expected_expert_fraction(t, experts=rep.num_experts, per_token=rep.experts_per_token)
+        # Under data parallelism a rank's experts see every rank's tokens (all ranks step together, even batches
+        # assumed); its share of the expert FLOPs stays that of its own tokens over all experts.
+        seen = t * rep.dp
+        frac = expected_expert_fraction(seen, experts=rep.num_experts, per_token=rep.experts_per_token)
         moe_f = c.moe_w4_compute_factor if rep.compute is ComputeClass.W4 else c.moe_compute_factor
         moe_c = rep.expert_flops_per_token * t / (rep.peak_flops * gemm * moe_f)
         moe_m = rep.expert_weight_bytes * frac / (rep.hbm_bytes_per_s * c.weights_bw_eff * c.moe_bw_factor)
@@ -457,6 +479,7 @@ def step_time(rep: Replica, batch: StepBatch, constants: StepConstants | None = 
             rep.link_bytes_per_s * c.allreduce_bw_eff
         )
         comm = 2 * rep.num_layers * per
+    comm += _dp_exchange_s(rep, t, c)
     over = c.step_overhead_s + c.per_seq_overhead_s * batch.sequences
     if batch.prefill:
         over += c.prefill_step_overhead_s
@@ -466,6 +489,18 @@ def step_time(rep: Replica, batch: StepBatch, constants: StepConstants | None = 
     return StepTime(
         linear_s=f * linear, attention_s=f * attn, allreduce_s=f * comm, overhead_s=f * over, linear_bound=bound
     )
+
+
+def _dp_exchange_s(rep: Replica, tokens: int, c: StepConstants) -> float:
+    """Data parallelism's MoE exchange: per MoE layer an all-gather of every rank's hidden states and a
+    reduce-scatter back, each moving (dp - 1) ranks' bf16 rows over the link, priced with the all-reduce's
+    latency and efficiency (vllm/config/parallel.py all2all_backend allgather_reducescatter)."""
+    if rep.dp == 1 or not rep.is_moe:
+        return 0.0
+    link = "nvlink" if rep.nvlink else "pcie"
+    msg = tokens * rep.hidden_size * 2
+    per = c.allreduce_latency_s[link] + (rep.dp - 1) * msg / (rep.link_bytes_per_s * c.allreduce_bw_eff)
+    return 2 * rep.moe_layers * per
 
 
 def _forward_s(st: StepTime) -> float:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+from kvfleet.deployments import engine_args
 from kvfleet.engines import ENGINES, EngineArgs
 from kvfleet.errors import SizingError
 from kvfleet.sizing.capacity import FUSED_MOE_CHUNK_TOKENS, Capacity, EngineSettings, all_to_all_bytes, capacity
@@ -12,7 +15,10 @@ from kvfleet.sizing.engines import EngineName, engine_capacity
 from kvfleet.sizing.hardware import instance
 from kvfleet.sizing.models import ModelSpec
 from kvfleet.sizing.parallel import Layout
+from kvfleet.sizing.planner import PlanRequest, Workload, enumerate_candidates
 from kvfleet.sizing.precision import Part
+from kvfleet.sizing.step import PrefillChunk, StepBatch, replica, step_time
+from kvfleet.targets import TARGETS
 
 P5EN = instance("p5en.48xlarge")
 
@@ -125,3 +131,55 @@ def test_vllm_renders_the_data_parallel_flag_and_trtllm_refuses_it() -> None:
         EngineArgs(data_parallel_size=0)
     with pytest.raises(ValueError, match="data_parallel_size"):
         ENGINES["trtllm"].settings(args)
+
+
+def _v3_request(**kw: object) -> PlanRequest:
+    base = PlanRequest(
+        model=_v3(),
+        workload=Workload(max_input_tokens=30000, max_output_tokens=2000, concurrency_per_replica=64),
+        hosting=TARGETS["ec2"].hosting,
+        instance_types=("p5en.48xlarge",),
+    )
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+def test_deepseek_v3_is_planned_on_one_p5en_with_dp8_and_expert_parallelism() -> None:
+    p = enumerate_candidates(_v3_request())
+    dp8 = next(c for c in p.candidates if c.layout == Layout(tp=1, dp=8, ep=True))
+    assert dp8.gpus_per_replica == 8 and dp8.instance_count == 1 and dp8.engines_per_instance == 1
+    assert dp8.concurrency_per_replica == 64 and dp8.cache_concurrency >= 64
+    # Each engine core schedules its share: the engine starts with max_num_seqs 64 / 8.
+    assert dp8.settings.max_num_seqs == 8 and dp8.settings.data_parallel_size == 8
+    # The replica's rate is eight cores', the latency one core's.
+    assert dp8.requests_per_s_per_replica > dp8.alone.requests_per_s
+    # TP8 cannot hold the target on the same instance: the issue's "41 sequences, target 64".
+    tp8 = [r for r in p.rejections if r.tensor_parallel_size == 8 and r.data_parallel_size == 1]
+    assert tp8 and all("target is 64" in r.reason for r in tp8)
+    args = engine_args(dp8)
+    assert args.data_parallel_size == 8 and args.max_num_seqs == 8 and args.gpus == 8
+    flags = ENGINES["vllm"].server_command(args, model="m", port=8080, python="python", options_file=None)
+    assert flags[flags.index("--data-parallel-size") + 1] == "8" and "--enable-expert-parallel" in flags
+    assert flags[flags.index("--max-num-seqs") + 1] == "8"
+
+
+def test_data_parallel_layouts_are_planned_only_where_the_engine_release_sizes_them() -> None:
+    older = enumerate_candidates(_v3_request(engine_version="0.28.0"))
+    # TP8 (all that is left before the rule's release) holds 22 of the 64 sequences: nothing fits.
+    assert not older.candidates and older.rejections
+    assert all(r.data_parallel_size == 1 for r in older.rejections)
+    dense = enumerate_candidates(
+        replace(_v3_request(), model=catalog_model("meta-llama/Llama-3.1-8B-Instruct"), instance_types=("p5.48xlarge",))
+    )
+    assert all(c.data_parallel_size == 1 for c in dense.candidates)
+    assert all(r.data_parallel_size == 1 for r in dense.rejections)
+
+
+def test_a_rank_of_a_data_parallel_replica_reads_its_share_of_the_experts_and_pays_the_exchange() -> None:
+    m = _v3()
+    acc = P5EN.accelerator
+    one = replica(model=m, accelerator=acc, tp=1, nvlink=P5EN.nvlink, scheme=m.native_scheme)
+    dp8 = replica(model=m, accelerator=acc, tp=1, nvlink=P5EN.nvlink, scheme=m.native_scheme, dp=8)
+    assert dp8.expert_weight_bytes == pytest.approx(one.expert_weight_bytes / 8)
+    assert dp8.dense_weight_bytes == one.dense_weight_bytes and dp8.moe_layers == 58
+    batch = StepBatch(prefill=(PrefillChunk(tokens=2048, start=0),))
+    assert step_time(one, batch).allreduce_s == 0.0 < step_time(dp8, batch).allreduce_s
