@@ -111,7 +111,8 @@ HEARTBEAT_S = 60  # how often the agent heartbeats the hook while draining
 # resource type (required) and the autoscaling:ResourceTag/${TagKey} and aws:ResourceTag/${TagKey} condition keys
 # (Service Authorization Reference, "Actions, resources, and condition keys for Amazon EC2 Auto Scaling", Actions
 # table). The ARN names the group; no tag condition is needed for that. The agent completes and heartbeats the
-# drain hook, the user data the launch hook, and the watchdog marks its own instance unhealthy (SetInstanceHealth).
+# drain hook (with several engines per instance, the user data's drain step does, once), the user data the launch
+# hook, and the watchdog marks its own instance unhealthy (SetInstanceHealth).
 GROUP_ACTIONS = (
     "autoscaling:CompleteLifecycleAction",
     "autoscaling:RecordLifecycleActionHeartbeat",
