@@ -299,6 +299,7 @@ def choices(environment: str, results: list[tuple[str, str, Plan]]) -> tuple[lis
     loaded = load_located(environment_path(environment))
     env = loaded.environment
     caching = {name: engine_args(p.best).enable_prefix_caching for name, _, p in results if p.candidates}
+    chosen = {name: p.best for name, _, p in results if p.candidates}
     flags = [caching.get(d.name, False) for d in env.deployments]
     open_lines = {
         u.field: loaded.problem(KvfleetError(u.message, field=u.field)).lines[0] for u in undecided(env, flags)
@@ -323,7 +324,11 @@ def choices(environment: str, results: list[tuple[str, str, Plan]]) -> tuple[lis
             for key, line in open_lines.items()
             if key.startswith(mine) and key != f"{mine}serving.tenancy"
         ]
+        # How the target hosts it, where it has a choice (TargetSection.hosting_note).
+        hosting = d.target.hosting_note(d, chosen.get(d.name))
+        lines += [f"{d.name}: {hosting}"] if hosting else []
         rows[d.name] = {
+            **({"hosting": hosting} if hosting else {}),
             "prefix_caching": flags[i],
             "tenancy": tenancy,
             "notifications": _notifications_kind(env),

@@ -21,6 +21,7 @@ from kvfleet.targets import TARGET_MODULES, TARGETS, part
 
 if TYPE_CHECKING:
     from kvfleet.config.schema import Deployment, Environment
+    from kvfleet.sizing.planner import Candidate
 
 # An EC2 Auto Scaling warm pool's instance state (WarmPoolConfiguration PoolState).
 PoolState = Literal["Stopped", "Running", "Hibernated"]
@@ -43,6 +44,11 @@ class TargetSection(Frozen):
         """Why this deployment cannot scale to zero (scaling.min_replicas 0), None where it can: the target record's
         reason, unless the section's own shape allows it."""
         return TARGETS[self.platform].no_scale_to_zero
+
+    def hosting_note(self, deployment: Deployment, candidate: Candidate | None) -> str | None:
+        """How the target hosts the planned ``candidate`` where it has more than one way, and why (`kvfleet plan`
+        prints it); None: one way only."""
+        return None
 
     def deployment_problems(self, deployment: Deployment) -> list[str]:
         """What this target cannot do with the rest of its deployment, each problem ``field.path: what to change``

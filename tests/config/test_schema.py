@@ -335,26 +335,28 @@ def test_eks_refuses_scale_to_zero_where_keda_would_map_it_to_one() -> None:
     ]
 
 
-def test_sagemaker_needs_one_instance_and_points_at_the_field() -> None:
-    lines = problems(BASE.replace("min_replicas: 1", "min_replicas: 0"))
+def test_a_sagemaker_variant_needs_one_instance_and_points_at_the_field() -> None:
+    text = BASE.replace("platform: sagemaker", "platform: sagemaker\n      shape: variant")
+    lines = problems(text.replace("min_replicas: 1", "min_replicas: 0"))
     assert lines == [
-        "envs/test.yaml:19: deployments[0].scaling.min_replicas: sagemaker cannot scale to zero (a real-time "
-        "endpoint's production variant keeps at least one instance; target.shape inference_components scales to "
-        "zero); set 1 or more (scale to zero is for target.platform ec2)"
+        "envs/test.yaml:20: deployments[0].scaling.min_replicas: sagemaker cannot scale to zero (a real-time "
+        "endpoint's production variant keeps at least one instance; leave target.shape out, or set "
+        "inference_components, to scale to zero); set 1 or more (scale to zero is for target.platform ec2)"
     ]
 
 
-def test_sagemaker_inference_components_scale_to_zero() -> None:
-    text = BASE.replace("platform: sagemaker", "platform: sagemaker\n      shape: inference_components")
+@pytest.mark.parametrize("shape", ["", "\n      shape: inference_components"], ids=["default", "components"])
+def test_sagemaker_inference_components_scale_to_zero(shape: str) -> None:
+    text = BASE.replace("platform: sagemaker", f"platform: sagemaker{shape}")
     env = parse_environment(text.replace("min_replicas: 1", "min_replicas: 0"), source=SOURCE)
     assert env.deployments[0].scaling.min_replicas == 0
 
 
 def test_cross_field_problems_each_get_a_line() -> None:
     text = (
-        BASE.replace("platform: sagemaker", "platform: sagemaker\n      network_isolation: true").replace(
-            "min_replicas: 1", "min_replicas: 0"
-        )
+        BASE.replace(
+            "platform: sagemaker", "platform: sagemaker\n      shape: variant\n      network_isolation: true"
+        ).replace("min_replicas: 1", "min_replicas: 0")
     ) + "    image:\n      source: dlc\n"
     lines = problems(text)
     assert [line.split(": ")[1] for line in lines] == [

@@ -77,8 +77,8 @@ TARGET = Target(
     # Application Auto Scaling takes an endpoint to zero only where it is built from inference components (SageMaker
     # Developer Guide, "Scale an endpoint to zero instances"): the section's shape lifts this (config.py).
     no_scale_to_zero=(
-        "a real-time endpoint's production variant keeps at least one instance; target.shape inference_components "
-        "scales to zero"
+        "a real-time endpoint's production variant keeps at least one instance; leave target.shape out, or set "
+        "inference_components, to scale to zero"
     ),
     scale_in_drain=SCALE_IN,
     type_change=TYPE_CHANGE,

@@ -15,6 +15,9 @@ from kvfleet.targets.sagemaker import COMPONENT_HOSTING, TARGET
 
 if TYPE_CHECKING:
     from kvfleet.config.schema import Deployment
+    from kvfleet.sizing.planner import Candidate
+
+Shape = Literal["variant", "inference_components"]
 
 
 class SageMakerTarget(TargetSection):
@@ -23,13 +26,14 @@ class SageMakerTarget(TargetSection):
     }
 
     platform: Literal["sagemaker"] = Field(description="A SageMaker real-time endpoint.")
-    shape: Literal["variant", "inference_components"] = Field(
-        default="variant",
+    shape: Shape | None = Field(
+        default=None,
         description=(
             "variant: one production variant, one engine per instance spanning its GPUs. inference_components: an "
             "inference component whose copies (one engine each, on the plan's GPUs per engine) SageMaker packs "
             "onto the instances, adding and removing instances as the copies scale (managed instance scaling); "
-            "the plan may then put several engines on a multi-GPU instance."
+            "the plan may then put several engines on a multi-GPU instance. Default: inference_components where "
+            "scaling.min_replicas is 0 (only they scale to zero), one copy per instance; else variant."
         ),
     )
     network_isolation: Bool = Field(
@@ -73,8 +77,28 @@ class SageMakerTarget(TargetSection):
         return self
 
     def no_scale_to_zero(self) -> str | None:
-        # Only an endpoint built from inference components scales to zero (TARGET.no_scale_to_zero's source).
-        return None if self.shape == "inference_components" else TARGET.no_scale_to_zero
+        # Only an endpoint built from inference components scales to zero (TARGET.no_scale_to_zero's source): a file
+        # that asks for a variant cannot; left to the default, min_replicas 0 chooses inference components.
+        return TARGET.no_scale_to_zero if self.shape == "variant" else None
+
+    def chosen_shape(self, deployment: Deployment) -> tuple[Shape, str]:
+        """The endpoint's shape for ``deployment`` and why (the plan prints it, synth builds it)."""
+        if self.shape is not None:
+            return self.shape, "target.shape"
+        if deployment.scaling.min_replicas == 0:
+            return "inference_components", "scaling.min_replicas 0: only inference components scale to zero"
+        return "variant", "the default; target.shape inference_components lets the plan pack engines"
+
+    def hosting_note(self, deployment: Deployment, candidate: Candidate | None) -> str | None:
+        shape, why = self.chosen_shape(deployment)
+        if shape == "variant":
+            return f"endpoint: one production variant, one engine per instance ({why})"
+        if candidate is None:
+            return f"endpoint: inference components ({why})"
+        return (
+            f"endpoint: inference components, copies of {candidate.gpus_per_replica} GPU(s), "
+            f"{candidate.engines_per_instance} per {candidate.name} ({why})"
+        )
 
     @property
     def hosting(self) -> Hosting:
@@ -83,6 +107,11 @@ class SageMakerTarget(TargetSection):
 
     def deployment_problems(self, deployment: Deployment) -> list[str]:
         problems = []
+        if self.shape is None and self.canary_percent is not None and deployment.scaling.min_replicas == 0:
+            problems.append(
+                "target.canary_percent: scaling.min_replicas 0 builds the endpoint from inference components, which "
+                "update copy by copy; remove canary_percent"
+            )
         if self.network_isolation and deployment.model.s3_uri is None:
             problems.append(
                 "model.s3_uri: required with target.network_isolation, which leaves the container no network to "

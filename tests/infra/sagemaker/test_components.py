@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +14,13 @@ import pytest
 from aws_cdk.assertions import Template
 
 from kvfleet import contract
+from kvfleet.cli import main
 from kvfleet.deployments import resolve_environment
 from kvfleet.errors import ConfigError
 from kvfleet.infra.app import build_app
 from kvfleet.scaling import ScaleToZero
 from kvfleet.targets.sagemaker import COMPONENT_HOSTING, COMPONENTS, TARGET
+from kvfleet.targets.sagemaker.config import SageMakerTarget
 from kvfleet.targets.sagemaker.infra.components import HOST_MEMORY_SHARE
 from kvfleet.tuning import sim_scaling
 from tests.envs import SAGEMAKER_ENV, environment
@@ -58,9 +61,41 @@ def one(t: Template, kind: str) -> dict[str, Any]:
 
 
 def test_the_default_shape_is_the_variant_with_one_engine_per_instance() -> None:
-    target = environment().deployments[0].target
-    assert target.hosting is TARGET.hosting
-    assert target.hosting.one_engine_per_instance
+    d = environment().deployments[0]
+    assert isinstance(d.target, SageMakerTarget)
+    assert d.target.hosting is TARGET.hosting
+    assert d.target.hosting.one_engine_per_instance
+    assert d.target.chosen_shape(d)[0] == "variant"
+
+
+def test_by_default_min_replicas_0_chooses_inference_components_one_copy_per_instance() -> None:
+    d = environment(SAGEMAKER_ENV.replace("min_replicas: 1", "min_replicas: 0")).deployments[0]
+    assert isinstance(d.target, SageMakerTarget)
+    assert d.target.chosen_shape(d) == (
+        "inference_components",
+        "scaling.min_replicas 0: only inference components scale to zero",
+    )
+    # Packing is the file's choice (the planner's hosting is read before the plan).
+    assert d.target.hosting.one_engine_per_instance
+
+
+def test_the_plan_says_the_shape_and_why(packed_text: str) -> None:
+    [r] = resolve_environment(environment(packed_text))
+    d, c = r.deployment, r.candidate
+    assert d.target.hosting_note(d, c) == (
+        f"endpoint: inference components, copies of {c.gpus_per_replica} GPU(s), {c.engines_per_instance} per "
+        f"{c.name} (target.shape)"
+    )
+    plain = environment().deployments[0]
+    note = plain.target.hosting_note(plain, None)
+    assert note is not None and note.startswith("endpoint: one production variant, one engine per instance")
+
+
+def test_network_isolation_is_the_endpoint_configs_for_components() -> None:
+    text = COMPONENTS_ENV.replace(SHAPE, SHAPE + "\n      network_isolation: true").replace(
+        "      hf_token_secret: kvfleet/hf-token\n", "      s3_uri: s3://models/llama/\n"
+    )
+    assert one(only(text), "AWS::SageMaker::EndpointConfig")["EnableNetworkIsolation"] is True
 
 
 def test_inference_components_let_the_planner_pack() -> None:
@@ -224,8 +259,20 @@ def to_zero() -> Template:
 
 
 def test_the_variant_shape_still_refuses_scale_to_zero() -> None:
-    with pytest.raises(ConfigError, match=r"sagemaker cannot scale to zero .*target\.shape inference_components"):
-        environment(SAGEMAKER_ENV.replace("min_replicas: 1", "min_replicas: 0"))
+    text = SAGEMAKER_ENV.replace("platform: sagemaker", "platform: sagemaker\n      shape: variant")
+    with pytest.raises(ConfigError, match=r"sagemaker cannot scale to zero .*set inference_components"):
+        environment(text.replace("min_replicas: 1", "min_replicas: 0"))
+
+
+def test_by_default_min_replicas_0_synthesizes_inference_components() -> None:
+    t = only(SAGEMAKER_ENV.replace("min_replicas: 1", "min_replicas: 0"))
+    assert (
+        one(t, "AWS::SageMaker::InferenceComponent")["Specification"]["ComputeResourceRequirements"][
+            "NumberOfAcceleratorDevicesRequired"
+        ]
+        == 1
+    )
+    assert one(t, "AWS::ApplicationAutoScaling::ScalableTarget")["MinCapacity"] == 0
 
 
 def test_scale_to_zero_lets_copies_and_instances_reach_zero(to_zero: Template) -> None:
@@ -283,3 +330,15 @@ def test_scale_to_zero_passes_cdk_nag_and_cfn_lint(tmp_path: Path) -> None:
     result = cfn_lint(sorted(tmp_path.glob("*.template.json")), env.region or "us-east-1")
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout == ""
+
+
+def test_kvfleet_plan_prints_the_shape(packed_text: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "packed.yaml"
+    f.write_text(packed_text, encoding="utf-8")
+    assert main(["plan", str(f)]) == 0
+    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("chat: endpoint:")]
+    shape = r"chat: endpoint: inference components, copies of \d GPU\(s\), \d+ per ml\.\S+ \(target\.shape\)"
+    assert re.fullmatch(shape, line)
+    assert main(["plan", str(f), "--json"]) == 0
+    [row] = json.loads(capsys.readouterr().out)
+    assert row["choices"]["hosting"] == line.removeprefix("chat: ")

@@ -118,7 +118,7 @@ class SageMakerEndpoint(Construct):
                 model_name=self.model.attr_model_name,
                 rollback_alarms=list(context.rollback_alarms),
             )
-            if _packs(target)
+            if _packs(r)
             else None
         )
         self.platform_metrics = PlatformMetrics(
@@ -257,7 +257,7 @@ class SageMakerEndpoint(Construct):
         as the target's hosting declares. For inference components the variant names no model (the component
         does, with the timeouts), SageMaker manages its instance count, and the endpoint config carries the role
         and the VPC the copies run with (CreateEndpointConfig ExecutionRoleArn, VpcConfig)."""
-        packs = _packs(target)
+        packs = _packs(r)
         c = components.copies(r)
         variant = sagemaker.CfnEndpointConfig.ProductionVariantProperty(
             variant_name=VARIANT,
@@ -281,6 +281,9 @@ class SageMakerEndpoint(Construct):
             production_variants=[variant],
             kms_key_id=self.key.key_arn if self.key else None,
             execution_role_arn=self.role.role_arn if packs else None,
+            # The copies' isolation is the endpoint config's (CreateEndpointConfig EnableNetworkIsolation: "whether
+            # all model containers deployed to the endpoint are isolated"), as the variant's is the model's.
+            enable_network_isolation=target.network_isolation if packs else None,
             vpc_config=sagemaker.CfnEndpointConfig.VpcConfigProperty(
                 security_group_ids=[context.network.security_group.security_group_id],
                 subnets=context.network.subnet_ids,
@@ -292,7 +295,7 @@ class SageMakerEndpoint(Construct):
     def _endpoint(self, r: ResolvedDeployment, target: SageMakerTarget, *, rollback_alarms: list[cw.IAlarm]) -> None:
         # With inference components the copies scale, not the variant: nothing to retain, and the component's own
         # rolling update replaces copies (components.inference_component).
-        packs = _packs(target)
+        packs = _packs(r)
         retained = RETAINED_WHEN_SCALING if r.scaling.scales and not packs else ()
         self.endpoint = sagemaker.CfnEndpoint(
             self,
@@ -362,9 +365,12 @@ def agent_drain_s(r: ResolvedDeployment) -> int:
     return stop.drain_s(r.scaling.drain_budget_s) if stop is not None else r.scaling.drain_budget_s
 
 
-def _packs(target: SageMakerTarget) -> bool:
-    """Whether the endpoint is built from inference components (copies packed on instances)."""
-    return target.shape == "inference_components"
+def _packs(r: ResolvedDeployment) -> bool:
+    """Whether the endpoint is built from inference components (copies packed on instances): the section's choice
+    for the deployment (SageMakerTarget.chosen_shape)."""
+    target = r.deployment.target
+    assert isinstance(target, SageMakerTarget)
+    return target.chosen_shape(r.deployment)[0] == "inference_components"
 
 
 def routing_strategy(routing: Routing) -> str:
