@@ -25,12 +25,15 @@ from botocore.exceptions import BotoCoreError, ClientError, EventStreamError, No
 
 from kvfleet.bench.client import PROMPT_TOKEN_IDS, BenchError, Result, completion_body, feed_sse, finish_stream
 
-SCHEME = "sagemaker:"  # the URL form kvfleet bench takes: sagemaker:<endpoint name>
+SCHEME = "sagemaker:"  # the URL form kvfleet bench takes: sagemaker:<endpoint name>[/<inference component>]
 
 
 @dataclass(frozen=True, kw_only=True)
 class SageMakerTarget:
     endpoint_name: str
+    # The inference component a request names, where the endpoint hosts components (InvokeEndpoint
+    # InferenceComponentName); None: a production variant's endpoint.
+    inference_component: str | None = None
     region: str | None = None
     endpoint_url: str | None = None  # a VPC endpoint, or a local stand-in
 
@@ -64,8 +67,12 @@ class SageMakerTransport:
         buf = b""
         chunks = 0
         try:
+            component = (
+                {"InferenceComponentName": self.target.inference_component} if self.target.inference_component else {}
+            )
             resp = self.client.invoke_endpoint_with_response_stream(
                 EndpointName=self.target.endpoint_name,
+                **component,
                 Body=json.dumps(body).encode(),
                 ContentType="application/json",
                 Accept="text/event-stream",

@@ -70,14 +70,20 @@ def bench_target(a: argparse.Namespace, planned: ResolvedDeployment | None) -> t
     if a.url.startswith("sagemaker:"):
         from kvfleet.bench.sagemaker import SageMakerTarget
 
-        name = a.url.removeprefix("sagemaker:")
-        # SageMaker's EndpointName pattern (CreateEndpoint API reference).
-        if not re.fullmatch(r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}", name):
-            raise KvfleetError(
-                f"{name!r} is not a SageMaker endpoint name (letters, digits, '-', 63 at most)", field="url"
-            )
+        name, _, component = a.url.removeprefix("sagemaker:").partition("/")
+        # SageMaker's EndpointName and InferenceComponentName pattern (CreateEndpoint, CreateInferenceComponent API
+        # reference); the component follows a slash where the endpoint hosts one.
+        for value in (name, component) if component else (name,):
+            if not re.fullmatch(r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}", value):
+                raise KvfleetError(
+                    f"{value!r} is not a SageMaker endpoint or inference component name (letters, digits, '-', 63 at "
+                    "most)",
+                    field="url",
+                )
         region = a.region or (planned.environment.region if planned is not None else None)
-        sagemaker = SageMakerTarget(endpoint_name=name, region=region, endpoint_url=a.endpoint_url)
+        sagemaker = SageMakerTarget(
+            endpoint_name=name, inference_component=component or None, region=region, endpoint_url=a.endpoint_url
+        )
     else:
         parts = urlsplit(a.url)
         if parts.scheme not in ("http", "https") or not parts.netloc:

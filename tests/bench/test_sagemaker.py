@@ -120,4 +120,4 @@ def test_a_stream_error_fails_the_request_with_its_code(capsys: pytest.CaptureFi
 
 def test_not_an_endpoint_name(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = one_line(capsys, "sagemaker:bad_name!")
-    assert code == 2 and "is not a SageMaker endpoint name" in err
+    assert code == 2 and "is not a SageMaker endpoint or inference component name" in err

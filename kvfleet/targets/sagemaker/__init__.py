@@ -147,6 +147,13 @@ COMPONENTS = ComponentRules(
     ),
 )
 
+# The address output of an endpoint built from inference components: <endpoint name>/<component name>. Neither
+# name holds a slash (EndpointName and InferenceComponentName pattern ^[a-zA-Z0-9](-*[a-zA-Z0-9])*, SageMaker API
+# Reference), and a request to such an endpoint names its component (InvokeEndpoint InferenceComponentName: "If the
+# endpoint hosts one or more inference components, this parameter specifies the name of inference component to
+# invoke").
+COMPONENT_SEPARATOR = "/"
+
 # The inference-component shape lets the planner pack copies: an instance holds accelerators // GPUs per copy of
 # them (InferenceComponentComputeResourceRequirements NumberOfAcceleratorDevicesRequired, SageMaker API Reference).
 COMPONENT_HOSTING = replace(TARGET.hosting, one_engine_per_instance=False)

@@ -7,11 +7,11 @@ from __future__ import annotations
 from kvfleet.bench.client import PROMPT_TOKEN_IDS
 from kvfleet.bench.live import CHECK_OUTPUT_TOKENS, GENERATION_TIMEOUT_S, Check, Deployed
 from kvfleet.bench.sagemaker import SageMakerTarget, SageMakerTransport
-from kvfleet.targets.sagemaker import TARGET
+from kvfleet.targets.sagemaker import COMPONENT_SEPARATOR, TARGET
 
 
 def run(d: Deployed, check: Check) -> None:
-    name = d.outputs[TARGET.address_output or ""]
+    name, _, component = d.outputs[TARGET.address_output or ""].partition(COMPONENT_SEPARATOR)
     desc = d.session.client("sagemaker").describe_endpoint(EndpointName=name)
     status = desc.get("EndpointStatus")
     if status != "InService":
@@ -24,7 +24,7 @@ def run(d: Deployed, check: Check) -> None:
     if not d.generation:
         return
     transport = SageMakerTransport(
-        SageMakerTarget(endpoint_name=name, region=d.session.region_name),
+        SageMakerTarget(endpoint_name=name, inference_component=component or None, region=d.session.region_name),
         workers=1,
         timeout_s=GENERATION_TIMEOUT_S,
         session=d.session,

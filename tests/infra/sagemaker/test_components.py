@@ -4,6 +4,7 @@ component whose copies and accelerators are the plan's, and target tracking on i
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import re
@@ -14,12 +15,14 @@ import pytest
 from aws_cdk.assertions import Template
 
 from kvfleet import contract
+from kvfleet.bench.sagemaker import SageMakerTransport
 from kvfleet.cli import main
+from kvfleet.cli.endpoint import bench_target
 from kvfleet.deployments import resolve_environment
-from kvfleet.errors import ConfigError
+from kvfleet.errors import ConfigError, KvfleetError
 from kvfleet.infra.app import build_app
 from kvfleet.scaling import ScaleToZero
-from kvfleet.targets.sagemaker import COMPONENT_HOSTING, COMPONENTS, TARGET
+from kvfleet.targets.sagemaker import COMPONENT_HOSTING, COMPONENT_SEPARATOR, COMPONENTS, TARGET
 from kvfleet.targets.sagemaker.config import SageMakerTarget
 from kvfleet.targets.sagemaker.infra.components import HOST_MEMORY_SHARE
 from kvfleet.tuning import sim_scaling
@@ -342,3 +345,50 @@ def test_kvfleet_plan_prints_the_shape(packed_text: str, tmp_path: Path, capsys:
     assert main(["plan", str(f), "--json"]) == 0
     [row] = json.loads(capsys.readouterr().out)
     assert row["choices"]["hosting"] == line.removeprefix("chat: ")
+
+
+# ---- where clients send -----------------------------------------------------------------------------------------
+
+
+def test_the_address_names_the_endpoint_and_its_component(packed: Template) -> None:
+    outputs = packed.to_json()["Outputs"]
+    [address] = [v["Value"] for k, v in outputs.items() if k.startswith(TARGET.address_output or "")]
+    separator, (endpoint, component) = address["Fn::Join"]
+    assert separator == COMPONENT_SEPARATOR
+    assert endpoint["Fn::GetAtt"][1] == "EndpointName"
+    assert component["Fn::Select"][1]["Fn::Split"][1]["Fn::GetAtt"][1] == "InferenceComponentArn"
+    # A variant's endpoint is its name alone.
+    [plain] = [v["Value"] for k, v in only().to_json()["Outputs"].items() if k.startswith(TARGET.address_output or "")]
+    assert plain["Fn::GetAtt"][1] == "EndpointName"
+
+
+class _Client:
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    def invoke_endpoint_with_response_stream(self, **kwargs: Any) -> dict[str, Any]:
+        self.calls.append(kwargs)
+        return {"Body": [{"PayloadPart": {"Bytes": b'data: {"choices": [{"text": "t"}]}\n\ndata: [DONE]\n\n'}}]}
+
+
+@pytest.mark.parametrize(("url", "component"), [("sagemaker:chat/chat-ic", "chat-ic"), ("sagemaker:chat", None)])
+def test_a_request_names_the_component_where_the_address_has_one(url: str, component: str | None) -> None:
+    args = argparse.Namespace(url=url, region="us-east-1", endpoint_url=None, model=None, header=[], api_key=None)
+    _, target = bench_target(args, None)
+    assert target is not None and target.endpoint_name == "chat" and target.inference_component == component
+    transport = SageMakerTransport(target, workers=1, timeout_s=5)
+    fake = _Client()
+    transport.client = fake
+    try:
+        transport.invoke(None, [1, 2], 1)
+    finally:
+        transport.close()
+    [call] = fake.calls
+    assert call["EndpointName"] == "chat"
+    assert call.get("InferenceComponentName") == component
+
+
+def test_a_bad_component_name_is_one_line() -> None:
+    args = argparse.Namespace(url="sagemaker:chat/bad_ic!", region="us-east-1", endpoint_url=None)
+    with pytest.raises(KvfleetError, match="'bad_ic!' is not a SageMaker endpoint or inference component name"):
+        bench_target(args, None)

@@ -3,7 +3,7 @@ variant's instances, or (target.shape inference_components) an inference compone
 
 from __future__ import annotations
 
-from aws_cdk import Aws, Token
+from aws_cdk import Aws, Fn, Token
 from aws_cdk import aws_applicationautoscaling as appscaling
 from aws_cdk import aws_cloudwatch as cw
 from aws_cdk import aws_iam as iam
@@ -22,7 +22,7 @@ from kvfleet.infra.nag import acknowledge
 from kvfleet.infra.scaling import scale_scalable_target
 from kvfleet.scaling import TargetTracking
 from kvfleet.sizing.hosting import Routing
-from kvfleet.targets.sagemaker import TARGET
+from kvfleet.targets.sagemaker import COMPONENT_SEPARATOR, TARGET
 from kvfleet.targets.sagemaker.config import SageMakerTarget
 from kvfleet.targets.sagemaker.infra import components
 from kvfleet.targets.sagemaker.infra.hosts import HOSTS
@@ -126,7 +126,7 @@ class SageMakerEndpoint(Construct):
             errors_5xx=self._endpoint_metric("Invocation5XXErrors", "5xx (SageMaker)"),
         )
         self._autoscaling(r)
-        self.outputs = {_ADDRESS: self.endpoint_name}
+        self.outputs = {_ADDRESS: self._address()}
 
     # ---- the execution role ---------------------------------------------------------------------------
 
@@ -337,6 +337,13 @@ class SageMakerEndpoint(Construct):
         rule = s.autoscaler
         assert isinstance(rule, TargetTracking)  # kvfleet.targets: SageMaker's autoscaler
         scale_scalable_target(self.scalable_target, deployment_id=r.deployment_id, rule=rule)
+
+    def _address(self) -> str:
+        """Where clients send: the endpoint's name, and /<component> where it hosts an inference component (a request
+        to such an endpoint names it: InvokeEndpoint InferenceComponentName; COMPONENT_SEPARATOR)."""
+        if self.component is None:
+            return self.endpoint_name
+        return Fn.join(COMPONENT_SEPARATOR, [self.endpoint_name, components.component_name(self.component)])
 
     def _endpoint_metric(self, name: str, label: str) -> cw.Metric:
         return cw.Metric(
