@@ -21,7 +21,8 @@ from kvfleet.targets import ScaleInDrain, Target, TypeChangeRule
 # replaces). It documents no wait before the SIGTERM and nothing that first stops routing to the instance: a
 # termination wait and rolling intervals are UpdateEndpoint's DeploymentConfig, and UpdateEndpointWeightsAndCapacities
 # takes only EndpointName and DesiredWeightsAndCapacities (API Reference). Nor does it document a drain of
-# inference-component copies on scale-in (kvfleet deploys variants, not inference components).
+# inference-component copies on scale-in (target.shape inference_components): kvfleet holds their copies to the same
+# 30 s, an assumption, not a documented rule.
 SCALE_IN = ScaleInDrain(
     kill_after_s=30,
     rule=(
