@@ -104,10 +104,11 @@ def fleet_spec(
     c = r.candidate
     cap = c.capacity
     model, blocks, overhead = _steps(r, calibration)
+    dp = c.data_parallel_size  # engine cores of one replica, run as one engine with all their limits
     limits = EngineLimits(
-        max_num_seqs=r.engine_args.max_num_seqs or cap.max_num_seqs,
-        max_num_batched_tokens=r.engine_args.max_num_batched_tokens or cap.max_num_batched_tokens,
-        kv_blocks=blocks,
+        max_num_seqs=(r.engine_args.max_num_seqs or cap.max_num_seqs) * dp,
+        max_num_batched_tokens=(r.engine_args.max_num_batched_tokens or cap.max_num_batched_tokens) * dp,
+        kv_blocks=blocks * dp,
         block_tokens=cap.block_size,
         prefix_caching=r.engine_args.enable_prefix_caching,
         admission_tokens=r.admission.tokens if r.deployment.admits else None,

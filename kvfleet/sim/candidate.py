@@ -169,10 +169,12 @@ def planned_fleet(c: Candidate, model: ModelSpec, wl: Workload) -> tuple[FleetSp
     a closed loop where the workload gives no rate."""
     cap = c.capacity
     spec = FleetSpec(
+        # A data-parallel replica is dp engine cores, each with the capacity model's cache and token budget: the
+        # simulator runs it as one engine with all of them (kvfleet.sim.steps prices a step per core).
         limits=EngineLimits(
             max_num_seqs=c.concurrency_per_replica,
-            max_num_batched_tokens=cap.max_num_batched_tokens,
-            kv_blocks=cap.num_blocks,
+            max_num_batched_tokens=cap.max_num_batched_tokens * c.data_parallel_size,
+            kv_blocks=cap.num_blocks * c.data_parallel_size,
             block_tokens=cap.block_size,
             prefix_caching=False,  # the planned load's prompts share nothing
         ),

@@ -175,6 +175,7 @@ def fleet_instance_types(r: ResolvedDeployment, *, warm_pool: bool = False) -> l
             and i.accelerator_count == best.instance.accelerator_count
             and c.tensor_parallel_size == best.tensor_parallel_size
             and c.pipeline_parallel_size == best.pipeline_parallel_size
+            and c.data_parallel_size == best.data_parallel_size
             and c.expert_parallel == best.expert_parallel
             and c.weight_scheme.name == best.weight_scheme.name
             and c.kv_cache_dtype is best.kv_cache_dtype

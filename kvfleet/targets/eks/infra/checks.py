@@ -28,6 +28,7 @@ def check_consistency(
     tensor_parallel_size: int,
     drain_budget_s: int,
     pipeline_parallel_size: int = 1,
+    data_parallel_size: int = 1,
     gpu_resource: str = "nvidia.com/gpu",
     startup_estimate_s: float | None = None,
     node_labels: Mapping[str, str] | None = None,
@@ -57,6 +58,7 @@ def check_consistency(
             gpus_per_node=gpus_per_node,
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
+            data_parallel_size=data_parallel_size,
         ),
         *_check_engine(env, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size),
         *_check_drain(pod, c, env, drain_budget_s=drain_budget_s),
@@ -98,20 +100,22 @@ def _check_gpus(
     gpus_per_node: int,
     tensor_parallel_size: int,
     pipeline_parallel_size: int,
+    data_parallel_size: int = 1,
 ) -> list[str]:
-    """GPUs: requests == limits == the engine's GPUs (tensor x pipeline parallelism), within one node."""
+    """GPUs: requests == limits == the engine's GPUs (tensor x pipeline x data parallelism), within one node."""
     problems = []
     res = c.get("resources", {})
     req = _int(res.get("requests", {}).get(gpu_resource))
     lim = _int(res.get("limits", {}).get(gpu_resource))
     if req != lim:
         problems.append(f"{gpu_resource} requests ({req}) differ from limits ({lim})")
-    gpus = tensor_parallel_size * pipeline_parallel_size
+    gpus = tensor_parallel_size * pipeline_parallel_size * data_parallel_size
     if lim != gpus:
         what = (
             f"the tensor-parallel degree is {tensor_parallel_size}"
-            if pipeline_parallel_size == 1
-            else f"tensor x pipeline parallelism is {tensor_parallel_size} x {pipeline_parallel_size}"
+            if pipeline_parallel_size == data_parallel_size == 1
+            else f"tensor x pipeline x data parallelism is {tensor_parallel_size} x {pipeline_parallel_size} x "
+            f"{data_parallel_size}"
         )
         problems.append(f"{gpu_resource} limit is {lim}, {what}")
     if lim is not None and lim > gpus_per_node:

@@ -620,6 +620,7 @@ class EksService(Construct):
             gpus_per_node=instance.accelerator_count,
             tensor_parallel_size=r.candidate.tensor_parallel_size,
             pipeline_parallel_size=r.candidate.pipeline_parallel_size,
+            data_parallel_size=r.candidate.data_parallel_size,
             drain_budget_s=r.scaling.drain_budget_s,
             startup_estimate_s=r.startup.ready_s,
             node_labels={**gpu_node_labels(r), INSTANCE_TYPE_LABEL: instance.name},
