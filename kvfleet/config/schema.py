@@ -447,10 +447,11 @@ class ScalingConfig(Frozen):
         default=1,
         ge=0,
         description=(
-            "Replicas kept at all times. 0 (EC2 only) scales to zero: the fleet goes to zero after the scale-in wait "
-            "(at least the ready window) without a request, and the first request refused at zero wakes it, with "
-            "the whole cold start (or a warm pool's) to wait; clients must retry. SageMaker endpoints and EKS need 1 "
-            "or more. `kvfleet plan` compares a warm minimum, a warm pool and scale to zero on the workload."
+            "Replicas kept at all times. 0 scales to zero (EC2, and SageMaker with inference components): the fleet "
+            "goes to zero after the scale-in wait (at least the ready window) without a request, and the first "
+            "request refused at zero wakes it, with the whole cold start (or a warm pool's) to wait; clients must "
+            "retry. A SageMaker variant and EKS need 1 or more. `kvfleet plan` compares a warm minimum, a warm pool "
+            "and scale to zero on the workload."
         ),
     )
     max_replicas: Int = Field(
