@@ -791,6 +791,11 @@ def _replicas(
     if wl.peak_requests_per_s is None:
         return replicas, load
     replicas = max(replicas, math.ceil(wl.peak_requests_per_s / rps))
+    if req.max_replicas is not None and replicas > req.max_replicas:
+        # Before any replay: the peak's requests alone need more replicas than autoscaling may run.
+        return o.reject(
+            f"needs {replicas} replicas for {wl.peak_requests_per_s} requests/s, max_replicas is {req.max_replicas}",
+        )
     most = req.max_replicas if req.max_replicas is not None else 2 * replicas + 4
     n = replicas
     while True:
@@ -800,10 +805,6 @@ def _replicas(
         if n >= most:
             break
         n += 1
-    if req.max_replicas is not None and replicas > req.max_replicas:
-        return o.reject(
-            f"needs {replicas} replicas for {wl.peak_requests_per_s} requests/s, max_replicas is {req.max_replicas}",
-        )
     if not math.isfinite(state.ttft_s):
         why = "requests queue without bound"
     else:

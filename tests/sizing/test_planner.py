@@ -55,6 +55,17 @@ def test_replicas_follow_the_peak_load() -> None:
     assert high.fleet_usd_per_hour == pytest.approx(high.instance_count * high.usd_per_hour_per_instance)
 
 
+def test_a_peak_that_needs_more_replicas_than_max_replicas_is_refused() -> None:
+    # max_replicas bounds the plan's count too: the peak's requests alone needing more is a rejection, not a plan
+    # that autoscaling could never deploy (it returned the count unchecked when the first count met the target).
+    wl = replace(WL, peak_requests_per_s=20)
+    unbounded = plan(_req(instance_types=("g6e.xlarge",), workload=wl)).best
+    assert unbounded.replicas > 3
+    p = enumerate_candidates(_req(instance_types=("g6e.xlarge",), workload=wl, max_replicas=3))
+    assert not p.candidates
+    assert any("max_replicas is 3" in r.reason and "replicas for 20" in r.reason for r in p.rejections), p.rejections
+
+
 def test_multi_gpu_instances_pack_engines_on_eks_not_sagemaker_or_ec2() -> None:
     eks = [
         c
