@@ -101,7 +101,15 @@ class ComponentRules:
     resource_id_prefix: str
     scaling_source: str
     capacity_unit: str  # InferenceComponentCapacitySize Type of a rolling update's batch
+    # A rolling update's batch as a share of the copy count: its documented lowest and highest.
+    batch_share: tuple[float, float]
     update_source: str
+    # Where the copies' containers write their logs: this prefix and the component's name (not the endpoint's).
+    log_group_prefix: str
+    log_group_source: str
+    # The dimension of the component's invocation metrics (Invocation4XXErrors, Invocation5XXErrors) in AWS/SageMaker.
+    metric_dimension: str
+    metric_source: str
     # At zero: the metric SageMaker reports for a request it could not serve for want of capacity, and its dimension.
     refused_namespace: str
     refused_metric: str
@@ -131,9 +139,26 @@ COMPONENTS = ComponentRules(
         "sagemaker:inference-component:DesiredCopyCount (botocore 1.44.18 application-autoscaling/2016-02-06)"
     ),
     capacity_unit="COPY_COUNT",
+    batch_share=(0.05, 0.5),
     update_source=(
         "CloudFormation, AWS::SageMaker::InferenceComponent InferenceComponentRollingUpdatePolicy and "
-        "InferenceComponentCapacitySize (Type COPY_COUNT | CAPACITY_PERCENT)"
+        "InferenceComponentCapacitySize (Type COPY_COUNT | CAPACITY_PERCENT); SageMaker API Reference, "
+        "InferenceComponentRollingUpdatePolicy MaximumBatchSize: 'For each step, SageMaker AI provisions capacity on "
+        "the new endpoint fleet, routes traffic to that fleet, and terminates capacity on the old endpoint fleet. The "
+        "value must be between 5% to 50% of the copy count of the inference component' (Required: Yes, as "
+        "InferenceComponentDeploymentConfig RollingUpdatePolicy)"
+    ),
+    log_group_prefix="/aws/sagemaker/InferenceComponents/",
+    log_group_source=(
+        "uncertain: no SageMaker Developer Guide page found that names the log group of an inference component's "
+        "containers; AWS samples (aws-samples SageMaker LLM hosting notebooks) and the enhanced-metrics docs read "
+        "/aws/sagemaker/InferenceComponents/<inference component name>"
+    ),
+    metric_dimension="InferenceComponentName",
+    metric_source=(
+        "SageMaker Developer Guide, 'Amazon SageMaker AI metrics in Amazon CloudWatch', endpoint invocation metrics: "
+        "dimensions EndpointName, VariantName for a variant's models, InferenceComponentName for an inference "
+        "component's (as NoCapacityInvocationFailures, zero_source)"
     ),
     refused_namespace="AWS/SageMaker",
     refused_metric="NoCapacityInvocationFailures",

@@ -24,7 +24,7 @@ from kvfleet.infra.app import build_app
 from kvfleet.scaling import ScaleToZero
 from kvfleet.targets.sagemaker import COMPONENT_HOSTING, COMPONENT_SEPARATOR, COMPONENTS, TARGET
 from kvfleet.targets.sagemaker.config import SageMakerTarget
-from kvfleet.targets.sagemaker.infra.components import HOST_MEMORY_SHARE
+from kvfleet.targets.sagemaker.infra.components import HOST_MEMORY_SHARE, Copies
 from kvfleet.tuning import sim_scaling
 from tests.envs import SAGEMAKER_ENV, environment
 from tests.infra.helpers import make_app, only, props
@@ -146,7 +146,10 @@ def test_the_variant_names_no_model_and_lets_sagemaker_manage_the_instances(pack
     assert variant["ManagedInstanceScaling"] == {
         "Status": COMPONENTS.managed_scaling_status,
         "MinInstanceCount": math.ceil(r.scaling.min_replicas / per),
-        "MaxInstanceCount": math.ceil(r.scaling.max_replicas / per),
+        # Room for one rolling batch's new copies over the most copies.
+        "MaxInstanceCount": math.ceil(
+            (r.scaling.max_replicas + _batch(r.scaling.min_replicas, r.scaling.max_replicas)) / per
+        ),
         "ScaleInPolicy": {"Strategy": "IDLE_RELEASE"},
     }
     assert variant["InitialInstanceCount"] == math.ceil(
@@ -194,7 +197,7 @@ def test_the_component_keeps_the_containers_environment(packed: Template) -> Non
 def test_an_update_replaces_one_copy_at_a_time_with_the_drain_budget_and_rolls_back_on_alarms(packed: Template) -> None:
     c = one(packed, "AWS::SageMaker::InferenceComponent")
     policy = c["DeploymentConfig"]["RollingUpdatePolicy"]
-    assert policy["MaximumBatchSize"] == {"Type": "COPY_COUNT", "Value": 1}
+    assert policy["MaximumBatchSize"] == {"Type": "COPY_COUNT", "Value": 1}  # 1 to 16 copies: 5% of 16 is under 1
     assert policy["WaitIntervalInSeconds"] == 420
     assert 600 <= policy["MaximumExecutionTimeoutInSeconds"] <= 14400
     assert c["DeploymentConfig"]["AutoRollbackConfiguration"]["Alarms"]
@@ -223,12 +226,94 @@ def test_copies_scale_on_the_same_target_tracking_as_the_variant(packed_text: st
         assert {"Name": contract.DEPLOYMENT_DIMENSION, "Value": r.deployment_id} in spec["Dimensions"]
 
 
-def test_a_fixed_size_has_no_copy_scaling_and_a_fixed_instance_range() -> None:
+def test_a_fixed_size_has_no_copy_scaling_and_room_for_one_new_copy() -> None:
     t = only(COMPONENTS_ENV.replace("max_replicas: 4", "max_replicas: 1"))
     assert not props(t, "AWS::ApplicationAutoScaling::ScalableTarget")
     [variant] = one(t, "AWS::SageMaker::EndpointConfig")["ProductionVariants"]
     scaling = variant["ManagedInstanceScaling"]
-    assert scaling["MinInstanceCount"] == scaling["MaxInstanceCount"] == 1
+    assert (scaling["MinInstanceCount"], scaling["MaxInstanceCount"]) == (1, 2)
+    # One copy: no whole batch is within 5% to 50% of it, so no rolling policy (and so no deployment config).
+    assert "DeploymentConfig" not in one(t, "AWS::SageMaker::InferenceComponent")
+
+
+def _batch(low: int, high: int) -> int:
+    c = Copies(initial=max(low, 1), low=low, high=high, per_instance=1)
+    batch = c.batch()
+    assert batch is not None
+    return batch
+
+
+@pytest.mark.parametrize(
+    ("low", "high"), [(0, 2), (1, 2), (2, 3), (1, 16), (2, 20), (2, 21), (4, 40), (10, 100), (0, 1)]
+)
+def test_a_rolling_batch_is_within_5_to_50_percent_of_the_copy_count(low: int, high: int) -> None:
+    lowest, highest = COMPONENTS.batch_share
+    batch = Copies(initial=max(low, 1), low=low, high=high, per_instance=1).batch()
+    if high < 2:
+        assert batch is None
+        return
+    assert batch is not None and batch >= 1
+    # Within range at two copies or the fewest, whichever is more (a whole copy is over 50% of one).
+    assert batch <= highest * max(low, 2)
+    # And at the most copies, wherever one batch can be both (else the 50% bound wins: 2 to 21 copies).
+    if math.ceil(lowest * high) <= highest * max(low, 2):
+        assert batch >= lowest * high
+
+
+def test_a_large_fleet_updates_in_batches_of_its_share() -> None:
+    t = only(
+        COMPONENTS_ENV.replace("min_replicas: 1", "min_replicas: 10").replace("max_replicas: 4", "max_replicas: 40")
+    )
+    policy = one(t, "AWS::SageMaker::InferenceComponent")["DeploymentConfig"]["RollingUpdatePolicy"]
+    assert policy["MaximumBatchSize"] == {"Type": "COPY_COUNT", "Value": 2}  # 5% of 40
+    [variant] = one(t, "AWS::SageMaker::EndpointConfig")["ProductionVariants"]
+    assert variant["ManagedInstanceScaling"]["MaxInstanceCount"] == 42
+
+
+def _log_resources(t: Template) -> list[str]:
+    out = []
+    for p in props(t, "AWS::IAM::Policy"):
+        for st in p["PolicyDocument"]["Statement"]:
+            actions = st["Action"] if isinstance(st["Action"], list) else [st["Action"]]
+            if "logs:PutLogEvents" in actions:
+                out += [
+                    json.dumps(r) for r in (st["Resource"] if isinstance(st["Resource"], list) else [st["Resource"]])
+                ]
+    return out
+
+
+def test_the_copies_may_write_their_component_log_group(packed: Template) -> None:
+    logs = _log_resources(packed)
+    assert any(COMPONENTS.log_group_prefix + "*" in r for r in logs)
+    assert any(COMPONENTS.log_group_prefix + "*:log-stream:*" in r for r in logs)
+    assert any("/aws/sagemaker/Endpoints/*" in r for r in logs)
+    assert not any(COMPONENTS.log_group_prefix in r for r in _log_resources(only()))
+
+
+def _alarm_metric(t: Template, metric: str) -> dict[str, Any]:
+    """The one alarm's metric named ``metric``: the Platform5xx alarm's."""
+    [found] = [
+        m["MetricStat"]["Metric"]
+        for a in props(t, "AWS::CloudWatch::Alarm")
+        for m in a.get("Metrics", [])
+        if m.get("MetricStat", {}).get("Metric", {}).get("MetricName") == metric
+    ]
+    return found  # type: ignore[no-any-return]
+
+
+def test_the_platform_5xx_alarm_and_dashboard_read_the_components_metric(packed: Template) -> None:
+    alarm = _alarm_metric(packed, "Invocation5XXErrors")
+    assert alarm["Namespace"] == "AWS/SageMaker"
+    [dimension] = alarm["Dimensions"]
+    assert dimension["Name"] == COMPONENTS.metric_dimension
+    assert dimension["Value"]["Fn::Select"][1]["Fn::Split"][1]["Fn::GetAtt"][1] == "InferenceComponentArn"
+    [board] = props(packed, "AWS::CloudWatch::Dashboard")
+    body = json.dumps(board["DashboardBody"])
+    assert "Invocation5XXErrors" in body and COMPONENTS.metric_dimension in body
+    assert '\\"VariantName\\"' not in body and '"VariantName"' not in body
+    # The variant shape keeps the variant's.
+    variant = _alarm_metric(only(), "Invocation5XXErrors")
+    assert {d["Name"] for d in variant["Dimensions"]} == {"EndpointName", "VariantName"}
 
 
 def test_the_variant_shape_has_no_component() -> None:

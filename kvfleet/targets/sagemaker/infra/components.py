@@ -45,6 +45,15 @@ class Copies:
         """Instances that hold ``copies`` packed ``per_instance`` to one."""
         return math.ceil(copies / self.per_instance)
 
+    def batch(self) -> int | None:
+        """A rolling update's batch in copies: the fewest within COMPONENTS' share of the most copies, held to its
+        share of the fewest (at least two) where both fit; None below two copies, where no whole batch is inside
+        the share and the component updates without a rolling policy."""
+        low_share, high_share = COMPONENTS.batch_share
+        if self.high < 2:
+            return None
+        return max(1, min(math.ceil(low_share * self.high), math.floor(high_share * max(self.low, 2))))
+
 
 def copies(r: ResolvedDeployment) -> Copies:
     """The plan's replicas as the initial copy count, inside the scaling range."""
@@ -72,7 +81,9 @@ def managed_instance_scaling(r: ResolvedDeployment) -> sagemaker.CfnEndpointConf
     return sagemaker.CfnEndpointConfig.ManagedInstanceScalingProperty(
         status=COMPONENTS.managed_scaling_status,
         min_instance_count=c.instances(c.low),
-        max_instance_count=c.instances(c.high),
+        # An update provisions each batch's new copies before it stops the old ones (COMPONENTS.update_source): room
+        # for one batch over the most copies (one copy where there is no rolling policy, an assumption).
+        max_instance_count=c.instances(c.high + (c.batch() or 1)),
         scale_in_policy=sagemaker.CfnEndpointConfig.ScaleInPolicyProperty(strategy=COMPONENTS.scale_in_strategy),
     )
 
@@ -91,7 +102,8 @@ def inference_component(
     drain budget before the next."""
     c = copies(r)
     drain = r.scaling.drain_budget_s
-    batches = c.high
+    batch = c.batch()
+    batches = math.ceil(c.high / batch) if batch else 1
     per_batch = r.download_timeout_s + r.startup_timeout_s + drain
     return sagemaker.CfnInferenceComponent(
         scope,
@@ -112,7 +124,7 @@ def inference_component(
         runtime_config=sagemaker.CfnInferenceComponent.InferenceComponentRuntimeConfigProperty(copy_count=c.initial),
         deployment_config=sagemaker.CfnInferenceComponent.InferenceComponentDeploymentConfigProperty(
             rolling_update_policy=sagemaker.CfnInferenceComponent.InferenceComponentRollingUpdatePolicyProperty(
-                maximum_batch_size=_copies(1),
+                maximum_batch_size=_copies(batch),
                 wait_interval_in_seconds=drain,
                 # SageMaker's bounds for an update's whole run (as the variant's updates, endpoint._update_timeout).
                 maximum_execution_timeout_in_seconds=int(min(14400, max(600, per_batch * batches))),
@@ -123,7 +135,10 @@ def inference_component(
             )
             if rollback_alarms
             else None,
-        ),
+        )
+        # The deployment config requires a rolling policy (API Reference, InferenceComponentDeploymentConfig).
+        if batch
+        else None,
     )
 
 

@@ -22,7 +22,7 @@ from kvfleet.infra.nag import acknowledge
 from kvfleet.infra.scaling import scale_scalable_target
 from kvfleet.scaling import TargetTracking
 from kvfleet.sizing.hosting import Routing
-from kvfleet.targets.sagemaker import COMPONENT_SEPARATOR, TARGET
+from kvfleet.targets.sagemaker import COMPONENT_SEPARATOR, COMPONENTS, TARGET
 from kvfleet.targets.sagemaker.config import SageMakerTarget
 from kvfleet.targets.sagemaker.infra import components
 from kvfleet.targets.sagemaker.infra.hosts import HOSTS
@@ -142,12 +142,8 @@ class SageMakerEndpoint(Construct):
         policy = iam.Policy(self, "ExecutionPolicy", roles=[self.role])
         image_uri = serving_image(self, r, policy, region)
 
-        log_groups = f"arn:{Aws.PARTITION}:logs:{Aws.REGION}:{Aws.ACCOUNT_ID}:log-group:/aws/sagemaker/Endpoints/*"
+        _grant_logs(policy, packs=_packs(r))
         policy.add_statements(
-            iam.PolicyStatement(
-                actions=["logs:CreateLogGroup", "logs:CreateLogStream", "logs:PutLogEvents", "logs:DescribeLogStreams"],
-                resources=[log_groups, f"{log_groups}:log-stream:*"],
-            ),
             put_metric_data(),
             # SageMaker attaches the instances to the VPC through network interfaces it creates.
             iam.PolicyStatement(
@@ -171,18 +167,6 @@ class SageMakerEndpoint(Construct):
             "cloudwatch:PutMetricData and ecr:GetAuthorizationToken have no resource-level permissions "
             "(PutMetricData is limited to the kvfleet namespace by condition); EC2 Describe* calls have none, and "
             "SageMaker names its network interfaces at deploy time.",
-        )
-        acknowledge(
-            policy,
-            "AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:logs:<AWS::Region>:<AWS::AccountId>:log-group:"
-            "/aws/sagemaker/Endpoints/*]",
-            "SageMaker names the endpoint's log group after the generated endpoint name, unknown until deploy.",
-        )
-        acknowledge(
-            policy,
-            "AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:logs:<AWS::Region>:<AWS::AccountId>:log-group:"
-            "/aws/sagemaker/Endpoints/*:log-stream:*]",
-            "One log stream per instance and container, named by SageMaker at launch.",
         )
         return policy, image_uri
 
@@ -346,10 +330,17 @@ class SageMakerEndpoint(Construct):
         return Fn.join(COMPONENT_SEPARATOR, [self.endpoint_name, components.component_name(self.component)])
 
     def _endpoint_metric(self, name: str, label: str) -> cw.Metric:
+        """SageMaker's invocation metric of the variant, or of the component where the endpoint hosts one
+        (COMPONENTS.metric_dimension)."""
+        dimensions = (
+            {"EndpointName": self.endpoint_name, "VariantName": VARIANT}
+            if self.component is None
+            else {COMPONENTS.metric_dimension: components.component_name(self.component)}
+        )
         return cw.Metric(
             namespace="AWS/SageMaker",
             metric_name=name,
-            dimensions_map={"EndpointName": self.endpoint_name, "VariantName": VARIANT},
+            dimensions_map=dimensions,
             statistic="Sum",
             period=PERIOD,
             label=label,
@@ -370,6 +361,52 @@ def agent_drain_s(r: ResolvedDeployment) -> int:
     """The agent's drain budget on SageMaker: scaling.drain_budget_s, cut to what the kill after SIGTERM leaves."""
     stop = TARGET.scale_in_drain
     return stop.drain_s(r.scaling.drain_budget_s) if stop is not None else r.scaling.drain_budget_s
+
+
+def _grant_logs(policy: iam.Policy, *, packs: bool) -> None:
+    """The execution role writes the containers' logs: the endpoint's log group, and where the endpoint hosts an
+    inference component the component's (COMPONENTS.log_group_source)."""
+    log_groups = [_log_group("/aws/sagemaker/Endpoints/*")]
+    if packs:
+        # Not narrowed to the component's name: the component names the model, which waits for this policy, so the
+        # policy cannot name the component.
+        log_groups.append(_log_group(f"{COMPONENTS.log_group_prefix}*"))
+    policy.add_statements(
+        iam.PolicyStatement(
+            actions=["logs:CreateLogGroup", "logs:CreateLogStream", "logs:PutLogEvents", "logs:DescribeLogStreams"],
+            resources=[arn for group in log_groups for arn in (group, f"{group}:log-stream:*")],
+        )
+    )
+    acknowledge(
+        policy,
+        "AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:logs:<AWS::Region>:<AWS::AccountId>:log-group:"
+        "/aws/sagemaker/Endpoints/*]",
+        "SageMaker names the endpoint's log group after the generated endpoint name, unknown until deploy.",
+    )
+    acknowledge(
+        policy,
+        "AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:logs:<AWS::Region>:<AWS::AccountId>:log-group:"
+        "/aws/sagemaker/Endpoints/*:log-stream:*]",
+        "One log stream per instance and container, named by SageMaker at launch.",
+    )
+    if packs:
+        acknowledge(
+            policy,
+            "AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:logs:<AWS::Region>:<AWS::AccountId>:log-group:"
+            f"{COMPONENTS.log_group_prefix}*]",
+            "SageMaker names the log group after the generated component name; the component waits for the model, "
+            "which waits for this policy, so the policy cannot name it.",
+        )
+        acknowledge(
+            policy,
+            "AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:logs:<AWS::Region>:<AWS::AccountId>:log-group:"
+            f"{COMPONENTS.log_group_prefix}*:log-stream:*]",
+            "One log stream per instance and container, named by SageMaker at launch.",
+        )
+
+
+def _log_group(name: str) -> str:
+    return f"arn:{Aws.PARTITION}:logs:{Aws.REGION}:{Aws.ACCOUNT_ID}:log-group:{name}"
 
 
 def _packs(r: ResolvedDeployment) -> bool:
