@@ -66,10 +66,32 @@ Distribution = tuple[tuple[float, ...], tuple[float, ...]]  # (values, counts), 
 # Name mapping: engine metric names per kvfleet signal, from the engine's adapter.
 # --------------------------------------------------------------------------------------------------
 
-# When one engine exposes several series of a gauge (several model_name labels, say): the cache is as full
-# as its fullest part, while request counts add up. Counters and histogram buckets always add up.
-_GAUGE_COMBINE: Final[Mapping[str, Callable[[Iterable[float]], float]]] = {
-    contract.KV_CACHE_UTILIZATION.name: max,
+# vLLM labels each engine core's series engine=<index> (vllm/v1/metrics/loggers.py make_per_engine): with
+# data-parallel attention one server runs data_parallel_size cores, each with its own scheduler and KV cache.
+ENGINE_CORE_LABEL: Final = "engine"
+_Labels = tuple[tuple[str, str], ...]
+
+
+def _sum_series(series: Sequence[tuple[_Labels, float]]) -> float:
+    return math.fsum(v for _, v in series)
+
+
+def _kv_use(series: Sequence[tuple[_Labels, float]]) -> float:
+    """KV-cache use of the replica. Within one engine core the cache is as full as its fullest part (several
+    model_name series); across a data-parallel replica's cores it is used over the replica's cache, their sum:
+    the cores' mean, since they are one engine start's equal shares (vLLM exposes only the sum of their
+    blocks, in cache_config_info). One core: its value, as before data parallelism was read."""
+    by_core: dict[str, float] = {}
+    for labels, v in series:
+        core = dict(labels).get(ENGINE_CORE_LABEL, "")
+        by_core[core] = max(v, by_core.get(core, v))
+    return math.fsum(by_core.values()) / len(by_core)
+
+
+# When one engine exposes several series of a gauge: KV use as _kv_use reads it, while request counts add up
+# (over model_name labels and over engine cores alike). Counters and histogram buckets always add up.
+_GAUGE_COMBINE: Final[Mapping[str, Callable[[Sequence[tuple[_Labels, float]]], float]]] = {
+    contract.KV_CACHE_UTILIZATION.name: _kv_use,
 }
 
 
@@ -182,7 +204,6 @@ class HistogramTotals:
 # Parsing one scrape
 # --------------------------------------------------------------------------------------------------
 
-_Labels = tuple[tuple[str, str], ...]
 _SeriesKey = tuple[str, _Labels]  # (engine metric name, labels): a renamed metric is a new series
 
 
@@ -224,11 +245,11 @@ class _Scrape:
     def label_sets(self, name: str) -> list[dict[str, str]]:
         return [dict(labels) for labels in self._by_name.get(name, {})]
 
-    def gauge(self, names: Sequence[str], combine: Callable[[Iterable[float]], float]) -> float | None:
+    def gauge(self, names: Sequence[str], combine: Callable[[Sequence[tuple[_Labels, float]]], float]) -> float | None:
         for name in names:
-            values = [v for v in self._by_name.get(name, {}).values() if math.isfinite(v)]
-            if values:
-                return combine(values)
+            series = [(labels, v) for labels, v in self._by_name.get(name, {}).items() if math.isfinite(v)]
+            if series:
+                return combine(series)
         return None
 
     def counter(self, names: Sequence[str]) -> dict[_SeriesKey, float] | None:
@@ -409,16 +430,26 @@ class SignalCollector:
     """
 
     def __init__(
-        self, *, engine: str, engine_version: str, counters_from_zero: bool = False, max_num_seqs: int | None = None
+        self,
+        *,
+        engine: str,
+        engine_version: str,
+        counters_from_zero: bool = False,
+        max_num_seqs: int | None = None,
+        data_parallel_size: int = 1,
     ) -> None:
         """``counters_from_zero``: the engine process is the agent's own child, so its counters started at 0
         with it and everything counted before the first successful scrape belongs to the first interval.
         Otherwise (an engine that was already running) the first scrape is only the baseline.
         ``max_num_seqs``: the engine's limit on running sequences (TensorRT-LLM: max_batch_size), for the
-        saturation signal; None where it was left to the engine (saturation is then the KV-cache use alone)."""
+        saturation signal; None where it was left to the engine (saturation is then the KV-cache use alone).
+        ``data_parallel_size``: the engine cores of one data-parallel replica; max_num_seqs is each core's
+        (vLLM's --max-num-seqs sizes every core's scheduler), so the replica has this many times the slots."""
         if max_num_seqs is not None and max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
-        self._max_num_seqs = max_num_seqs
+        if data_parallel_size <= 0:
+            raise ValueError(f"data_parallel_size must be positive, got {data_parallel_size}")
+        self._slots = None if max_num_seqs is None else max_num_seqs * data_parallel_size
         self._map = metric_map(engine, engine_version)
         # Every sample name a scrape is read for: the gauges' and counters' names, the histograms' series.
         self._wanted = frozenset(
@@ -527,7 +558,7 @@ class SignalCollector:
             if not names:
                 continue
             if sig.kind is Kind.GAUGE:
-                value = scrape.gauge(names, _GAUGE_COMBINE.get(sig.name, math.fsum))
+                value = scrape.gauge(names, _GAUGE_COMBINE.get(sig.name, _sum_series))
                 if value is not None:
                     gauges[sig.name] = value
             elif sig.kind is Kind.DELTA:
@@ -567,8 +598,11 @@ class SignalCollector:
         return distributions, histogram_totals
 
     def _capacity(self, scrape: _Scrape) -> tuple[int, int] | None:
-        """The engine's KV cache from its info metric's labels; with several engines (data parallel) the smallest,
-        which is what one request can count on."""
+        """The replica's KV cache from its engine's info metric's labels. vLLM labels one series per engine core,
+        each with the front end's cache config, whose num_gpu_blocks is already the sum over the data-parallel
+        cores (vllm/v1/engine/utils.py wait_for_engine_startup: "Sum values from all engines in DP case";
+        vllm/v1/metrics/loggers.py log_metrics_info): every series carries the replica's total, so they are
+        never added up (that would count it once per core); the smallest is taken should they ever differ."""
         if self._capacity_metric is None:
             return None
         name, blocks_label, size_label = self._capacity_metric
@@ -583,14 +617,15 @@ class SignalCollector:
         return min(found, key=lambda c: c[0] * c[1]) if found else None
 
     def _saturation(self, gauges: Mapping[str, float]) -> float | None:
-        """The larger of KV-cache use and running sequences over max_num_seqs (contract.REPLICA_SATURATION):
+        """The larger of KV-cache use and running sequences over the replica's slots (contract.REPLICA_SATURATION):
         the engine's cache-usage figure counts only running sequences' blocks, so where max_num_seqs binds first
-        it stays low however loaded the replica is."""
+        it stays low however loaded the replica is. Running sequences are summed over a data-parallel replica's
+        cores, so they are read against every core's slots."""
         kv = gauges.get(contract.KV_CACHE_UTILIZATION.name)
         running = gauges.get(contract.REQUESTS_RUNNING.name)
         parts = [] if kv is None else [kv]
-        if running is not None and self._max_num_seqs is not None:
-            parts.append(running / self._max_num_seqs)
+        if running is not None and self._slots is not None:
+            parts.append(running / self._slots)
         return min(1.0, max(0.0, *parts)) if parts else None
 
     def prometheus_text(self, *, deployment: str) -> str:

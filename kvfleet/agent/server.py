@@ -138,6 +138,7 @@ class Agent:
             engine_version=settings.engine_version,
             counters_from_zero=True,
             max_num_seqs=settings.engine_args.max_num_seqs,
+            data_parallel_size=settings.engine_args.data_parallel_size or 1,
         )
         self.publisher = publisher
         self.stdout = stdout or sys.stdout

@@ -60,7 +60,9 @@ class Vllm(EngineAdapter):
     title: ClassVar[str] = "vLLM"
     metrics_path: ClassVar[str] = "/metrics"
     # vllm/v1/metrics/loggers.py (log_metrics_info("cache_config", ...)): an info gauge whose labels are the
-    # CacheConfig's fields, num_gpu_blocks among them once the engine has profiled memory.
+    # CacheConfig's fields, num_gpu_blocks among them once the engine has profiled memory. With data-parallel
+    # attention it is one series per engine core (engine=<index>), each the front end's config, whose
+    # num_gpu_blocks is the sum over the cores (vllm/v1/engine/utils.py wait_for_engine_startup): the replica's.
     capacity_metric: ClassVar[tuple[str, str, str] | None] = ("vllm:cache_config_info", "num_gpu_blocks", "block_size")
     default_base_image: ClassVar[str] = (
         "763104351884.dkr.ecr.us-east-1.amazonaws.com/vllm:0.30.0-gpu-py312-cu130-ubuntu24.04-sagemaker"
