@@ -72,10 +72,12 @@ class ServingMonitoring(Construct):
         signals_published: bool = True,
         max_num_seqs: int | None = None,
         slots_bind: bool = False,
+        data_parallel_size: int = 1,
     ) -> None:
         """The signal alarms. ``add_dashboard`` adds the target's own metrics and the dashboard. ``max_num_seqs``
         and ``slots_bind`` (the plan expects the sequence slots, not the cache, to fill first) add the alarm for
-        a replica whose cache fills first instead."""
+        a replica whose cache fills first instead. ``max_num_seqs`` is one engine core's (vLLM's --max-num-seqs);
+        a data-parallel replica runs ``data_parallel_size`` cores, and the agent's running count sums them."""
         super().__init__(scope, id)
         self._deployment_id = deployment_id
         self._scaling = scaling
@@ -89,7 +91,7 @@ class ServingMonitoring(Construct):
             self._capacity_alarms(m)
             self.cache_binds_first: cw.Alarm | None = None
             if slots_bind and max_num_seqs is not None:
-                self.cache_binds_first = self._cache_binds_first_alarm(m, max_num_seqs)
+                self.cache_binds_first = self._cache_binds_first_alarm(m, max_num_seqs * data_parallel_size)
             self._health_alarms()
             self.rollback_alarms = [self.server_error_rate]
 
@@ -125,9 +127,11 @@ class ServingMonitoring(Construct):
             what="sequences preempted in 3 of 5 min: admitted concurrency exceeds the KV cache",
         )
 
-    def _cache_binds_first_alarm(self, m: _Metrics, max_num_seqs: int) -> cw.Alarm:
-        """The plan has the sequence slots binding first, yet the cache fills while slots are free."""
-        slots = SLOTS_IDLE_FRACTION * max_num_seqs
+    def _cache_binds_first_alarm(self, m: _Metrics, replica_seqs: int) -> cw.Alarm:
+        """The plan has the sequence slots binding first, yet the cache fills while slots are free. Both sides are
+        the replica's: RequestsRunning is the sum over a data-parallel replica's cores and KV use is used over
+        their caches together (kvfleet.agent.metrics), so the slots are every core's, ``replica_seqs``."""
+        slots = SLOTS_IDLE_FRACTION * replica_seqs
         return self._alarm(
             "CacheBindsFirst",
             cw.MathExpression(
@@ -139,7 +143,7 @@ class ServingMonitoring(Construct):
             threshold=1,
             periods=SUSTAINED_MIN,
             op=cw.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
-            what=f"the KV cache above {CACHE_SATURATED:.0%} with fewer than {slots:g} of {max_num_seqs} "
+            what=f"the KV cache above {CACHE_SATURATED:.0%} with fewer than {slots:g} of {replica_seqs} "
             f"sequences running for {SUSTAINED_MIN} min: the plan has the sequence slots binding first, so "
             "requests are longer than it assumed; re-plan with the measured lengths (kvfleet workload on "
             "the agent's request log)",

@@ -78,6 +78,7 @@ class DeploymentStack(Stack):
             scaling=r.scaling,
             signals_published=r.deployment.image.source != "dlc",
             max_num_seqs=r.engine_args.max_num_seqs,
+            data_parallel_size=r.engine_args.data_parallel_size or 1,
             slots_bind=r.candidate.limited_by != "kv-cache",
         )
 
