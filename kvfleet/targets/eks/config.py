@@ -33,8 +33,21 @@ EKS_VERSION_CALENDAR: dict[str, tuple[date, date, date]] = {
     "1.33": (date(2025, 5, 29), date(2026, 7, 29), date(2027, 7, 29)),
     "1.34": (date(2025, 10, 2), date(2026, 12, 2), date(2027, 12, 2)),
     "1.35": (date(2026, 1, 27), date(2027, 3, 27), date(2028, 3, 27)),
+    "1.36": (date(2026, 6, 2), date(2027, 8, 2), date(2028, 8, 2)),
 }
-EksVersion = Literal["1.33", "1.34", "1.35"]
+# Rows whose dates come from secondary sources only, not from the EKS calendar as read: AWS says 1.36 is available
+# (EKS User Guide, "Review release notes for Kubernetes versions on standard support": "Kubernetes 1.36 is now
+# available in Amazon EKS"), but the copy of the calendar read had no 1.36 row. Its dates agree with the 14 + 12
+# month rule above and with two secondary sources, which agree with each other. The default stays on the newest
+# version with a primary source (test_versions.py); read the calendar again to drop an entry here.
+EKS_CALENDAR_SECONDARY: dict[str, str] = {
+    "1.36": (
+        "endoflife.date/amazon-eks (released 2026-06-02, end of standard support 2027-08-02, end of extended "
+        "2028-08-02); devopsdreams.blogspot.com 2026/08 'Kubernetes 1.36 on Amazon EKS' (EKS release 2026-06-02, "
+        "standard support through 2027-08-02)"
+    ),
+}
+EksVersion = Literal["1.33", "1.34", "1.35", "1.36"]
 # The day the support window is checked on: today (UTC) unless a caller fixes it (support_window_at).
 _SUPPORT_DATE: ContextVar[date | None] = ContextVar("kvfleet_eks_support_date", default=None)
 

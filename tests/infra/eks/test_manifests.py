@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
+from typing import Any, get_args
 
 import jsonschema
-import kubernetes_validate
+import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 
 from kvfleet import contract
 from kvfleet.contract import MODEL_DIR as SAGEMAKER_MODEL_DIR
 from kvfleet.deployments import ResolvedDeployment, resolve_environment
 from kvfleet.engines import EngineArgs
+from kvfleet.targets.eks.config import EksVersion
 from kvfleet.targets.eks.infra import checks
 from kvfleet.targets.eks.infra import manifests as k8s
 from kvfleet.targets.eks.infra.manifests import WorkloadOptions
@@ -95,12 +96,14 @@ def triggers(ms: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 @pytest.mark.parametrize(("text", "opts"), [(SAGEMAKER_ENV, OPTS), (BIG_ENV, OPTS), (S3_ENV, S3_OPTS)])
-def test_core_manifests_validate_strictly(text: str, opts: WorkloadOptions) -> None:
+@pytest.mark.parametrize("version", get_args(EksVersion))
+def test_core_manifests_validate_strictly(text: str, opts: WorkloadOptions, version: str) -> None:
+    # Against the schemas of every Kubernetes version a config may name (kubernetes-validate ships 1.33-1.37).
     ms = [k8s.namespace(opts), *k8s.manifests(resolve(text), opts)]
     core = [m for m in ms if m["kind"] != "ScaledObject"]
     assert {m["kind"] for m in core} == {"Namespace", "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"}
     for m in core:
-        assert kubernetes_validate.validate(m, K8S_VERSION, strict=True) == "1.33"
+        assert kubernetes_validate.validate(m, f"{version}.0", strict=True) == version
 
 
 def test_strict_validation_rejects_an_unknown_field(small: ResolvedDeployment) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import tomllib
+from datetime import date
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from kvfleet.deployments import resolve_environment
 from kvfleet.engines import EngineArgs
 from kvfleet.errors import ConfigError
 from kvfleet.infra.app import build_app
-from kvfleet.targets.eks.config import EksTarget
+from kvfleet.targets.eks.config import EksTarget, support_window_at
 from kvfleet.targets.eks.infra.addons import (
     CLUSTER_AUTOSCALER_CHART,
     CLUSTER_AUTOSCALER_IMAGE_TAGS,
@@ -24,7 +25,7 @@ from kvfleet.targets.eks.infra.addons import (
     KEDA_CHART,
     PROMETHEUS_CHART,
 )
-from kvfleet.targets.eks.infra.service import GPU_TAINT, KUBECTL_MINOR
+from kvfleet.targets.eks.infra.service import GPU_TAINT, KUBECTL_LAYERS, KUBECTL_MINORS
 from tests.infra.helpers import REPO, environment, make_app, only, props, synth
 
 PLATFORM = (REPO / "environments" / "platform.yaml").read_text(encoding="utf-8")
@@ -126,15 +127,27 @@ def test_cluster_autoscaler_matches_the_clusters_minor_version(template: Templat
 
 
 def test_kubectl_is_within_one_minor_of_every_cluster_version() -> None:
-    from kvfleet.targets.eks.infra import service as eks_service
-
-    # The layer the construct uses is the version the constant names.
-    assert eks_service.KubectlV34Layer.__module__.startswith(
-        "aws_cdk.lambda_layer_kubectl_v" + KUBECTL_MINOR.replace("1.", "")
-    )
+    # Each layer is the package of the kubectl minor it is filed under.
+    for minor, layer in KUBECTL_LAYERS.items():
+        assert layer.__module__.startswith("aws_cdk.lambda_layer_kubectl_v" + minor.replace("1.", "")), minor
     versions = EksTarget.model_fields["kubernetes_version"].annotation.__args__  # type: ignore[union-attr]
-    minor = int(KUBECTL_MINOR.split(".")[1])
-    assert all(abs(int(v.split(".")[1]) - minor) <= 1 for v in versions), versions
+    assert sorted(KUBECTL_MINORS) == sorted(versions)
+    for v in versions:
+        assert abs(int(v.split(".")[1]) - int(KUBECTL_MINORS[v].split(".")[1])) <= 1, v
+
+
+def test_a_136_cluster_gets_the_135_kubectl_layer_and_autoscaler_136() -> None:
+    # The layer's description names the kubectl it bundles (aws-cdk.lambda-layer-kubectl-v35 2.2.2: 1.35.2).
+    text = PLATFORM.replace('kubernetes_version: "1.35"', 'kubernetes_version: "1.36"')
+    with support_window_at(date(2026, 12, 7)):
+        [t] = synth(text).values()
+    layers = [x for x in props(t, "AWS::Lambda::LayerVersion") if "kubectl" in x.get("Description", "")]
+    [layer] = layers
+    assert "/opt/kubectl/kubectl 1.35." in layer["Description"], layer["Description"]
+    [chart] = [c for c in props(t, "Custom::AWSCDK-EKS-HelmChart") if c["Chart"] == "cluster-autoscaler"]
+    assert '\\"image\\":{\\"tag\\":\\"v1.36.1\\"' in json.dumps(chart["Values"])
+    [cluster] = props(t, "AWS::EKS::Cluster")
+    assert cluster["Version"] == "1.36"
 
 
 def test_workload_manifests_with_drain_hooks_and_keda(template: Template) -> None:

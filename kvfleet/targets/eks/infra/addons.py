@@ -45,6 +45,10 @@ DEVICE_PLUGIN_NODE_LABEL = ("nvidia.com/gpu.present", "true")
 # (keda.sh/v1alpha1) only grows between minors, so the manifests still validate against the project's schema,
 # written from 2.17's fields.
 KEDA_CHART = ChartPin("keda", "https://kedacore.github.io/charts", "2.19.0", "keda")
+# The Kubernetes minors each KEDA release is tested on (keda.sh/docs/2.22/operate/cluster, "Kubernetes
+# Compatibility"; read 2026-12-08): 2.19 is tested on 1.32-1.34 only, so clusters on 1.35 and 1.36 run it outside
+# its tested window (tests/infra/eks/test_versions.py holds the gap); 2.21 is tested on 1.34-1.36.
+KEDA_TESTED_KUBERNETES = {"2.19.0": ("1.32", "1.34"), "2.20.0": ("1.33", "1.35"), "2.21.0": ("1.34", "1.36")}
 PROMETHEUS_CHART = ChartPin("prometheus", "https://prometheus-community.github.io/helm-charts", "27.20.0", "prometheus")
 CLUSTER_AUTOSCALER_CHART = ChartPin(
     "cluster-autoscaler", "https://kubernetes.github.io/autoscaler", "9.59.0", "cluster-autoscaler"
@@ -52,8 +56,10 @@ CLUSTER_AUTOSCALER_CHART = ChartPin(
 # Cluster Autoscaler's minor version must match the cluster's (its compatibility policy); the chart's default image
 # follows one release (appVersion 1.35.0 in 9.59.0), so the image is chosen by Kubernetes version: the newest patch
 # of each minor, from the git tags of kubernetes/autoscaler (cluster-autoscaler-1.33.6, -1.34.5, -1.35.2, all
-# 2026-07-22; checked 2026-12-01), published as registry.k8s.io/autoscaling/cluster-autoscaler:v<tag>.
-CLUSTER_AUTOSCALER_IMAGE_TAGS = {"1.33": "v1.33.6", "1.34": "v1.34.5", "1.35": "v1.35.2"}
+# 2026-07-22; checked 2026-12-01), published as registry.k8s.io/autoscaling/cluster-autoscaler:v<tag>. 1.36: the
+# release cluster-autoscaler-1.36.1 (github.com/kubernetes/autoscaler/releases/tag/cluster-autoscaler-1.36.1, whose
+# notes list registry.k8s.io/autoscaling/cluster-autoscaler:v1.36.1; the newest 1.36 patch found on 2026-12-08).
+CLUSTER_AUTOSCALER_IMAGE_TAGS = {"1.33": "v1.33.6", "1.34": "v1.34.5", "1.35": "v1.35.2", "1.36": "v1.36.1"}
 
 
 class ChartWorkload(NamedTuple):

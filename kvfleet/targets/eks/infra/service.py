@@ -25,7 +25,9 @@ from aws_cdk import Annotations, Aws, CfnJson, CfnMapping, Fn, Stack
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_eks_v2 as eks
 from aws_cdk import aws_iam as iam
+from aws_cdk import aws_lambda as lambda_
 from aws_cdk.lambda_layer_kubectl_v34 import KubectlV34Layer
+from aws_cdk.lambda_layer_kubectl_v35 import KubectlV35Layer
 from constructs import Construct
 
 from kvfleet.deployments import ResolvedDeployment
@@ -48,8 +50,14 @@ from kvfleet.targets.eks.infra.hosts import HOSTS
 # EC2 calls and the Pod Identity agent's, and the VPC CNI's, which kvfleet leaves on the node role (the guide
 # recommends a role of the aws-node service account's own; not done here).
 NODE_MANAGED_POLICIES = ("AmazonEKSWorkerNodePolicy", "AmazonEKS_CNI_Policy")
-# kubectl in the provider's layer: one minor either side of the API server is within kubectl's skew policy.
-KUBECTL_MINOR = "1.34"
+# kubectl in the provider's layer, by cluster version: kubectl's version-skew policy (kubernetes.io, "Version Skew
+# Policy", kubectl) allows one minor either side of the API server. The 1.34 layer serves 1.33-1.35 (their
+# templates unchanged since it was the only one), the 1.35 layer serves 1.36.
+KUBECTL_MINORS = {"1.33": "1.34", "1.34": "1.34", "1.35": "1.34", "1.36": "1.35"}
+KUBECTL_LAYERS: dict[str, type[KubectlV34Layer] | type[KubectlV35Layer]] = {
+    "1.34": KubectlV34Layer,
+    "1.35": KubectlV35Layer,
+}
 SERVING_ACCOUNT = "kvfleet-serving"
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
 GPU_NODE_SELECTOR = {"kvfleet.io/gpu": "true"}  # what the device plugin and the pods select the GPU nodes by
@@ -128,7 +136,7 @@ class EksService(Construct):
 
     def _cluster(self, target: EksTarget, network: ServingNetwork) -> eks.IdentityType:
         """A new cluster, or the existing one the config names; returns how the pods get their AWS role."""
-        layer = KubectlV34Layer(self, "KubectlLayer")
+        layer = KUBECTL_LAYERS[KUBECTL_MINORS[target.kubernetes_version]](self, "KubectlLayer")
         self.kubectl_access = None
         self.vpc_cni = None  # an existing cluster's CNI is the cluster's
         if target.cluster is not None:
@@ -139,7 +147,7 @@ class EksService(Construct):
         return eks.IdentityType.IRSA
 
     def _new_cluster(
-        self, target: EksTarget, network: ServingNetwork, layer: KubectlV34Layer
+        self, target: EksTarget, network: ServingNetwork, layer: lambda_.ILayerVersion
     ) -> tuple[eks.ICluster, eks.IKubectlProvider]:
         """A private cluster with every control-plane log, and no capacity of its own."""
         created = eks.Cluster(
@@ -194,7 +202,7 @@ class EksService(Construct):
         resource.add_property_override("ResolveConflicts", addon.resolve_conflicts)
 
     def _attach(
-        self, existing: ExistingCluster, namespace: str, network: ServingNetwork, layer: KubectlV34Layer
+        self, existing: ExistingCluster, namespace: str, network: ServingNetwork, layer: lambda_.ILayerVersion
     ) -> tuple[eks.ICluster, eks.IKubectlProvider]:
         """The existing cluster, a kubectl provider that can reach it, and the access entry that lets it in."""
         cluster_sg = ec2.SecurityGroup.from_security_group_id(
