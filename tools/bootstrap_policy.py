@@ -5,10 +5,12 @@ The actions are those CloudFormation's own resource handlers need to create, rea
 type the stage's stacks hold (each type's registry schema, ``handlers.<create|read|update|delete>.permissions``, as
 bundled in the installed cfn-lint's schema data for us-east-1), for every resource type of every example
 environment's synthesized stacks (environments/*.yaml: the deployment stacks, the alerts stack, and the stage's
-live-check stack), plus lambda:InvokeFunction for CDK's custom resources, ssm:GetParameters for SSM parameter types,
-and what the intrinsic functions CloudFormation resolves with the stack's role need (Fn::GetStackOutput's
-cloudformation:DescribeStacks, allowed on the alerts stacks only). A function or dynamic reference without a rule
-here stops the tool. No service-wide or global wildcard: each action is named.
+live-check stack) and of the shape fixtures (tools/bootstrap_shapes/*.yaml: the shapes no example uses, such as
+SageMaker inference components, scale to zero and packed EC2 engines), plus lambda:InvokeFunction for CDK's custom
+resources, ssm:GetParameters for SSM parameter types, and what the intrinsic functions CloudFormation resolves with
+the stack's role need (Fn::GetStackOutput's cloudformation:DescribeStacks, allowed on the alerts stacks only). A
+function or dynamic reference without a rule here stops the tool. No service-wide or global wildcard: each action
+is named.
 
     .venv/bin/python tools/bootstrap_policy.py          # write docs/bootstrap/
     .venv/bin/python tools/bootstrap_policy.py --check  # exit 1 when docs/bootstrap/ is stale
@@ -35,6 +37,9 @@ sys.path.insert(0, str(REPO))  # this checkout's kvfleet, not another one instal
 os.environ.setdefault("JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION", "20")
 
 OUT = REPO / "docs" / "bootstrap"
+# Environments synthesized for their resource types only: together with environments/*.yaml they hold every shape
+# kvfleet can deploy, so a stage that uses a shape no example shows is not refused by its own execution policy.
+SHAPES = REPO / "tools" / "bootstrap_shapes"
 # The example stage accounts' pipeline account, as pipeline.yaml's examples write it (the trust is not a resource
 # type: any account gives the same types).
 PIPELINE_ACCOUNT = "111111111111"
@@ -287,7 +292,7 @@ def example_templates() -> tuple[tuple[str, str], ...]:
         ImageRepositoriesStack(app, REPOSITORIES_STACK, env=where)
         for template in sorted(Path(app.synth().directory).glob("*.template.json")):
             out.append((f"images: {template.stem}", template.read_text(encoding="utf-8")))
-    for path in sorted((REPO / "environments").glob("*.yaml")):
+    for path in environment_files():
         loaded = load_located(path)
         env = loaded.environment
         with tempfile.TemporaryDirectory() as outdir:
@@ -300,6 +305,11 @@ def example_templates() -> tuple[tuple[str, str], ...]:
             for template in sorted(Path(app.synth().directory).glob("*.template.json")):
                 out.append((f"{path.name}: {template.stem}", template.read_text(encoding="utf-8")))
     return tuple(out)
+
+
+def environment_files() -> list[Path]:
+    """The example environments, then the shape fixtures."""
+    return sorted((REPO / "environments").glob("*.yaml")) + sorted(SHAPES.glob("*.yaml"))
 
 
 def example_needs() -> Needs:

@@ -48,6 +48,68 @@ def test_every_resource_types_handler_permissions_are_allowed() -> None:
     assert tool.uncovered(_documents(), by_type) == []
 
 
+# The inference component's handlers (its registry schema): a stage with that shape is refused without them.
+COMPONENT_ACTIONS = {
+    "sagemaker:CreateInferenceComponent",
+    "sagemaker:DescribeInferenceComponent",
+    "sagemaker:UpdateInferenceComponent",
+    "sagemaker:UpdateInferenceComponentRuntimeConfig",
+    "sagemaker:DeleteInferenceComponent",
+}
+
+
+def test_the_inference_component_shapes_handler_permissions_are_allowed() -> None:
+    by_type = _by_type()
+    component = "AWS::SageMaker::InferenceComponent"
+    assert set(by_type[component]) >= COMPONENT_ACTIONS
+    assert by_type[component] == tool.schema_permissions(component)
+    assert tool.uncovered(_documents(), {component: by_type[component]}) == []
+    # Without UpdateInferenceComponentRuntimeConfig (a copy-count change) the check finds it missing.
+    documents = _documents()
+    for doc in documents:
+        for statement in doc["Statement"]:
+            statement["Action"] = [
+                a for a in statement["Action"] if a != "sagemaker:UpdateInferenceComponentRuntimeConfig"
+            ]
+    assert tool.uncovered(documents, by_type) == [f"{component}: sagemaker:UpdateInferenceComponentRuntimeConfig"]
+
+
+def _types_by_file() -> dict[str, list[dict[str, Any]]]:
+    """Each synthesized environment file's resources (its type and properties), all stacks together."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for where, text in tool.example_templates():
+        name = where.split(":")[0]
+        out.setdefault(name, []).extend(json.loads(text).get("Resources", {}).values())
+    return out
+
+
+def test_the_shape_fixtures_synthesize_every_shape_kvfleet_deploys() -> None:
+    assert [p.name for p in tool.environment_files() if p.parent == tool.SHAPES] == [
+        "ec2-packed.yaml",
+        "sagemaker-components.yaml",
+        "sagemaker-to-zero.yaml",
+    ]
+    files = _types_by_file()
+
+    def of(name: str, kind: str) -> list[dict[str, Any]]:
+        return [r.get("Properties", {}) for r in files[name] if r["Type"] == kind]
+
+    assert of("sagemaker-components.yaml", "AWS::SageMaker::InferenceComponent")
+    # Scale to zero: the copies' scalable target reaches 0, and a step policy wakes one.
+    [target] = of("sagemaker-to-zero.yaml", "AWS::ApplicationAutoScaling::ScalableTarget")
+    assert target["MinCapacity"] == 0
+    assert target["ScalableDimension"] == "sagemaker:inference-component:DesiredCopyCount"
+    assert any(
+        p["PolicyType"] == "StepScaling"
+        for p in of("sagemaker-to-zero.yaml", "AWS::ApplicationAutoScaling::ScalingPolicy")
+    )
+    # Packed engines: one target group per engine slot.
+    assert len(of("ec2-packed.yaml", "AWS::ElasticLoadBalancingV2::TargetGroup")) >= 2
+    # Each fixture's resource types are covered like the examples'.
+    kinds = {r["Type"] for name in files for r in files[name]} - tool.NOT_PROVISIONED
+    assert kinds <= set(_by_type())
+
+
 def test_a_missing_action_is_found() -> None:
     documents = _documents()
     for doc in documents:
