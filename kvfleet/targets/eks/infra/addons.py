@@ -57,8 +57,10 @@ CLUSTER_AUTOSCALER_CHART = ChartPin(
 # follows one release (appVersion 1.35.0 in 9.59.0), so the image is chosen by Kubernetes version: the newest patch
 # of each minor, from the git tags of kubernetes/autoscaler (cluster-autoscaler-1.33.6, -1.34.5, -1.35.2, all
 # 2026-07-22; checked 2026-12-01), published as registry.k8s.io/autoscaling/cluster-autoscaler:v<tag>. 1.36: the
-# release cluster-autoscaler-1.36.1 (github.com/kubernetes/autoscaler/releases/tag/cluster-autoscaler-1.36.1, whose
-# notes list registry.k8s.io/autoscaling/cluster-autoscaler:v1.36.1; the newest 1.36 patch found on 2026-12-08).
+# git tag cluster-autoscaler-1.36.1 (2026-07-22, the newest 1.36 tag in a snapshot of 2026-08-22; its release notes
+# list registry.k8s.io/autoscaling/cluster-autoscaler:v1.36.1). None of the four pinned charts bounds Kubernetes
+# from above (Chart.yaml kubeVersion at the pinned tags: KEDA 2.19.0 ">=v1.23.0-0", Prometheus 27.20.0
+# ">=1.19.0-0", NVIDIA device plugin 0.17.1 ">= 1.10.0-0", cluster-autoscaler 9.59.0 none), so Helm takes 1.36.
 CLUSTER_AUTOSCALER_IMAGE_TAGS = {"1.33": "v1.33.6", "1.34": "v1.34.5", "1.35": "v1.35.2", "1.36": "v1.36.1"}
 
 
