@@ -97,9 +97,9 @@ def test_every_stage_with_approval_gets_its_diff(tmp_path: Path) -> None:
     _validate(json.loads(json.dumps(workflow(load_pipeline(tmp_path / "pipeline.yaml")))))
 
 
-def _plan_diff_step(tmp_path: Path, rendered: dict[str, Any], peak: str) -> tuple[int, str, Path]:
-    """The PR's plan-diff step for dev, run by bash in a checkout whose change sets the peak rate to ``peak``:
-    its exit status, its stderr and where its table went."""
+def _plan_diff_step(tmp_path: Path, rendered: dict[str, Any], peak: str, most: str = "2") -> tuple[int, str, Path]:
+    """The PR's plan-diff step for dev, run by bash in a checkout whose change sets the peak rate to ``peak`` and
+    max_replicas to ``most``: its exit status, its stderr and where its table went."""
     [step] = [s for s in rendered["jobs"]["test"]["steps"] if s.get("name") == "Plan diff: dev"]
     repo = tmp_path / "repo"
     (repo / "environments").mkdir(parents=True)
@@ -111,8 +111,9 @@ def _plan_diff_step(tmp_path: Path, rendered: dict[str, Any], peak: str) -> tupl
     subprocess.run([*git, "commit", "-q", "-m", "base"], cwd=repo, check=True)
     dev = repo / "environments" / "dev.yaml"
     text = dev.read_text()
-    assert "peak_requests_per_s: 2\n" in text
-    dev.write_text(text.replace("peak_requests_per_s: 2\n", f"peak_requests_per_s: {peak}\n"), encoding="utf-8")
+    assert "peak_requests_per_s: 2\n" in text and "max_replicas: 2\n" in text
+    text = text.replace("peak_requests_per_s: 2\n", f"peak_requests_per_s: {peak}\n")
+    dev.write_text(text.replace("max_replicas: 2\n", f"max_replicas: {most}\n"), encoding="utf-8")
     summary = tmp_path / "summary.md"
     script = step["run"].replace("origin/${{ github.base_ref }}", "main")
     env = {**os.environ, "GITHUB_STEP_SUMMARY": str(summary)}
@@ -130,21 +131,22 @@ def _plan_diff_step(tmp_path: Path, rendered: dict[str, Any], peak: str) -> tupl
 
 
 def test_the_plan_diff_step_runs_in_a_checkout(tmp_path: Path, rendered: dict[str, Any]) -> None:
-    code, err, summary = _plan_diff_step(tmp_path, rendered, "6")
+    code, err, summary = _plan_diff_step(tmp_path, rendered, "6", most="8")
     assert code == 0, err
     table = summary.read_text()
     assert table.startswith("### Plan changes: `environments/.base-dev.yaml` -> `environments/dev.yaml`"), table
-    assert "| instances | 2 |" in table  # 2 -> 6 requests/s at peak: more replicas of the same type
+    assert "| instances | 2 | 4 |" in table  # 2 -> 6 requests/s at peak, room to 8: more replicas of the same type
 
 
 def test_the_plan_diff_step_fails_a_change_sagemaker_cannot_deploy_in_one_update(
     tmp_path: Path, rendered: dict[str, Any]
 ) -> None:
-    # 22 requests/s moves dev (SageMaker, 1-2 replicas, autoscaled) to another instance type: the step shows the
-    # table and fails with the two-deploy procedure, before anyone merges a release that would fail to deploy.
-    code, err, summary = _plan_diff_step(tmp_path, rendered, "22")
+    # 4 requests/s does not fit 2 replicas of dev's type (SageMaker, 1-2 replicas, autoscaled), so the plan moves to
+    # another instance type: the step shows the table and fails with the two-deploy procedure, before anyone merges
+    # a release that would fail to deploy.
+    code, err, summary = _plan_diff_step(tmp_path, rendered, "4")
     assert code == 2
-    assert "instance type ml.g6e.xlarge ->" in err and "deploy first with scaling.max_replicas" in err
+    assert "instance type ml.g6e.xlarge ->" in err and "deploy first with sizing.instance_type" in err
     assert "| instance type |" in summary.read_text()
 
 

@@ -31,7 +31,7 @@ def test_the_rules_are_the_target_records() -> None:
     assert set(rules) == {n for n, t in TARGETS.items() if t.type_change is not None} == {"sagemaker"}
     rule = TARGETS["sagemaker"].type_change
     assert rule is not None and "endpoint-scaling-update" in rule.source
-    assert "max_replicas equal to min_replicas" in rules["sagemaker"]
+    assert "scaling.min_replicas equal to max_replicas" in rules["sagemaker"]
 
 
 @pytest.mark.parametrize(
@@ -92,10 +92,16 @@ def test_the_pipeline_diff_refuses_and_the_two_deploys_pass(tmp_path: Path, caps
     out, err = capsys.readouterr()
     assert "  instance type: ml.g6e.xlarge -> " in out  # the diff is still shown
     [line] = err.strip().splitlines()
-    assert f"{new}: chat: instance type ml.g6e.xlarge -> " in line and "max_replicas equal to min_replicas" in line
-    # First deploy: the range closed on the deployed type.
+    assert f"{new}: chat: instance type ml.g6e.xlarge -> " in line
+    assert "scaling.min_replicas equal to max_replicas" in line
+    # First deploy: the deployed type pinned and the range closed at its count (max_replicas bounds the plan, so
+    # closing it below the count the peak needs would move the type again).
     closed = tmp_path / "closed.yaml"
-    closed.write_text(text.replace("max_replicas: 2", "max_replicas: 1"), encoding="utf-8")
+    pinned = text.replace("min_replicas: 1", "min_replicas: 2").replace(
+        "    sizing:\n", "    sizing:\n      instance_type: ml.g6e.xlarge\n"
+    )
+    assert pinned != text and "instance_type: ml.g6e.xlarge" in pinned
+    closed.write_text(pinned, encoding="utf-8")
     assert main(["diff", str(deployed), str(closed)]) == 0
     capsys.readouterr()
     deployed.write_text(json.dumps(_plan(capsys, closed)), encoding="utf-8")

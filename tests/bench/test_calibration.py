@@ -11,6 +11,7 @@ import pytest
 from kvfleet.calibration import read_calibration
 from kvfleet.cli import main
 from tests.bench.test_bench import _paced, one_line, serving
+from tests.envs import REPO
 
 
 def test_measured_steps_feed_the_simulator(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
@@ -105,8 +106,8 @@ def _calibration(tmp_path: Any, **fields: Any) -> Any:
     return f
 
 
-def _best(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
-    assert main(["plan", "dev", "--json", "--top", "20", *args]) == 0
+def _best(capsys: pytest.CaptureFixture[str], *args: str, env: str = "dev") -> dict[str, Any]:
+    assert main(["plan", env, "--json", "--top", "20", *args]) == 0
     [row] = json.loads(capsys.readouterr().out)
     cands: list[dict[str, Any]] = row["candidates"]
     [g6e] = [c for c in cands if c["instance_type"] == "ml.g6e.xlarge" and c["kv_cache_dtype"] == "fp8"]
@@ -118,10 +119,14 @@ def test_plan_prices_the_measured_candidate_with_its_cache_and_steps(
 ) -> None:
     """dev's ml.g6e.xlarge, planned from the model (409,056 KV tokens at fp8) and from a calibration that measured
     200,000 tokens and steps twice as slow: the cache is the measured one, every step time doubles, and the fleet
-    grows to carry the same peak at half the speed."""
-    plain = _best(capsys)
+    grows to carry the same peak at half the speed (dev with room for it: max_replicas bounds the plan)."""
+    roomy = tmp_path / "dev.yaml"
+    text = (REPO / "environments" / "dev.yaml").read_text(encoding="utf-8")
+    assert "max_replicas: 2\n" in text
+    roomy.write_text(text.replace("max_replicas: 2\n", "max_replicas: 8\n"), encoding="utf-8")
+    plain = _best(capsys, env=str(roomy))
     cal = _calibration(tmp_path)
-    measured = _best(capsys, "--calibration", str(cal))
+    measured = _best(capsys, "--calibration", str(cal), env=str(roomy))
     block = plain["memory"]["block_size"]
     assert plain["memory"]["kv_cache_tokens"] == 409_056
     assert 200_000 - block <= measured["memory"]["kv_cache_tokens"] <= 200_000 + block
@@ -134,7 +139,7 @@ def test_plan_prices_the_measured_candidate_with_its_cache_and_steps(
     )
     # simulate with the same file on that plan: the planner's candidate already holds the measured figures, so
     # nothing is applied twice (the plain plan's best is this instance type too).
-    assert main(["simulate", "dev", "--json", "--calibration", str(cal)]) == 0
+    assert main(["simulate", str(roomy), "--json", "--calibration", str(cal)]) == 0
 
 
 def test_a_calibration_for_no_candidate_leaves_the_plan_and_says_so(

@@ -45,8 +45,9 @@ SCALE_IN = ScaleInDrain(
 # does not help: removing a variant configured for autoscaling needs the same deregistration.
 TYPE_CHANGE = TypeChangeRule(
     procedure=(
-        "deploy first with scaling.max_replicas equal to min_replicas on the deployed instance type (the stack "
-        "deregisters the variant), then the new instance type with the range back"
+        "deploy first with sizing.instance_type set to the deployed type and scaling.min_replicas equal to "
+        "max_replicas, at least the deployed count (the stack deregisters the variant), then the new instance type "
+        "with the range back"
     ),
     source=(
         "SageMaker Developer Guide, 'Update endpoints that use auto scaling' (endpoint-scaling-update.html); "

@@ -651,4 +651,4 @@ def test_variant_property_names_are_the_apis() -> None:
 def test_the_instance_type_change_of_a_scaled_variant_is_documented() -> None:
     # SageMaker fails an update that changes the instance type of a variant registered with Application Auto Scaling.
     readme = (REPO / "README.md").read_text(encoding="utf-8")
-    assert "endpoint-scaling-update.html" in readme and "max_replicas` equal to" in readme
+    assert "endpoint-scaling-update.html" in readme and "`scaling.min_replicas` equal to `max_replicas`" in readme
