@@ -10,8 +10,6 @@ which allows these calls on this environment's resources only (each target's ``p
 
 from __future__ import annotations
 
-import json
-import shlex
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -22,18 +20,14 @@ from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
 from kvfleet import contract
 from kvfleet.bench.aws import stack_outputs
-from kvfleet.bench.client import PROMPT_TOKEN_IDS, BenchError, parse_capacity
-from kvfleet.bench.client import kv_drift as _kv_drift
+from kvfleet.bench.client import BenchError
 from kvfleet.deployments import ResolvedDeployment
 from kvfleet.targets import TARGETS, part
 
-CHECK_TENANT = "kvfleet-live-check"  # the tenant the check's generation is made as, where tenancy is on
 CHECK_OUTPUT_TOKENS = 8
 GENERATION_TIMEOUT_S = 120
 # Run Command: how long the instance may take to pick the command up and run it.
 RUN_COMMAND_TIMEOUT_S = 300
-_PENDING = frozenset({"Pending", "InProgress", "Delayed"})  # GetCommandInvocation Status values still running
-_MARK = "kvfleet-check"
 
 
 @dataclass(kw_only=True)
@@ -121,94 +115,3 @@ def check_deployment(
     except BotoCoreError as err:
         check.fail(f"cannot reach AWS: {err}")
     return check
-
-
-def probe_script(r: ResolvedDeployment, *, port: int = contract.SERVING_PORT) -> list[str]:
-    """What Run Command runs on one instance: the agent's /ping, one streamed generation, and the KV-cache lines
-    of /metrics, each after a marker line the check reads back (the output comes back truncated at 24,000
-    characters, so only the lines it needs are printed)."""
-    base = f"http://127.0.0.1:{port}"
-    headers = ["-H", "Content-Type: application/json"]
-    if r.deployment.serving.tenant_header:
-        headers += ["-H", f"{r.deployment.serving.tenant_header}: {CHECK_TENANT}"]
-    body = json.dumps(
-        {"prompt": list(PROMPT_TOKEN_IDS[:8]), "max_tokens": CHECK_OUTPUT_TOKENS, "stream": True}, separators=(",", ":")
-    )
-    names = "|".join((contract.PROM_ENGINE_KV_BLOCKS, contract.PROM_ENGINE_KV_BLOCK_TOKENS))
-    curl = "curl -sS --max-time"
-    return [
-        f"echo {_MARK}-ping $({curl} 10 -o /dev/null -w '%{{http_code}}' {base}{contract.HEALTH_ROUTE})",
-        f"{curl} {GENERATION_TIMEOUT_S} -N {' '.join(shlex.quote(h) for h in headers)} -d {shlex.quote(body)} "
-        f"-o /tmp/{_MARK}.out -w '{_MARK}-generation %{{http_code}}\\n' {base}/v1/completions",
-        f"echo {_MARK}-events $(grep -c '^data: {{' /tmp/{_MARK}.out)",
-        f"echo {_MARK}-metrics",
-        f"{curl} 10 {base}{contract.METRICS_ROUTE} | grep -E '^({names})' || true",
-    ]
-
-
-def read_probe(text: str) -> tuple[int | None, int | None, int, str]:
-    """(ping status, generation status, events streamed, the /metrics lines) from the script's output."""
-    ping = gen = None
-    events = 0
-    metrics: list[str] = []
-    in_metrics = False
-    for line in text.splitlines():
-        word, _, rest = line.partition(" ")
-        if in_metrics:
-            metrics.append(line)
-        elif word == f"{_MARK}-ping":
-            ping = int(rest) if rest.strip().isdigit() else None
-        elif word == f"{_MARK}-generation":
-            gen = int(rest) if rest.strip().isdigit() else None
-        elif word == f"{_MARK}-events":
-            events = int(rest) if rest.strip().isdigit() else 0
-        elif word == f"{_MARK}-metrics":
-            in_metrics = True
-    return ping or None, gen or None, events, "\n".join(metrics)
-
-
-def run_probe(d: Deployed, instance: str) -> dict[str, Any]:
-    """The probe script run on an instance through Run Command, waited for: the invocation's last state."""
-    r, sleep = d.resolved, d.sleep
-    ssm = d.session.client("ssm")
-    sent = ssm.send_command(
-        InstanceIds=[instance],
-        DocumentName="AWS-RunShellScript",
-        Comment=f"kvfleet check {r.deployment_id}",
-        Parameters={"commands": probe_script(r), "executionTimeout": [str(GENERATION_TIMEOUT_S + 60)]},
-        TimeoutSeconds=RUN_COMMAND_TIMEOUT_S,
-    )
-    command_id = sent["Command"]["CommandId"]
-    deadline = time.monotonic() + RUN_COMMAND_TIMEOUT_S + GENERATION_TIMEOUT_S
-    result: dict[str, Any] = {"Status": "Pending"}
-    while time.monotonic() < deadline:
-        sleep(3)
-        try:
-            result = ssm.get_command_invocation(CommandId=command_id, InstanceId=instance)
-        except ClientError as err:
-            if err.response.get("Error", {}).get("Code") == "InvocationDoesNotExist":  # not registered yet
-                continue
-            raise
-        if result.get("Status") not in _PENDING:
-            break
-    return result
-
-
-def judge_probe(d: Deployed, check: Check, instance: str, output: str) -> None:
-    """What the probe saw on the instance: the agent's health, one streamed generation, the engine's KV cache."""
-    r, kv_tolerance = d.resolved, d.kv_tolerance
-    ping, gen, events, metrics = read_probe(output)
-    if ping == 200:
-        check.ok(f"{instance}: {contract.HEALTH_ROUTE} answers 200")
-    else:
-        check.fail(f"{instance}: {contract.HEALTH_ROUTE} answers {ping or 'nothing'}")
-    if gen == 200 and events > 0:
-        check.ok(f"{instance}: one generation streamed {events} events")
-    else:
-        check.fail(f"{instance}: the generation answered {gen or 'nothing'} with {events} events")
-    expected = r.candidate.capacity.kv_cache_tokens
-    capacity = parse_capacity(metrics)
-    if (drift := _kv_drift(capacity, expected, kv_tolerance)) is not None:
-        check.fail(f"{instance}: {drift}")
-    elif capacity is not None:
-        check.ok(f"{instance}: the engine holds {capacity.tokens:,} KV tokens; the plan {expected:,}")

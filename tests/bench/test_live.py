@@ -4,7 +4,6 @@ real agent (with the fake engine), and the SageMaker generation through a local 
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import json
 from typing import Any
@@ -13,13 +12,14 @@ import boto3
 import pytest
 from botocore.stub import Stubber
 
-from kvfleet.bench.live import check_deployment, probe_script, read_probe
+from kvfleet.bench.live import check_deployment
 from kvfleet.config.loader import load_environment
 from kvfleet.deployments import ResolvedDeployment, resolve_environment
-from tests.agent.harness import running, settings
+from kvfleet.targets.ec2 import read_probe
 from tests.bench.test_bench import serving
 from tests.bench.test_sagemaker import runtime
 from tests.infra.helpers import REPO
+from tests.infra.test_live_check import probe_output
 
 NOW = datetime.datetime(2026, 12, 1, tzinfo=datetime.UTC)
 DOC = "kvfleet-staging-chat-ProbeDocument-AbCdEf012345"  # CloudFormation names it
@@ -79,37 +79,6 @@ def _stack(session: Session, r: ResolvedDeployment, outputs: dict[str, str], sta
     )
 
 
-def _agent_output(r: ResolvedDeployment) -> str:
-    """What the Run Command script prints on an instance: bash running it against the agent and a fake engine."""
-
-    async def go() -> str:
-        s = settings()
-        async with running(s) as agent:
-            # On a deployed instance the agent has long read the engine's cache size; here, wait until it has.
-            for _ in range(100):
-                async with agent.http.get(f"{agent.url}/metrics") as resp:
-                    if "kvfleet_engine_kv_cache_blocks" in await resp.text():
-                        break
-                await asyncio.sleep(0.1)
-            lines = probe_script(r, port=s.port)
-            proc = await asyncio.create_subprocess_exec(
-                "bash", "-c", "\n".join(lines), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-            )
-            out, err = await proc.communicate()
-            assert proc.returncode == 0, err.decode()
-            return out.decode()
-
-    return asyncio.run(asyncio.wait_for(go(), 60))
-
-
-def test_the_run_command_script_reads_the_agents_health_generation_and_cache() -> None:
-    out = _agent_output(_deployment("staging"))
-    ping, generation, events, metrics = read_probe(out)
-    assert (ping, generation) == (200, 200)
-    assert events >= 1
-    assert "kvfleet_engine_kv_cache_blocks" in metrics  # the agent's re-export, which the drift gate reads
-
-
 def _ec2(session: Session, r: ResolvedDeployment, stdout: str, *, healthy: bool = True) -> None:
     outputs = {"LoadBalancerDns": "internal-x.elb.amazonaws.com", "AutoScalingGroupName": "asg-1", "ProbeDocument": DOC}
     _stack(session, r, outputs)
@@ -164,10 +133,10 @@ def _ec2(session: Session, r: ResolvedDeployment, stdout: str, *, healthy: bool 
 
 def test_an_ec2_deployment_is_checked_on_an_instance_through_run_command() -> None:
     r = _deployment("staging")
-    out = _agent_output(r)
+    out = probe_output()
     # The fake engine's cache as the plan's: the drift gate passes.
-    blocks_line = next(line for line in read_probe(out)[3].splitlines() if "kv_cache_blocks" in line)
-    block_tokens = next(int(float(ln.split()[-1])) for ln in read_probe(out)[3].splitlines() if "block_tokens" in ln)
+    blocks_line = next(line for line in read_probe(out)[1].splitlines() if "kv_cache_blocks" in line)
+    block_tokens = next(int(float(ln.split()[-1])) for ln in read_probe(out)[1].splitlines() if "block_tokens" in ln)
     planned_blocks = -(-r.candidate.capacity.kv_cache_tokens // block_tokens)
     out = out.replace(blocks_line, f"{blocks_line.split()[0]} {planned_blocks}")
     session = Session()
@@ -181,7 +150,7 @@ def test_an_ec2_deployment_is_checked_on_an_instance_through_run_command() -> No
 
 def test_an_engine_with_less_cache_than_planned_stops_the_promotion() -> None:
     r = _deployment("staging")
-    out = _agent_output(r)  # the fake engine's small cache, far below the plan's
+    out = probe_output()  # the fake engine's small cache, far below the plan's
     session = Session()
     _ec2(session, r, out)
     check = check_deployment(r, session=session, sleep=lambda s: None)

@@ -2,8 +2,8 @@
 
 Its parts: ``config`` (the ``target:`` section: load balancer, warm pool, AMI; and its checks), ``infra`` (the fleet
 construct, the instances' user data and lifecycle hooks, the AMI's driver), ``live`` (`kvfleet check`: the group's
-health, and a generation and the KV cache on one instance through Run Command), ``pipeline`` (the live-check role's
-grants).
+health, and the agent's health and KV cache on one instance through the fleet's probe document), ``pipeline``
+(the live-check role's grants).
 """
 
 from __future__ import annotations
@@ -14,6 +14,25 @@ from kvfleet.targets import Target
 
 # The stack output naming the Run Command document `kvfleet check` sends an instance (infra/probe.py).
 PROBE_OUTPUT = "ProbeDocument"
+# The marker lines the document prints before each thing it reads, which the check reads its output by.
+PROBE_MARK = "kvfleet-check"
+
+
+def read_probe(text: str) -> tuple[int | None, str]:
+    """(/ping's status, the /metrics lines) from the probe document's output (infra/probe.py)."""
+    ping: int | None = None
+    metrics: list[str] = []
+    in_metrics = False
+    for line in text.splitlines():
+        word, _, rest = line.partition(" ")
+        if in_metrics:
+            metrics.append(line)
+        elif word == f"{PROBE_MARK}-ping":
+            ping = int(rest) if rest.strip().isdigit() else None
+        elif word == f"{PROBE_MARK}-metrics":
+            in_metrics = True
+    return ping or None, "\n".join(metrics)
+
 
 # An application load balancer's forward action takes at most this many target groups ("Target groups per action:
 # 5", Elastic Load Balancing User Guide for Application Load Balancers, "Quotas for your Application Load

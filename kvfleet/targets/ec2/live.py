@@ -17,8 +17,8 @@ from botocore.exceptions import ClientError
 
 from kvfleet import contract
 from kvfleet.bench.client import kv_drift, parse_capacity
-from kvfleet.bench.live import RUN_COMMAND_TIMEOUT_S, Check, Deployed, read_probe
-from kvfleet.targets.ec2 import PROBE_OUTPUT, TARGET
+from kvfleet.bench.live import RUN_COMMAND_TIMEOUT_S, Check, Deployed
+from kvfleet.targets.ec2 import PROBE_OUTPUT, TARGET, read_probe
 
 _PENDING = frozenset({"Pending", "InProgress", "Delayed"})  # GetCommandInvocation Status values still running
 
@@ -87,7 +87,7 @@ def send_probe(d: Deployed, document: str, instance: str) -> dict[str, Any]:
 
 def judge(d: Deployed, check: Check, instance: str, output: str) -> None:
     """What the probe saw on the instance: the agent's health and the engine's KV cache against the plan."""
-    ping, _, _, metrics = read_probe(output)
+    ping, metrics = read_probe(output)
     if ping == 200:
         check.ok(f"{instance}: {contract.HEALTH_ROUTE} answers 200")
     else:

@@ -18,12 +18,11 @@ from aws_cdk import aws_ssm as ssm
 from constructs import Construct
 
 from kvfleet import contract
+from kvfleet.targets.ec2 import PROBE_MARK as MARK
 from kvfleet.targets.ec2 import PROBE_OUTPUT
 
 __all__ = ["MARK", "PROBE_OUTPUT", "probe_commands", "probe_content", "probe_document"]
 
-# The marker lines the check reads the output by (kvfleet.bench.live.read_probe).
-MARK = "kvfleet-check"
 # Run Command's document schema for Command documents (Systems Manager User Guide, "Schema version 2.2").
 SCHEMA_VERSION = "2.2"
 # The document's own time limit for its step, beside the check's Run Command timeout.
