@@ -125,21 +125,13 @@ def scale_group_to_zero(
     idle.add_alarm_action(_PolicyAction(to_zero))
 
     wake = _exact_capacity(scope, "Wake", group, 1, rule.WAKE_COOLDOWN_S)
-    woken = cw.Alarm(
-        scope,
-        "WakeAlarm",
-        metric=cw.MathExpression(
-            expression=rule.WAKE_EXPRESSION,
-            using_metrics={"d": _group_metric(group, "GroupDesiredCapacity", "Maximum"), "e": refused},
-            period=period,
-            label="requests refused with no instance",
-        ),
-        threshold=rule.WAKE_THRESHOLD,
-        comparison_operator=_cdk(cw.ComparisonOperator, rule.WAKE_COMPARISON),
-        evaluation_periods=rule.WAKE_PERIODS,
-        treat_missing_data=_cdk(cw.TreatMissingData, rule.WAKE_MISSING_DATA),
-        alarm_description="wake from zero: a request was refused while no instance was desired",
+    refused_at_zero = cw.MathExpression(
+        expression=rule.WAKE_EXPRESSION,
+        using_metrics={"d": _group_metric(group, "GroupDesiredCapacity", "Maximum"), "e": refused},
+        period=period,
+        label="requests refused with no instance",
     )
+    woken = _wake_alarm(scope, refused_at_zero, rule, "a request was refused while no instance was desired")
     woken.add_alarm_action(_PolicyAction(wake))
     return to_zero, wake
 
@@ -160,7 +152,14 @@ def wake_scalable_target(
         cooldown=Duration.seconds(rule.WAKE_COOLDOWN_S),
     )
     wake.add_adjustment(adjustment=1, lower_bound=0)
-    woken = cw.Alarm(
+    woken = _wake_alarm(scope, refused, rule, "a request was refused with no capacity")
+    woken.add_alarm_action(cw_actions.ApplicationScalingAction(wake))
+    return wake
+
+
+def _wake_alarm(scope: Construct, refused: cw.IMetric, rule: ScaleToZero, why: str) -> cw.Alarm:
+    """The ScaleToZero rule's wake alarm on what the platform counts as refused at zero (every target's)."""
+    return cw.Alarm(
         scope,
         "WakeAlarm",
         metric=refused,
@@ -168,10 +167,8 @@ def wake_scalable_target(
         comparison_operator=_cdk(cw.ComparisonOperator, rule.WAKE_COMPARISON),
         evaluation_periods=rule.WAKE_PERIODS,
         treat_missing_data=_cdk(cw.TreatMissingData, rule.WAKE_MISSING_DATA),
-        alarm_description="wake from zero: a request was refused with no capacity",
+        alarm_description=f"wake from zero: {why}",
     )
-    woken.add_alarm_action(cw_actions.ApplicationScalingAction(wake))
-    return wake
 
 
 def _group_metric(group: autoscaling.AutoScalingGroup, name: str, statistic: str) -> cw.Metric:
