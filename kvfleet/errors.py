@@ -6,6 +6,10 @@ Standard library only.
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 # The exit status of both edges for an error the user can fix (argparse's for a usage error).
 EXIT_USER_ERROR = 2
 # The CDK CLI exits 1 whatever its app's status (aws-cdk's cli.js sets process.exitCode = 1 on any failure), so
@@ -49,3 +53,17 @@ class ConfigError(KvfleetError):
 class MissingExtraError(KvfleetError):
     """A command whose packages come with an install extra this installation lacks (kvfleet/extras.py raises it);
     the message names the extra to install."""
+
+
+@contextmanager
+def exit_on_user_error() -> Iterator[None]:
+    """For a module run as a program (``python -m kvfleet.infra.<tool>``): a bad file or setting ends it with its
+    one-line problems on stderr and exit status EXIT_USER_ERROR, never a traceback."""
+    try:
+        yield
+    except ConfigError as err:
+        print("\n".join(err.lines), file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+    except KvfleetError as err:
+        print(f"kvfleet: {err}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)

@@ -17,7 +17,7 @@ from typing import Any
 from kvfleet.config.loader import environment_path, load_located
 from kvfleet.config.pipeline import CHECK_ROLE_PATH
 from kvfleet.config.schema import Environment
-from kvfleet.errors import ConfigError, KvfleetError
+from kvfleet.errors import KvfleetError, exit_on_user_error
 from kvfleet.infra.iam import ECR_PULL_ACTIONS
 from kvfleet.infra.image_build import base_repositories
 from kvfleet.infra.repository import BOOTSTRAP_QUALIFIER, environment_builds, partition_of
@@ -63,13 +63,9 @@ def deploy_role_policy(env: Environment) -> dict[str, Any]:
 def main(argv: list[str]) -> None:
     if len(argv) != 1:
         sys.exit("usage: python -m kvfleet.infra.github_role <environment>")
-    try:
+    with exit_on_user_error():
         env = load_located(environment_path(argv[0])).environment
         print(json.dumps(deploy_role_policy(env), indent=1))
-    except ConfigError as err:
-        sys.exit("\n".join(err.lines))
-    except KvfleetError as err:
-        sys.exit(f"kvfleet: {err}")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import tempfile
 from collections.abc import Callable, Sequence
 
@@ -22,7 +21,7 @@ from constructs import Construct
 
 from kvfleet.config.pipeline import CHECK_ROLE_PATH
 from kvfleet.config.schema import Environment
-from kvfleet.errors import ConfigError, KvfleetError
+from kvfleet.errors import KvfleetError, exit_on_user_error
 from kvfleet.infra.nag import acknowledge
 from kvfleet.targets import TARGET_MODULES, part
 
@@ -159,7 +158,7 @@ def main() -> None:
     from kvfleet.infra.app import add_environment
 
     app = cdk.App()
-    try:
+    with exit_on_user_error():
         loaded = load_located(environment_path(str(app.node.try_get_context("env") or "dev")))
         env = loaded.environment
         if env.account is None or env.region is None:
@@ -178,10 +177,6 @@ def main() -> None:
                 stacks=stacks,
                 deploy_role_arn=str(role) if role is not None else "",
             )
-    except ConfigError as err:
-        sys.exit("\n".join(err.lines))
-    except KvfleetError as err:
-        sys.exit(f"kvfleet: {err}")
     app.synth()
 
 

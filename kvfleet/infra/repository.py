@@ -34,7 +34,7 @@ from kvfleet.config.loader import environment_path, load_located
 from kvfleet.config.schema import Environment
 from kvfleet.deployments import resolve_environment
 from kvfleet.engines import ENGINES
-from kvfleet.errors import ConfigError, KvfleetError
+from kvfleet.errors import KvfleetError, exit_on_user_error
 from kvfleet.infra.image_build import ImageBuild, kvfleet_build, push_script, repository_name
 
 REPOSITORIES_STACK = "kvfleet-images"
@@ -165,7 +165,7 @@ def _script(args: list[str]) -> list[str]:
 
 
 def main(argv: list[str]) -> None:
-    try:
+    with exit_on_user_error():
         if argv[:1] == ["--script"]:
             print("\n".join(_script(argv[1:])))
             return
@@ -173,10 +173,6 @@ def main(argv: list[str]) -> None:
         env = _load(str(app.node.try_get_context("env") or "dev"))
         ImageRepositoriesStack(app, REPOSITORIES_STACK, env=cdk.Environment(account=env.account, region=env.region))
         app.synth()
-    except ConfigError as err:
-        sys.exit("\n".join(err.lines))
-    except KvfleetError as err:
-        sys.exit(f"kvfleet: {err}")
 
 
 if __name__ == "__main__":
