@@ -53,6 +53,7 @@ def host_images(environment: str) -> dict[str, dict[str, Any]]:
             "image_id": pin.image_id if pin else None,
             "image_name": pin.image_name if pin else None,
             "parameter_version": pin.parameter_version if pin else None,
+            "resolved_on": pin.resolved_on if pin else None,
         }
     return out
 

@@ -265,7 +265,10 @@ def host_image_lines(environment: str, images: dict[str, dict[str, Any]]) -> lis
     out = []
     for name, i in images.items():
         if i["image_id"]:
-            out.append(f"{name}: host image pinned: {i['image_id']} ({i['image_name']}) in {i['region']}")
+            out.append(
+                f"{name}: host image pinned: {i['image_id']} ({i['image_name']}) in {i['region']}, "
+                f"as the parameter held it on {i['resolved_on']}"
+            )
         else:
             out.append(
                 f"{name}: host image unpinned: {i['parameter']} is read at every deploy, and a new release of it "

@@ -211,4 +211,7 @@ def test_kvfleet_plan_says_whether_each_host_image_is_pinned(tmp_path: Path) -> 
     assert f"kvfleet plan {unpinned} --refresh-host-images" in line
     pinned_file = env_file(tmp_path, pin())
     [line] = host_image_lines(str(pinned_file), host_images(str(pinned_file)))
-    assert line == f"chat: host image pinned: ami-0123456789abcdef0 ({RELEASE}) in us-east-1"
+    assert line == (
+        f"chat: host image pinned: ami-0123456789abcdef0 ({RELEASE}) in us-east-1, as the parameter held it on "
+        "2026-09-10"
+    )
